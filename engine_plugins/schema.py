@@ -1,0 +1,261 @@
+"""The kvscope wire schema: what the engine plugin sends and the collector accepts.
+
+Standard library only: the plugin (inside vLLM) and the collector both import it,
+so sender and receiver cannot drift apart (``tests/test_schema_contract.py``).
+
+One ingest batch carries the telemetry of one engine (one ``engine_index`` of one
+vLLM server process) since the previous batch. It is JSON, sent gzip-compressed::
+
+    {
+      "schema_version": 1,
+      "engine_id": "host:8000:0",      # stable across restarts: host, port, engine index
+      "boot_id": "5b0c...",            # new on every process start
+      "seq": 17,                       # 0, 1, 2, ... per (engine_id, boot_id)
+      "sent_unix_s": 1764430000.25,
+      "hello": {...} | null,           # HELLO_FIELDS; on the first batch and after reconnects
+      "steps": {"ts_unix_s": [...], "batch_size": [...], ...},      # STEP_FIELDS, columnar
+      "requests": {"finished_unix_s": [...], ...},                  # REQUEST_FIELDS, columnar
+      "exporter": {"dropped_steps": 0, ...}                         # EXPORTER_FIELDS, cumulative
+    }
+
+``(engine_id, boot_id, seq)`` is the idempotency key: the collector stores a batch
+once however often it is resent.
+
+Columns are equal-length lists. Every value is checked by :func:`validate_batch`,
+which raises :class:`SchemaError` naming the offending field. Bump
+``SCHEMA_VERSION`` on any change a receiver of the old version would misread.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+
+INGEST_PATH = "/v1/ingest"
+CONTENT_TYPE = "application/json"
+CONTENT_ENCODING = "gzip"
+
+#: Limits a receiver enforces (and a sender stays inside).
+MAX_ROWS_PER_BATCH = 200_000
+MAX_ID_CHARS = 200
+MAX_LABEL_CHARS = 200
+MAX_TEXT_CHARS = 1_000
+
+INT = "int"
+FLOAT = "float"
+STR = "str"
+BOOL = "bool"
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of the wire schema."""
+
+    name: str
+    kind: str
+    """``int``, ``float``, ``str`` or ``bool``."""
+    doc: str
+    nullable: bool = False
+    minimum: float | None = 0.0
+    maximum: float | None = None
+    max_chars: int = MAX_LABEL_CHARS
+
+
+# Per engine step: one row per record() call that carried scheduler stats.
+STEP_FIELDS: tuple[Field, ...] = (
+    Field("ts_unix_s", FLOAT, "wall-clock time the step's stats reached the logger"),
+    Field("step", INT, "vLLM's scheduler step counter (or the logger's own count)"),
+    Field("batch_size", INT, "running requests in the step (num_running_reqs)"),
+    Field("waiting", INT, "waiting requests, not deferred (num_waiting_reqs)"),
+    Field("deferred", INT, "waiting requests deferred by transient constraints"),
+    Field("kv_usage_ratio", FLOAT, "fraction of KV-cache blocks in use", maximum=1.0 + 1e-6),
+    Field("kv_blocks_used", INT, "KV-cache blocks in use (ratio x num_gpu_blocks, rounded)"),
+    Field("prefix_queries", INT, "prefix-cache lookups in the step, in tokens"),
+    Field("prefix_hits", INT, "prefix-cache hits in the step, in tokens"),
+    Field("preemptions", INT, "requests preempted in the step"),
+    Field("prompt_tokens", INT, "prompt tokens processed in the step"),
+    Field("generation_tokens", INT, "tokens generated in the step"),
+    Field("iteration_s", FLOAT, "engine iteration time, where vLLM reports it", nullable=True),
+)
+
+# Per finished request.
+REQUEST_FIELDS: tuple[Field, ...] = (
+    Field("finished_unix_s", FLOAT, "wall-clock time the request's stats reached the logger"),
+    Field("e2e_s", FLOAT, "end-to-end latency, arrival to last token"),
+    Field("queue_s", FLOAT, "time in the waiting queue"),
+    Field("prefill_s", FLOAT, "time from first scheduling to first token"),
+    Field("decode_s", FLOAT, "time from first token to last token"),
+    Field("ttft_s", FLOAT, "time to first token, where available", nullable=True),
+    Field("prompt_tokens", INT, "prompt length in tokens"),
+    Field("generation_tokens", INT, "generated tokens"),
+    Field("cached_tokens", INT, "prompt tokens served from the prefix cache"),
+    Field("preemptions", INT, "times the request was preempted"),
+    Field("finish_reason", STR, "stop, length, abort, error, ...", max_chars=32),
+)
+
+# Engine identity and configuration, sent once per start and after each reconnect.
+HELLO_FIELDS: tuple[Field, ...] = (
+    Field("engine_id", STR, "stable id: host:port:engine_index", max_chars=MAX_ID_CHARS),
+    Field("boot_id", STR, "random id of this process start", max_chars=MAX_ID_CHARS),
+    Field("host", STR, "host or pod name"),
+    Field("port", INT, "API server port (0 when unknown)", maximum=65535),
+    Field("pid", INT, "API server process id"),
+    Field("engine_index", INT, "data-parallel engine index"),
+    Field("pool", STR, "deployment / pool label (KVSCOPE_POOL)"),
+    Field("model", STR, "served model name"),
+    Field("started_unix_s", FLOAT, "when the logger was created"),
+    Field("vllm_version", STR, "vLLM version", max_chars=64),
+    Field("kvscope_version", STR, "kvscope plugin version", max_chars=64),
+    Field("num_gpu_blocks", INT, "KV-cache blocks in total", nullable=True),
+    Field("block_size", INT, "tokens per KV-cache block", nullable=True),
+    Field("max_num_seqs", INT, "scheduler cap on running requests", nullable=True),
+    Field("max_num_batched_tokens", INT, "scheduler token budget per step", nullable=True),
+    Field("max_model_len", INT, "maximum context length", nullable=True),
+    Field("enable_prefix_caching", BOOL, "prefix caching on", nullable=True),
+    Field("kv_cache_dtype", STR, "KV-cache dtype (auto, fp8, ...)", nullable=True, max_chars=64),
+    Field("gpu_memory_utilization", FLOAT, "fraction of device memory vLLM may use", nullable=True),
+    Field("tensor_parallel_size", INT, "tensor-parallel size", nullable=True),
+    Field("pipeline_parallel_size", INT, "pipeline-parallel size", nullable=True),
+    Field("data_parallel_size", INT, "data-parallel size", nullable=True),
+)
+
+# Exporter counters, cumulative since the process started.
+EXPORTER_FIELDS: tuple[Field, ...] = (
+    Field("dropped_steps", INT, "step rows dropped (buffer full or batch undeliverable)"),
+    Field("dropped_requests", INT, "request rows dropped"),
+    Field("dropped_batches", INT, "batches given up on"),
+    Field("send_failures", INT, "failed delivery attempts (retried or not)"),
+    Field("record_errors", INT, "exceptions caught inside record()"),
+)
+
+ENVELOPE_KEYS = frozenset(
+    {"schema_version", "engine_id", "boot_id", "seq", "sent_unix_s", "hello", "steps",
+     "requests", "exporter"}
+)
+
+STEP_COLUMNS: tuple[str, ...] = tuple(f.name for f in STEP_FIELDS)
+REQUEST_COLUMNS: tuple[str, ...] = tuple(f.name for f in REQUEST_FIELDS)
+HELLO_KEYS: tuple[str, ...] = tuple(f.name for f in HELLO_FIELDS)
+EXPORTER_KEYS: tuple[str, ...] = tuple(f.name for f in EXPORTER_FIELDS)
+
+
+class SchemaError(ValueError):
+    """A batch does not follow the wire schema; the message names the field."""
+
+
+def _check_value(where: str, f: Field, v: Any) -> None:
+    if v is None:
+        if f.nullable:
+            return
+        raise SchemaError(f"{where}: must not be null")
+    if f.kind == STR:
+        if not isinstance(v, str):
+            raise SchemaError(f"{where}: expected a string, got {type(v).__name__}")
+        if len(v) > f.max_chars:
+            raise SchemaError(f"{where}: longer than {f.max_chars} characters")
+        return
+    if f.kind == BOOL:
+        if not isinstance(v, bool):
+            raise SchemaError(f"{where}: expected true or false, got {type(v).__name__}")
+        return
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise SchemaError(f"{where}: expected a number, got {type(v).__name__}")
+    if f.kind == INT and not isinstance(v, int):
+        if not (isinstance(v, float) and v.is_integer()):
+            raise SchemaError(f"{where}: expected an integer, got {v!r}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise SchemaError(f"{where}: must be finite, got {v!r}")
+    if f.minimum is not None and v < f.minimum:
+        raise SchemaError(f"{where}: must be >= {f.minimum:g}, got {v!r}")
+    if f.maximum is not None and v > f.maximum:
+        raise SchemaError(f"{where}: must be <= {f.maximum:g}, got {v!r}")
+
+
+def _check_record(where: str, fields: tuple[Field, ...], obj: Any, *, required: bool) -> None:
+    if not isinstance(obj, dict):
+        raise SchemaError(f"{where}: expected an object, got {type(obj).__name__}")
+    known = {f.name for f in fields}
+    unknown = sorted(set(obj) - known)
+    if unknown:
+        raise SchemaError(f"{where}: unknown field(s) {', '.join(map(repr, unknown[:5]))}")
+    for f in fields:
+        if f.name not in obj:
+            if required and not f.nullable:
+                raise SchemaError(f"{where}.{f.name}: missing")
+            continue
+        _check_value(f"{where}.{f.name}", f, obj[f.name])
+
+
+def _check_columns(where: str, fields: tuple[Field, ...], cols: Any) -> int:
+    if not isinstance(cols, dict):
+        raise SchemaError(f"{where}: expected an object of columns, got {type(cols).__name__}")
+    if not cols:
+        return 0
+    names = [f.name for f in fields]
+    unknown = sorted(set(cols) - set(names))
+    if unknown:
+        raise SchemaError(f"{where}: unknown column(s) {', '.join(map(repr, unknown[:5]))}")
+    missing = [n for n in names if n not in cols]
+    if missing:
+        raise SchemaError(f"{where}: missing column(s) {', '.join(map(repr, missing[:5]))}")
+    n_rows = -1
+    for f in fields:
+        col = cols[f.name]
+        if not isinstance(col, list):
+            raise SchemaError(f"{where}.{f.name}: expected a list, got {type(col).__name__}")
+        if n_rows < 0:
+            n_rows = len(col)
+        elif len(col) != n_rows:
+            raise SchemaError(
+                f"{where}.{f.name}: {len(col)} values where {fields[0].name} has {n_rows}"
+            )
+        if n_rows > MAX_ROWS_PER_BATCH:
+            raise SchemaError(f"{where}: more than {MAX_ROWS_PER_BATCH} rows")
+        for i, v in enumerate(col):
+            _check_value(f"{where}.{f.name}[{i}]", f, v)
+    return max(n_rows, 0)
+
+
+def validate_batch(obj: Any) -> dict[str, Any]:
+    """Check a decoded batch against the schema; return it unchanged or raise SchemaError."""
+    if not isinstance(obj, dict):
+        raise SchemaError(f"batch: expected a JSON object, got {type(obj).__name__}")
+    version = obj.get("schema_version")
+    if version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise SchemaError(
+            f"schema_version: {version!r} is not supported (this receiver accepts "
+            f"{sorted(SUPPORTED_SCHEMA_VERSIONS)}); upgrade the collector or the plugin"
+        )
+    unknown = sorted(set(obj) - ENVELOPE_KEYS)
+    if unknown:
+        raise SchemaError(f"batch: unknown field(s) {', '.join(map(repr, unknown[:5]))}")
+    for key in ("engine_id", "boot_id"):
+        v = obj.get(key)
+        if not isinstance(v, str) or not v:
+            raise SchemaError(f"{key}: expected a non-empty string")
+        if len(v) > MAX_ID_CHARS:
+            raise SchemaError(f"{key}: longer than {MAX_ID_CHARS} characters")
+    seq = obj.get("seq")
+    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
+        raise SchemaError(f"seq: expected a non-negative integer, got {seq!r}")
+    sent = obj.get("sent_unix_s")
+    if isinstance(sent, bool) or not isinstance(sent, (int, float)) or not math.isfinite(sent):
+        raise SchemaError(f"sent_unix_s: expected a finite number, got {sent!r}")
+    hello = obj.get("hello")
+    if hello is not None:
+        _check_record("hello", HELLO_FIELDS, hello, required=True)
+        if hello["engine_id"] != obj["engine_id"] or hello["boot_id"] != obj["boot_id"]:
+            raise SchemaError("hello: engine_id and boot_id must match the batch's")
+    _check_columns("steps", STEP_FIELDS, obj.get("steps", {}))
+    _check_columns("requests", REQUEST_FIELDS, obj.get("requests", {}))
+    _check_record("exporter", EXPORTER_FIELDS, obj.get("exporter", {}), required=False)
+    return obj
+
+
+def empty_columns(fields: tuple[Field, ...]) -> dict[str, list[Any]]:
+    """Return a dict of empty lists, one per field, in schema order."""
+    return {f.name: [] for f in fields}
