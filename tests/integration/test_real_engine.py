@@ -1,0 +1,132 @@
+"""The real vLLM CPU engine streams per-step telemetry through kvscope.
+
+The engine runs with the kvscope plugin installed (entry point), a collector in its
+own process, and a short concurrency sweep that drives it into KV-cache overload.
+What the collector stored must agree with vLLM's own /metrics counters exactly.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+import urllib.request
+import json
+
+import pytest
+
+from collector.lab import parse_prometheus_text
+from collector.process import CollectorProcess
+
+from .conftest import (
+    BLOCK_SIZE,
+    MAX_NUM_SEQS,
+    MODEL_NAME,
+    NUM_GPU_BLOCKS,
+    POOL,
+    OverloadRun,
+    collector_totals,
+    vllm_totals,
+    wait_until_equal,
+)
+
+pytestmark = pytest.mark.engine
+
+
+def test_sweep_completed_every_level_without_errors(overload_run: OverloadRun):
+    levels = overload_run.sweep.levels
+    assert [lv.concurrency for lv in levels] == [2, 8, 32]
+    for lv in levels:
+        assert lv.errors == 0, lv
+        assert lv.completed > 0, lv
+
+
+def test_stored_totals_equal_vllm_counters(overload_run: OverloadRun):
+    kvscope = overload_run.kvscope_totals()
+    vllm = overload_run.vllm_after
+    assert kvscope == vllm, f"kvscope {kvscope} != vLLM {vllm}"
+    # The comparison is not vacuous: the run produced all of these.
+    for key in ("prompt_tokens", "generation_tokens", "prefix_queries", "prefix_hits",
+                "finished_requests"):
+        assert vllm[key] > 0, key
+
+
+def test_overload_saturates_the_kv_cache_and_preempts(overload_run: OverloadRun):
+    windows = overload_run.collector.get_json(
+        "/v1/windows", params={"since": "0", "format": "columns"})["columns"]
+    assert max(windows["kv_usage_max"]) >= 0.95
+    assert max(windows["waiting_max"]) > 0
+    assert overload_run.vllm_after["preemptions"] > 0
+
+
+def test_batch_size_never_exceeds_max_num_seqs(overload_run: OverloadRun):
+    steps = overload_run.collector.get_json(
+        "/v1/steps", params={"since": "0", "format": "columns"})["columns"]
+    assert len(steps["batch_size"]) > 100
+    assert 0 < max(steps["batch_size"]) <= MAX_NUM_SEQS
+    blocks = NUM_GPU_BLOCKS
+    assert max(steps["kv_blocks_used"]) <= blocks
+
+
+def test_engine_hello_carries_identity_and_configuration(overload_run: OverloadRun):
+    engines = overload_run.collector.get_json("/v1/engines")["engines"]
+    assert len(engines) == 1
+    e = engines[0]
+    assert e["pool"] == POOL
+    assert e["model"] == MODEL_NAME
+    assert e["engine_id"].endswith(f":{overload_run.server.port}:0")
+    assert e["pid"] == overload_run.server.pid
+    assert e["num_gpu_blocks"] == NUM_GPU_BLOCKS
+    assert e["block_size"] == BLOCK_SIZE
+    assert e["max_num_seqs"] == MAX_NUM_SEQS
+    assert e["max_model_len"] == overload_run.server.max_model_len
+    assert e["enable_prefix_caching"] is True
+    assert e["vllm_version"].startswith("0.32")
+
+
+def test_metrics_endpoint_passes_promtool_and_matches_vllm(overload_run: OverloadRun):
+    text = overload_run.collector.get_text("/metrics")
+    check = subprocess.run(["promtool", "check", "metrics"], input=text.encode(),
+                           capture_output=True, timeout=60)
+    # promtool exits 0 when the exposition is valid (lint warnings go to stdout).
+    assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()
+    samples = parse_prometheus_text(text)
+
+    def value(name: str) -> float:
+        vals = [v for (n, labels), v in samples.items()
+                if n == name and ("pool", POOL) in labels]
+        assert vals, f"{name} missing for pool {POOL}"
+        return sum(vals)
+
+    vllm = overload_run.vllm_after
+    assert value("kvscope_engine_generation_tokens_total") == vllm["generation_tokens"]
+    assert value("kvscope_engine_preemptions_total") == vllm["preemptions"]
+    assert value("kvscope_engine_step_kv_usage_ratio_count") == value(
+        "kvscope_engine_steps_total")
+    assert value("kvscope_engine_step_batch_size_count") > 100
+
+
+def test_engine_keeps_serving_when_the_collector_goes_away(overload_run: OverloadRun):
+    """Kill the collector, keep using the engine, bring the collector back."""
+    collector, server = overload_run.collector, overload_run.server
+    collector.stop(sig=signal.SIGKILL)
+    t0 = time.monotonic()
+    for i in range(4):
+        body = json.dumps({"model": MODEL_NAME, "prompt": f"hello world {i}",
+                           "max_tokens": 16}).encode()
+        req = urllib.request.Request(server.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.status == 200
+            assert json.loads(resp.read())["choices"][0]["text"] is not None
+    assert time.monotonic() - t0 < 30
+    assert server.healthy()
+    # The collector comes back on the same store; the exporter's retained batches
+    # arrive and the totals agree with vLLM's again.
+    revived = CollectorProcess(collector.store_path, port=collector.port,
+                               log_path=overload_run.workdir / "collector2.log")
+    revived.start()
+    overload_run.collector = revived
+    vllm, kvscope = wait_until_equal(lambda: vllm_totals(server.metrics_text()),
+                                     lambda: collector_totals(revived), timeout_s=30)
+    assert kvscope == vllm
