@@ -164,9 +164,12 @@ def _check_value(where: str, f: Field, v: Any) -> None:
         return
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise SchemaError(f"{where}: expected a number, got {type(v).__name__}")
-    if f.kind == INT and not isinstance(v, int):
-        if not (isinstance(v, float) and v.is_integer()):
-            raise SchemaError(f"{where}: expected an integer, got {v!r}")
+    if (
+        f.kind == INT
+        and not isinstance(v, int)
+        and not (isinstance(v, float) and v.is_integer())
+    ):
+        raise SchemaError(f"{where}: expected an integer, got {v!r}")
     if isinstance(v, float) and not math.isfinite(v):
         raise SchemaError(f"{where}: must be finite, got {v!r}")
     if f.minimum is not None and v < f.minimum:

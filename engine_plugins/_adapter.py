@@ -1,0 +1,221 @@
+"""The one module that reads vLLM's stats objects.
+
+vLLM says its ``SchedulerStats`` / ``IterationStats`` classes are not a stable
+interface, so each reader has two paths:
+
+* a fast path that reads the attributes of vLLM 0.32 directly (no ``getattr``
+  defaults: this runs on vLLM's event loop once per engine step);
+* a compatible path, taken only when the fast path meets an ``AttributeError``,
+  that reads every field with ``getattr`` and a default, so a vLLM version lacking
+  a field degrades (that column reads 0 / null, logged once) instead of breaking.
+  An object that has none of the expected fields is not stats at all: the
+  compatible path raises ``TypeError`` and the caller counts a record error.
+
+The rows are plain tuples in the layouts of :mod:`engine_plugins._rows`; values
+are copied as they are and cleaned up later, off the event loop, by the exporter.
+
+What is counted matches vLLM's own Prometheus counters
+(``PrometheusStatLogger.record`` in vLLM 0.32) exactly, so kvscope's totals equal
+``/metrics``:
+
+* ``prefix_queries`` / ``prefix_hits`` = ``scheduler_stats.prefix_cache_stats``
+  ``.queries`` / ``.hits`` (``vllm:prefix_cache_queries`` / ``_hits``). The
+  ``preempted_*`` fields (re-lookups of preempted requests) and the KV-connector's
+  ``connector_prefix_cache_stats`` (``vllm:external_prefix_cache_*``) are not added,
+  as vLLM does not add them.
+* ``prompt_tokens`` = ``iteration_stats.num_prompt_tokens`` (all prompt tokens,
+  cached ones included: ``vllm:prompt_tokens``).
+* ``generation_tokens`` = ``iteration_stats.num_generation_tokens``
+  (``vllm:generation_tokens``).
+* ``preemptions`` = ``iteration_stats.num_preempted_reqs``
+  (``vllm:num_preemptions``).
+* Gauges: ``batch_size`` = ``num_running_reqs``, ``waiting`` = ``num_waiting_reqs``,
+  ``deferred`` = ``num_skipped_waiting_reqs`` (vLLM's ``vllm:num_requests_waiting``
+  is their sum), ``kv_usage_ratio`` = ``kv_cache_usage``.
+* ``iteration_s`` = ``scheduler_stats.iteration_details.elapsed_ms / 1000`` when
+  vLLM reports iteration details (``--enable-logging-iteration-details``).
+
+Per finished request (``FinishedRequestStats``): ``e2e_latency``, ``queued_time``,
+``prefill_time``, ``decode_time``, token counts, ``num_preemptions`` and
+``finish_reason``. TTFT: vLLM 0.32 keeps no TTFT on ``FinishedRequestStats``; a
+``first_token_latency`` attribute is used when a vLLM version has one (arrival to
+first token, as ``vllm:time_to_first_token_seconds``); otherwise the exporter
+derives the engine-side TTFT ``queued_time + prefill_time`` (engine queueing to
+first token; it leaves out front-end tokenisation and IPC).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine_plugins._logging import ONCE
+
+_NONE = object()
+
+_SCHED_FIELDS = (
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_skipped_waiting_reqs",
+    "kv_cache_usage",
+)
+_ITER_FIELDS = ("num_prompt_tokens", "num_generation_tokens", "num_preempted_reqs")
+_REQ_FIELDS = (
+    "e2e_latency",
+    "queued_time",
+    "prefill_time",
+    "decode_time",
+    "num_prompt_tokens",
+    "num_generation_tokens",
+    "num_cached_tokens",
+    "num_preemptions",
+    "finish_reason",
+)
+
+
+def _note_missing(kind: str, obj: object, names: tuple[str, ...]) -> None:
+    ONCE.warning(
+        f"adapter:{kind}:{','.join(names)}",
+        "kvscope: this vLLM's %s lacks %s; kvscope reports 0 or null there",
+        type(obj).__name__,
+        ", ".join(names),
+    )
+
+
+def _fields(kind: str, obj: object, names: tuple[str, ...], default: Any) -> list[Any]:
+    """Read ``names`` from ``obj`` with a default; raise TypeError if none exists."""
+    values = [getattr(obj, n, _NONE) for n in names]
+    missing = tuple(n for n, v in zip(names, values, strict=True) if v is _NONE)
+    if len(missing) == len(names):
+        raise TypeError(f"kvscope: {type(obj).__name__} is not a vLLM {kind}")
+    if missing:
+        _note_missing(kind, obj, missing)
+    return [default if v is _NONE else v for v in values]
+
+
+# -- steps ---------------------------------------------------------------------------
+
+
+def step_row(ts_unix_s: float, step: int, sched: Any, it: Any) -> tuple[Any, ...]:
+    """Return the raw step row of one ``record()`` call that has scheduler stats.
+
+    Layout: ``_rows.RAW_STEP_LAYOUT``; ``it`` (IterationStats) may be None.
+    """
+    try:
+        pcs = sched.prefix_cache_stats
+        details = sched.iteration_details
+        if it is None:
+            prompt = gen = preempted = 0
+        else:
+            prompt = it.num_prompt_tokens
+            gen = it.num_generation_tokens
+            preempted = it.num_preempted_reqs
+        return (
+            ts_unix_s,
+            step,
+            sched.num_running_reqs,
+            sched.num_waiting_reqs,
+            sched.num_skipped_waiting_reqs,
+            sched.kv_cache_usage,
+            pcs.queries,
+            pcs.hits,
+            preempted,
+            prompt,
+            gen,
+            None if details is None else details.elapsed_ms,
+        )
+    except AttributeError:
+        return _step_row_compat(ts_unix_s, step, sched, it)
+
+
+def _iteration_counts(it: Any) -> list[Any]:
+    if it is None:
+        return [0, 0, 0]
+    return _fields("IterationStats", it, _ITER_FIELDS, 0)
+
+
+def _step_row_compat(ts_unix_s: float, step: int, sched: Any, it: Any) -> tuple[Any, ...]:
+    running, waiting, deferred, kv = _fields("SchedulerStats", sched, _SCHED_FIELDS, 0)
+    pcs = getattr(sched, "prefix_cache_stats", None)
+    queries, hits = (
+        (0, 0) if pcs is None else _fields("PrefixCacheStats", pcs, ("queries", "hits"), 0)
+    )
+    details = getattr(sched, "iteration_details", None)
+    elapsed_ms = None if details is None else getattr(details, "elapsed_ms", None)
+    prompt, gen, preempted = _iteration_counts(it)
+    return (
+        ts_unix_s, step, running, waiting, deferred, kv, queries, hits,
+        preempted, prompt, gen, elapsed_ms,
+    )  # fmt: skip
+
+
+def tokens_row(ts_unix_s: float, step: int, it: Any) -> tuple[Any, ...]:
+    """Return the raw row of a ``record()`` call with iteration stats only.
+
+    Its gauges are None: the exporter folds its counts into the engine's next step
+    row (see :class:`engine_plugins._rows.StepFolder`).
+    """
+    try:
+        prompt = it.num_prompt_tokens
+        gen = it.num_generation_tokens
+        preempted = it.num_preempted_reqs
+    except AttributeError:
+        prompt, gen, preempted = _iteration_counts(it)
+    return (ts_unix_s, step, None, None, None, None, 0, 0, preempted, prompt, gen, None)
+
+
+# -- finished requests ---------------------------------------------------------------
+
+
+def finished_requests(it: Any) -> Any:
+    """Return the finished requests of ``it`` (IterationStats), or an empty tuple."""
+    try:
+        return it.finished_requests or ()
+    except AttributeError:
+        fins = getattr(it, "finished_requests", _NONE)
+        if fins is _NONE:
+            _fields("IterationStats", it, _ITER_FIELDS, 0)  # raises for non-stats
+            _note_missing("IterationStats", it, ("finished_requests",))
+            return ()
+        return fins or ()
+
+
+def _has_first_token_latency() -> bool:
+    try:
+        from vllm.v1.metrics.stats import FinishedRequestStats
+    except Exception:  # vLLM absent or reorganised: the compatible path copes
+        return False
+    fields = getattr(FinishedRequestStats, "__dataclass_fields__", {})
+    return "first_token_latency" in fields
+
+
+_HAS_FIRST_TOKEN_LATENCY = _has_first_token_latency()
+
+
+def request_row(ts_unix_s: float, fr: Any) -> tuple[Any, ...]:
+    """Return the raw request row (``_rows.RAW_REQUEST_LAYOUT``) of a finished request."""
+    try:
+        return (
+            ts_unix_s,
+            fr.e2e_latency,
+            fr.queued_time,
+            fr.prefill_time,
+            fr.decode_time,
+            fr.first_token_latency if _HAS_FIRST_TOKEN_LATENCY else None,
+            fr.num_prompt_tokens,
+            fr.num_generation_tokens,
+            fr.num_cached_tokens,
+            fr.num_preemptions,
+            fr.finish_reason,
+        )
+    except AttributeError:
+        return _request_row_compat(ts_unix_s, fr)
+
+
+def _request_row_compat(ts_unix_s: float, fr: Any) -> tuple[Any, ...]:
+    e2e, queued, prefill, decode, prompt, gen, cached, preempted, reason = _fields(
+        "FinishedRequestStats", fr, _REQ_FIELDS, 0
+    )
+    ftl = getattr(fr, "first_token_latency", None)
+    if reason == 0 and not hasattr(fr, "finish_reason"):
+        reason = "unknown"
+    return (ts_unix_s, e2e, queued, prefill, decode, ftl, prompt, gen, cached, preempted, reason)

@@ -1,0 +1,206 @@
+"""Typed settings of the engine side, read from ``KVSCOPE_*`` environment variables.
+
+Reading never raises: a malformed value is reported once in the log and the default
+is used instead. Without ``KVSCOPE_COLLECTOR_URL`` the plugin is inert.
+
+=============================  ==========  ==================================================
+variable                       default     meaning
+=============================  ==========  ==================================================
+KVSCOPE_COLLECTOR_URL          (unset)     base URL of the collector, http(s)://host:port[/p]
+KVSCOPE_TOKEN                  (unset)     sent as ``Authorization: Bearer <token>``
+KVSCOPE_POOL                   default     deployment / pool label
+KVSCOPE_ENGINE_ID              (derived)   engine id override (``:<engine_index>`` appended
+                                           when the server runs more than one engine)
+KVSCOPE_HOST                   hostname    host or pod name in the engine id
+KVSCOPE_PORT                   --port/8000 API server port in the engine id
+KVSCOPE_FLUSH_INTERVAL_S       1.0         seconds between two batches
+KVSCOPE_BUFFER_STEPS           120000      step rows buffered per engine before dropping
+KVSCOPE_BUFFER_REQUESTS        60000       request rows buffered per engine
+KVSCOPE_MAX_PENDING_BATCHES    120         encoded batches kept while the collector is away
+KVSCOPE_TIMEOUT_S              2.0         hard timeout of one HTTP request
+KVSCOPE_SHUTDOWN_TIMEOUT_S     2.0         longest the exit flush may block
+=============================  ==========  ==================================================
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from engine_plugins._logging import ONCE
+
+DEFAULT_POOL = "default"
+DEFAULT_PORT = 8000
+DEFAULT_FLUSH_INTERVAL_S = 1.0
+DEFAULT_BUFFER_STEPS = 120_000
+DEFAULT_BUFFER_REQUESTS = 60_000
+DEFAULT_MAX_PENDING_BATCHES = 120
+DEFAULT_TIMEOUT_S = 2.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Engine-side settings; build with :func:`load_settings`."""
+
+    collector_url: str | None = None
+    """Base URL of the collector, without a trailing slash; None means inert."""
+    token: str | None = None
+    pool: str = DEFAULT_POOL
+    engine_id_override: str | None = None
+    host: str = "localhost"
+    port: int = DEFAULT_PORT
+    flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S
+    buffer_steps: int = DEFAULT_BUFFER_STEPS
+    buffer_requests: int = DEFAULT_BUFFER_REQUESTS
+    max_pending_batches: int = DEFAULT_MAX_PENDING_BATCHES
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a collector is configured (otherwise the plugin is inert)."""
+        return self.collector_url is not None
+
+    def engine_id(self, engine_index: int, *, multi_engine: bool = False) -> str:
+        """Return the stable engine id ``host:port:engine_index`` (or the override)."""
+        if self.engine_id_override:
+            if multi_engine:
+                return f"{self.engine_id_override}:{engine_index}"
+            return self.engine_id_override
+        return f"{self.host}:{self.port}:{engine_index}"
+
+
+def _bad(name: str, raw: str, why: str, default: object) -> None:
+    ONCE.warning(
+        f"config:{name}",
+        "kvscope: ignoring %s=%r (%s); using the default %r",
+        name,
+        raw,
+        why,
+        default,
+    )
+
+
+def _float(env: Mapping[str, str], name: str, default: float, lo: float, hi: float) -> float:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        _bad(name, raw, "not a number", default)
+        return default
+    if not lo <= value <= hi:  # also rejects NaN
+        _bad(name, raw, f"outside [{lo:g}, {hi:g}]", default)
+        return default
+    return value
+
+
+def _int(env: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = int(raw.strip().replace("_", ""))
+    except ValueError:
+        _bad(name, raw, "not an integer", default)
+        return default
+    if not lo <= value <= hi:
+        _bad(name, raw, f"outside [{lo}, {hi}]", default)
+        return default
+    return value
+
+
+def _text(env: Mapping[str, str], name: str, default: str | None, max_chars: int) -> str | None:
+    raw = env.get(name)
+    if raw is None or not raw.strip():
+        return default
+    value = raw.strip()
+    if len(value) > max_chars:
+        _bad(name, raw, f"longer than {max_chars} characters", default)
+        return default
+    return value
+
+
+def _collector_url(env: Mapping[str, str]) -> str | None:
+    raw = env.get("KVSCOPE_COLLECTOR_URL")
+    if raw is None or not raw.strip():
+        return None
+    url = raw.strip().rstrip("/")
+    try:
+        parts = urlsplit(url)
+        port_ok = parts.port is None or 0 < parts.port < 65536
+    except ValueError:
+        parts, port_ok = None, False
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        ONCE.warning(
+            "config:KVSCOPE_COLLECTOR_URL",
+            "kvscope: KVSCOPE_COLLECTOR_URL=%r is not an http(s)://host[:port][/path] URL; "
+            "the plugin stays inert",
+            raw,
+        )
+        return None
+    if parts.query or parts.fragment:
+        url = f"{parts.scheme}://{parts.netloc}{parts.path}".rstrip("/")
+    return url
+
+
+def port_from_argv(argv: Sequence[str]) -> int | None:
+    """Return the value of ``--port N`` / ``--port=N`` in ``argv``, or None."""
+    raw: str | None = None
+    for i, arg in enumerate(argv):
+        if arg == "--port" and i + 1 < len(argv):
+            raw = argv[i + 1]
+        elif arg.startswith("--port="):
+            raw = arg.split("=", 1)[1]
+    if raw is None:
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        return None
+    return port if 0 <= port <= 65535 else None
+
+
+def load_settings(
+    env: Mapping[str, str] | None = None, argv: Sequence[str] | None = None
+) -> Settings:
+    """Read :class:`Settings` from ``env`` (default ``os.environ``) and ``argv``."""
+    env = os.environ if env is None else env
+    argv = sys.argv if argv is None else argv
+    port = _int(env, "KVSCOPE_PORT", -1, 0, 65535)
+    if port < 0:
+        port = port_from_argv(argv) or DEFAULT_PORT
+    host = _text(env, "KVSCOPE_HOST", None, 100)
+    if host is None:
+        try:
+            host = socket.gethostname() or "localhost"
+        except OSError:
+            host = "localhost"
+    return Settings(
+        collector_url=_collector_url(env),
+        token=_text(env, "KVSCOPE_TOKEN", None, 4096),
+        pool=_text(env, "KVSCOPE_POOL", DEFAULT_POOL, 200) or DEFAULT_POOL,
+        engine_id_override=_text(env, "KVSCOPE_ENGINE_ID", None, 180),
+        host=host[:100],
+        port=port,
+        flush_interval_s=_float(
+            env, "KVSCOPE_FLUSH_INTERVAL_S", DEFAULT_FLUSH_INTERVAL_S, 0.05, 60.0
+        ),
+        buffer_steps=_int(env, "KVSCOPE_BUFFER_STEPS", DEFAULT_BUFFER_STEPS, 100, 10_000_000),
+        buffer_requests=_int(
+            env, "KVSCOPE_BUFFER_REQUESTS", DEFAULT_BUFFER_REQUESTS, 100, 10_000_000
+        ),
+        max_pending_batches=_int(
+            env, "KVSCOPE_MAX_PENDING_BATCHES", DEFAULT_MAX_PENDING_BATCHES, 1, 100_000
+        ),
+        timeout_s=_float(env, "KVSCOPE_TIMEOUT_S", DEFAULT_TIMEOUT_S, 0.05, 120.0),
+        shutdown_timeout_s=_float(
+            env, "KVSCOPE_SHUTDOWN_TIMEOUT_S", DEFAULT_SHUTDOWN_TIMEOUT_S, 0.0, 120.0
+        ),
+    )
