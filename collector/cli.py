@@ -53,12 +53,15 @@ def _cmd_collector(args: argparse.Namespace) -> int:
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
     _require("sweep", "collector")
-    from collector.sweep import config_from_args, print_result_table, run_sweep
+    from collector.sweep import config_from_args, print_table, run_sweep
 
     config = config_from_args(args)
     result = run_sweep(config)
-    print_result_table(result)
-    return 0 if result.total_errors == 0 or args.allow_errors else 3
+    print_table(result)
+    if config.out:
+        print(f"results written to {config.out}")
+    errors = sum(lv.error_count for lv in result.levels)
+    return 0 if errors == 0 or args.allow_errors else 3
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

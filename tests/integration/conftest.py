@@ -40,18 +40,23 @@ class OverloadRun:
 
 
 def collector_totals(collector: CollectorProcess) -> dict[str, float]:
-    """Sums over every stored step and request, read through the query API."""
-    steps = collector.get_json("/v1/steps", params={"since": "0", "format": "columns"})
-    cols: dict[str, list[Any]] = steps["columns"]
-    stats = collector.get_json("/v1/request_stats", params={"since": "0"})
-    return {
-        "preemptions": sum(cols["preemptions"]),
-        "prompt_tokens": sum(cols["prompt_tokens"]),
-        "generation_tokens": sum(cols["generation_tokens"]),
-        "prefix_queries": sum(cols["prefix_queries"]),
-        "prefix_hits": sum(cols["prefix_hits"]),
-        "finished_requests": float(stats["overall"]["count"]),
-    }
+    """Sums over every stored step and request, read through the query API.
+
+    Step sums come from the raw steps and, separately, from the 1-second windows;
+    both must agree or the windows are not exact.
+    """
+    def sums(source: str) -> dict[str, float]:
+        rows = collector.get_json("/v1/totals", params={"source": source})["rows"]
+        return {k: float(sum(r[k] for r in rows)) for k in
+                ("preemptions", "prompt_tokens", "generation_tokens", "prefix_queries",
+                 "prefix_hits")}
+
+    from_steps, from_windows = sums("steps"), sums("windows")
+    assert from_steps == from_windows, (from_steps, from_windows)
+    stats = collector.get_json("/v1/request_stats",
+                               params={"since": "0", "group_by": "all"})["rows"]
+    from_steps["finished_requests"] = float(stats[0]["n_requests"]) if stats else 0.0
+    return from_steps
 
 
 def vllm_totals(metrics_text: str) -> dict[str, float]:
