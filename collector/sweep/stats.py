@@ -1,0 +1,174 @@
+"""What one level measured: per-request records in, one :class:`LevelResult` out.
+
+Clocks: every ``*_s`` time of a :class:`RequestRecord` is ``time.perf_counter()``
+(monotonic, process-local). Only differences are reported, except the window's
+wall-clock bounds (``*_unix_s``), which align a level with server-side telemetry.
+
+A level runs from ``level_start_s``; its measurement window is
+``[window_start_s, window_end_s)`` (the warm-up precedes it). At the window's end
+the load generator cancels the requests still in flight. The summary counts:
+
+- **output tokens**: every streamed output token whose arrival time is inside the
+  window, from every request, including requests started during the warm-up and
+  requests cancelled at the end. ``output_tokens_per_s`` is the token arrival rate
+  over the window, not biased by whole requests straddling its edges.
+- **prompt tokens**: a request's prompt counts when its first output token arrives
+  inside the window (its prefill is done by then). ``total_tokens_per_s`` adds them.
+- **completed requests**: those that finished without error inside the window;
+  ``requests_per_s`` is their rate. End-to-end latency percentiles are over them.
+- **TTFT** percentiles: over requests whose first token arrived inside the window.
+- **errors**: every failed request of the level (warm-up included), by kind.
+- **mean in-flight**: the time-average, over the window, of the requests the
+  client had outstanding (close to the concurrency unless errors or gaps).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it; filled in while it streams."""
+
+    start_s: float
+    max_tokens: int
+    est_prompt_tokens: int
+    first_token_s: float | None = None
+    end_s: float | None = None
+    """When it completed or failed; ``None`` while in flight or if cancelled."""
+    prompt_tokens: int | None = None
+    """As the server reported it (``usage.prompt_tokens``), if it did."""
+    output_tokens: int = 0
+    token_events: list[tuple[float, int]] = field(default_factory=list)
+    """``(arrival_s, new_tokens)`` for every chunk that brought output tokens."""
+    error: str | None = None
+    """Error kind: ``http_<status>``, ``timeout``, ``connection``, ``protocol``, ``server_error``, ``incomplete``."""
+    finish_reason: str | None = None
+
+    def add_tokens(self, now_s: float, n_tokens: int) -> None:
+        """Record ``n_tokens`` new output tokens arriving at ``now_s``."""
+        if n_tokens <= 0:
+            return
+        if self.first_token_s is None:
+            self.first_token_s = now_s
+        self.output_tokens += n_tokens
+        self.token_events.append((now_s, n_tokens))
+
+
+@dataclass
+class LevelResult:
+    """The summary of one concurrency level (see the module docstring for definitions)."""
+
+    concurrency: int
+    duration_s: float
+    warmup_s: float
+    requests_started: int
+    requests_completed: int
+    requests_cancelled: int
+    """Requests still unfinished at the window's end (then cancelled)."""
+    errors: dict[str, int]
+    output_tokens: int
+    prompt_tokens: int
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    requests_per_s: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    e2e_p50_s: float | None
+    e2e_p99_s: float | None
+    mean_in_flight: float
+    window_start_unix_s: float = 0.0
+    """Wall-clock start of the measurement window, to align it with server telemetry."""
+    window_end_unix_s: float = 0.0
+
+    @property
+    def error_count(self) -> int:
+        """All errors of the level."""
+        return sum(self.errors.values())
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) with linear interpolation, as numpy's default.
+
+    ``None`` for no values.
+    """
+    if not values:
+        return None
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be in [0, 100], not {q}")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+def summarize_level(
+    records: Sequence[RequestRecord],
+    *,
+    concurrency: int,
+    level_start_s: float,
+    window_start_s: float,
+    window_end_s: float,
+    unix_offset_s: float = 0.0,
+) -> LevelResult:
+    """Summarise one level's records over its measurement window.
+
+    ``unix_offset_s`` (``time.time() - time.perf_counter()``) converts the window's
+    bounds to wall-clock time for :attr:`LevelResult.window_start_unix_s`.
+    """
+    duration_s = window_end_s - window_start_s
+    if duration_s <= 0:
+        raise ValueError("the measurement window must have a positive length")
+
+    def inside(t: float | None) -> bool:
+        return t is not None and window_start_s <= t < window_end_s
+
+    output_tokens = 0
+    prompt_tokens = 0
+    ttfts: list[float] = []
+    e2es: list[float] = []
+    errors: Counter[str] = Counter()
+    busy_s = 0.0
+    completed = cancelled = 0
+    for rec in records:
+        output_tokens += sum(n for t, n in rec.token_events if inside(t))
+        if rec.first_token_s is not None and inside(rec.first_token_s):
+            ttfts.append(rec.first_token_s - rec.start_s)
+            prompt_tokens += (
+                rec.prompt_tokens if rec.prompt_tokens is not None else rec.est_prompt_tokens
+            )
+        if rec.error is not None:
+            errors[rec.error] += 1
+        elif rec.end_s is None or rec.end_s >= window_end_s:
+            cancelled += 1
+        elif rec.end_s >= window_start_s:
+            completed += 1
+            e2es.append(rec.end_s - rec.start_s)
+        end = window_end_s if rec.end_s is None else rec.end_s
+        busy_s += max(0.0, min(end, window_end_s) - max(rec.start_s, window_start_s))
+    return LevelResult(
+        concurrency=concurrency,
+        duration_s=duration_s,
+        warmup_s=window_start_s - level_start_s,
+        requests_started=len(records),
+        requests_completed=completed,
+        requests_cancelled=cancelled,
+        errors=dict(sorted(errors.items())),
+        output_tokens=output_tokens,
+        prompt_tokens=prompt_tokens,
+        output_tokens_per_s=output_tokens / duration_s,
+        total_tokens_per_s=(output_tokens + prompt_tokens) / duration_s,
+        requests_per_s=completed / duration_s,
+        ttft_p50_s=percentile(ttfts, 50),
+        ttft_p99_s=percentile(ttfts, 99),
+        e2e_p50_s=percentile(e2es, 50),
+        e2e_p99_s=percentile(e2es, 99),
+        mean_in_flight=busy_s / duration_s,
+        window_start_unix_s=window_start_s + unix_offset_s,
+        window_end_unix_s=window_end_s + unix_offset_s,
+    )

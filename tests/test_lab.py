@@ -1,0 +1,174 @@
+"""Tests of the lab: the local model build, the server command line, /metrics parsing.
+
+Starting the real engine takes 30-60 s; it is exercised by the engine tests, not here.
+The metrics fixture is read from ``$KVSCOPE_FIXTURES_DIR`` (default: the shared
+``fixtures`` folder beside the repository).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+from pathlib import Path
+
+import pytest
+
+from collector.lab import (
+    MARKER_FILE,
+    VLLM_COUNTERS,
+    LabError,
+    VllmServer,
+    build_model,
+    free_port,
+    parse_prometheus_text,
+    vllm_counter_totals,
+)
+from collector.sweep.prompts import TOKENS_PER_WORD, random_words
+
+FIXTURES = Path(
+    os.environ.get(
+        "KVSCOPE_FIXTURES_DIR", Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+    )
+)
+METRICS_SAMPLE = FIXTURES / "vllm_metrics_sample.txt"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("lab") / "tiny", "tiny")
+
+
+def test_tiny_model_loads_with_transformers(tiny_model: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    cfg = model.config
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size) == (128, 2, 512)
+    assert cfg.hidden_size // cfg.num_attention_heads == 64  # the CPU attention kernel's head_dim
+    assert model.dtype == torch.bfloat16
+    ids = tokenizer("the time of day", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = model(ids).logits
+    assert logits.shape == (1, ids.shape[1], 512)
+
+
+def test_tokenizer_roundtrip_and_chat_template(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    assert len(tokenizer) == 512
+    text = random_words(random.Random(0), 50)
+    ids = tokenizer(text)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat == "<|user|>\nhello\n<|assistant|>\n"
+
+
+def test_tokens_per_word_matches_the_lab_tokenizer(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    rng = random.Random(1)
+    n_words = 400
+    counts = [len(tokenizer(random_words(rng, n_words))["input_ids"]) - 1 for _ in range(50)]
+    # BOS excluded; about one extra token for the first word, which has no leading space
+    per_word = (sum(counts) / len(counts) - 1) / n_words
+    assert per_word == pytest.approx(TOKENS_PER_WORD, abs=0.02)
+
+
+def test_build_is_deterministic_and_reused(tiny_model: Path, tmp_path: Path) -> None:
+    weights = tiny_model / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    assert build_model(tiny_model, "tiny") == tiny_model
+    assert weights.stat().st_mtime_ns == mtime  # reused, not rebuilt
+    assert json.loads((tiny_model / MARKER_FILE).read_text())["hidden_size"] == 128
+    again = build_model(tmp_path / "again", "tiny")
+    assert (again / "model.safetensors").read_bytes() == weights.read_bytes()
+    assert (again / "tokenizer.json").read_text() == (tiny_model / "tokenizer.json").read_text()
+    with pytest.raises(ValueError, match="unknown model size"):
+        build_model(tmp_path / "x", "huge")
+
+
+def test_server_command_line_and_environment(tmp_path: Path) -> None:
+    server = VllmServer(
+        tmp_path,
+        served_model_name="m",
+        port=8123,
+        num_gpu_blocks=48,
+        max_num_seqs=6,
+        enable_prefix_caching=False,
+        extra_args=["--seed", "1"],
+        env={"KVSCOPE_COLLECTOR_URL": "http://c:9000", "VLLM_CPU_KVCACHE_SPACE": "2"},
+        log_path=tmp_path / "log.txt",
+    )
+    cmd = server.command()
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(cmd)
+    for part in ("--port 8123", "--block-size 32", "--num-gpu-blocks-override 48", "--max-num-seqs 6",
+                 "--max-model-len 1504", "--dtype bfloat16", "--no-enable-prefix-caching", "--seed 1"):  # fmt: skip
+        assert part in joined
+    assert "--max-num-batched-tokens" not in joined
+    env = server.environment()
+    assert env["KVSCOPE_COLLECTOR_URL"] == "http://c:9000" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert server.url == "http://127.0.0.1:8123"
+    assert VllmServer(tmp_path, port=1).max_model_len == 2048
+
+
+def test_server_start_failure_reports_the_log(tmp_path: Path) -> None:
+    server = VllmServer(
+        tmp_path, python="/bin/false", log_path=tmp_path / "log.txt", startup_timeout_s=10
+    )
+    with pytest.raises(LabError, match="exited with code 1"), server:
+        pass
+    assert server.pid is None  # stopped
+
+
+def test_free_port_is_bindable() -> None:
+    port = free_port()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+@pytest.mark.skipif(not METRICS_SAMPLE.is_file(), reason=f"{METRICS_SAMPLE} not present")
+def test_parse_real_vllm_metrics_sample() -> None:
+    text = METRICS_SAMPLE.read_text()
+    samples = parse_prometheus_text(text)
+    engine = {("engine", "0"), ("model_name", "tiny-llama")}
+    assert samples[("vllm:num_preemptions_total", frozenset(engine))] == 1524.0
+    length = frozenset(engine | {("finished_reason", "length")})
+    assert samples[("vllm:request_success_total", length)] == 2455.0
+    info = next(labels for (name, labels) in samples if name == "vllm:cache_config_info")
+    assert ("num_gpu_blocks", "64") in info and ("kv_cache_dtype_skip_layers", "[]") in info
+    totals = vllm_counter_totals(text)
+    assert set(totals) == set(VLLM_COUNTERS)
+    assert totals["vllm:num_preemptions_total"] == 1524.0
+    assert totals["vllm:request_success_total"] == 2455.0
+    assert totals["vllm:prompt_tokens_total"] == 60272.0
+    assert all(value >= 0 for value in totals.values())
+
+
+def test_parse_prometheus_text_edge_cases() -> None:
+    text = (
+        "# HELP x a counter\n"
+        'x_total{a="q\\"uote",b="back\\\\slash",c="new\\nline"} 3 1700000000000\n'
+        "bare 1e3\n"
+        'h_bucket{le="+Inf"} +Inf\n'
+        "nan_metric NaN\n"
+    )
+    samples = parse_prometheus_text(text)
+    assert (
+        samples[("x_total", frozenset({("a", 'q"uote'), ("b", "back\\slash"), ("c", "new\nline")}))]
+        == 3
+    )
+    assert samples[("bare", frozenset())] == 1000.0
+    assert samples[("h_bucket", frozenset({("le", "+Inf")}))] == float("inf")
+    assert vllm_counter_totals("") == dict.fromkeys(VLLM_COUNTERS, 0.0)
+    with pytest.raises(ValueError, match="line 1"):
+        parse_prometheus_text("not a sample line at all {")
