@@ -106,6 +106,25 @@ def test_metrics_endpoint_passes_promtool_and_matches_vllm(overload_run: Overloa
     assert value("kvscope_engine_step_batch_size_count") > 100
 
 
+def test_sweep_cli_against_the_real_server(overload_run: OverloadRun, tmp_path):
+    """`kvscope sweep` from the command line; runs after the tests that compare totals."""
+    import sys
+
+    out_json = tmp_path / "sweep.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "collector.cli", "sweep", "--url", overload_run.server.url,
+         "--concurrency", "1,4", "--duration", "2", "--warmup", "0.5", "--no-progress",
+         "--out", str(out_json)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out_json.read_text())
+    assert result["model"] == MODEL_NAME
+    assert [lv["concurrency"] for lv in result["levels"]] == [1, 4]
+    assert all(lv["output_tokens_per_s"] > 0 for lv in result["levels"])
+    assert "out tok/s" in proc.stdout
+
+
 def test_engine_keeps_serving_when_the_collector_goes_away(overload_run: OverloadRun):
     """Kill the collector, keep using the engine, bring the collector back."""
     collector, server = overload_run.collector, overload_run.server
