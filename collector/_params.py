@@ -1,0 +1,95 @@
+"""Query-string parsing for the read API; errors name the parameter."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+_UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+FORMATS = ("records", "columns")
+
+
+class ParamError(ValueError):
+    """A query parameter is invalid; the message names it."""
+
+
+def parse_time(name: str, text: str, now_unix_s: float) -> float:
+    """Unix seconds (``1764430000``), ``now``, or a duration ago (``90s``, ``30m``, ``7d``)."""
+    t = text.strip().lower()
+    if t == "now":
+        return now_unix_s
+    m = _RELATIVE.match(t)
+    if m:
+        return now_unix_s - float(m.group(1)) * _UNITS_S[m.group(2)]
+    try:
+        v = float(t)
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v) or v < 0:
+        raise ParamError(f"{name}: expected unix seconds, 'now' or a duration ago such as "
+                         f"90s, 30m, 2h, 7d, 1w; got {text!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class Query:
+    """Parsed read-API parameters."""
+
+    engine_id: str | None = None
+    pool: str | None = None
+    since_unix_s: float | None = None
+    until_unix_s: float | None = None
+    limit: int | None = None
+    format: str = "records"
+    group_by: str = "engine"
+    source: str = "windows"
+    fields: tuple[str, ...] | None = None
+    """Columns to return (all when None)."""
+
+
+def parse_query(params: Mapping[str, str], allowed: Iterable[str], *, default_since: str | None,
+                max_limit: int, now_unix_s: float | None = None) -> Query:
+    """Check the parameter names against ``allowed`` and parse their values."""
+    allowed = tuple(allowed)
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ParamError(f"unknown parameter(s) {', '.join(map(repr, unknown))}; "
+                         f"this endpoint takes {', '.join(allowed) or 'none'}")
+    now = time.time() if now_unix_s is None else now_unix_s
+    since_text = params.get("since", default_since)
+    since = parse_time("since", since_text, now) if since_text else None
+    until = parse_time("until", params["until"], now) if params.get("until") else None
+    if since is not None and until is not None and until < since:
+        raise ParamError(f"until ({until}) is before since ({since})")
+    limit = max_limit
+    if "limit" in params:
+        try:
+            limit = int(params["limit"])
+        except ValueError:
+            raise ParamError(f"limit: expected a positive integer, got {params['limit']!r}") from None
+        if not 0 < limit <= max_limit:
+            raise ParamError(f"limit: must be in 1..{max_limit}, got {limit}")
+    fmt = params.get("format", "records")
+    if fmt not in FORMATS:
+        raise ParamError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    group_by = params.get("group_by", "engine")
+    if group_by not in ("engine", "pool", "all"):
+        raise ParamError(f"group_by: expected engine, pool or all, got {group_by!r}")
+    source = params.get("source", "windows")
+    if source not in ("windows", "steps"):
+        raise ParamError(f"source: expected windows or steps, got {source!r}")
+    for key in ("engine", "pool"):
+        if key in params and not params[key]:
+            raise ParamError(f"{key}: must not be empty")
+    fields = None
+    if "fields" in params:
+        fields = tuple(f.strip() for f in params["fields"].split(",") if f.strip())
+        if not fields:
+            raise ParamError("fields: expected a comma-separated list of column names")
+    return Query(engine_id=params.get("engine"), pool=params.get("pool"), since_unix_s=since,
+                 until_unix_s=until, limit=limit, format=fmt, group_by=group_by, source=source,
+                 fields=fields)

@@ -1,0 +1,165 @@
+"""Read queries of the store; each takes a DuckDB cursor and returns a DataFrame.
+
+Time filters are half-open, ``since <= t < until``, in unix seconds; ``None`` leaves a
+side open. Windows match on their second ``ts_s`` (``floor(since) <= ts_s < until``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+from engine_plugins.schema import EXPORTER_KEYS
+
+_PCTS = ((50, 0.5), (90, 0.9), (99, 0.99))
+GROUP_BY = ("engine", "pool", "all")
+TOTAL_COLUMNS = ("n_steps", "preemptions", "prompt_tokens", "generation_tokens",
+                 "prefix_queries", "prefix_hits")
+
+
+def _where(engine_id: str | None, pool: str | None, ts_col: str,
+           since: float | None, until: float | None, *, alias: str = "") -> tuple[str, list[Any]]:
+    p = f"{alias}." if alias else ""
+    conds: list[str] = []
+    args: list[Any] = []
+    if engine_id is not None:
+        conds.append(f"{p}engine_id = ?")
+        args.append(engine_id)
+    if pool is not None:
+        conds.append(f"{p}engine_id IN (SELECT engine_id FROM engines WHERE pool = ?)")
+        args.append(pool)
+    if since is not None:
+        conds.append(f"{p}{ts_col} >= ?")
+        args.append(math.floor(since) if ts_col == "ts_s" else since)
+    if until is not None:
+        conds.append(f"{p}{ts_col} < ?")
+        args.append(until)
+    return (" WHERE " + " AND ".join(conds) if conds else ""), args
+
+
+def _limit(limit: int | None) -> str:
+    return f" LIMIT {int(limit)}" if limit is not None else ""
+
+
+def _df(cur: Any, sql: str, args: list[Any] | None = None) -> pd.DataFrame:
+    return cur.execute(sql, args or []).df()
+
+
+def engines(cur: Any) -> pd.DataFrame:
+    """One row per engine: identity and configuration from its latest hello, first/last seen."""
+    return _df(cur, "SELECT * FROM engines ORDER BY engine_id")
+
+
+def engine_configs(cur: Any, engine_id: str | None = None) -> pd.DataFrame:
+    """Configuration history: one row per (engine_id, boot_id) hello, oldest first."""
+    where, args = _where(engine_id, None, "received_unix_s", None, None)
+    return _df(cur, f"SELECT * FROM engine_configs{where} "
+                    "ORDER BY engine_id, started_unix_s, received_unix_s", args)
+
+
+def windows(cur: Any, engine_id: str | None = None, pool: str | None = None,
+            since: float | None = None, until: float | None = None,
+            limit: int | None = None) -> pd.DataFrame:
+    """1-second windows (all ``windows_1s`` columns, plus the engine's pool and model)."""
+    where, args = _where(engine_id, pool, "ts_s", since, until, alias="w")
+    return _df(cur, "SELECT w.*, e.pool, e.model FROM windows_1s w "
+                    f"LEFT JOIN engines e ON e.engine_id = w.engine_id{where} "
+                    f"ORDER BY w.ts_s, w.engine_id{_limit(limit)}", args)
+
+
+def steps(cur: Any, engine_id: str | None = None, pool: str | None = None,
+          since: float | None = None, until: float | None = None,
+          limit: int | None = None) -> pd.DataFrame:
+    """Raw steps (engine_id, boot_id and the wire STEP_FIELDS), oldest first."""
+    where, args = _where(engine_id, pool, "ts_unix_s", since, until)
+    return _df(cur, f"SELECT * FROM steps{where} ORDER BY ts_unix_s, engine_id{_limit(limit)}",
+               args)
+
+
+def requests(cur: Any, engine_id: str | None = None, pool: str | None = None,
+             since: float | None = None, until: float | None = None,
+             limit: int | None = None) -> pd.DataFrame:
+    """Finished requests (engine_id, boot_id and the wire REQUEST_FIELDS), oldest first."""
+    where, args = _where(engine_id, pool, "finished_unix_s", since, until)
+    return _df(cur, f"SELECT * FROM requests{where} "
+                    f"ORDER BY finished_unix_s, engine_id{_limit(limit)}", args)
+
+
+def request_stats(cur: Any, engine_id: str | None = None, pool: str | None = None,
+                  since: float | None = None, until: float | None = None,
+                  group_by: str = "engine") -> pd.DataFrame:
+    """Latency and token statistics of finished requests, per engine, per pool or overall.
+
+    Columns: the group key (``engine_id``, ``pool``, ``model`` for ``engine``; ``pool``
+    for ``pool``; none for ``all``), ``n_requests``, ``e2e_s_mean`` and
+    ``{e2e,ttft,queue}_s_p{50,90,99}``, ``prefill_s_mean``, ``decode_s_mean``,
+    ``prompt_tokens_mean``, ``generation_tokens_mean``, ``prompt_tokens_sum``,
+    ``generation_tokens_sum``, ``cached_tokens_sum``, ``preemptions_sum``,
+    ``n_preempted``, ``first_finished_unix_s``, ``last_finished_unix_s``.
+    """
+    if group_by not in GROUP_BY:
+        raise ValueError(f"group_by: expected one of {', '.join(GROUP_BY)}, got {group_by!r}")
+    keys = {"engine": ["r.engine_id", "e.pool", "e.model"], "pool": ["e.pool"], "all": []}[group_by]
+    aggs = ["count(*) AS n_requests", "avg(r.e2e_s) AS e2e_s_mean"]
+    for col in ("e2e_s", "ttft_s", "queue_s"):
+        aggs += [f"quantile_cont(r.{col}, {q}) AS {col}_p{p}" for p, q in _PCTS]
+    aggs += ["avg(r.prefill_s) AS prefill_s_mean", "avg(r.decode_s) AS decode_s_mean",
+             "avg(r.prompt_tokens) AS prompt_tokens_mean",
+             "avg(r.generation_tokens) AS generation_tokens_mean",
+             "CAST(sum(r.prompt_tokens) AS BIGINT) AS prompt_tokens_sum",
+             "CAST(sum(r.generation_tokens) AS BIGINT) AS generation_tokens_sum",
+             "CAST(sum(r.cached_tokens) AS BIGINT) AS cached_tokens_sum",
+             "CAST(sum(r.preemptions) AS BIGINT) AS preemptions_sum",
+             "count(*) FILTER (WHERE r.preemptions > 0) AS n_preempted",
+             "min(r.finished_unix_s) AS first_finished_unix_s",
+             "max(r.finished_unix_s) AS last_finished_unix_s"]
+    where, args = _where(engine_id, pool, "finished_unix_s", since, until, alias="r")
+    sel = ", ".join([*(f"{k} AS {k.split('.')[1]}" for k in keys), *aggs])
+    group = f" GROUP BY {', '.join(keys)} ORDER BY {', '.join(keys)}" if keys else ""
+    sql = (f"SELECT {sel} FROM requests r LEFT JOIN engines e ON e.engine_id = r.engine_id"
+           f"{where}{group}")
+    df = _df(cur, sql, args)
+    if not keys and len(df) and int(df["n_requests"].iloc[0]) == 0:
+        return df.iloc[0:0]
+    return df
+
+
+def totals(cur: Any, source: str = "windows", engine_id: str | None = None) -> pd.DataFrame:
+    """Per-engine sums from ``steps`` (raw, subject to retention) or ``windows_1s``.
+
+    Columns: engine_id, n_steps, preemptions, prompt_tokens, generation_tokens,
+    prefix_queries, prefix_hits.
+    """
+    if source == "steps":
+        aggs = ["count(*)", *(f"sum({c})" for c in TOTAL_COLUMNS[1:])]
+        table = "steps"
+    elif source == "windows":
+        aggs = [f"sum({c})" for c in TOTAL_COLUMNS]
+        table = "windows_1s"
+    else:
+        raise ValueError(f"source: expected 'steps' or 'windows', got {source!r}")
+    sel = ", ".join(f"CAST(coalesce({a}, 0) AS BIGINT) AS {c}" for a, c in zip(aggs, TOTAL_COLUMNS, strict=True))
+    where, args = _where(engine_id, None, "", None, None)
+    return _df(cur, f"SELECT engine_id, {sel} FROM {table}{where} "
+                    "GROUP BY engine_id ORDER BY engine_id", args)
+
+
+def finished_request_counts(cur: Any) -> pd.DataFrame:
+    """Columns: engine_id, n_requests (all stored finished requests)."""
+    return _df(cur, "SELECT engine_id, count(*) AS n_requests FROM requests "
+                    "GROUP BY engine_id ORDER BY engine_id")
+
+
+def exporter_stats(cur: Any, engine_id: str | None = None) -> pd.DataFrame:
+    """Latest exporter counters per (engine_id, boot_id): EXPORTER_FIELDS, updated_unix_s."""
+    where, args = _where(engine_id, None, "", None, None)
+    cols = ", ".join(EXPORTER_KEYS)
+    return _df(cur, f"SELECT engine_id, boot_id, {cols}, updated_unix_s FROM exporter_stats"
+                    f"{where} ORDER BY engine_id, boot_id", args)
+
+
+def table_counts(cur: Any, tables: tuple[str, ...]) -> dict[str, int]:
+    """Row count per table."""
+    return {t: int(cur.execute(f"SELECT count(*) FROM {t}").fetchone()[0]) for t in tables}

@@ -1,0 +1,366 @@
+"""In-memory fleet metrics and their Prometheus exposition (``GET /metrics``).
+
+:class:`FleetState` is updated by the writer thread after each commit (so a sample
+never shows data that is not stored) and rendered fresh on every scrape; it holds
+plain numbers per engine, no prometheus_client objects.
+
+Per-engine series carry the labels ``engine`` (engine_id), ``pool`` and ``model``
+(from the engine's latest hello; empty until one arrives).
+
+Gauges (from the latest step received, by step time): ``kvscope_engine_batch_size``,
+``kvscope_engine_waiting_requests``, ``kvscope_engine_deferred_requests``,
+``kvscope_engine_kv_usage_ratio``, ``kvscope_engine_kv_used_blocks``;
+``kvscope_engine_prefix_hit_ratio`` is hits/queries over the latest batch (about one
+second) that had prefix-cache queries; ``kvscope_engine_last_step_timestamp_seconds``
+(engine clock) and ``kvscope_engine_last_seen_timestamp_seconds`` (collector clock).
+
+Counters: ``kvscope_engine_steps_total``, ``..._prompt_tokens_total``,
+``..._generation_tokens_total``, ``..._preemptions_total``,
+``..._prefix_cache_query_tokens_total``, ``..._prefix_cache_hit_tokens_total``,
+``..._finished_requests_total`` and the plugin's own ``kvscope_exporter_<field>_total``.
+Histograms of per-step observations: ``kvscope_engine_step_batch_size`` and
+``kvscope_engine_step_kv_usage_ratio``. ``kvscope_engine_info`` carries the
+configuration. The collector's own: ``kvscope_collector_*``.
+
+Across collector restarts: step/token/preemption/prefix counters are rebuilt from the
+store's windows, finished requests from the requests table, exporter counters from
+``exporter_stats``, so they stay monotonic. Histograms are saved at a clean shutdown
+and restored at the next start; after a crash they start from zero (a counter reset
+that Prometheus' ``rate()`` handles). Gauges are absent for an engine until its first
+step after the restart. ``kvscope_collector_*`` counters always start from zero.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from collector._batch import PreparedBatch
+from collector._exposition import CONTENT_TYPE, TextWriter, bound_strs, label_str
+from collector._ingest import DUPLICATE, STORED, IngestResult
+from engine_plugins.schema import BOOL, EXPORTER_FIELDS, FLOAT, HELLO_FIELDS, INT
+
+__all__ = ["BATCH_SIZE_BUCKETS", "CONTENT_TYPE", "KV_USAGE_BUCKETS", "FleetState"]
+
+BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256,
+                                         384, 512, 768, 1024)
+KV_USAGE_BUCKETS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95,
+                                       0.99, 1.0)
+ACK_SECONDS_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                                          2.5, 5.0, 10.0)
+_BATCH_BOUNDS = np.array(BATCH_SIZE_BUCKETS, dtype=np.float64)
+_KV_BOUNDS = np.array(KV_USAGE_BUCKETS, dtype=np.float64)
+_BATCH_LES = bound_strs(BATCH_SIZE_BUCKETS)
+_KV_LES = bound_strs(KV_USAGE_BUCKETS)
+_ACK_LES = bound_strs(ACK_SECONDS_BUCKETS)
+
+#: Hello fields shown as labels of kvscope_engine_info (beside engine, pool, model).
+INFO_KEYS: tuple[str, ...] = tuple(
+    f.name for f in HELLO_FIELDS
+    if f.name not in ("engine_id", "boot_id", "pool", "model", "pid", "port", "engine_index",
+                      "started_unix_s")
+)
+_SAVED_KEY = "metrics.histograms.v1"
+
+_GAUGES = (  # (metric, attribute, help)
+    ("kvscope_engine_batch_size", "batch_size",
+     "Running requests (the batch) in the engine's latest step."),
+    ("kvscope_engine_waiting_requests", "waiting",
+     "Waiting requests (not deferred) in the engine's latest step."),
+    ("kvscope_engine_deferred_requests", "deferred",
+     "Waiting requests deferred by transient constraints in the latest step."),
+    ("kvscope_engine_kv_usage_ratio", "kv_usage_ratio",
+     "Fraction of KV-cache blocks in use in the latest step."),
+    ("kvscope_engine_kv_used_blocks", "kv_blocks_used",
+     "KV-cache blocks in use in the latest step."),
+    ("kvscope_engine_prefix_hit_ratio", "prefix_hit_ratio",
+     "Prefix-cache hit tokens / query tokens over the latest batch (about 1 s) with queries."),
+    ("kvscope_engine_last_step_timestamp_seconds", "last_step_unix_s",
+     "Wall-clock time of the latest step (engine clock)."),
+    ("kvscope_engine_last_seen_timestamp_seconds", "last_seen_unix_s",
+     "When the collector last stored a batch of this engine (collector clock)."),
+)
+_COUNTERS = (  # (metric, attribute, help)
+    ("kvscope_engine_steps_total", "steps", "Engine steps recorded."),
+    ("kvscope_engine_prompt_tokens_total", "prompt_tokens", "Prompt tokens processed."),
+    ("kvscope_engine_generation_tokens_total", "generation_tokens", "Tokens generated."),
+    ("kvscope_engine_preemptions_total", "preemptions", "Requests preempted."),
+    ("kvscope_engine_prefix_cache_query_tokens_total", "prefix_queries",
+     "Prefix-cache lookups, in tokens."),
+    ("kvscope_engine_prefix_cache_hit_tokens_total", "prefix_hits",
+     "Prefix-cache hits, in tokens."),
+    ("kvscope_engine_finished_requests_total", "finished_requests", "Requests finished."),
+)
+_STEP_SUMS = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_queries",
+              "prefix_hits")
+
+
+class _Engine:
+    """Metric values of one engine."""
+
+    __slots__ = ("batch_hist", "batch_size", "batch_sum", "deferred", "engine_id", "exporter",
+                 "finished_requests", "gauge_boot_id", "generation_tokens", "hello_started",
+                 "info",
+                 "kv_blocks_used", "kv_hist", "kv_sum", "kv_usage_ratio", "labels",
+                 "last_seen_unix_s", "last_step_unix_s", "preemptions", "prefix_hit_ratio",
+                 "prefix_hits", "prefix_queries", "prompt_tokens", "steps", "waiting")
+
+    def __init__(self, engine_id: str) -> None:
+        self.engine_id = engine_id
+        self.labels = label_str((("engine", engine_id), ("pool", ""), ("model", "")))
+        self.info: str | None = None
+        self.hello_started = -1.0
+        self.batch_size: int | None = None
+        self.waiting: int | None = None
+        self.deferred: int | None = None
+        self.kv_blocks_used: int | None = None
+        self.kv_usage_ratio: float | None = None
+        self.prefix_hit_ratio: float | None = None
+        self.last_step_unix_s: float | None = None
+        self.last_seen_unix_s: float | None = None
+        self.gauge_boot_id: str | None = None
+        self.steps = self.prompt_tokens = self.generation_tokens = self.preemptions = 0
+        self.prefix_queries = self.prefix_hits = self.finished_requests = 0
+        self.batch_hist = np.zeros(len(_BATCH_LES), dtype=np.int64)
+        self.kv_hist = np.zeros(len(_KV_LES), dtype=np.int64)
+        self.batch_sum = 0.0
+        self.kv_sum = 0.0
+        self.exporter: dict[str, dict[str, int]] = {}
+
+    def set_identity(self, ident: dict[str, Any], started: float) -> None:
+        if started < self.hello_started:
+            return
+        self.hello_started = started
+        base = (("engine", self.engine_id), ("pool", ident.get("pool")),
+                ("model", ident.get("model")))
+        self.labels = label_str(base)
+        self.info = label_str((*base, *((k, ident.get(k)) for k in INFO_KEYS)))
+
+
+class FleetState:
+    """Per-engine metric values plus the collector's own counters; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engines: dict[str, _Engine] = {}
+        self.start_unix_s = time.time()
+        self._batches = {"stored": 0, "duplicate": 0, "rejected": 0, "failed": 0}
+        self._rejected: dict[str, int] = {}
+        self._ack_hist = np.zeros(len(_ACK_LES), dtype=np.int64)
+        self._ack_sum = 0.0
+        self.extra: dict[str, tuple[str, str, Callable[[], float]]] = {}
+        """Collector metrics read at scrape time: name -> (gauge|counter, help, callable)."""
+
+    def _engine(self, engine_id: str) -> _Engine:
+        e = self._engines.get(engine_id)
+        if e is None:
+            e = self._engines[engine_id] = _Engine(engine_id)
+        return e
+
+    @property
+    def n_engines(self) -> int:
+        """Engines known."""
+        return len(self._engines)
+
+    # -- updates ---------------------------------------------------------------------
+
+    def apply(self, batches: list[PreparedBatch], results: list[IngestResult | Exception]) -> None:
+        """Account a committed group (called by the writer before it answers)."""
+        with self._lock:
+            for b, r in zip(batches, results, strict=True):
+                if isinstance(r, Exception):
+                    self._batches["failed"] += 1
+                elif r.status == DUPLICATE:
+                    self._batches["duplicate"] += 1
+                elif r.status == STORED:
+                    self._batches["stored"] += 1
+                    self._apply_batch(b)
+
+    def _apply_batch(self, b: PreparedBatch) -> None:
+        e = self._engine(b.engine_id)
+        if e.last_seen_unix_s is None or b.received_unix_s > e.last_seen_unix_s:
+            e.last_seen_unix_s = b.received_unix_s
+        if b.hello is not None:
+            e.set_identity(b.hello, b.hello["started_unix_s"])
+        e.finished_requests += b.n_requests
+        for k, v in b.exporter.items():
+            boot = e.exporter.setdefault(b.boot_id, {})
+            boot[k] = max(v, boot.get(k, 0))
+        n = b.n_steps
+        if not n:
+            return
+        s = b.steps
+        e.steps += n
+        for a in _STEP_SUMS:
+            setattr(e, a, getattr(e, a) + int(s[a].sum()))
+        ts = s["ts_unix_s"]
+        i = int(ts.argmax())
+        # The latest step by step time sets the gauges; a new boot takes over even if
+        # its clock is behind the previous boot's.
+        if (e.last_step_unix_s is None or ts[i] >= e.last_step_unix_s
+                or b.boot_id != e.gauge_boot_id):
+            e.last_step_unix_s = float(ts[i])
+            e.gauge_boot_id = b.boot_id
+            for a in ("batch_size", "waiting", "deferred", "kv_blocks_used"):
+                setattr(e, a, int(s[a][i]))
+            e.kv_usage_ratio = float(s["kv_usage_ratio"][i])
+        q = int(s["prefix_queries"].sum())
+        if q > 0:
+            e.prefix_hit_ratio = int(s["prefix_hits"].sum()) / q
+        bs, kv = s["batch_size"], s["kv_usage_ratio"]
+        e.batch_hist += np.bincount(np.searchsorted(_BATCH_BOUNDS, bs), minlength=len(_BATCH_LES))
+        e.kv_hist += np.bincount(np.searchsorted(_KV_BOUNDS, kv), minlength=len(_KV_LES))
+        e.batch_sum += float(bs.sum())
+        e.kv_sum += float(kv.sum())
+
+    def record_rejection(self, reason: str) -> None:
+        """Count a batch answered with 4xx/503 before reaching the store."""
+        with self._lock:
+            self._batches["rejected"] += 1
+            self._rejected[reason] = self._rejected.get(reason, 0) + 1
+
+    def observe_ack(self, seconds: float) -> None:
+        """Time from request start to the answer of an ingest that reached the store."""
+        with self._lock:
+            self._ack_hist[int(np.searchsorted(ACK_SECONDS_BUCKETS, seconds))] += 1
+            self._ack_sum += seconds
+
+    # -- persistence -----------------------------------------------------------------
+
+    def rebuild(self, store: Any) -> None:
+        """Load identities and counters from the store (at startup)."""
+        engines = store.engines()
+        totals = store.totals("windows")
+        finished = store.finished_request_counts()
+        exporter = store.exporter_stats()
+        saved = store.take_state(_SAVED_KEY)
+        with self._lock:
+            for r in engines.to_dict("records"):
+                e = self._engine(r["engine_id"])
+                if _py(r.get("has_hello")):
+                    ident = _hello_values(r)
+                    e.set_identity(ident, float(ident["started_unix_s"] or 0.0))
+                e.last_seen_unix_s = _py(r.get("last_seen_unix_s"))
+                e.last_step_unix_s = _py(r.get("last_step_unix_s"))
+            for r in totals.to_dict("records"):
+                e = self._engine(r["engine_id"])
+                e.steps = int(r["n_steps"])
+                for a in _STEP_SUMS:
+                    setattr(e, a, int(r[a]))
+            for r in finished.to_dict("records"):
+                self._engine(r["engine_id"]).finished_requests = int(r["n_requests"])
+            for r in exporter.to_dict("records"):
+                boot = self._engine(r["engine_id"]).exporter.setdefault(r["boot_id"], {})
+                for f in EXPORTER_FIELDS:
+                    v = _py(r.get(f.name))
+                    if v is not None:
+                        boot[f.name] = int(v)
+            if saved:
+                self._load_histograms(saved)
+
+    def _load_histograms(self, text: str) -> None:
+        data = json.loads(text)
+        if data.get("batch_les") != _BATCH_LES or data.get("kv_les") != _KV_LES:
+            return  # buckets changed: start the histograms afresh
+        for eid, h in data["engines"].items():
+            e = self._engine(eid)
+            e.batch_hist = np.array(h["batch"], dtype=np.int64)
+            e.kv_hist = np.array(h["kv"], dtype=np.int64)
+            e.batch_sum, e.kv_sum = float(h["batch_sum"]), float(h["kv_sum"])
+
+    def save(self, store: Any) -> None:
+        """Save the histograms (at a clean shutdown) for :meth:`rebuild`."""
+        with self._lock:
+            data = {
+                "batch_les": _BATCH_LES, "kv_les": _KV_LES,
+                "engines": {e.engine_id: {"batch": e.batch_hist.tolist(), "kv": e.kv_hist.tolist(),
+                                          "batch_sum": e.batch_sum, "kv_sum": e.kv_sum}
+                            for e in self._engines.values()},
+            }
+        store.save_state(_SAVED_KEY, json.dumps(data))
+
+    # -- exposition ------------------------------------------------------------------
+
+    def render(self) -> str:
+        """The Prometheus text exposition of everything, built fresh."""
+        w = TextWriter()
+        with self._lock:
+            engines = sorted(self._engines.values(), key=lambda e: e.engine_id)
+            for name, attr, help_text in _GAUGES:
+                w.family(name, "gauge", help_text)
+                for e in engines:
+                    v = getattr(e, attr)
+                    if v is not None:
+                        w.sample(name, e.labels, v)
+            for name, attr, help_text in _COUNTERS:
+                w.family(name, "counter", help_text)
+                for e in engines:
+                    w.sample(name, e.labels, getattr(e, attr))
+            w.family("kvscope_engine_step_batch_size", "histogram",
+                     "Running requests per engine step (one observation per step).")
+            for e in engines:
+                w.histogram("kvscope_engine_step_batch_size", e.labels, _BATCH_LES,
+                            e.batch_hist.tolist(), e.batch_sum)
+            w.family("kvscope_engine_step_kv_usage_ratio", "histogram",
+                     "KV-cache usage per engine step (one observation per step).")
+            for e in engines:
+                w.histogram("kvscope_engine_step_kv_usage_ratio", e.labels, _KV_LES,
+                            e.kv_hist.tolist(), e.kv_sum)
+            w.family("kvscope_engine_info", "gauge",
+                     "Engine identity and configuration from its latest hello (value 1).")
+            for e in engines:
+                if e.info is not None:
+                    w.sample("kvscope_engine_info", e.info, 1)
+            for f in EXPORTER_FIELDS:
+                name = f"kvscope_exporter_{f.name}_total"
+                w.family(name, "counter", f"Engine plugin: {f.doc} (summed over boots).")
+                for e in engines:
+                    w.sample(name, e.labels, sum(b.get(f.name, 0) for b in e.exporter.values()))
+            self._render_collector(w, len(engines))
+        return w.text()
+
+    def _render_collector(self, w: TextWriter, n_engines: int) -> None:
+        w.family("kvscope_collector_ingest_batches_total", "counter",
+                 "Ingest requests by outcome (stored, duplicate, rejected, failed).")
+        for result, n in self._batches.items():
+            w.sample("kvscope_collector_ingest_batches_total", label_str((("result", result),)), n)
+        w.family("kvscope_collector_rejected_batches_total", "counter",
+                 "Ingest requests rejected before reaching the store, by reason.")
+        for reason, n in sorted(self._rejected.items()):
+            w.sample("kvscope_collector_rejected_batches_total", label_str((("reason", reason),)), n)
+        w.family("kvscope_collector_ingest_ack_duration_seconds", "histogram",
+                 "Time from an ingest request's start to its answer (after commit).")
+        w.histogram("kvscope_collector_ingest_ack_duration_seconds", "", _ACK_LES,
+                    self._ack_hist.tolist(), self._ack_sum)
+        w.family("kvscope_collector_engines", "gauge", "Engines known to the collector.")
+        w.sample("kvscope_collector_engines", "", n_engines)
+        w.family("kvscope_collector_start_time_seconds", "gauge",
+                 "When this collector process started (unix seconds).")
+        w.sample("kvscope_collector_start_time_seconds", "", self.start_unix_s)
+        for name, (kind, help_text, fn) in sorted(self.extra.items()):
+            w.family(name, kind, help_text)
+            w.sample(name, "", fn())
+
+
+def _py(v: Any) -> Any:
+    """None for pandas/numpy missing values, plain Python scalars otherwise."""
+    if v is None or (np.isscalar(v) and pd.isna(v)) or v is pd.NA:
+        return None
+    return v.item() if hasattr(v, "item") else v
+
+
+def _hello_values(row: dict[str, Any]) -> dict[str, Any]:
+    """Hello fields of a stored row, typed as they arrive on the wire."""
+    out: dict[str, Any] = {}
+    for f in HELLO_FIELDS:
+        v = _py(row.get(f.name))
+        if v is not None:
+            v = {INT: int, FLOAT: float, BOOL: bool}.get(f.kind, str)(v)
+        out[f.name] = v
+    return out

@@ -1,0 +1,411 @@
+"""The collector's HTTP service (aiohttp).
+
+Routes:
+
+* ``POST /v1/ingest``: one gzip (or identity) JSON batch of the wire schema. Answers
+  ``200 {"status": "stored"|"duplicate", "need_hello": bool}`` only after the batch is
+  committed; ``400 {"error": ...}`` naming the field for malformed JSON or schema
+  errors, ``401`` for a missing/wrong bearer token (when one is configured), ``413``
+  for a body over ``max_body_bytes`` (as sent) or ``max_decompressed_bytes`` (inflated),
+  ``415`` for other content encodings, ``503`` (with ``Retry-After``) while overloaded
+  or shutting down, ``500`` if the store fails. A rejected batch leaves the store as
+  it was.
+* ``GET /metrics``: Prometheus text exposition (see :mod:`collector.metrics`).
+* ``GET /healthz``: ``{"status": "ok", ...}``, 503 when the writer is not running.
+* Read API (JSON): ``GET /v1/engines``, ``/v1/engines/{engine_id}/configs``,
+  ``/v1/windows``, ``/v1/steps``, ``/v1/requests``, ``/v1/request_stats``,
+  ``/v1/totals``. Parameters: ``engine``, ``pool``, ``since``, ``until`` (unix
+  seconds, ``now`` or a duration ago: ``90s``, ``30m``, ``2h``, ``7d``, ``1w``; ``since``
+  defaults to ``1h``), ``limit`` (rows, oldest first; default and maximum
+  ``read_row_limit``), ``fields`` (comma-separated columns to return), ``format``
+  (``records``, the default, or ``columns``),
+  ``group_by`` (request_stats: ``engine``, ``pool`` or ``all``) and ``source``
+  (totals: ``windows`` or ``steps``). The answer is
+  ``{"n_rows": N, "truncated": bool, "rows": [{column: value, ...}, ...]}`` or, with
+  ``format=columns``, ``{"n_rows": N, "truncated": bool, "columns": {column: [...]}}``;
+  missing values are ``null``. Unknown or invalid parameters get 400.
+
+The aiohttp server must not inflate bodies itself: use :func:`create_runner` (or
+``web.AppRunner(app, auto_decompress=False)``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import pandas as pd
+from aiohttp import web
+
+from collector._batch import PreparedBatch, parse_body
+from collector._http_body import BodyError, read_body
+from collector._params import ParamError, Query, parse_query
+from collector._writer import GroupCommitWriter, Overloaded, WriterClosed
+from collector.metrics import CONTENT_TYPE, FleetState
+from collector.settings import Settings
+from collector.store import Store
+from engine_plugins.schema import INGEST_PATH, SchemaError
+
+__all__ = ["Context", "RunningCollector", "context", "create_app", "create_runner", "serve", "start"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Context:
+    """What the handlers share; :func:`context` returns it once the app has started."""
+
+    settings: Settings
+    store: Store
+    writer: GroupCommitWriter
+    state: FleetState
+    executor: ThreadPoolExecutor
+
+
+class _Slot:
+    """Mutable holder: the context is created at startup, after the app is frozen."""
+
+    ctx: Context | None = None
+
+
+_SLOT: web.AppKey[_Slot] = web.AppKey("kvscope_slot", _Slot)
+
+
+def context(app: web.Application) -> Context:
+    """The handlers' shared context; raises if the app has not started."""
+    ctx = app[_SLOT].ctx
+    if ctx is None:
+        raise RuntimeError("the collector app has not started")
+    return ctx
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+# -- ingest ------------------------------------------------------------------------
+
+
+def _authorized(request: web.Request, token: str) -> bool:
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+async def _ingest(request: web.Request) -> web.Response:
+    t0 = time.perf_counter()
+    ctx = context(request.app)
+    s = ctx.settings
+
+    def reject(status: int, reason: str, message: str, **headers: str) -> web.Response:
+        ctx.state.record_rejection(reason)
+        return _error(status, message, headers or None)
+
+    if s.token is not None and not _authorized(request, s.token):
+        return reject(401, "unauthorized", "missing or wrong bearer token",
+                      **{"WWW-Authenticate": 'Bearer realm="kvscope"'})
+    try:
+        body = await read_body(request, s.max_body_bytes, s.max_decompressed_bytes)
+    except BodyError as exc:
+        return reject(exc.status, exc.reason, exc.message)
+    received = time.time()
+    try:
+        if len(body) > s.inline_parse_bytes:
+            loop = asyncio.get_running_loop()
+            batch: PreparedBatch = await loop.run_in_executor(ctx.executor, parse_body, body,
+                                                              received)
+        else:
+            batch = parse_body(body, received)
+    except SchemaError as exc:
+        msg = str(exc)
+        return reject(400, "bad_json" if msg.startswith("body:") else "schema", msg)
+    try:
+        fut = ctx.writer.submit(batch)
+    except Overloaded as exc:
+        return reject(503, "overloaded", f"collector overloaded: {exc}; retry later",
+                      **{"Retry-After": "1"})
+    except WriterClosed as exc:
+        return reject(503, "shutting_down", str(exc), **{"Retry-After": "5"})
+    try:
+        result = await asyncio.wrap_future(fut)
+    except Exception as exc:
+        log.error("storing batch %s/%s/%d failed: %s", batch.engine_id, batch.boot_id,
+                  batch.seq, exc)
+        return _error(500, f"store: the batch was not stored ({type(exc).__name__})")
+    ctx.state.observe_ack(time.perf_counter() - t0)
+    return web.json_response({"status": result.status, "need_hello": result.need_hello})
+
+
+# -- read API ----------------------------------------------------------------------
+
+_RANGE = ("engine", "pool", "since", "until", "limit", "format", "fields")
+
+
+def _frame_json(df: pd.DataFrame, fmt: str, truncated: bool) -> str:
+    head = f'{{"n_rows": {len(df)}, "truncated": {"true" if truncated else "false"}'
+    if fmt == "columns":
+        cols = ",".join(f"{json.dumps(str(c))}:{df[c].to_json(orient='records')}"
+                        for c in df.columns)
+        return f'{head}, "columns": {{{cols}}}}}'
+    return f'{head}, "rows": {df.to_json(orient="records")}}}'
+
+
+async def _read(request: web.Request, allowed: tuple[str, ...], default_since: str | None,
+                fn: Callable[[Store, Query], pd.DataFrame]) -> web.Response:
+    ctx = context(request.app)
+    try:
+        q = parse_query(request.query, allowed, default_since=default_since,
+                        max_limit=ctx.settings.read_row_limit)
+    except ParamError as exc:
+        return _error(400, str(exc))
+    limited = "limit" in allowed
+    # Ask for one row more than the limit to tell whether the answer was cut.
+    q_run = dataclasses.replace(q, limit=(q.limit or 0) + 1) if limited else q
+    loop = asyncio.get_running_loop()
+    df = await loop.run_in_executor(ctx.executor, fn, ctx.store, q_run)
+    truncated = limited and q.limit is not None and len(df) > q.limit
+    if truncated:
+        df = df.iloc[: q.limit]
+    if q.fields is not None:
+        unknown = [f for f in q.fields if f not in df.columns]
+        if unknown:
+            return _error(400, f"fields: unknown column(s) {', '.join(map(repr, unknown))}; "
+                               f"available: {', '.join(map(str, df.columns))}")
+        df = df[list(q.fields)]
+    text = await loop.run_in_executor(ctx.executor, _frame_json, df, q.format, truncated)
+    return web.Response(text=text, content_type="application/json")
+
+
+async def _engines(request: web.Request) -> web.Response:
+    return await _read(request, ("format", "fields"), None, lambda st, q: st.engines())
+
+
+async def _configs(request: web.Request) -> web.Response:
+    engine_id = request.match_info["engine_id"]
+    ctx = context(request.app)
+    loop = asyncio.get_running_loop()
+    engines = await loop.run_in_executor(ctx.executor, ctx.store.engines)
+    if engine_id not in set(engines["engine_id"]):
+        return _error(404, f"engine {engine_id!r} is not known")
+    return await _read(request, ("format",), None,
+                       lambda st, q: st.engine_configs(engine_id))
+
+
+def _range_reader(method: str) -> Callable[[Store, Query], pd.DataFrame]:
+    def run(st: Store, q: Query) -> pd.DataFrame:
+        return getattr(st, method)(q.engine_id, q.pool, q.since_unix_s, q.until_unix_s, q.limit)
+    return run
+
+
+async def _windows(request: web.Request) -> web.Response:
+    return await _read(request, _RANGE, "1h", _range_reader("windows"))
+
+
+async def _steps(request: web.Request) -> web.Response:
+    return await _read(request, _RANGE, "1h", _range_reader("steps"))
+
+
+async def _requests(request: web.Request) -> web.Response:
+    return await _read(request, _RANGE, "1h", _range_reader("requests"))
+
+
+async def _request_stats(request: web.Request) -> web.Response:
+    allowed = ("engine", "pool", "since", "until", "group_by", "format", "fields")
+    return await _read(request, allowed, "1h", lambda st, q: st.request_stats(
+        q.engine_id, q.pool, q.since_unix_s, q.until_unix_s, q.group_by))
+
+
+async def _totals(request: web.Request) -> web.Response:
+    return await _read(request, ("engine", "source", "format"), None,
+                       lambda st, q: st.totals(q.source, q.engine_id))
+
+
+# -- metrics and health ------------------------------------------------------------
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    ctx = context(request.app)
+    text = await asyncio.get_running_loop().run_in_executor(ctx.executor, ctx.state.render)
+    return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _healthz(request: web.Request) -> web.Response:
+    ctx = context(request.app)
+    ok = ctx.writer.alive and not ctx.store.closed
+    return web.json_response({
+        "status": "ok" if ok else "unavailable", "writer_alive": ctx.writer.alive,
+        "pending_batches": ctx.writer.pending_batches, "engines": ctx.state.n_engines,
+        "store_path": ctx.settings.store_path,
+    }, status=200 if ok else 503)
+
+
+# -- lifecycle ---------------------------------------------------------------------
+
+
+async def _retention_loop(ctx: Context) -> None:
+    s = ctx.settings
+    job = partial(ctx.store.apply_retention, s.raw_step_retention_s, s.ledger_retention_s)
+    while True:
+        try:
+            deleted = await asyncio.wrap_future(ctx.writer.call(job))
+            if any(deleted.values()):
+                log.info("retention deleted %s", deleted)
+        except WriterClosed:
+            return
+        except Exception:
+            log.exception("retention failed")
+        await asyncio.sleep(s.retention_interval_s)
+
+
+def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Application],
+                                                                     AsyncIterator[None]]:
+    async def ctx_manager(app: web.Application) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvscope-read")
+        store: Store | None = given
+        state = FleetState()
+        try:
+            if store is None:
+                store = await loop.run_in_executor(executor, Store, settings.store_path)
+            await loop.run_in_executor(executor, state.rebuild, store)
+        except BaseException:
+            if store is not None and given is None:
+                store.close()
+            executor.shutdown(wait=False)
+            raise
+        writer = GroupCommitWriter(store, max_group_batches=settings.max_group_batches,
+                                   max_pending_batches=settings.max_pending_batches,
+                                   linger_s=settings.group_commit_linger_s,
+                                   on_committed=state.apply).start()
+        state.extra["kvscope_collector_pending_batches"] = (
+            "gauge", "Batches received and waiting to be committed.",
+            lambda: writer.pending_batches)
+        state.extra["kvscope_collector_commit_groups_total"] = (
+            "counter", "Transactions (groups of batches) the writer has run.",
+            lambda: writer.groups_committed)
+        state.extra["kvscope_collector_last_commit_duration_seconds"] = (
+            "gauge", "Duration of the writer's latest group transaction.",
+            lambda: writer.last_group_s)
+        state.extra["kvscope_collector_last_commit_batches"] = (
+            "gauge", "Batches in the writer's latest group transaction.",
+            lambda: writer.last_group_size)
+        ctx = app[_SLOT].ctx = Context(settings, store, writer, state, executor)
+        retention = asyncio.create_task(_retention_loop(ctx), name="kvscope-retention")
+        try:
+            yield
+        finally:
+            retention.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await retention
+            await loop.run_in_executor(None, writer.close)
+            executor.shutdown(wait=True)
+            try:
+                state.save(store)
+            except Exception:
+                log.exception("saving metric state failed")
+            if given is None:
+                store.close()
+
+    return ctx_manager
+
+
+def create_app(settings: Settings, store: Store | None = None) -> web.Application:
+    """Build the application. With ``store=None`` the app opens ``settings.store_path``
+    at startup and closes it at cleanup; a given store stays open (the caller owns it)."""
+    app = web.Application(client_max_size=settings.max_body_bytes)
+    app[_SLOT] = _Slot()
+    app.cleanup_ctx.append(_lifecycle(settings, store))
+    app.router.add_post(INGEST_PATH, _ingest)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/healthz", _healthz)
+    app.router.add_get("/v1/engines", _engines)
+    app.router.add_get("/v1/engines/{engine_id}/configs", _configs)
+    app.router.add_get("/v1/windows", _windows)
+    app.router.add_get("/v1/steps", _steps)
+    app.router.add_get("/v1/requests", _requests)
+    app.router.add_get("/v1/request_stats", _request_stats)
+    app.router.add_get("/v1/totals", _totals)
+    return app
+
+
+def create_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
+    """An AppRunner with the settings the ingest path relies on (no auto-decompression,
+    no per-request access log)."""
+    kwargs.setdefault("access_log", None)
+    kwargs.setdefault("shutdown_timeout", 10.0)
+    return web.AppRunner(app, auto_decompress=False, **kwargs)
+
+
+@dataclass
+class RunningCollector:
+    """A started collector (see :func:`start`)."""
+
+    app: web.Application
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:8844``."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def ctx(self) -> Context:
+        """The shared handler context (store, writer, metrics state)."""
+        return context(self.app)
+
+    async def stop(self) -> None:
+        """Stop accepting, answer in-flight requests, flush the writer, close."""
+        await self.runner.cleanup()
+
+
+async def start(settings: Settings, store: Store | None = None) -> RunningCollector:
+    """Start the service on the running event loop; port 0 picks a free port."""
+    app = create_app(settings, store)
+    runner = create_runner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    port = runner.addresses[0][1]
+    return RunningCollector(app, runner, settings.host, int(port))
+
+
+def serve(settings: Settings) -> None:
+    """Run the collector until SIGINT or SIGTERM; then shut down gracefully."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve(settings))
+
+
+async def _serve(settings: Settings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    running = await start(settings)
+    log.info("kvscope collector listening on %s (store %s, ingest %s, metrics /metrics)",
+             running.url, settings.store_path, INGEST_PATH)
+    try:
+        await stop.wait()
+    finally:
+        log.info("kvscope collector shutting down")
+        await running.stop()
+        log.info("kvscope collector stopped")

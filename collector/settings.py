@@ -1,0 +1,89 @@
+"""The collector's settings: one typed, validated object.
+
+The CLI (``kvscope collector ...``) builds a :class:`Settings` from its flags; tests
+build one directly. Nothing else reads the environment or the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+MIB = 1024 * 1024
+HOUR_S = 3600.0
+DAY_S = 24 * HOUR_S
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the collector service needs to know at start."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on."""
+    port: int = 8844
+    """TCP port to listen on (0 picks a free port; the chosen one is logged)."""
+    store_path: str = "kvscope.duckdb"
+    """DuckDB file of the store (created if missing); ``:memory:`` for a throwaway store."""
+    token: str | None = None
+    """When set, ``POST /v1/ingest`` requires ``Authorization: Bearer <token>``."""
+    raw_step_retention_s: float = DAY_S
+    """Raw step rows older than this (by their ``ts_unix_s``) are deleted; 0 keeps them.
+    A step takes about 18 bytes on disk: 1,000 engines at 50 steps/s fill ~78 GB a day."""
+    ledger_retention_s: float = DAY_S
+    """Idempotency-ledger rows older than this are deleted; 0 keeps them. A batch resent
+    after its ledger row is gone would be stored again, so keep this far above any
+    sender's retry horizon (the plugin resends within seconds to minutes)."""
+    retention_interval_s: float = 60.0
+    """How often the retention task runs."""
+    max_body_bytes: int = 8 * MIB
+    """Largest accepted request body as sent (compressed); larger gets 413."""
+    max_decompressed_bytes: int = 64 * MIB
+    """Largest accepted body after decompression; larger gets 413 (bomb protection)."""
+    max_group_batches: int = 512
+    """Most batches the writer commits in one transaction (group commit)."""
+    group_commit_linger_s: float = 0.02
+    """After the first waiting batch, the writer waits this long for more before it
+    commits: fewer, larger transactions (each costs milliseconds) for a little latency."""
+    max_pending_batches: int = 20_000
+    """Validated batches waiting for the writer; beyond this ingest answers 503."""
+    inline_parse_bytes: int = 256 * 1024
+    """Bodies up to this size (decompressed) are parsed on the event loop; larger ones
+    in a worker thread, so one big batch does not stall the loop."""
+    read_row_limit: int = 1_000_000
+    """Upper bound on rows a single read-API call returns."""
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host: must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: must be in 0..65535, got {self.port}")
+        if not self.store_path:
+            raise ValueError("store_path: must not be empty")
+        if self.token is not None and not self.token.strip():
+            raise ValueError("token: must not be blank (leave it unset for no auth)")
+        for name in ("raw_step_retention_s", "ledger_retention_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 (0 keeps forever)")
+        if self.retention_interval_s <= 0:
+            raise ValueError("retention_interval_s: must be > 0")
+        positive = ("max_body_bytes", "max_decompressed_bytes", "max_group_batches",
+                    "max_pending_batches", "read_row_limit")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0")
+        if not 0 <= self.group_commit_linger_s <= 1:
+            raise ValueError("group_commit_linger_s: must be in 0..1")
+        if self.inline_parse_bytes < 0:
+            raise ValueError("inline_parse_bytes: must be >= 0")
+
+    def replace(self, **changes: object) -> Settings:
+        """Return a copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        # Never print the token.
+        fields = ", ".join(
+            f"{f.name}={'***' if f.name == 'token' and self.token else getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+        )
+        return f"Settings({fields})"

@@ -1,0 +1,257 @@
+"""The kvscope store: one DuckDB file holding engines, raw steps, 1-second windows,
+finished requests and the idempotency ledger.
+
+Writes go through one connection guarded by a lock (in the service, only the writer
+thread writes). :meth:`Store.ingest` commits a whole group of batches in one
+transaction; if that transaction fails it retries each batch in its own transaction,
+so one bad batch cannot fail the others. Reads run on per-thread cursors of the same
+database and see committed data only (DuckDB's snapshot isolation).
+
+Tables (see :mod:`collector._ddl` for every column):
+
+* ``engines``: current identity and configuration per ``engine_id`` (latest hello),
+  ``first_seen_unix_s``/``last_seen_unix_s`` (collector clock), ``last_step_unix_s``.
+* ``engine_configs``: one row per (engine_id, boot_id) hello: the configuration history.
+* ``steps``: engine_id, boot_id and the wire's STEP_FIELDS; deleted after the retention.
+* ``windows_1s``: per (engine_id, ts_s) aggregates of the steps (kept forever).
+* ``requests``: engine_id, boot_id and the wire's REQUEST_FIELDS.
+* ``ingested_batches``: the idempotency ledger, key (engine_id, boot_id, seq).
+* ``exporter_stats``: the plugin's cumulative counters per (engine_id, boot_id).
+* ``meta`` (store layout version) and ``saved_state`` (state kept across restarts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import duckdb
+import pandas as pd
+
+from collector import _reads
+from collector._batch import PreparedBatch
+from collector._ddl import TABLES, StoreVersionError, ensure_schema
+from collector._ingest import DUPLICATE, STORED, IngestResult, WriteCache, ingest_in_transaction
+
+__all__ = ["DUPLICATE", "STORED", "IngestResult", "Store", "StoreVersionError"]
+
+log = logging.getLogger(__name__)
+
+RECENT_BOOTS_S = 3600.0
+"""At open, the writer remembers the highest seq of boots that sent within this long."""
+
+
+class Store:
+    """A DuckDB-backed store; safe to read from many threads while one thread writes."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._con = duckdb.connect(path)
+        try:
+            ensure_schema(self._con)
+        except BaseException:
+            self._con.close()
+            raise
+        self._write_lock = threading.Lock()
+        self._read_root = self._con.cursor()
+        self._cursor_lock = threading.Lock()
+        self._cursors: list[Any] = []
+        self._local = threading.local()
+        self._closed = False
+        self._cache = WriteCache.load(self._con, time.time() - RECENT_BOOTS_S)
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close all connections (idempotent). DuckDB checkpoints the file on close."""
+        with self._write_lock, self._cursor_lock:
+            if self._closed:
+                return
+            self._closed = True
+            for cur in self._cursors:
+                cur.close()
+            self._cursors.clear()
+            self._read_root.close()
+            self._con.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return self._closed
+
+    # -- writes ----------------------------------------------------------------------
+
+    def ingest(self, batches: Sequence[PreparedBatch]) -> list[IngestResult | Exception]:
+        """Store a group of batches; return one result (or the exception) per batch.
+
+        Everything of the group is committed in one transaction before this returns.
+        If it fails, each batch is retried alone; a batch that fails alone gets its
+        exception in the returned list and leaves nothing behind.
+        """
+        batches = list(batches)
+        if not batches:
+            return []
+        with self._write_lock:
+            self._check_open()
+            try:
+                return list(self._ingest_tx(batches))
+            except Exception as exc:
+                if len(batches) == 1:
+                    return [exc]
+                log.warning("group of %d batches failed (%s); retrying one by one",
+                            len(batches), exc)
+            out: list[IngestResult | Exception] = []
+            for b in batches:
+                try:
+                    out.extend(self._ingest_tx([b]))
+                except Exception as exc:
+                    out.append(exc)
+            return out
+
+    def ingest_one(self, batch: PreparedBatch) -> IngestResult:
+        """Store one batch in its own transaction; raise on failure."""
+        res = self.ingest([batch])[0]
+        if isinstance(res, Exception):
+            raise res
+        return res
+
+    def _ingest_tx(self, batches: list[PreparedBatch]) -> list[IngestResult]:
+        con = self._con
+        con.execute("BEGIN TRANSACTION")
+        try:
+            results, added = ingest_in_transaction(con, batches, self._cache)
+            con.execute("COMMIT")
+        except BaseException:
+            # The failed transaction may already be rolled back.
+            with contextlib.suppress(duckdb.Error):
+                con.execute("ROLLBACK")
+            raise
+        self._cache.update(added)
+        return results
+
+    def delete_old_steps(self, older_than_unix_s: float) -> int:
+        """Delete raw steps with ``ts_unix_s`` < the cutoff; return how many."""
+        return self._delete("steps", "ts_unix_s", older_than_unix_s)
+
+    def delete_old_ledger(self, older_than_unix_s: float) -> int:
+        """Delete idempotency-ledger rows received before the cutoff; return how many."""
+        return self._delete("ingested_batches", "received_unix_s", older_than_unix_s)
+
+    def _delete(self, table: str, col: str, cutoff: float) -> int:
+        with self._write_lock:
+            self._check_open()
+            row = self._con.execute(f"DELETE FROM {table} WHERE {col} < ?", [cutoff]).fetchone()
+            return int(row[0]) if row else 0
+
+    def apply_retention(self, raw_step_retention_s: float, ledger_retention_s: float,
+                        now_unix_s: float | None = None) -> dict[str, int]:
+        """Delete steps and ledger rows past their retention (0 = keep); return counts."""
+        now = time.time() if now_unix_s is None else now_unix_s
+        out = {"steps": 0, "ingested_batches": 0}
+        if raw_step_retention_s > 0:
+            out["steps"] = self.delete_old_steps(now - raw_step_retention_s)
+        if ledger_retention_s > 0:
+            out["ingested_batches"] = self.delete_old_ledger(now - ledger_retention_s)
+        return out
+
+    def save_state(self, key: str, value: str) -> None:
+        """Keep a small text value (e.g. metric state) across restarts."""
+        with self._write_lock:
+            self._check_open()
+            self._con.execute(
+                "INSERT INTO saved_state VALUES (?, ?, ?) ON CONFLICT (key) DO UPDATE "
+                "SET value = excluded.value, saved_unix_s = excluded.saved_unix_s",
+                [key, value, time.time()],
+            )
+
+    def take_state(self, key: str) -> str | None:
+        """Return a value saved by :meth:`save_state` and delete it (None if absent)."""
+        with self._write_lock:
+            self._check_open()
+            row = self._con.execute("DELETE FROM saved_state WHERE key = ? RETURNING value",
+                                    [key]).fetchone()
+            return None if row is None else str(row[0])
+
+    def has_hello(self, engine_id: str, boot_id: str) -> bool:
+        """True when a hello of this (engine_id, boot_id) is stored."""
+        return (engine_id, boot_id) in self._cache.hello_keys
+
+    # -- reads -----------------------------------------------------------------------
+
+    def _cursor(self) -> Any:
+        cur = getattr(self._local, "cursor", None)
+        if cur is None:
+            with self._cursor_lock:
+                self._check_open()
+                cur = self._read_root.cursor()
+                self._cursors.append(cur)
+            self._local.cursor = cur
+        self._check_open()
+        return cur
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("store is closed")
+
+    def engines(self) -> pd.DataFrame:
+        """Columns: engine_id, boot_id, the hello fields, has_hello, hello_unix_s,
+        first_seen_unix_s, last_seen_unix_s, last_step_unix_s, last_boot_id."""
+        return _reads.engines(self._cursor())
+
+    def engine_configs(self, engine_id: str | None = None) -> pd.DataFrame:
+        """Columns: engine_id, boot_id, received_unix_s and the hello fields."""
+        return _reads.engine_configs(self._cursor(), engine_id)
+
+    def windows(self, engine_id: str | None = None, pool: str | None = None,
+                since_unix_s: float | None = None, until_unix_s: float | None = None,
+                limit: int | None = None) -> pd.DataFrame:
+        """Columns: engine_id, ts_s and the window aggregates (see ``_ddl``), pool, model."""
+        return _reads.windows(self._cursor(), engine_id, pool, since_unix_s, until_unix_s,
+                              limit)
+
+    def steps(self, engine_id: str | None = None, pool: str | None = None,
+              since_unix_s: float | None = None, until_unix_s: float | None = None,
+              limit: int | None = None) -> pd.DataFrame:
+        """Columns: engine_id, boot_id and the wire's STEP_FIELDS."""
+        return _reads.steps(self._cursor(), engine_id, pool, since_unix_s, until_unix_s, limit)
+
+    def requests(self, engine_id: str | None = None, pool: str | None = None,
+                 since_unix_s: float | None = None, until_unix_s: float | None = None,
+                 limit: int | None = None) -> pd.DataFrame:
+        """Columns: engine_id, boot_id and the wire's REQUEST_FIELDS."""
+        return _reads.requests(self._cursor(), engine_id, pool, since_unix_s, until_unix_s,
+                               limit)
+
+    def request_stats(self, engine_id: str | None = None, pool: str | None = None,
+                      since_unix_s: float | None = None, until_unix_s: float | None = None,
+                      group_by: str = "engine") -> pd.DataFrame:
+        """Latency percentiles and token sums of finished requests (see ``_reads``)."""
+        return _reads.request_stats(self._cursor(), engine_id, pool, since_unix_s,
+                                    until_unix_s, group_by)
+
+    def totals(self, source: str = "windows", engine_id: str | None = None) -> pd.DataFrame:
+        """Per-engine sums: engine_id, n_steps, preemptions, prompt_tokens,
+        generation_tokens, prefix_queries, prefix_hits; ``source`` steps or windows."""
+        return _reads.totals(self._cursor(), source, engine_id)
+
+    def finished_request_counts(self) -> pd.DataFrame:
+        """Columns: engine_id, n_requests."""
+        return _reads.finished_request_counts(self._cursor())
+
+    def exporter_stats(self, engine_id: str | None = None) -> pd.DataFrame:
+        """Columns: engine_id, boot_id, the EXPORTER_FIELDS, updated_unix_s."""
+        return _reads.exporter_stats(self._cursor(), engine_id)
+
+    def table_counts(self) -> dict[str, int]:
+        """Rows per table (for health checks and tests)."""
+        return _reads.table_counts(self._cursor(), tuple(TABLES))
