@@ -166,6 +166,10 @@ def _add_record(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated concurrency levels (default: 1,2,4,8,16,32)")
     p.add_argument("--duration", type=float, default=10.0,
                    help="seconds per level (default: 10)")
+    p.add_argument("--shared-prefix-words", type=int, default=40,
+                   help="words of shared prompt prefix, to exercise the prefix cache (default: 40)")
+    p.add_argument("--prefix-groups", type=int, default=4,
+                   help="number of distinct shared prefixes (default: 4)")
     p.add_argument("--workdir", default=".kvscope", help="model and log folder")
     p.set_defaults(func=_cmd_record)
 

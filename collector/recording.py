@@ -242,7 +242,8 @@ def record_real_run(args: Any) -> int:
             before = vllm_counter_totals(server.metrics_text())
             sweep = run_sweep(SweepConfig(
                 url=server.url, model="kvscope-demo", concurrency=levels,
-                duration_s=float(args.duration), shared_prefix_words=24, prefix_groups=8,
+                duration_s=float(args.duration), shared_prefix_words=args.shared_prefix_words,
+                prefix_groups=args.prefix_groups,
                 seed=1))
             print_table(sweep)
             time.sleep(3.0)  # let the exporter ship the last complete seconds

@@ -5,7 +5,8 @@ Routes:
 * ``POST /v1/ingest``: one gzip (or identity) JSON batch of the wire schema. Answers
   ``200 {"status": "stored"|"duplicate", "need_hello": bool}`` only after the batch is
   committed; ``400 {"error": ...}`` naming the field for malformed JSON or schema
-  errors, ``401`` for a missing/wrong bearer token (when one is configured), ``413``
+  errors, ``401`` for a missing/wrong bearer token (when one is configured; the read API and
+  ``/metrics`` need it too), ``413``
   for a body over ``max_body_bytes`` (as sent) or ``max_decompressed_bytes`` (inflated),
   ``415`` for other content encodings, ``503`` (with ``Retry-After``) while overloaded
   or shutting down, ``500`` if the store fails. A rejected batch leaves the store as
@@ -322,10 +323,26 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
     return ctx_manager
 
 
+def _read_auth(token: str | None) -> Callable[..., Any]:
+    """Middleware: with a token configured, every route but ``/healthz`` needs it
+    (ingest checks it itself, before reading the body)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Callable[..., Any]) -> Any:
+        if (token is not None and request.method != "POST" and request.path != "/healthz"
+                and not _authorized(request, token)):
+            return _error(401, "missing or wrong bearer token",
+                          {"WWW-Authenticate": 'Bearer realm="kvscope"'})
+        return await handler(request)
+
+    return middleware
+
+
 def create_app(settings: Settings, store: Store | None = None) -> web.Application:
     """Build the application. With ``store=None`` the app opens ``settings.store_path``
     at startup and closes it at cleanup; a given store stays open (the caller owns it)."""
-    app = web.Application(client_max_size=settings.max_body_bytes)
+    app = web.Application(client_max_size=settings.max_body_bytes,
+                          middlewares=[_read_auth(settings.token)])
     app[_SLOT] = _Slot()
     app.cleanup_ctx.append(_lifecycle(settings, store))
     app.router.add_post(INGEST_PATH, _ingest)

@@ -227,6 +227,22 @@ def test_token_required(make_collector: Any, auth: str | None) -> None:
     assert (status, answer["status"]) == (200, "stored")
 
 
+@pytest.mark.parametrize("path", ["/metrics", "/v1/engines", "/v1/windows?since=0",
+                                  "/v1/request_stats"])
+def test_token_protects_reads_and_metrics_but_not_healthz(make_collector: Any,
+                                                           path: str) -> None:
+    lc = make_collector(token="s3cret-token")
+    status, _, _ = http("GET", lc.url + path)
+    assert status == 401
+    status, _, _ = http("GET", lc.url + path, headers={"Authorization": "Bearer nope"})
+    assert status == 401
+    status, _, _ = http("GET", lc.url + path,
+                        headers={"Authorization": "Bearer s3cret-token"})
+    assert status == 200
+    status, _, _ = http("GET", lc.url + "/healthz")
+    assert status == 200
+
+
 def test_large_batch_parsed_off_loop(make_collector: Any) -> None:
     lc = make_collector(inline_parse_bytes=1000)
     b = batch(step_ts=[100.0 + i / 100 for i in range(500)])
