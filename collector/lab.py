@@ -35,7 +35,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from collector.process import free_port
 from collector.sweep.prompts import random_words
 
 __all__ = [
@@ -200,13 +200,6 @@ def _build_weights(spec: ModelSpec, tokenizer: Any) -> Any:
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config)
     return model.to(getattr(torch, spec.dtype))
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free now (the OS picks it; another process may take it later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class VllmServer:

@@ -1,14 +1,12 @@
 """Tests of the lab: the local model build, the server command line, /metrics parsing.
 
 Starting the real engine takes 30-60 s; it is exercised by the engine tests, not here.
-The metrics fixture is read from ``$KVSCOPE_FIXTURES_DIR`` (default: the shared
-``fixtures`` folder beside the repository).
+The metrics fixture is a real scrape of vLLM 0.32, kept in ``tests/fixtures``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import socket
 from pathlib import Path
@@ -27,12 +25,8 @@ from collector.lab import (
 )
 from collector.sweep.prompts import TOKENS_PER_WORD, random_words
 
-FIXTURES = Path(
-    os.environ.get(
-        "KVSCOPE_FIXTURES_DIR", Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-    )
-)
-METRICS_SAMPLE = FIXTURES / "vllm_metrics_sample.txt"
+METRICS_SAMPLE = Path(__file__).parent / "fixtures" / "vllm_metrics_sample.txt"
+"""A real scrape of vLLM 0.32's /metrics (CPU build)."""
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +130,6 @@ def test_free_port_is_bindable() -> None:
         sock.bind(("127.0.0.1", port))
 
 
-@pytest.mark.skipif(not METRICS_SAMPLE.is_file(), reason=f"{METRICS_SAMPLE} not present")
 def test_parse_real_vllm_metrics_sample() -> None:
     text = METRICS_SAMPLE.read_text()
     samples = parse_prometheus_text(text)
