@@ -1,0 +1,54 @@
+"""kvscope advisor: analyses of vLLM engine telemetry, frames in, findings out.
+
+Each analysis is a pure, deterministic function or sklearn-style detector over
+DataFrames (``__init__`` stores parameters, ``fit`` returns self, learned attributes
+end in ``_``); :func:`analyze` runs them all per engine and pool through a
+:class:`Source` and returns a versioned :class:`Report`.
+"""
+
+from advisor.analyze import analyze, analyze_frames
+from advisor.bottleneck import BottleneckClassifier
+from advisor.cap import ConcurrencyCap
+from advisor.capacity import KvCapacityModel, WhatIf, replica_whatif
+from advisor.curve import NotEnoughData, ThroughputCurve
+from advisor.findings import (
+    BOTTLENECKS,
+    SCHEMA_VERSION,
+    EngineVerdict,
+    Finding,
+    PoolVerdict,
+    Recommendation,
+    Report,
+    SchemaVersionError,
+    Scope,
+)
+from advisor.latency import LatencyVsLoad
+from advisor.sources import CollectorSource, FrameSource, Source, SourceError
+from advisor.steptime import StepTimeModel
+
+__all__ = [
+    "BOTTLENECKS",
+    "SCHEMA_VERSION",
+    "BottleneckClassifier",
+    "CollectorSource",
+    "ConcurrencyCap",
+    "EngineVerdict",
+    "Finding",
+    "FrameSource",
+    "KvCapacityModel",
+    "LatencyVsLoad",
+    "NotEnoughData",
+    "PoolVerdict",
+    "Recommendation",
+    "Report",
+    "SchemaVersionError",
+    "Scope",
+    "Source",
+    "SourceError",
+    "StepTimeModel",
+    "ThroughputCurve",
+    "WhatIf",
+    "analyze",
+    "analyze_frames",
+    "replica_whatif",
+]

@@ -1,0 +1,105 @@
+"""Shared frame preparation: derived per-window columns and load bins."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+_NUMERIC = ("n_steps", "batch_mean", "batch_p50", "batch_p90", "batch_max", "waiting_mean",
+            "deferred_mean", "kv_usage_mean", "kv_usage_max", "preemptions", "prompt_tokens",
+            "generation_tokens", "prefix_queries", "prefix_hits", "first_step_unix_s",
+            "last_step_unix_s")
+
+
+def prepare_windows(windows: pd.DataFrame) -> pd.DataFrame:
+    """Add ``load`` (in-flight: running + waiting + deferred), ``gen_tokens_per_s``,
+    ``total_tokens_per_s``, ``tokens_per_step``, ``steps_per_s`` and ``busy_ratio``
+    (the part of the second between the window's first and last step)."""
+    w = windows.copy()
+    for c in _NUMERIC:
+        w[c] = pd.to_numeric(w[c], errors="coerce") if c in w else np.nan
+    w["load"] = (w["batch_mean"].fillna(0.0) + w["waiting_mean"].fillna(0.0)
+                 + w["deferred_mean"].fillna(0.0))
+    w["gen_tokens_per_s"] = w["generation_tokens"].fillna(0.0)
+    w["total_tokens_per_s"] = w["gen_tokens_per_s"] + w["prompt_tokens"].fillna(0.0)
+    steps = w["n_steps"].fillna(0.0)
+    w["steps_per_s"] = steps
+    w["tokens_per_step"] = (w["total_tokens_per_s"] / steps.where(steps > 0)).astype(float)
+    span = (w["last_step_unix_s"] - w["first_step_unix_s"]).clip(lower=0.0)
+    # A window's steps cover [first, last] plus about one step after the last.
+    w["busy_ratio"] = (span + 1.0 / steps.where(steps > 0)).clip(upper=1.0)
+    return w
+
+
+def active_windows(w: pd.DataFrame, *, min_steps: int, min_load: float,
+                   min_busy_ratio: float) -> pd.DataFrame:
+    """Windows the engine worked through: enough steps, some load, busy most of the second."""
+    keep = (w["n_steps"] >= min_steps) & (w["load"] >= min_load)
+    busy = w["busy_ratio"]
+    keep &= busy.isna() | (busy >= min_busy_ratio)
+    return w[keep]
+
+
+def load_bins(load: np.ndarray, *, bins_per_doubling: int, min_count: int) -> np.ndarray:
+    """Log-spaced bin edges over ``load`` with every bin holding ``min_count`` values.
+
+    Starts from ``bins_per_doubling`` bins per factor of two, then merges each bin
+    short of ``min_count`` into its right neighbour (the last one into its left), so
+    bins stay contiguous and sparse load ranges do not make noisy medians.
+    """
+    load = np.asarray(load, dtype=float)
+    lo, hi = float(load.min()), float(load.max())
+    if hi <= lo * 1.0001:
+        return np.array([lo * 0.999, hi * 1.001])
+    n = max(1, math.ceil(math.log2(hi / lo) * bins_per_doubling))
+    edges = list(np.geomspace(lo, hi, n + 1))
+    edges[0], edges[-1] = lo * 0.999, hi * 1.001
+    while len(edges) > 2:
+        counts, _ = np.histogram(load, bins=np.asarray(edges))
+        short = [i for i, c in enumerate(counts) if c < min_count]
+        if not short:
+            break
+        i = short[0]
+        del edges[i + 1 if i < len(counts) - 1 else i]
+    return np.asarray(edges)
+
+
+def isotonic_increasing(y: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Weighted least-squares non-decreasing fit (pool adjacent violators)."""
+    vals: list[float] = []
+    wts: list[float] = []
+    sizes: list[int] = []
+    for yi, wi in zip(np.asarray(y, float), np.asarray(weights, float), strict=True):
+        vals.append(yi)
+        wts.append(wi)
+        sizes.append(1)
+        while len(vals) > 1 and vals[-2] > vals[-1]:
+            w2 = wts[-2] + wts[-1]
+            v2 = (vals[-2] * wts[-2] + vals[-1] * wts[-1]) / w2
+            s2 = sizes[-2] + sizes[-1]
+            del vals[-1], wts[-1], sizes[-1]
+            vals[-1], wts[-1], sizes[-1] = v2, w2, s2
+    return np.repeat(vals, sizes)
+
+
+def interp_crossing(x: np.ndarray, y: np.ndarray, level: float) -> float:
+    """Smallest x where the piecewise-linear y(x) (non-decreasing) reaches ``level``."""
+    if y[0] >= level:
+        return float(x[0])
+    for i in range(1, len(x)):
+        if y[i] >= level:
+            dy = y[i] - y[i - 1]
+            t = 1.0 if dy <= 0 else (level - y[i - 1]) / dy
+            return float(x[i - 1] + t * (x[i] - x[i - 1]))
+    return float(x[-1])
+
+
+def frame_of(df: pd.DataFrame, cols: list[str]) -> dict[str, list[object]]:
+    """A JSON-friendly dict of columns (NaN as None)."""
+    out: dict[str, list[object]] = {}
+    for c in cols:
+        vals = df[c].tolist() if c in df else []
+        out[c] = [None if isinstance(v, float) and not math.isfinite(v) else v for v in vals]
+    return out

@@ -1,0 +1,212 @@
+"""Run every analysis per engine and per pool and assemble the :class:`Report`.
+
+:func:`analyze` reads through a :class:`~advisor.sources.Source` (the only I/O) and
+hands frames to the pure analyses; :func:`analyze_frames` is the pure part. Per
+engine: throughput curve, bottleneck, step-time and KV capacity models, latency vs
+load, concurrency cap, and the recommendations that follow from the bottleneck.
+Per pool: summed plateaus and caps, and the one-more-replica what-if.
+Recommendations are ranked by expected gain (relative throughput gain, or relative
+P99 reduction for a cap).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import pandas as pd
+
+from advisor.bottleneck import BottleneckClassifier
+from advisor.cap import ConcurrencyCap
+from advisor.capacity import KvCapacityModel, replica_whatif
+from advisor.curve import NotEnoughData, ThroughputCurve
+from advisor.findings import (
+    EngineVerdict,
+    Finding,
+    PoolVerdict,
+    Recommendation,
+    Report,
+    Scope,
+)
+from advisor.latency import LatencyVsLoad
+from advisor.sources import Source
+from advisor.steptime import StepTimeModel
+
+
+def analyze(source: Source, since: float | None = None, until: float | None = None,
+            pool: str | None = None, *, slo_ttft_p99_s: float | None = None,
+            slo_e2e_p99_s: float | None = None, cap_fraction: float = 0.9) -> Report:
+    """Read engines, windows and requests from ``source`` and analyse them."""
+    engines = source.engines()
+    windows = source.windows(since, until, pool=pool)
+    requests = source.requests(since, until, pool=pool)
+    return analyze_frames(engines, windows, requests, since=since, until=until, pool=pool,
+                          slo_ttft_p99_s=slo_ttft_p99_s, slo_e2e_p99_s=slo_e2e_p99_s,
+                          cap_fraction=cap_fraction)
+
+
+def analyze_frames(engines: pd.DataFrame, windows: pd.DataFrame, requests: pd.DataFrame, *,
+                   since: float | None = None, until: float | None = None,
+                   pool: str | None = None, slo_ttft_p99_s: float | None = None,
+                   slo_e2e_p99_s: float | None = None, cap_fraction: float = 0.9) -> Report:
+    """The pure part of :func:`analyze`: frames in, report out."""
+    params = {"pool": pool, "slo_ttft_p99_s": slo_ttft_p99_s, "slo_e2e_p99_s": slo_e2e_p99_s,
+              "cap_fraction": cap_fraction}
+    report = Report(since_unix_s=since, until_unix_s=until, parameters=params)
+    if pool is not None and "pool" in engines:
+        engines = engines[engines["pool"] == pool]
+    for _, row in engines.sort_values("engine_id").iterrows():
+        cfg = {k: (None if _isnan(v) else v) for k, v in row.to_dict().items()}
+        eid = str(cfg["engine_id"])
+        w = windows[windows["engine_id"] == eid] if len(windows) else windows
+        r = (requests[requests["engine_id"] == eid]
+             if len(requests) and "engine_id" in requests else requests)
+        _engine(report, cfg, w, r, cap_fraction=cap_fraction, slo_ttft_p99_s=slo_ttft_p99_s,
+                slo_e2e_p99_s=slo_e2e_p99_s)
+    _pools(report)
+    report.recommendations.sort(key=lambda x: (-x.expected_gain, x.kind, str(x.scope.engine_id)))
+    return report
+
+
+def _isnan(v: Any) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def _engine(report: Report, cfg: dict[str, Any], w: pd.DataFrame, r: pd.DataFrame, *,
+            cap_fraction: float, slo_ttft_p99_s: float | None,
+            slo_e2e_p99_s: float | None) -> None:
+    eid, pool = str(cfg["engine_id"]), cfg.get("pool")
+    scope = Scope(engine_id=eid, pool=pool)
+    try:
+        curve = ThroughputCurve(knee_fraction=cap_fraction).fit(w)
+    except NotEnoughData as e:
+        report.engines.append(EngineVerdict(engine_id=eid, pool=pool,
+                                            bottleneck="insufficient_data", saturated=False,
+                                            headroom=str(e)))
+        return
+    report.findings.append(curve.finding(scope))
+    bn = BottleneckClassifier().fit(curve, cfg)
+    report.findings.extend(bn.findings(scope))
+    verdict = EngineVerdict(
+        engine_id=eid, pool=pool, bottleneck=bn.verdict_, saturated=curve.saturated_,
+        knee_concurrency=curve.knee_load_, plateau_tokens_per_s=curve.plateau_tokens_per_s_,
+        plateau_total_tokens_per_s=curve.plateau_total_tokens_per_s_,
+        max_load_seen=curve.max_load_, headroom=curve.headroom_text(),
+        approaching=None if curve.saturated_ else bn.label_, preemption_thrash=bn.thrash_,
+        confidence=bn.confidence_)
+    report.engines.append(verdict)
+
+    steps: StepTimeModel | None = None
+    try:
+        steps = StepTimeModel().fit(w)
+    except NotEnoughData:
+        steps = None
+    kv: KvCapacityModel | None = None
+    if steps is not None and len(r):
+        try:
+            kv = KvCapacityModel().fit(
+                r, cfg, steps, max_load=curve.max_load_,
+                observed_plateau_tokens_per_s=curve.plateau_tokens_per_s_,
+                observed_batch=bn.evidence_["batch_median"],
+                preemptions_per_s=bn.evidence_["preemptions_per_s"])
+            report.findings.append(kv.finding(scope))
+        except NotEnoughData:
+            kv = None
+
+    if len(r):
+        lat = LatencyVsLoad().fit(r, curve)
+        report.findings.append(lat.finding(scope))
+        verdict.p99_e2e_s_at_max_load = lat.p99_at(curve.max_load_)
+        if curve.saturated_:
+            cap = ConcurrencyCap(cap_fraction=cap_fraction, slo_ttft_p99_s=slo_ttft_p99_s,
+                                 slo_e2e_p99_s=slo_e2e_p99_s).fit(curve, lat)
+            verdict.recommended_concurrency_cap = cap.cap_
+            verdict.predicted_throughput_fraction_at_cap = cap.throughput_fraction_
+            verdict.predicted_p99_e2e_s_at_cap = cap.p99_e2e_s_at_cap_
+            report.recommendations.append(cap.recommendation(
+                scope, cfg, {"bottleneck": bn.verdict_, "knee_concurrency": curve.knee_load_}))
+
+    if kv is not None:
+        report.recommendations.extend(_config_recommendations(scope, bn, kv, steps, cfg))
+
+
+def _config_recommendations(scope: Scope, bn: BottleneckClassifier, kv: KvCapacityModel,
+                            steps: StepTimeModel | None, cfg: dict[str, Any]
+                            ) -> list[Recommendation]:
+    out: list[Recommendation] = []
+    base = kv.predicted_plateau_tokens_per_s_
+    if bn.label_ == "kv_cache_bound":
+        for wi in kv.whatifs_:
+            if wi.gain_ratio <= 0.01:
+                continue
+            out.append(Recommendation(
+                kind=f"whatif_{wi.name}", scope=scope,
+                summary=(f"{' '.join(wi.flags)}: room for {wi.kv_batch:.0f} sequences instead "
+                         f"of {kv.kv_batch_:.0f}; predicted plateau "
+                         f"{wi.plateau_tokens_per_s:,.0f} tok/s ({wi.gain_ratio:+.0%})"),
+                change={"vllm_flags": wi.flags},
+                expected_effect={"plateau_tokens_per_s": wi.plateau_tokens_per_s,
+                                 "gain_ratio": wi.gain_ratio, "kv_batch": wi.kv_batch,
+                                 "effective_batch": wi.effective_batch},
+                tradeoff=wi.assumption, confidence=0.5 if wi.extrapolated else 0.8,
+                expected_gain=wi.gain_ratio,
+                evidence={"num_gpu_blocks": wi.num_gpu_blocks, "extrapolated": wi.extrapolated}))
+    elif bn.label_ == "max_num_seqs_bound" and steps is not None:
+        cur = kv.max_num_seqs_
+        new = int(max(cur + 1, min(0.9 * kv.kv_batch_, math.ceil(kv.max_load_))))
+        eff = min(new, kv.kv_batch_, kv.max_load_)
+        plateau = float(steps.tokens_per_s(eff, kv.prompt_ratio_))
+        gain = plateau / base - 1.0 if base > 0 else 0.0
+        step_now = float(steps.step_s(cur, kv.prompt_ratio_ * cur)) * 1e3
+        step_new = float(steps.step_s(eff, kv.prompt_ratio_ * eff)) * 1e3
+        out.append(Recommendation(
+            kind="raise_max_num_seqs", scope=scope,
+            summary=(f"--max-num-seqs {new} (KV has room for {kv.kv_batch_:.0f} sequences, "
+                     f"batch pinned at {cur:.0f}): predicted plateau {plateau:,.0f} tok/s "
+                     f"({gain:+.0%})"),
+            change={"vllm_flags": [f"--max-num-seqs {new}"]},
+            expected_effect={"plateau_tokens_per_s": plateau, "gain_ratio": gain,
+                             "step_ms": step_new},
+            tradeoff=(f"each step takes {step_new:.1f} ms instead of {step_now:.1f} ms: "
+                      "inter-token latency grows by that factor, queueing shrinks"),
+            confidence=0.5 if eff > steps.batch_range_[1] * 1.25 else 0.8,
+            expected_gain=gain, evidence={"kv_batch": kv.kv_batch_, "load": kv.max_load_}))
+    elif bn.label_ == "token_budget_bound":
+        budget = bn.evidence_["max_num_batched_tokens"]
+        out.append(Recommendation(
+            kind="raise_max_num_batched_tokens", scope=scope,
+            summary=(f"steps are full at {budget:.0f} tokens: raise --max-num-batched-tokens "
+                     f"to {2 * budget:.0f} so long prefills do not hold the queue"),
+            change={"vllm_flags": [f"--max-num-batched-tokens {int(2 * budget)}"]},
+            expected_effect={"tokens_per_step_now": bn.evidence_["tokens_per_step_median"]},
+            tradeoff="longer steps: decoding requests see more inter-token latency during prefills",
+            confidence=0.5, expected_gain=0.0))
+    return out
+
+
+def _pools(report: Report) -> None:
+    by_pool: dict[str | None, list[EngineVerdict]] = {}
+    for v in report.engines:
+        by_pool.setdefault(v.pool, []).append(v)
+    for pool, vs in sorted(by_pool.items(), key=lambda kv: str(kv[0])):
+        plateaus = [v.plateau_tokens_per_s for v in vs if v.plateau_tokens_per_s is not None]
+        caps = [v.recommended_concurrency_cap for v in vs
+                if v.recommended_concurrency_cap is not None]
+        pv = PoolVerdict(
+            pool=pool, engine_ids=[v.engine_id for v in vs],
+            bottlenecks=dict(Counter(v.bottleneck for v in vs)),
+            plateau_tokens_per_s=sum(plateaus) if plateaus else None,
+            recommended_concurrency_cap=sum(caps) if caps else None,
+            engines_without_cap=[v.engine_id for v in vs if v.recommended_concurrency_cap is None])
+        report.pools.append(pv)
+        if pv.plateau_tokens_per_s:
+            rep = replica_whatif(pv.plateau_tokens_per_s, len(vs))
+            report.findings.append(Finding(
+                kind="pool_capacity", scope=Scope(pool=pool),
+                summary=(f"pool {pool}: {len(vs)} engine(s), plateau "
+                         f"{pv.plateau_tokens_per_s:,.0f} tok/s; one more replica: "
+                         f"{rep['plateau_tokens_per_s']:,.0f} tok/s ({rep['gain_ratio']:+.0%})"),
+                evidence={"plateau_tokens_per_s": pv.plateau_tokens_per_s,
+                          "concurrency_cap": pv.recommended_concurrency_cap,
+                          "one_more_replica": rep}))

@@ -1,0 +1,133 @@
+"""The concurrency cap: admission control that keeps most of the throughput and
+bounds the tail.
+
+Algorithm
+---------
+1. The cap is the smallest load (requests in flight) at which the fitted
+   throughput curve reaches ``cap_fraction`` of its plateau, rounded up to a whole
+   request.
+2. With an SLO (``slo_ttft_p99_s``, ``slo_e2e_p99_s``), the P99 at the cap
+   (:meth:`~advisor.latency.LatencyVsLoad.p99_at`) must meet it; if not, the cap is
+   lowered to the largest whole load whose interpolated P99 meets every SLO, and the
+   throughput share it keeps is reported lower. No such load: the SLO is
+   infeasible on this engine (``feasible_`` false), and the finding says so.
+3. Predicted effect at the cap: the fitted throughput as a share of the plateau, and
+   the P99 latencies the engine showed at that load, against the P99 at the highest
+   load seen (what an uncapped overload gives).
+
+Rendering: the cap ``C`` becomes vLLM ``--max-num-seqs min(C, current)`` and
+``--max-num-queued-reqs`` (a short queue of ``ceil(queue_share x C)``: the rest is
+rejected at once instead of queueing), a gateway cap (nginx ``limit_conn``, Gateway
+API / llm-d ``maxConcurrency``) of ``C`` per replica.
+
+Parameters
+----------
+cap_fraction : share of the plateau the cap must keep (default 0.9).
+slo_ttft_p99_s, slo_e2e_p99_s : optional P99 targets in seconds.
+queue_share : the engine-side queue allowed, as a share of the cap (default 0.25).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from advisor.curve import ThroughputCurve
+from advisor.findings import Recommendation, Scope
+from advisor.latency import LatencyVsLoad
+
+
+class ConcurrencyCap:
+    """Chooses the concurrency cap of one engine (see the module docstring)."""
+
+    def __init__(self, *, cap_fraction: float = 0.9, slo_ttft_p99_s: float | None = None,
+                 slo_e2e_p99_s: float | None = None, queue_share: float = 0.25) -> None:
+        self.cap_fraction = cap_fraction
+        self.slo_ttft_p99_s = slo_ttft_p99_s
+        self.slo_e2e_p99_s = slo_e2e_p99_s
+        self.queue_share = queue_share
+
+    def _meets(self, lat: LatencyVsLoad, load: float) -> bool:
+        for col, slo in (("ttft_s", self.slo_ttft_p99_s), ("e2e_s", self.slo_e2e_p99_s)):
+            if slo is not None:
+                v = lat.p99_at(load, col)
+                if not math.isfinite(v) or v > slo:
+                    return False
+        return True
+
+    def fit(self, curve: ThroughputCurve, latency: LatencyVsLoad) -> ConcurrencyCap:
+        plateau = curve.plateau_tokens_per_s_
+        x = curve.bins_["load"].to_numpy(float)
+        fit = curve.bins_["gen_fit"].to_numpy(float)
+        target = self.cap_fraction * plateau
+        crossing = next((i for i, v in enumerate(fit) if v >= target), len(fit) - 1)
+        if crossing == 0:
+            load = x[0]
+        else:
+            dy = fit[crossing] - fit[crossing - 1]
+            t = 1.0 if dy <= 0 else (target - fit[crossing - 1]) / dy
+            load = x[crossing - 1] + t * (x[crossing] - x[crossing - 1])
+        cap = max(1, math.ceil(load - 1e-9))
+        self.slo_limited_ = False
+        self.feasible_ = True
+        if not self._meets(latency, cap):
+            ok = [c for c in range(cap - 1, 0, -1) if self._meets(latency, c)]
+            self.slo_limited_ = True
+            if ok:
+                cap = ok[0]
+            else:
+                self.feasible_ = False
+        self.cap_ = int(cap)
+        self.throughput_fraction_ = float(np.interp(cap, x, fit) / plateau) if plateau > 0 else math.nan
+        self.p99_e2e_s_at_cap_ = latency.p99_at(cap, "e2e_s")
+        self.p99_ttft_s_at_cap_ = latency.p99_at(cap, "ttft_s")
+        self.p99_e2e_s_at_max_ = latency.p99_at(curve.max_load_, "e2e_s")
+        self.p99_ttft_s_at_max_ = latency.p99_at(curve.max_load_, "ttft_s")
+        self.max_load_ = curve.max_load_
+        return self
+
+    def tradeoff(self) -> str:
+        p_cap, p_max = self.p99_e2e_s_at_cap_, self.p99_e2e_s_at_max_
+        lat = (f", e2e P99 {p_cap:.2f} s instead of {p_max:.2f} s at {self.max_load_:.0f} in "
+               "flight" if math.isfinite(p_cap) and math.isfinite(p_max) else "")
+        slo = " (lowered to meet the SLO)" if self.slo_limited_ and self.feasible_ else ""
+        bad = "; the SLO cannot be met on this engine at any load" if not self.feasible_ else ""
+        return (f"cap {self.cap_}: {self.throughput_fraction_:.0%} of peak throughput{lat}"
+                f"{slo}{bad}; requests beyond the cap wait at the gateway or are rejected")
+
+    def recommendation(self, scope: Scope, config: dict[str, Any],
+                       evidence: dict[str, Any] | None = None) -> Recommendation:
+        c = self.cap_
+        try:
+            current = int(config.get("max_num_seqs") or 0)
+        except (TypeError, ValueError):
+            current = 0
+        seqs = min(c, current) if current > 0 else c
+        queued = max(1, math.ceil(self.queue_share * c))
+        change = {
+            "concurrency_cap": c,
+            "vllm_flags": [f"--max-num-seqs {seqs}", f"--max-num-queued-reqs {queued}"],
+            "gateway": {
+                "nginx": f"limit_conn_zone $server_name zone=vllm_conn:1m; limit_conn vllm_conn {c};",
+                "gateway_api_maxConcurrency": c,
+            },
+        }
+        gain = 0.0
+        if math.isfinite(self.p99_e2e_s_at_cap_) and self.p99_e2e_s_at_max_ > 0:
+            gain = 1.0 - self.p99_e2e_s_at_cap_ / self.p99_e2e_s_at_max_
+        return Recommendation(
+            kind="concurrency_cap", scope=scope,
+            summary=f"cap concurrency at {c} requests in flight per replica",
+            change=change,
+            expected_effect={"throughput_fraction": self.throughput_fraction_,
+                             "p99_e2e_s": self.p99_e2e_s_at_cap_,
+                             "p99_ttft_s": self.p99_ttft_s_at_cap_,
+                             "p99_e2e_s_uncapped": self.p99_e2e_s_at_max_,
+                             "p99_ttft_s_uncapped": self.p99_ttft_s_at_max_},
+            tradeoff=self.tradeoff(), confidence=1.0 if self.feasible_ else 0.3,
+            expected_gain=max(0.0, gain),
+            evidence={"cap_fraction": self.cap_fraction, "slo_ttft_p99_s": self.slo_ttft_p99_s,
+                      "slo_e2e_p99_s": self.slo_e2e_p99_s, "slo_limited": self.slo_limited_,
+                      "feasible": self.feasible_, **(evidence or {})})

@@ -1,0 +1,182 @@
+"""Throughput against load: the plateau, the knee, and whether load went past it.
+
+Algorithm
+---------
+1. **Load per window** is the number of requests in flight at the engine: the mean
+   running batch plus the mean waiting (and deferred) queue over the window's steps.
+   It is measured at the engine, not at the client, so it reflects what the engine
+   was asked to do: a closed-loop sweep at concurrency C shows load ~C, passive
+   traffic shows load = arrival rate x time in system (Little's law), and a
+   front end that starves the engine shows the low load the engine really saw. The
+   running batch alone would not do: it stops at the ceiling and could never show
+   load *past* the knee; the waiting queue is what grows there.
+2. **Windows kept**: at least ``min_steps`` steps, load at least ``min_load``, and
+   steps spread over at least ``min_busy_ratio`` of the second (a second in which
+   the engine started or went idle has a step-averaged load that overstates the
+   time-averaged one, and a throughput that understates it).
+3. **Bins**: log-spaced in load, ``bins_per_doubling`` per factor of two, bins with
+   fewer than ``min_count`` windows merged into a neighbour; per bin the median load,
+   median generation tokens/s and median total (prompt + generation) tokens/s.
+   Medians make one slow second (a burst of completions, a GC pause) harmless;
+   merging makes uneven coverage (long stretches at one load level) harmless.
+4. **Monotone fit**: weighted isotonic regression (pool adjacent violators, weights =
+   windows per bin) of the bin medians against load. Throughput of a continuous
+   batching engine does not truly fall with more offered load unless something
+   thrashes, which the raw medians still show (``drop_past_peak_``).
+5. **Plateau** = the top of the fitted curve. **Knee** = the smallest load at which the
+   fitted curve (linear between bins) reaches ``knee_fraction`` of the plateau. A
+   fraction rule, rather than a max-distance (kneedle) rule, reads directly as
+   "beyond this load at most 10% more throughput is to be had", is stable when only
+   a few load levels exist, and matches the concurrency cap's definition (the
+   smallest load keeping 90% of the plateau). 0.9 rather than 0.95 because plateaus
+   of real engines drift by a few percent (a plateau that creeps up 6% over a
+   doubling of load would otherwise drag the knee far past where the batch stopped
+   growing).
+6. **Saturated** when the highest load bin lies at least ``saturation_margin`` times
+   beyond the knee: only then has throughput been seen *not* to grow. Otherwise the
+   engine is not saturated; ``growth_last_doubling_`` (relative throughput gain over
+   the last doubling of load in the data) says how much it was still growing.
+
+Parameters
+----------
+knee_fraction : share of the plateau that defines the knee (default 0.9).
+saturation_margin : the highest load bin must be this multiple of the knee to call
+    the engine saturated (default 1.5).
+bins_per_doubling : log-spaced bins per factor of two in load (default 2).
+min_count : windows per bin at least (default 3).
+min_steps, min_load, min_busy_ratio : window filters (defaults 5, 0.5, 0.6).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from advisor._frames import (
+    active_windows,
+    frame_of,
+    interp_crossing,
+    isotonic_increasing,
+    load_bins,
+    prepare_windows,
+)
+from advisor.findings import Finding, Scope
+
+
+class NotEnoughData(ValueError):
+    """Too few usable windows to draw a curve."""
+
+
+class ThroughputCurve:
+    """Throughput-vs-load curve of one engine (see the module docstring)."""
+
+    def __init__(self, *, knee_fraction: float = 0.9, saturation_margin: float = 1.5,
+                 bins_per_doubling: int = 2, min_count: int = 3, min_steps: int = 5,
+                 min_load: float = 0.5, min_busy_ratio: float = 0.6) -> None:
+        self.knee_fraction = knee_fraction
+        self.saturation_margin = saturation_margin
+        self.bins_per_doubling = bins_per_doubling
+        self.min_count = min_count
+        self.min_steps = min_steps
+        self.min_load = min_load
+        self.min_busy_ratio = min_busy_ratio
+
+    def fit(self, windows: pd.DataFrame) -> ThroughputCurve:
+        """Fit on one engine's 1-second windows (collector ``windows_1s`` columns)."""
+        if not 0 < self.knee_fraction <= 1:
+            raise ValueError(f"knee_fraction must be in (0, 1], got {self.knee_fraction}")
+        w = active_windows(prepare_windows(windows), min_steps=self.min_steps,
+                           min_load=self.min_load, min_busy_ratio=self.min_busy_ratio)
+        if len(w) < max(2 * self.min_count, 4):
+            raise NotEnoughData(f"{len(w)} usable windows; need {max(2 * self.min_count, 4)}")
+        edges = load_bins(w["load"].to_numpy(), bins_per_doubling=self.bins_per_doubling,
+                          min_count=self.min_count)
+        w = w.assign(bin=np.clip(np.searchsorted(edges, w["load"], side="right") - 1,
+                                 0, len(edges) - 2))
+        g = w.groupby("bin")
+        bins = pd.DataFrame({
+            "load": g["load"].median(),
+            "load_lo": g["load"].min(),
+            "load_hi": g["load"].max(),
+            "n_windows": g.size(),
+            "gen_tokens_per_s": g["gen_tokens_per_s"].median(),
+            "total_tokens_per_s": g["total_tokens_per_s"].median(),
+            "batch": g["batch_mean"].median(),
+            "waiting": g["waiting_mean"].median(),
+            "kv_usage": g["kv_usage_mean"].median(),
+            "preemptions_per_s": g["preemptions"].mean(),
+            "steps_per_s": g["steps_per_s"].median(),
+        }).reset_index(drop=True)
+        weights = bins["n_windows"].to_numpy(float)
+        bins["gen_fit"] = isotonic_increasing(bins["gen_tokens_per_s"].to_numpy(), weights)
+        bins["total_fit"] = isotonic_increasing(bins["total_tokens_per_s"].to_numpy(), weights)
+        self.windows_ = w
+        self.bins_ = bins
+        x = bins["load"].to_numpy(float)
+        fit = bins["gen_fit"].to_numpy(float)
+        self.plateau_tokens_per_s_ = float(fit.max())
+        self.plateau_total_tokens_per_s_ = float(bins["total_fit"].max())
+        self.knee_load_ = interp_crossing(x, fit, self.knee_fraction * self.plateau_tokens_per_s_)
+        self.max_load_ = float(x[-1])
+        self.saturated_ = bool(len(x) > 1 and self.max_load_ >= self.saturation_margin
+                               * self.knee_load_)
+        raw = bins["gen_tokens_per_s"].to_numpy(float)
+        self.peak_load_ = float(x[int(np.argmax(raw))])
+        self.drop_past_peak_ = float(1.0 - raw[-1] / raw.max()) if raw.max() > 0 else 0.0
+        self.growth_last_doubling_ = self._growth(x, fit)
+        return self
+
+    @staticmethod
+    def _growth(x: np.ndarray, fit: np.ndarray) -> float | None:
+        half = x[-1] / 2.0
+        if len(x) < 2 or half < x[0]:
+            return None
+        at_half = float(np.interp(half, x, fit))
+        return float(fit[-1] / at_half - 1.0) if at_half > 0 else None
+
+    def predict(self, load: float | np.ndarray) -> np.ndarray:
+        """Fitted generation tokens/s at the given load(s) (flat beyond the data)."""
+        return np.interp(np.asarray(load, float), self.bins_["load"].to_numpy(float),
+                         self.bins_["gen_fit"].to_numpy(float))
+
+    def headroom_text(self) -> str:
+        if self.saturated_:
+            g = self.growth_last_doubling_
+            grow = f"; {g:+.0%} throughput over the last doubling" if g is not None else ""
+            return (f"saturated: load reached {self.max_load_:.1f} in flight, "
+                    f"{self.max_load_ / self.knee_load_:.1f}x the knee{grow}")
+        g = self.growth_last_doubling_
+        grow = f" (it grew {g:+.0%} over the last doubling)" if g is not None else ""
+        return (f"not saturated: highest load seen {self.max_load_:.1f} in flight, "
+                f"throughput still rising{grow}; the plateau lies beyond the observed range")
+
+    def finding(self, scope: Scope) -> Finding:
+        """The curve as a finding, with the binned frame for a plot."""
+        n = int(self.bins_["n_windows"].sum())
+        summary = (f"throughput plateau {self.plateau_tokens_per_s_:,.0f} generated tok/s "
+                   f"({self.plateau_total_tokens_per_s_:,.0f} total), knee at "
+                   f"{self.knee_load_:.1f} requests in flight; {self.headroom_text()}")
+        conf = min(1.0, n / 40.0) * min(1.0, len(self.bins_) / 4.0)
+        return Finding(
+            kind="throughput_curve", scope=scope, summary=summary,
+            severity="warning" if self.saturated_ else "info", confidence=round(conf, 3),
+            evidence={
+                "plateau_tokens_per_s": self.plateau_tokens_per_s_,
+                "plateau_total_tokens_per_s": self.plateau_total_tokens_per_s_,
+                "knee_concurrency": self.knee_load_, "saturated": self.saturated_,
+                "max_load": self.max_load_, "peak_load": self.peak_load_,
+                "drop_past_peak_ratio": self.drop_past_peak_,
+                "growth_last_doubling_ratio": self.growth_last_doubling_,
+                "knee_fraction": self.knee_fraction, "n_windows": n,
+                "n_bins": len(self.bins_),
+            },
+            frame=frame_of(self.bins_, list(self.bins_.columns)),
+        )
+
+
+def fitted_at(curve: ThroughputCurve, load: float) -> float:
+    """Fitted throughput at ``load`` as a share of the plateau."""
+    p = curve.plateau_tokens_per_s_
+    return float(curve.predict(load)) / p if p > 0 and math.isfinite(p) else math.nan

@@ -1,0 +1,235 @@
+"""Typed, versioned results of the analyses: findings, recommendations, verdicts, report.
+
+Every result is a plain dataclass that round-trips through JSON (``to_dict`` /
+``from_dict``); :class:`Report` carries ``schema_version``, bumped on a change an
+older reader would misread. Renderers (CLI, dashboard, ``/metrics``) only present
+these objects; they never recompute.
+
+Conventions: numbers carry their unit in the key (``tokens_per_s``, ``_s``,
+``_ratio``); a *frame* is a dict of equal-length columns (``{column: [values]}``),
+the data behind a finding's plot; ``scope`` names the engine and/or pool the result
+is about (``engine_id`` is ``None`` for a pool-level result).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA_VERSION = 1
+"""Version of the report's JSON layout."""
+
+Frame = dict[str, list[Any]]
+
+#: Bottleneck labels an engine verdict can carry.
+BOTTLENECKS = (
+    "kv_cache_bound",
+    "max_num_seqs_bound",
+    "token_budget_bound",
+    "compute_bound",
+    "not_saturated",
+    "insufficient_data",
+)
+SEVERITIES = ("info", "warning", "critical")
+
+
+class SchemaVersionError(ValueError):
+    """A report was written with a schema version this kvscope cannot read."""
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe copy: numpy scalars to Python, NaN/inf to None, tuples to lists."""
+    if isinstance(v, dict):
+        return {str(k): _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    if hasattr(v, "item") and not isinstance(v, (str, bytes)):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a result is about: one engine of a pool, or a whole pool."""
+
+    engine_id: str | None = None
+    pool: str | None = None
+
+
+@dataclass
+class Finding:
+    """One observation with its evidence.
+
+    ``kind`` names the analysis result (``throughput_curve``, ``bottleneck``,
+    ``kv_capacity``, ``latency_vs_load``, ``preemption_thrash``...); ``evidence`` holds
+    the numbers the summary states; ``frame`` the columns behind its plot.
+    """
+
+    kind: str
+    scope: Scope
+    summary: str
+    severity: str = "info"
+    confidence: float = 1.0
+    evidence: dict[str, Any] = field(default_factory=dict)
+    frame: Frame | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return _clean(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Finding:
+        return cls(kind=d["kind"], scope=Scope(**d["scope"]), summary=d["summary"],
+                   severity=d.get("severity", "info"), confidence=d.get("confidence", 1.0),
+                   evidence=dict(d.get("evidence") or {}), frame=d.get("frame"))
+
+
+@dataclass
+class Recommendation:
+    """A concrete change with its predicted effect.
+
+    ``change`` holds what to apply, e.g. ``{"vllm_flags": ["--max-num-seqs 12"],
+    "gateway": {"nginx": "limit_conn perserver 12;", "gateway_api_maxConcurrency": 12}}``;
+    ``expected_effect`` the predicted numbers (``throughput_fraction``,
+    ``plateau_tokens_per_s``, ``p99_e2e_s``...); ``expected_gain`` one number used to
+    rank recommendations (relative throughput gain, or relative P99 reduction).
+    """
+
+    kind: str
+    scope: Scope
+    summary: str
+    change: dict[str, Any]
+    expected_effect: dict[str, Any]
+    tradeoff: str = ""
+    confidence: float = 1.0
+    expected_gain: float = 0.0
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _clean(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Recommendation:
+        return cls(kind=d["kind"], scope=Scope(**d["scope"]), summary=d["summary"],
+                   change=dict(d["change"]), expected_effect=dict(d["expected_effect"]),
+                   tradeoff=d.get("tradeoff", ""), confidence=d.get("confidence", 1.0),
+                   expected_gain=d.get("expected_gain", 0.0),
+                   evidence=dict(d.get("evidence") or {}))
+
+
+@dataclass
+class EngineVerdict:
+    """The answer for one engine: where its throughput stops growing, why, what cap.
+
+    ``bottleneck`` is one of :data:`BOTTLENECKS`; when the engine is not saturated,
+    ``approaching`` names the ceiling the top of the observed load range points to.
+    ``knee_concurrency`` and caps are in in-flight requests (running + waiting).
+    """
+
+    engine_id: str
+    pool: str | None
+    bottleneck: str
+    saturated: bool
+    knee_concurrency: float | None = None
+    plateau_tokens_per_s: float | None = None
+    plateau_total_tokens_per_s: float | None = None
+    max_load_seen: float | None = None
+    headroom: str = ""
+    approaching: str | None = None
+    preemption_thrash: bool = False
+    recommended_concurrency_cap: int | None = None
+    predicted_throughput_fraction_at_cap: float | None = None
+    predicted_p99_e2e_s_at_cap: float | None = None
+    p99_e2e_s_at_max_load: float | None = None
+    confidence: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return _clean(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineVerdict:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class PoolVerdict:
+    """A pool (deployment) summed over its engines."""
+
+    pool: str | None
+    engine_ids: list[str]
+    bottlenecks: dict[str, int]
+    plateau_tokens_per_s: float | None = None
+    recommended_concurrency_cap: int | None = None
+    engines_without_cap: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _clean(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PoolVerdict:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class Report:
+    """Everything one ``analyze`` run found, per engine and per pool."""
+
+    since_unix_s: float | None
+    until_unix_s: float | None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    engines: list[EngineVerdict] = field(default_factory=list)
+    pools: list[PoolVerdict] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    recommendations: list[Recommendation] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+
+    def engine(self, engine_id: str) -> EngineVerdict:
+        """The verdict of one engine (KeyError when absent)."""
+        for v in self.engines:
+            if v.engine_id == engine_id:
+                return v
+        raise KeyError(engine_id)
+
+    def findings_of(self, kind: str, engine_id: str | None = None) -> list[Finding]:
+        return [f for f in self.findings
+                if f.kind == kind and (engine_id is None or f.scope.engine_id == engine_id)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "since_unix_s": _clean(self.since_unix_s),
+            "until_unix_s": _clean(self.until_unix_s),
+            "parameters": _clean(self.parameters),
+            "engines": [v.to_dict() for v in self.engines],
+            "pools": [v.to_dict() for v in self.pools],
+            "findings": [f.to_dict() for f in self.findings],
+            "recommendations": [r.to_dict() for r in self.recommendations],
+        }
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Report:
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"report schema_version {version!r}; this kvscope reads {SCHEMA_VERSION}")
+        return cls(
+            since_unix_s=d.get("since_unix_s"), until_unix_s=d.get("until_unix_s"),
+            parameters=dict(d.get("parameters") or {}),
+            engines=[EngineVerdict.from_dict(x) for x in d.get("engines", [])],
+            pools=[PoolVerdict.from_dict(x) for x in d.get("pools", [])],
+            findings=[Finding.from_dict(x) for x in d.get("findings", [])],
+            recommendations=[Recommendation.from_dict(x) for x in d.get("recommendations", [])],
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Report:
+        return cls.from_dict(json.loads(text))

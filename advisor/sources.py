@@ -1,0 +1,151 @@
+"""Where the advisor reads its frames from.
+
+A :class:`Source` answers three questions with DataFrames whose columns follow the
+kvscope store (see the collector's read API): ``engines()`` (identity and
+configuration, one row per engine), ``windows(...)`` (1-second windows per engine)
+and ``requests(...)`` (finished requests). Times are unix seconds, half-open
+``since <= t < until``; ``None`` leaves a side open.
+
+* :class:`CollectorSource` reads a kvscope collector over HTTP (standard library
+  ``urllib``), asking for ``format=columns`` and paging when an answer is truncated.
+* :class:`FrameSource` serves DataFrames held in memory (tests, notebooks, files).
+
+The advisor never imports the collector's service code; this module is the only
+place that knows the read API's URLs.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any, Protocol, runtime_checkable
+
+import pandas as pd
+
+
+class SourceError(RuntimeError):
+    """A source could not deliver (collector unreachable, bad answer)."""
+
+
+@runtime_checkable
+class Source(Protocol):
+    """The advisor's view of a telemetry store."""
+
+    def engines(self) -> pd.DataFrame: ...
+
+    def windows(self, since: float | None = None, until: float | None = None,
+                engine: str | None = None, pool: str | None = None) -> pd.DataFrame: ...
+
+    def requests(self, since: float | None = None, until: float | None = None,
+                 engine: str | None = None, pool: str | None = None) -> pd.DataFrame: ...
+
+
+def _in_range(df: pd.DataFrame, col: str, since: float | None, until: float | None,
+              engine: str | None, pool: str | None, pools: pd.DataFrame) -> pd.DataFrame:
+    out = df
+    if engine is not None and "engine_id" in out:
+        out = out[out["engine_id"] == engine]
+    if pool is not None and "engine_id" in out:
+        ids = set(pools.loc[pools["pool"] == pool, "engine_id"]) if "pool" in pools else set()
+        out = out[out["engine_id"].isin(ids)]
+    if col in out:
+        if since is not None:
+            out = out[out[col] >= since]
+        if until is not None:
+            out = out[out[col] < until]
+    return out.reset_index(drop=True)
+
+
+class FrameSource:
+    """A source over in-memory DataFrames (same columns as the collector's read API)."""
+
+    def __init__(self, engines: pd.DataFrame, windows: pd.DataFrame,
+                 requests: pd.DataFrame | None = None) -> None:
+        self._engines = engines.reset_index(drop=True)
+        self._windows = windows.reset_index(drop=True)
+        self._requests = (requests if requests is not None else pd.DataFrame()).reset_index(
+            drop=True)
+
+    def engines(self) -> pd.DataFrame:
+        return self._engines.copy()
+
+    def windows(self, since: float | None = None, until: float | None = None,
+                engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+        return _in_range(self._windows, "ts_s", since, until, engine, pool, self._engines)
+
+    def requests(self, since: float | None = None, until: float | None = None,
+                 engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+        return _in_range(self._requests, "finished_unix_s", since, until, engine, pool,
+                         self._engines)
+
+
+class CollectorSource:
+    """A source reading a kvscope collector's query API over HTTP.
+
+    ``url`` is the collector's base URL; ``token`` its bearer token when one is
+    configured; ``timeout_s`` bounds each HTTP request; ``page_rows`` is the row limit
+    asked per request (the collector may cap it lower: truncated answers are paged).
+    """
+
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0,
+                 page_rows: int = 200_000) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+        self.page_rows = page_rows
+
+    def _get(self, path: str, params: dict[str, Any]) -> dict[str, Any]:
+        q = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+        req = urllib.request.Request(f"{self.url}{path}?{q}" if q else f"{self.url}{path}")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return dict(json.loads(resp.read()))
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:300]
+            raise SourceError(f"{path}: collector answered {e.code}: {detail}") from e
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise SourceError(f"{path}: cannot read the collector at {self.url}: {e}") from e
+
+    @staticmethod
+    def _frame(answer: dict[str, Any]) -> pd.DataFrame:
+        if "columns" in answer:
+            return pd.DataFrame(answer["columns"])
+        return pd.DataFrame(answer.get("rows", []))
+
+    def _ranged(self, path: str, ts_col: str, since: float | None, until: float | None,
+                engine: str | None, pool: str | None) -> pd.DataFrame:
+        params: dict[str, Any] = {"since": 0 if since is None else since, "until": until,
+                                  "engine": engine, "pool": pool, "format": "columns",
+                                  "limit": self.page_rows}
+        parts: list[pd.DataFrame] = []
+        while True:
+            answer = self._get(path, params)
+            df = self._frame(answer)
+            parts.append(df)
+            if not answer.get("truncated") or df.empty:
+                break
+            # Rows come oldest first: continue after the last timestamp, dropping the
+            # rows of that timestamp from this page so none is counted twice.
+            last = float(df[ts_col].iloc[-1])
+            parts[-1] = df[df[ts_col] < last]
+            if parts[-1].empty:
+                raise SourceError(f"{path}: more than {self.page_rows} rows share one "
+                                  "timestamp; raise page_rows")
+            params["since"] = last
+        frames = [p for p in parts if not p.empty]
+        return pd.concat(frames, ignore_index=True) if frames else parts[0]
+
+    def engines(self) -> pd.DataFrame:
+        return self._frame(self._get("/v1/engines", {"format": "columns"}))
+
+    def windows(self, since: float | None = None, until: float | None = None,
+                engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+        return self._ranged("/v1/windows", "ts_s", since, until, engine, pool)
+
+    def requests(self, since: float | None = None, until: float | None = None,
+                 engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+        return self._ranged("/v1/requests", "finished_unix_s", since, until, engine, pool)

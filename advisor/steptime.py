@@ -1,0 +1,141 @@
+"""Step-time model: how long one engine step takes as the batch grows.
+
+Algorithm
+---------
+An engine step (one forward pass) costs a fixed part (reading the weights, launching
+the step: ``a`` seconds), a part per running sequence (its decode token and its KV
+reads: ``b`` seconds per sequence) and a part per prompt token prefilled in that step
+(``c`` seconds per token); a preempted request costs ``d`` seconds more (its tokens are
+recomputed when it is resumed, and that recomputation is not counted as prompt
+tokens). Summed over a 1-second window in which the engine was busy the whole
+second::
+
+    1 s  ~=  a * n_steps  +  b * sum(batch over steps)  +  c * prompt_tokens
+             +  d * preemptions
+
+Every busy window is one linear equation; the model is their least-squares
+solution. Windows in which the engine idled part of the second sit above the fit
+(their steps explain less than a second), so the fit is trimmed: windows whose
+explained time falls short of the second by more than ``idle_tolerance`` are
+dropped and the fit repeated (``n_iter`` times). A negative coefficient is set to
+zero and the rest refitted (it means the data does not separate that cost).
+
+With a prompt-to-generation ratio ``r`` (prompt tokens prefilled per generated
+token), a batch of ``B`` sequences produces
+
+    T(B) = B / (a + b*B + c*r*B)     generated tokens per second,
+
+rising with ``B`` towards the compute ceiling ``1 / (b + c*r)``: the engine's
+throughput at a batch it has not run yet is predicted from the batches it has run.
+This is how the KV capacity model turns "the cache fits N sequences" into tokens
+per second, and how an engine that is not saturated gets its headroom.
+
+Parameters
+----------
+min_busy_ratio : windows used must have steps spread over this share of the second
+    (default 0.9).
+idle_tolerance : explained time this far below 1 s marks a window as partly idle
+    (default 0.08).
+n_iter : trimming rounds (default 3).
+min_windows : fewer usable windows raise :class:`~advisor.curve.NotEnoughData`
+    (default 8).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from advisor._frames import prepare_windows
+from advisor.curve import NotEnoughData
+
+
+class StepTimeModel:
+    """Linear step-time model fitted on busy 1-second windows (see module docstring)."""
+
+    def __init__(self, *, min_busy_ratio: float = 0.9, idle_tolerance: float = 0.08,
+                 n_iter: int = 3, min_windows: int = 8) -> None:
+        self.min_busy_ratio = min_busy_ratio
+        self.idle_tolerance = idle_tolerance
+        self.n_iter = n_iter
+        self.min_windows = min_windows
+
+    def fit(self, windows: pd.DataFrame) -> StepTimeModel:
+        w = prepare_windows(windows)
+        if "batch_sum" in windows:
+            bsum = pd.to_numeric(windows["batch_sum"], errors="coerce").to_numpy(float)
+        else:
+            bsum = (w["batch_mean"] * w["n_steps"]).to_numpy(float)
+        X = np.c_[w["n_steps"].to_numpy(float), bsum, w["prompt_tokens"].to_numpy(float),
+                  w["preemptions"].fillna(0.0).to_numpy(float)]
+        busy = w["busy_ratio"].fillna(1.0).to_numpy(float)
+        use = (w["n_steps"].to_numpy(float) >= 5) & (busy >= self.min_busy_ratio)
+        use &= np.isfinite(X).all(axis=1)
+        if use.sum() < self.min_windows:
+            raise NotEnoughData(f"{int(use.sum())} busy windows; need {self.min_windows}")
+        coef = np.zeros(4)
+        for _ in range(max(1, self.n_iter)):
+            coef = self._solve(X[use])
+            explained = X @ coef
+            keep = use & (explained >= 1.0 - self.idle_tolerance)
+            if keep.sum() < self.min_windows or (keep == use).all():
+                break
+            use = keep
+        resid = 1.0 - X[use] @ coef
+        self.a_s_, self.b_s_, self.c_s_, self.d_s_ = (float(v) for v in coef)
+        self.n_windows_ = int(use.sum())
+        self.rmse_s_ = float(np.sqrt(np.mean(resid ** 2)))
+        self.batch_range_ = (float(w.loc[use, "batch_mean"].min()),
+                             float(w.loc[use, "batch_mean"].max()))
+        return self
+
+    @staticmethod
+    def _solve(X: np.ndarray) -> np.ndarray:
+        cols = [0, 1, 2, 3]
+        coef = np.zeros(4)
+        while cols:
+            sol, *_ = np.linalg.lstsq(X[:, cols], np.ones(len(X)), rcond=None)
+            if (sol >= 0).all():
+                coef[cols] = sol
+                break
+            cols.pop(int(np.argmin(sol)))
+        return coef
+
+    def step_s(self, batch: float | np.ndarray, prompt_per_step: float | np.ndarray = 0.0
+               ) -> np.ndarray:
+        """Predicted seconds per step."""
+        return self.a_s_ + self.b_s_ * np.asarray(batch, float) + self.c_s_ * np.asarray(
+            prompt_per_step, float)
+
+    def preemption_time_share(self, preemptions_per_s: float) -> float:
+        """Share of engine time spent recomputing preempted requests."""
+        return float(min(1.0, max(0.0, self.d_s_ * preemptions_per_s)))
+
+    def tokens_per_s(self, batch: float | np.ndarray, prompt_ratio: float = 0.0) -> np.ndarray:
+        """Predicted generated tokens/s at a batch of ``batch`` sequences, with
+        ``prompt_ratio`` prompt tokens prefilled per generated token."""
+        b = np.asarray(batch, float)
+        return b / self.step_s(b, prompt_ratio * b)
+
+    def ceiling_tokens_per_s(self, prompt_ratio: float = 0.0) -> float:
+        """The compute ceiling: generated tokens/s as the batch grows without bound."""
+        per_seq = self.b_s_ + self.c_s_ * prompt_ratio
+        return float("inf") if per_seq <= 0 else 1.0 / per_seq
+
+    def batch_for_fraction(self, fraction: float, prompt_ratio: float = 0.0) -> float:
+        """Smallest batch whose predicted throughput reaches ``fraction`` of the ceiling.
+
+        From T(B) = B / (a + k*B) with k = b + c*r: T/T_max = kB / (a + kB) = f
+        gives B = f*a / ((1 - f)*k).
+        """
+        k = self.b_s_ + self.c_s_ * prompt_ratio
+        if k <= 0 or not 0 < fraction < 1:
+            return float("inf")
+        return fraction * self.a_s_ / ((1.0 - fraction) * k)
+
+    def evidence(self) -> dict[str, float | int]:
+        return {"step_fixed_s": self.a_s_, "step_per_seq_s": self.b_s_,
+                "step_per_prompt_token_s": self.c_s_, "preemption_s": self.d_s_,
+                "n_windows": self.n_windows_,
+                "rmse_s": self.rmse_s_, "batch_min": self.batch_range_[0],
+                "batch_max": self.batch_range_[1]}

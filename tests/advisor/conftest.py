@@ -1,0 +1,32 @@
+"""Fixtures for the advisor tests: real collectors fed with real recordings."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from collector.process import CollectorProcess
+from collector.recording import load_recording, replay
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDINGS = ROOT / "collector" / "recordings"
+END_AT_UNIX_S = 1_800_000_000.0
+
+
+@pytest.fixture(scope="session")
+def replayed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, CollectorProcess]]:
+    """One collector process per bundled recording, each fed the recording over HTTP."""
+    out: dict[str, CollectorProcess] = {}
+    try:
+        for path in sorted(RECORDINGS.glob("*.jsonl.gz")):
+            name = path.name.split(".")[0]
+            store = tmp_path_factory.mktemp(name) / "kvscope.duckdb"
+            c = CollectorProcess(store, extra_args=["--raw-retention-s", "0"]).start()
+            out[name] = c
+            replay(load_recording(path), c.url, end_at_unix_s=END_AT_UNIX_S, progress=False)
+        yield out
+    finally:
+        for c in out.values():
+            c.stop()

@@ -1,0 +1,76 @@
+"""Detectors on seeded synthetic engines whose true answers are known."""
+
+from __future__ import annotations
+
+import pytest
+
+from advisor import FrameSource, ThroughputCurve, analyze
+from advisor.datasets import REGIMES, make_engine
+
+SEEDS = (0, 1, 2)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("regime", sorted(REGIMES))
+def test_bottleneck_matches_truth(regime: str, seed: int) -> None:
+    s = make_engine(regime, seed=seed)
+    v = analyze(FrameSource(s.engines, s.windows, s.requests)).engines[0]
+    assert v.bottleneck == s.truth["bottleneck"]
+    assert v.saturated == s.truth["saturated"]
+    assert v.preemption_thrash == s.truth["thrash"]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("regime", sorted(set(REGIMES) - {"preemption_thrash"}))
+def test_knee_and_plateau_near_truth(regime: str, seed: int) -> None:
+    s = make_engine(regime, seed=seed)
+    c = ThroughputCurve().fit(s.windows)
+    # Levels are a factor of 2 apart: the knee is interpolated between them.
+    assert c.knee_load_ == pytest.approx(s.truth["knee"], rel=0.35)
+    assert c.plateau_tokens_per_s_ == pytest.approx(s.truth["plateau_tokens_per_s"], rel=0.08)
+
+
+def test_prefill_bound_queue_at_low_kv_is_not_called_kv_bound() -> None:
+    s = make_engine("token_budget_bound", seed=3)
+    rep = analyze(FrameSource(s.engines, s.windows, s.requests))
+    ev = rep.findings_of("bottleneck")[0].evidence
+    assert ev["kv_usage_median"] < 0.5 and ev["waiting_median"] > 1
+    assert rep.engines[0].bottleneck == "token_budget_bound"
+
+
+def test_kv_model_predicts_the_kv_bound_plateau() -> None:
+    s = make_engine("kv_cache_bound", seed=4)
+    kv = analyze(FrameSource(s.engines, s.windows, s.requests)).findings_of("kv_capacity")[0]
+    assert kv.evidence["kv_batch"] == pytest.approx(s.truth["kv_batch"], rel=0.02)
+    assert abs(kv.evidence["prediction_error_ratio"]) < 0.15
+
+
+def test_cap_keeps_the_fraction_and_cuts_the_tail() -> None:
+    s = make_engine("kv_cache_bound", seed=5)
+    rep = analyze(FrameSource(s.engines, s.windows, s.requests))
+    v = rep.engines[0]
+    assert v.recommended_concurrency_cap is not None
+    assert v.predicted_throughput_fraction_at_cap is not None
+    assert v.predicted_throughput_fraction_at_cap >= 0.9
+    # Latency ~ load / throughput (Little's law): the cap at ~12 of 32 in flight.
+    assert v.predicted_p99_e2e_s_at_cap < 0.8 * v.p99_e2e_s_at_max_load
+    rec = next(r for r in rep.recommendations if r.kind == "concurrency_cap")
+    assert f"--max-num-seqs {v.recommended_concurrency_cap}" in rec.change["vllm_flags"]
+    assert rec.change["gateway"]["gateway_api_maxConcurrency"] == v.recommended_concurrency_cap
+
+
+def test_slo_lowers_the_cap() -> None:
+    s = make_engine("kv_cache_bound", seed=6)
+    src = FrameSource(s.engines, s.windows, s.requests)
+    free = analyze(src).engines[0]
+    assert free.recommended_concurrency_cap is not None
+    slo = 0.6 * (free.predicted_p99_e2e_s_at_cap or 0)
+    tight = analyze(src, slo_e2e_p99_s=slo).engines[0]
+    assert tight.recommended_concurrency_cap is not None
+    assert tight.recommended_concurrency_cap < free.recommended_concurrency_cap
+
+
+def test_deterministic() -> None:
+    s = make_engine("compute_bound", seed=7)
+    src = FrameSource(s.engines, s.windows, s.requests)
+    assert analyze(src).to_json() == analyze(src).to_json()
