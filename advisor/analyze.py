@@ -50,16 +50,28 @@ def analyze_frames(engines: pd.DataFrame, windows: pd.DataFrame, requests: pd.Da
                    since: float | None = None, until: float | None = None,
                    pool: str | None = None, slo_ttft_p99_s: float | None = None,
                    slo_e2e_p99_s: float | None = None, cap_fraction: float = 0.9) -> Report:
-    """The pure part of :func:`analyze`: frames in, report out."""
+    """The pure part of :func:`analyze`: frames in, report out.
+
+    Engines without a window in ``windows`` (no data in the time range) are left out
+    of the verdicts and counted in ``report.coverage``.
+    """
     params = {"pool": pool, "slo_ttft_p99_s": slo_ttft_p99_s, "slo_e2e_p99_s": slo_e2e_p99_s,
               "cap_fraction": cap_fraction}
     report = Report(since_unix_s=since, until_unix_s=until, parameters=params)
+    known_pools = (sorted({str(p) for p in engines["pool"].dropna()})
+                   if "pool" in engines else [])
     if pool is not None and "pool" in engines:
         engines = engines[engines["pool"] == pool]
-    for _, row in engines.sort_values("engine_id").iterrows():
+    has_ids = "engine_id" in windows and len(windows)
+    with_data = set(windows["engine_id"]) if has_ids else set()
+    analyzed = (engines[engines["engine_id"].isin(with_data)]
+                if "engine_id" in engines else engines.iloc[0:0])
+    w_in = windows[windows["engine_id"].isin(set(analyzed["engine_id"]))] if has_ids else windows
+    report.coverage = _coverage(engines, analyzed, w_in, requests, known_pools)
+    for _, row in (analyzed.sort_values("engine_id").iterrows() if len(analyzed) else ()):
         cfg = {k: (None if _isnan(v) else v) for k, v in row.to_dict().items()}
         eid = str(cfg["engine_id"])
-        w = windows[windows["engine_id"] == eid] if len(windows) else windows
+        w = windows[windows["engine_id"] == eid]
         r = (requests[requests["engine_id"] == eid]
              if len(requests) and "engine_id" in requests else requests)
         _engine(report, cfg, w, r, cap_fraction=cap_fraction, slo_ttft_p99_s=slo_ttft_p99_s,
@@ -67,6 +79,24 @@ def analyze_frames(engines: pd.DataFrame, windows: pd.DataFrame, requests: pd.Da
     _pools(report)
     report.recommendations.sort(key=lambda x: (-x.expected_gain, x.kind, str(x.scope.engine_id)))
     return report
+
+
+def _coverage(engines: pd.DataFrame, analyzed: pd.DataFrame, windows: pd.DataFrame,
+              requests: pd.DataFrame, pools: list[str]) -> dict[str, Any]:
+    ids = set(analyzed["engine_id"]) if "engine_id" in analyzed else set()
+    n_req = (int(requests["engine_id"].isin(ids).sum())
+             if len(requests) and "engine_id" in requests else 0)
+    ts = pd.to_numeric(windows["ts_s"], errors="coerce") if "ts_s" in windows else pd.Series([])
+    last_step = (pd.to_numeric(engines["last_step_unix_s"], errors="coerce").max()
+                 if "last_step_unix_s" in engines and len(engines) else math.nan)
+    return {
+        "n_engines_known": len(engines), "n_engines_analyzed": len(ids),
+        "n_windows": len(windows), "n_requests": n_req,
+        "first_window_s": float(ts.min()) if len(ts) else None,
+        "last_window_s": float(ts.max()) if len(ts) else None,
+        "latest_step_unix_s": None if _isnan(float(last_step)) else float(last_step),
+        "pools": pools,
+    }
 
 
 def _isnan(v: Any) -> bool:
@@ -185,6 +215,46 @@ def _config_recommendations(scope: Scope, bn: BottleneckClassifier, kv: KvCapaci
     return out
 
 
+def _upstream(engine_id: str) -> str:
+    """``host:port`` of an engine id ``host:port:engine_index``."""
+    head, sep, tail = engine_id.rpartition(":")
+    return head if sep and tail.isdigit() and ":" in head else engine_id
+
+
+def _pool_cap(report: Report, pool: str | None, vs: list[EngineVerdict]) -> None:
+    """The pool's summed cap as one recommendation, with per-replica gateway limits."""
+    capped = [v for v in vs if v.recommended_concurrency_cap is not None]
+    if len(vs) < 2 or not capped:
+        return
+    total = sum(int(v.recommended_concurrency_cap or 0) for v in capped)
+    per_server: dict[str, int] = {}
+    for v in capped:
+        key = _upstream(v.engine_id)
+        per_server[key] = per_server.get(key, 0) + int(v.recommended_concurrency_cap or 0)
+    servers = " ".join(f"server {k} max_conns={c};" for k, c in sorted(per_server.items()))
+    weights = [v.plateau_tokens_per_s or 0.0 for v in capped]
+    fractions = [v.predicted_throughput_fraction_at_cap for v in capped]
+    frac = (sum(w * f for w, f in zip(weights, fractions, strict=True) if f is not None)
+            / sum(weights)) if sum(weights) > 0 and None not in fractions else None
+    engine_recs = [r for r in report.recommendations if r.kind == "concurrency_cap"
+                   and r.scope.pool == pool]
+    gain = (sum(r.expected_gain for r in engine_recs) / len(engine_recs)) if engine_recs else 0.0
+    missing = [v.engine_id for v in vs if v.recommended_concurrency_cap is None]
+    report.recommendations.append(Recommendation(
+        kind="pool_concurrency_cap", scope=Scope(pool=pool),
+        summary=(f"cap pool {pool} at {total} requests in flight over {len(capped)} "
+                 "replica(s), each at its own cap"),
+        change={"concurrency_cap": total,
+                "per_engine_caps": {v.engine_id: v.recommended_concurrency_cap for v in capped},
+                "gateway": {"nginx_upstream": f"upstream {pool} {{ {servers} }}"}},
+        expected_effect={"throughput_fraction": frac},
+        tradeoff=("requests beyond a replica's cap wait at the gateway or are rejected"
+                  + (f"; no cap for {', '.join(missing)} (not saturated or too little data)"
+                     if missing else "")),
+        confidence=min(v.confidence for v in capped), expected_gain=gain,
+        evidence={"n_engines": len(vs), "n_capped": len(capped)}))
+
+
 def _pools(report: Report) -> None:
     by_pool: dict[str | None, list[EngineVerdict]] = {}
     for v in report.engines:
@@ -200,6 +270,7 @@ def _pools(report: Report) -> None:
             recommended_concurrency_cap=sum(caps) if caps else None,
             engines_without_cap=[v.engine_id for v in vs if v.recommended_concurrency_cap is None])
         report.pools.append(pv)
+        _pool_cap(report, pool, vs)
         if pv.plateau_tokens_per_s:
             rep = replica_whatif(pv.plateau_tokens_per_s, len(vs))
             report.findings.append(Finding(

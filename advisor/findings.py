@@ -187,7 +187,22 @@ class Report:
     pools: list[PoolVerdict] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
     recommendations: list[Recommendation] = field(default_factory=list)
+    coverage: dict[str, Any] = field(default_factory=dict)
+    """What the analysis read: ``n_engines_known`` (in the source, after the pool
+    filter), ``n_engines_analyzed`` (those with windows in the time range),
+    ``n_windows``, ``n_requests``, ``first_window_s`` / ``last_window_s`` (first and
+    last second with data), ``latest_step_unix_s`` (the newest step any of those
+    engines ever sent, also outside the range) and ``pools`` (every pool the source
+    knows)."""
     schema_version: int = SCHEMA_VERSION
+
+    @property
+    def has_data(self) -> bool:
+        """True when at least one engine had windows in the time range (for a report
+        written without ``coverage``: when it has engine verdicts)."""
+        if "n_engines_analyzed" not in self.coverage:
+            return bool(self.engines)
+        return bool(self.coverage["n_engines_analyzed"])
 
     def engine(self, engine_id: str) -> EngineVerdict:
         """The verdict of one engine (KeyError when absent)."""
@@ -210,6 +225,7 @@ class Report:
             "pools": [v.to_dict() for v in self.pools],
             "findings": [f.to_dict() for f in self.findings],
             "recommendations": [r.to_dict() for r in self.recommendations],
+            "coverage": _clean(self.coverage),
         }
 
     def to_json(self, **kw: Any) -> str:
@@ -228,6 +244,7 @@ class Report:
             pools=[PoolVerdict.from_dict(x) for x in d.get("pools", [])],
             findings=[Finding.from_dict(x) for x in d.get("findings", [])],
             recommendations=[Recommendation.from_dict(x) for x in d.get("recommendations", [])],
+            coverage=dict(d.get("coverage") or {}),
         )
 
     @classmethod

@@ -26,7 +26,20 @@ import pandas as pd
 
 
 class SourceError(RuntimeError):
-    """A source could not deliver (collector unreachable, bad answer)."""
+    """A source could not deliver (collector unreachable, bad answer).
+
+    ``url`` is the base URL that failed, ``path`` the endpoint asked, ``status`` the
+    HTTP status when the server answered (``None`` when it could not be reached) and
+    ``reason`` the short cause (the server's error text, or the connection error).
+    """
+
+    def __init__(self, message: str, *, url: str | None = None, path: str | None = None,
+                 status: int | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.url = url
+        self.path = path
+        self.status = status
+        self.reason = reason
 
 
 @runtime_checkable
@@ -81,6 +94,15 @@ class FrameSource:
                          self._engines)
 
 
+def _error_text(body: str) -> str:
+    """The ``error`` field of a JSON error answer, else the start of the body."""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        err = None
+    return str(err) if err else body.strip()[:300]
+
+
 class CollectorSource:
     """A source reading a kvscope collector's query API over HTTP.
 
@@ -105,10 +127,13 @@ class CollectorSource:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return dict(json.loads(resp.read()))
         except urllib.error.HTTPError as e:
-            detail = e.read().decode(errors="replace")[:300]
-            raise SourceError(f"{path}: collector answered {e.code}: {detail}") from e
+            detail = _error_text(e.read().decode(errors="replace"))
+            raise SourceError(f"{path}: collector answered {e.code}: {detail}", url=self.url,
+                              path=path, status=e.code, reason=detail) from e
         except (urllib.error.URLError, OSError, ValueError) as e:
-            raise SourceError(f"{path}: cannot read the collector at {self.url}: {e}") from e
+            reason = str(getattr(e, "reason", None) or e)
+            raise SourceError(f"{path}: cannot read the collector at {self.url}: {reason}",
+                              url=self.url, path=path, reason=reason) from e
 
     @staticmethod
     def _frame(answer: dict[str, Any]) -> pd.DataFrame:

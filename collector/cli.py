@@ -25,12 +25,12 @@ class MissingExtraError(SystemExit):
     """Raised when a subcommand's optional dependencies are not installed."""
 
 
-def _require(cmd: str, extra: str) -> None:
-    """Fail with an install hint when an extra's packages are missing."""
+def _require(cmd: str, extra: str, also: tuple[str, ...] = ()) -> None:
+    """Fail with an install hint when an extra's packages (and ``also``) are missing."""
     import importlib.util
 
     needed = {"collector": ("aiohttp", "duckdb", "pandas", "prometheus_client", "tqdm")}[extra]
-    for mod in needed:
+    for mod in (*needed, *also):
         if importlib.util.find_spec(mod) is None:
             raise MissingExtraError(_EXTRA_HINT.format(cmd=cmd, extra=extra, missing=mod))
 
@@ -46,8 +46,63 @@ def _cmd_collector(args: argparse.Namespace) -> int:
         store_path=args.store,
         token=args.token,
         raw_step_retention_s=args.raw_retention_s,
+        advise_interval_s=args.advise_interval_s,
+        advise_window_s=args.advise_window_s,
     )
     serve(settings)
+    return 0
+
+
+def _cmd_advise(args: argparse.Namespace) -> int:
+    _require("advise", "collector", also=("rich",))
+    import time
+
+    from rich.console import Console
+
+    from advisor import CollectorSource, SourceError, analyze
+    from advisor.render import (
+        no_data_message,
+        render_report,
+        source_error_message,
+        window_text,
+    )
+    from collector._params import ParamError, parse_time
+
+    def fail(message: str, code: int) -> int:
+        print(f"kvscope advise: {message}", file=sys.stderr)
+        return code
+
+    url = args.collector if "://" in args.collector else f"http://{args.collector}"
+    url = url.rstrip("/")
+    now = time.time()
+    try:
+        since = parse_time("--since", args.since, now) if args.since else None
+        until = parse_time("--until", args.until, now) if args.until else None
+    except ParamError as exc:
+        return fail(str(exc), 2)
+    if since is not None and since >= now:
+        return fail(f"--since {args.since} lies in the future; use a duration such as 30m", 2)
+    if since is not None and until is not None and until <= since:
+        return fail(f"--until ({args.until}) must be after --since ({args.since})", 2)
+    source = CollectorSource(url, token=args.token, timeout_s=args.timeout)
+    try:
+        report = analyze(source, since, until, args.pool, slo_ttft_p99_s=args.slo_ttft_p99,
+                         slo_e2e_p99_s=args.slo_e2e_p99, cap_fraction=args.cap_fraction)
+    except SourceError as exc:
+        return fail(source_error_message(exc, url), 2)
+    if args.out:
+        try:
+            with open(args.out, "w", encoding="utf-8") as f:
+                f.write(report.to_json(indent=2) + "\n")
+        except OSError as exc:
+            return fail(f"cannot write --out {args.out}: {exc}", 2)
+    window = window_text(since, until, args.since, args.until)
+    if args.json:
+        sys.stdout.write(report.to_json(indent=2) + "\n")
+    elif report.has_data:
+        render_report(report, Console(highlight=False), source=url, window=window)
+    if not report.has_data:
+        return fail(no_data_message(report, url, window, now), 3)
     return 0
 
 
@@ -98,7 +153,90 @@ def _add_collector(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--raw-retention-s", type=float, default=24 * 3600,
                    help="seconds of raw per-step rows to keep; 1-second windows and "
                         "requests are kept (default: 86400; 0 keeps them forever)")
+    p.add_argument("--advise-interval-s", type=float, default=60.0,
+                   help="run the advisor over the recent data this often and publish its "
+                        "verdicts on /metrics as kvscope_advisor_* gauges "
+                        "(default: 60; 0 disables)")
+    p.add_argument("--advise-window-s", type=float, default=1800.0,
+                   help="seconds of recent data each advisor run reads (default: 1800)")
     p.set_defaults(func=_cmd_collector)
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return v
+
+
+_ADVISE_EPILOG = """\
+times: unix seconds, 'now', or a duration ago: 90s, 30m, 2h, 7d, 1w.
+
+exit codes:
+  0  verdicts printed (engines with too little data say so in their verdict)
+  2  bad arguments, the collector could not be read (unreachable, 401, error),
+     or --out could not be written
+  3  no data in the window (the message says where the data is and what to try)
+
+examples:
+  kvscope advise --collector http://collector:8844
+  kvscope advise --collector http://collector:8844 --since 2h --pool llama-70b-prod \\
+      --slo-e2e-p99 10 --json --out advice.json
+"""
+
+
+def _add_advise(sub: argparse._SubParsersAction) -> None:
+    import os
+
+    p = sub.add_parser(
+        "advise",
+        help="where each engine's throughput stops growing, why, and what cap and flags to set",
+        description=(
+            "Read a collector's recent data and answer, per pool and engine: the\n"
+            "bottleneck (KV cache, max_num_seqs, token budget or compute), the knee (the\n"
+            "load where throughput stops growing), the plateau, whether load went past\n"
+            "it, and the recommended concurrency cap with its predicted share of peak\n"
+            "throughput and P99; then the ranked recommendations with the exact change\n"
+            "(vLLM flags, nginx, Gateway API / llm-d) and the findings."
+        ),
+        epilog=_ADVISE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    env_url = os.environ.get("KVSCOPE_COLLECTOR_URL")
+    p.add_argument("--collector", metavar="URL", default=env_url, required=env_url is None,
+                   help="base URL of the kvscope collector (default: $KVSCOPE_COLLECTOR_URL)")
+    p.add_argument("--token", default=os.environ.get("KVSCOPE_TOKEN"),
+                   help="the collector's bearer token (default: $KVSCOPE_TOKEN)")
+    p.add_argument("--since", default="30m",
+                   help="start of the window to analyse (default: 30m, i.e. 30 minutes ago)")
+    p.add_argument("--until", default=None, help="end of the window (default: now)")
+    p.add_argument("--pool", default=None, help="only the engines of this pool")
+    p.add_argument("--slo-ttft-p99", type=_positive, default=None, metavar="S",
+                   help="P99 time-to-first-token target in seconds: the cap is lowered to meet it")
+    p.add_argument("--slo-e2e-p99", type=_positive, default=None, metavar="S",
+                   help="P99 end-to-end latency target in seconds: the cap is lowered to meet it")
+    p.add_argument("--cap-fraction", type=_fraction, default=0.9, metavar="F",
+                   help="share of the plateau throughput the cap must keep (default: 0.9)")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as JSON (schema_version'd) instead of the text view")
+    p.add_argument("--out", metavar="FILE", default=None,
+                   help="also write the JSON report to FILE")
+    p.add_argument("--timeout", type=_positive, default=30.0, metavar="S",
+                   help="seconds per HTTP request to the collector (default: 30)")
+    p.set_defaults(func=_cmd_advise)
 
 
 def _add_sweep(sub: argparse._SubParsersAction) -> None:
@@ -186,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     adders: Sequence[Callable[[argparse._SubParsersAction], None]] = (
-        _add_demo, _add_collector, _add_sweep, _add_record,
+        _add_demo, _add_collector, _add_advise, _add_sweep, _add_record,
     )
     for add in adders:
         add(sub)

@@ -104,6 +104,7 @@ def summarize(collector: CollectorProcess, levels: list[dict[str, Any]], out: An
     p(f"  {collector.url}/v1/engines              engines and their configuration")
     p(f"  {collector.url}/v1/windows?since=1h     1-second windows (batch, KV, waiting, tokens)")
     p(f"  {collector.url}/v1/request_stats        latency percentiles of finished requests")
+    p(f"  kvscope advise --collector {collector.url}   the verdict: knee, bottleneck, cap, flags")
     text = collector.get_text("/metrics")
     sample = [ln for ln in text.splitlines()
               if ln.startswith(("kvscope_engine_kv_usage_ratio{", "kvscope_engine_batch_size{",

@@ -20,7 +20,8 @@ Counters: ``kvscope_engine_steps_total``, ``..._prompt_tokens_total``,
 ``..._finished_requests_total`` and the plugin's own ``kvscope_exporter_<field>_total``.
 Histograms of per-step observations: ``kvscope_engine_step_batch_size`` and
 ``kvscope_engine_step_kv_usage_ratio``. ``kvscope_engine_info`` carries the
-configuration. The collector's own: ``kvscope_collector_*``.
+configuration. The collector's own: ``kvscope_collector_*``. The advisor's verdicts
+(``kvscope_advisor_*``, see :mod:`collector.verdicts`) are a section added at startup.
 
 Across collector restarts: step/token/preemption/prefix counters are rebuilt from the
 store's windows, finished requests from the requests table, exporter counters from
@@ -156,6 +157,9 @@ class FleetState:
         self._ack_sum = 0.0
         self.extra: dict[str, tuple[str, str, Callable[[], float]]] = {}
         """Collector metrics read at scrape time: name -> (gauge|counter, help, callable)."""
+        self.sections: list[Callable[[TextWriter], None]] = []
+        """More families written at scrape time, after the state's own (e.g. the advisor's
+        verdicts); each takes its own lock."""
 
     def _engine(self, engine_id: str) -> _Engine:
         e = self._engines.get(engine_id)
@@ -323,6 +327,8 @@ class FleetState:
                 for e in engines:
                     w.sample(name, e.labels, sum(b.get(f.name, 0) for b in e.exporter.values()))
             self._render_collector(w, len(engines))
+        for section in self.sections:
+            section(w)
         return w.text()
 
     def _render_collector(self, w: TextWriter, n_engines: int) -> None:

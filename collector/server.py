@@ -11,7 +11,9 @@ Routes:
   ``415`` for other content encodings, ``503`` (with ``Retry-After``) while overloaded
   or shutting down, ``500`` if the store fails. A rejected batch leaves the store as
   it was.
-* ``GET /metrics``: Prometheus text exposition (see :mod:`collector.metrics`).
+* ``GET /metrics``: Prometheus text exposition (see :mod:`collector.metrics`), with
+  the advisor's verdicts refreshed every ``advise_interval_s`` in a thread of their
+  own (see :mod:`collector.verdicts`).
 * ``GET /healthz``: ``{"status": "ok", ...}``, 503 when the writer is not running.
 * Read API (JSON): ``GET /v1/engines``, ``/v1/engines/{engine_id}/configs``,
   ``/v1/windows``, ``/v1/steps``, ``/v1/requests``, ``/v1/request_stats``,
@@ -56,6 +58,7 @@ from collector._writer import GroupCommitWriter, Overloaded, WriterClosed
 from collector.metrics import CONTENT_TYPE, FleetState
 from collector.settings import Settings
 from collector.store import Store
+from collector.verdicts import VerdictLoop
 from engine_plugins.schema import INGEST_PATH, SchemaError
 
 __all__ = ["Context", "RunningCollector", "context", "create_app", "create_runner", "serve", "start"]
@@ -305,9 +308,18 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
             lambda: writer.last_group_size)
         ctx = app[_SLOT].ctx = Context(settings, store, writer, state, executor)
         retention = asyncio.create_task(_retention_loop(ctx), name="kvscope-retention")
+        verdicts: VerdictLoop | None = None
+        if settings.advise_interval_s > 0:
+            verdicts = VerdictLoop(store, interval_s=settings.advise_interval_s,
+                                   window_s=settings.advise_window_s,
+                                   cap_fraction=settings.advise_cap_fraction)
+            state.sections.append(verdicts.render)
+            verdicts.start()
         try:
             yield
         finally:
+            if verdicts is not None:
+                await loop.run_in_executor(None, verdicts.stop)
             retention.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await retention

@@ -51,6 +51,14 @@ class Settings:
     in a worker thread, so one big batch does not stall the loop."""
     read_row_limit: int = 1_000_000
     """Upper bound on rows a single read-API call returns."""
+    advise_interval_s: float = 60.0
+    """How often the advisor runs over the recent data to publish its verdicts on
+    ``/metrics`` (``kvscope_advisor_*``); 0 disables it."""
+    advise_window_s: float = 1800.0
+    """Seconds of recent data (up to now) each advisor run reads."""
+    advise_cap_fraction: float = 0.9
+    """Share of the plateau the published concurrency cap keeps (``kvscope advise
+    --cap-fraction``)."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -75,6 +83,12 @@ class Settings:
             raise ValueError("group_commit_linger_s: must be in 0..1")
         if self.inline_parse_bytes < 0:
             raise ValueError("inline_parse_bytes: must be >= 0")
+        if not self.advise_interval_s >= 0:
+            raise ValueError("advise_interval_s: must be >= 0 (0 disables the advisor)")
+        if not self.advise_window_s > 0:
+            raise ValueError("advise_window_s: must be > 0")
+        if not 0 < self.advise_cap_fraction <= 1:
+            raise ValueError("advise_cap_fraction: must be in (0, 1]")
 
     def replace(self, **changes: object) -> Settings:
         """Return a copy with some fields changed (validated again)."""

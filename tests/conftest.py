@@ -1,8 +1,16 @@
-"""Test-suite wide hooks."""
+"""Test-suite wide hooks, and the shared replayed-collector fixture."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
+
+from collector.process import CollectorProcess
+from collector.recording import load_recording, replay
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -12,3 +20,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     fast tests (some of which drive small local servers) run on a quiet machine.
     """
     items.sort(key=lambda item: item.get_closest_marker("engine") is not None)
+
+
+RECORDINGS = Path(__file__).resolve().parents[1] / "collector" / "recordings"
+KV_STARVED_ENDED_AGO_S = 120.0
+"""The shared KV-starved replay ends this long before it is sent: recent enough for
+``--since 30m`` and the collector's advisor window, old enough for an empty
+``--since 60s`` window."""
+
+
+@dataclass
+class Replayed:
+    """A collector process holding one replayed recording."""
+
+    collector: CollectorProcess
+    end_at_unix_s: float
+    """Where the recording's last step was moved to."""
+    done_unix_s: float
+    """When the replay finished (every batch stored)."""
+
+
+@pytest.fixture(scope="session")
+def kv_starved_collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replayed]:
+    """A collector (advisor every 2 s over 15 min) fed the real KV-starved vLLM run."""
+    c = CollectorProcess(tmp_path_factory.mktemp("kv_starved") / "kvscope.duckdb",
+                         extra_args=["--raw-retention-s", "0", "--advise-interval-s", "2",
+                                     "--advise-window-s", "900"]).start()
+    try:
+        end = time.time() - KV_STARVED_ENDED_AGO_S
+        replay(load_recording(RECORDINGS / "overload_kv_starved.jsonl.gz"), c.url,
+               end_at_unix_s=end, progress=False)
+        yield Replayed(c, end, time.time())
+    finally:
+        c.stop()

@@ -1,0 +1,272 @@
+"""The advisor's verdicts on ``/metrics``: a periodic run over the collector's own data.
+
+:class:`VerdictLoop` is one named daemon thread that runs :func:`advisor.analyze`
+over the last ``window_s`` seconds (ending :data:`SETTLE_S` before now), pool by
+pool, then waits on an event (the same event is the sleep and the stop signal). It
+reads through the store's read methods wrapped in an :class:`advisor.FrameSource`,
+never runs on the event loop and never takes the store's write lock, so ingest is
+not held up. A failed run is
+counted and logged (at most once a minute), never raised; the verdicts of the pools
+that failed stay as they were, every other pool's are replaced (an engine without
+data in the window drops out).
+
+At scrape time :meth:`VerdictLoop.render` writes the latest verdicts. Per engine
+(labels ``engine``, ``pool``, ``model``): ``kvscope_advisor_knee_concurrency``,
+``kvscope_advisor_plateau_tokens_per_second``, ``kvscope_advisor_saturated`` and
+``kvscope_advisor_preemption_thrash`` (0/1), ``kvscope_advisor_bottleneck`` (value 1,
+the bottleneck as the ``bottleneck`` label; ``not_saturated`` and
+``insufficient_data`` included), and for saturated engines
+``kvscope_advisor_recommended_concurrency_cap`` with the predicted
+``kvscope_advisor_cap_throughput_ratio`` (share of the plateau kept) and
+``kvscope_advisor_cap_p99_e2e_seconds``. Per pool: ``kvscope_advisor_pool_*`` (the
+summed cap and plateau). The loop's own: ``kvscope_advisor_runs_total{result=ok|
+no_data|error}``, ``kvscope_advisor_last_run_timestamp_seconds``,
+``kvscope_advisor_last_success_timestamp_seconds`` (last run without error) and
+``kvscope_advisor_last_run_duration_seconds``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from advisor import EngineVerdict, FrameSource, PoolVerdict, analyze
+from collector._exposition import TextWriter, label_str
+from collector.store import Store
+
+__all__ = ["RESULTS", "SETTLE_S", "VerdictLoop"]
+
+log = logging.getLogger(__name__)
+
+RESULTS = ("ok", "no_data", "error")
+LOG_EVERY_S = 60.0
+"""A failing advisor logs at most this often."""
+SETTLE_S = 5.0
+"""The window ends this long before now: the newest seconds are still arriving (engines
+send about once a second) and would read as seconds of low throughput."""
+
+_ENGINE_GAUGES = (  # (metric, verdict attribute, help)
+    ("kvscope_advisor_knee_concurrency", "knee_concurrency",
+     "Requests in flight where the engine's throughput reaches the cap fraction (default 0.9) "
+     "of its plateau: the knee."),
+    ("kvscope_advisor_plateau_tokens_per_second", "plateau_tokens_per_s",
+     "Generated tokens per second at the engine's throughput plateau."),
+    ("kvscope_advisor_saturated", "saturated",
+     "1 when load went well past the knee (throughput seen not to grow), else 0."),
+    ("kvscope_advisor_preemption_thrash", "preemption_thrash",
+     "1 when preemptions make throughput fall past its peak, else 0."),
+    ("kvscope_advisor_recommended_concurrency_cap", "recommended_concurrency_cap",
+     "Recommended cap on requests in flight per engine (saturated engines only)."),
+    ("kvscope_advisor_cap_throughput_ratio", "predicted_throughput_fraction_at_cap",
+     "Predicted share of the plateau throughput kept at the recommended cap."),
+    ("kvscope_advisor_cap_p99_e2e_seconds", "predicted_p99_e2e_s_at_cap",
+     "End-to-end P99 latency the engine showed at the load of the recommended cap."),
+)
+_POOL_GAUGES = (
+    ("kvscope_advisor_pool_recommended_concurrency_cap", "recommended_concurrency_cap",
+     "Recommended caps summed over the pool's saturated engines."),
+    ("kvscope_advisor_pool_plateau_tokens_per_second", "plateau_tokens_per_s",
+     "Plateau generated tokens per second summed over the pool's engines."),
+)
+
+
+@dataclass
+class _PoolVerdicts:
+    """The latest verdicts of one pool, with their preformatted labels."""
+
+    pool: PoolVerdict | None = None
+    engines: list[tuple[str, EngineVerdict]] = field(default_factory=list)
+
+
+def _py(v: Any) -> Any:
+    if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA:
+        return None
+    return v
+
+
+class VerdictLoop:
+    """Runs the advisor every ``interval_s`` over the last ``window_s`` seconds.
+
+    ``store`` needs the read methods ``engines()``, ``windows(...)`` and
+    ``requests(...)``; ``clock`` gives unix seconds (tests move it).
+    """
+
+    def __init__(self, store: Store, *, interval_s: float, window_s: float,
+                 cap_fraction: float = 0.9, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.interval_s = interval_s
+        self.window_s = window_s
+        self.cap_fraction = cap_fraction
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pools: dict[str | None, _PoolVerdicts] = {}
+        self.runs = dict.fromkeys(RESULTS, 0)
+        self.last_run_unix_s: float | None = None
+        self.last_success_unix_s: float | None = None
+        self.last_duration_s: float | None = None
+        self._last_log = -math.inf
+        self._unlogged = 0
+
+    # -- the thread ------------------------------------------------------------------
+
+    def start(self) -> VerdictLoop:
+        """Start the thread; its first run is right away."""
+        self._thread = threading.Thread(target=self._loop, name="kvscope-advisor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ask the thread to stop (a run in progress ends after its current pool)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("the advisor thread did not stop within %.0f s", timeout_s)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except BaseException:  # never let the thread die silently
+                log.exception("advisor loop failed")
+            if self._stop.wait(self.interval_s):
+                return
+
+    # -- one run ---------------------------------------------------------------------
+
+    def run_once(self) -> str:
+        """Analyse the recent data once; return the result (``ok``, ``no_data``, ``error``)."""
+        t0 = time.perf_counter()
+        now = self.clock()
+        until = now - SETTLE_S
+        since = until - self.window_s
+        fresh: dict[str | None, _PoolVerdicts] = {}
+        failed: list[str | None] = []
+        errors: list[BaseException] = []
+        try:
+            engines = self.store.engines()
+            groups = self._groups(engines)
+        except Exception as exc:
+            groups, errors = [], [exc]
+        for pool, eng in groups:
+            if self._stop.is_set():
+                break
+            try:
+                fresh[pool] = self._run_pool(pool, eng, since, until)
+            except Exception as exc:
+                failed.append(pool)
+                errors.append(exc)
+        result = "error" if errors else ("ok" if any(p.engines for p in fresh.values())
+                                         else "no_data")
+        with self._lock:
+            if errors and not groups:
+                fresh = dict(self._pools)  # nothing could be read: keep what was shown
+            for pool in failed:
+                if pool in self._pools:
+                    fresh[pool] = self._pools[pool]
+            self._pools = {k: v for k, v in fresh.items() if v.engines}
+            self.runs[result] += 1
+            self.last_run_unix_s = now
+            self.last_duration_s = time.perf_counter() - t0
+            if not errors:
+                self.last_success_unix_s = now
+        if errors:
+            self._log_failure(errors[0], len(errors))
+        return result
+
+    @staticmethod
+    def _groups(engines: pd.DataFrame) -> list[tuple[str | None, pd.DataFrame]]:
+        if not len(engines):
+            return []
+        pools = engines["pool"] if "pool" in engines else pd.Series([None] * len(engines))
+        keys = [_py(p) for p in pools]
+        out: dict[str | None, list[int]] = {}
+        for i, k in enumerate(keys):
+            out.setdefault(None if k is None else str(k), []).append(i)
+        return [(k, engines.iloc[idx]) for k, idx in sorted(out.items(), key=lambda kv: str(kv[0]))]
+
+    def _run_pool(self, pool: str | None, engines: pd.DataFrame, since: float,
+                  until: float) -> _PoolVerdicts:
+        if pool is not None:
+            windows = self.store.windows(pool=pool, since_unix_s=since, until_unix_s=until)
+            requests = self.store.requests(pool=pool, since_unix_s=since, until_unix_s=until)
+        else:  # engines without a hello yet: no pool to filter on
+            ids = [str(e) for e in engines["engine_id"]]
+            windows = pd.concat([self.store.windows(engine_id=e, since_unix_s=since,
+                                                    until_unix_s=until) for e in ids],
+                                ignore_index=True)
+            requests = pd.concat([self.store.requests(engine_id=e, since_unix_s=since,
+                                                      until_unix_s=until) for e in ids],
+                                 ignore_index=True)
+        report = analyze(FrameSource(engines, windows, requests), since, until, pool,
+                         cap_fraction=self.cap_fraction)
+        models = {str(r["engine_id"]): _py(r.get("model")) for r in engines.to_dict("records")}
+        out = _PoolVerdicts(pool=report.pools[0] if report.pools else None)
+        for v in report.engines:
+            labels = label_str((("engine", v.engine_id), ("pool", v.pool),
+                                ("model", models.get(v.engine_id))))
+            out.engines.append((labels, v))
+        return out
+
+    def _log_failure(self, exc: BaseException, n: int) -> None:
+        self._unlogged += n
+        now = time.monotonic()
+        if now - self._last_log < LOG_EVERY_S:
+            return
+        first = self._last_log == -math.inf
+        log.error("advisor run failed (%d failure(s) since the last report): %s: %s",
+                  self._unlogged, type(exc).__name__, exc, exc_info=exc if first else None)
+        self._last_log = now
+        self._unlogged = 0
+
+    # -- exposition ------------------------------------------------------------------
+
+    def render(self, w: TextWriter) -> None:
+        """Write the ``kvscope_advisor_*`` families from the latest verdicts."""
+        with self._lock:
+            pools = [self._pools[k] for k in sorted(self._pools, key=str)]
+            engines = [e for p in pools for e in p.engines]
+            for name, attr, help_text in _ENGINE_GAUGES:
+                w.family(name, "gauge", help_text)
+                for labels, v in engines:
+                    value = getattr(v, attr)
+                    if value is not None and not (isinstance(value, float)
+                                                  and not math.isfinite(value)):
+                        w.sample(name, labels, int(value) if isinstance(value, bool) else value)
+            w.family("kvscope_advisor_bottleneck", "gauge",
+                     "The engine's bottleneck at its plateau, as the bottleneck label (value 1).")
+            for labels, v in engines:
+                w.sample("kvscope_advisor_bottleneck",
+                         f"{labels},{label_str((('bottleneck', v.bottleneck),))}", 1)
+            for name, attr, help_text in _POOL_GAUGES:
+                w.family(name, "gauge", help_text)
+                for p in pools:
+                    value = getattr(p.pool, attr) if p.pool is not None else None
+                    if value is not None:
+                        w.sample(name, label_str((("pool", p.pool.pool if p.pool else None),)),
+                                 value)
+            w.family("kvscope_advisor_runs_total", "counter",
+                     "Advisor runs over the recent data, by result (ok, no_data, error).")
+            for result in RESULTS:
+                w.sample("kvscope_advisor_runs_total", label_str((("result", result),)),
+                         self.runs[result])
+            for name, value, help_text in (
+                ("kvscope_advisor_last_run_timestamp_seconds", self.last_run_unix_s,
+                 "When the advisor last ran (unix seconds), whatever its result."),
+                ("kvscope_advisor_last_success_timestamp_seconds", self.last_success_unix_s,
+                 "When the advisor last ran without error (unix seconds)."),
+                ("kvscope_advisor_last_run_duration_seconds", self.last_duration_s,
+                 "How long the advisor's latest run took."),
+            ):
+                w.family(name, "gauge", help_text)
+                if value is not None:
+                    w.sample(name, "", value)

@@ -1,0 +1,110 @@
+"""The terminal rendering, the text plot, the messages, and the pool-level cap."""
+
+from __future__ import annotations
+
+import io
+
+import pandas as pd
+from rich.console import Console
+
+from advisor import FrameSource, Report, SourceError, analyze
+from advisor._textplot import CAP, KNEE, POINT, throughput_plot
+from advisor.datasets import make_engine
+from advisor.render import no_data_message, render_report, source_error_message
+
+
+def _text(report: Report) -> str:
+    buf = io.StringIO()
+    render_report(report, Console(file=buf, width=100, color_system=None), source="test",
+                  window="the test window")
+    return buf.getvalue()
+
+
+def _pool_of_two() -> Report:
+    a = make_engine("kv_cache_bound", seed=0, engine_id="h1:8000:0", pool="p")
+    b = make_engine("max_num_seqs_bound", seed=1, engine_id="h2:8000:0", pool="p")
+    cat = [pd.concat([x, y], ignore_index=True) for x, y in
+           ((a.engines, b.engines), (a.windows, b.windows), (a.requests, b.requests))]
+    return analyze(FrameSource(*cat))
+
+
+def test_verdict_comes_first_then_plot_recommendations_findings() -> None:
+    s = make_engine("kv_cache_bound", seed=0)
+    rep = analyze(FrameSource(s.engines, s.windows, s.requests))
+    v = rep.engines[0]
+    text = _text(rep)
+    lines = text.splitlines()
+    assert lines[0].startswith("pool synth: kv_cache_bound (1 engine)")
+    assert f"recommended cap {v.recommended_concurrency_cap} in flight" in lines[0]
+    assert lines[1].strip() == "synth:8000:0: kv_cache_bound, saturated"
+    assert text.index("from test, the test window") < text.index("Recommendations, ranked") \
+        < text.index("Findings")
+    assert f"{KNEE} knee" in text and f"{CAP} cap {v.recommended_concurrency_cap}" in text
+    assert f"--max-num-seqs {v.recommended_concurrency_cap}" in text
+
+
+def test_pool_cap_sums_engines_with_per_replica_gateway_limits() -> None:
+    rep = _pool_of_two()
+    (pool,) = rep.pools
+    caps = {v.engine_id: v.recommended_concurrency_cap for v in rep.engines}
+    assert None not in caps.values()
+    assert pool.recommended_concurrency_cap == sum(caps.values())  # type: ignore[arg-type]
+    rec = next(r for r in rep.recommendations if r.kind == "pool_concurrency_cap")
+    assert rec.scope.pool == "p" and rec.scope.engine_id is None
+    assert rec.change["concurrency_cap"] == pool.recommended_concurrency_cap
+    upstream = rec.change["gateway"]["nginx_upstream"]
+    assert f"server h1:8000 max_conns={caps['h1:8000:0']};" in upstream
+    assert f"server h2:8000 max_conns={caps['h2:8000:0']};" in upstream
+    assert 0 < rec.expected_effect["throughput_fraction"] <= 1
+    text = _text(rep)
+    assert text.startswith("pool p: ")
+    assert "(summed over engines)" in text[:text.index("h1:8000:0")]
+
+
+def test_engines_without_data_in_the_window_are_left_out() -> None:
+    a = make_engine("kv_cache_bound", seed=0, engine_id="live:8000:0", pool="p")
+    b = make_engine("kv_cache_bound", seed=0, engine_id="gone:8000:0", pool="p")
+    rep = analyze(FrameSource(pd.concat([a.engines, b.engines], ignore_index=True),
+                              a.windows, a.requests))
+    assert [v.engine_id for v in rep.engines] == ["live:8000:0"]
+    assert rep.coverage["n_engines_known"] == 2 and rep.coverage["n_engines_analyzed"] == 1
+    assert Report.from_json(rep.to_json()).coverage == rep.coverage
+
+
+def test_plot_marks_points_knee_and_cap() -> None:
+    lines = throughput_plot([1, 2, 4, 8, 16, 32], [100, 200, 380, 600, 640, 630],
+                            [100, 200, 380, 600, 635, 635], knee=7.0, cap=8.0)
+    body = "\n".join(lines[:-1])
+    assert body.count(POINT) == 6 and KNEE in body and CAP in body
+    assert "knee 7.0" in lines[-1] and "cap 8" in lines[-1]
+    assert lines[-2].split() == ["1", "2", "4", "8", "16", "32"]
+    assert throughput_plot([4], [10], None) == []
+
+
+def test_no_data_messages() -> None:
+    s = make_engine("kv_cache_bound", seed=0)
+    last = float(s.windows["ts_s"].max())
+    later = analyze(FrameSource(s.engines.assign(last_step_unix_s=last), s.windows, s.requests),
+                    since=last + 7200, until=None)
+    assert not later.has_data
+    msg = no_data_message(later, "http://c", "W", now_unix_s=last + 7200 + 60)
+    assert msg.startswith("no data in the window W at http://c") and msg.endswith("--since 3h")
+    earlier = analyze(FrameSource(s.engines.assign(last_step_unix_s=last), s.windows,
+                                  s.requests), since=last - 10_000, until=last - 9_000)
+    assert "move --until later" in no_data_message(earlier, "http://c", "W")
+    empty = analyze(FrameSource(pd.DataFrame(), pd.DataFrame()))
+    assert "knows no engines yet" in no_data_message(empty, "http://c", "W")
+    other = analyze(FrameSource(s.engines, s.windows, s.requests), pool="nope")
+    assert no_data_message(other, "http://c", "W") == (
+        "no engines in pool 'nope' at http://c; pools known: synth")
+
+
+def test_source_error_messages() -> None:
+    down = SourceError("x", url="http://c", path="/v1/engines", reason="Connection refused")
+    assert source_error_message(down, "http://c").startswith(
+        "cannot reach the collector at http://c (Connection refused): check")
+    auth = SourceError("x", url="http://c", path="/v1/engines", status=401)
+    assert "--token" in source_error_message(auth, "http://c")
+    boom = SourceError("x", url="http://c", path="/v1/windows", status=500, reason="store")
+    assert source_error_message(boom, "http://c") == (
+        "the collector at http://c answered 500 on /v1/windows: store")
