@@ -116,6 +116,19 @@ def summarize(collector: CollectorProcess, levels: list[dict[str, Any]], out: An
             p("  " + ln)
 
 
+def show_verdict(collector: CollectorProcess) -> None:
+    """Print the advisor's answer on what was stored, as `kvscope advise` shows it."""
+    from rich.console import Console
+
+    from advisor import CollectorSource, analyze
+    from advisor.render import render_report
+
+    print("\nThe advisor's verdict (what `kvscope advise --collector "
+          f"{collector.url} --since 0` prints):\n")
+    report = analyze(CollectorSource(collector.url))
+    render_report(report, Console(highlight=False), source=collector.url, window="all data")
+
+
 def _feed_recording(collector: CollectorProcess, path: Path) -> list[dict[str, Any]]:
     recording = load_recording(path)
     src = recording.header.get("source", {})
@@ -162,6 +175,7 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"kvscope collector listening on {c.url}, store {store}")
         levels = _feed_live(c, args) if args.live else _feed_recording(c, recording)
         summarize(c, levels, sys.stdout)
+        show_verdict(c)
         if args.serve:
             print(f"\nThe collector keeps running at {c.url}; Ctrl-C to stop.")
             with contextlib.suppress(KeyboardInterrupt):
