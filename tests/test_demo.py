@@ -43,8 +43,13 @@ def test_demo_replays_into_a_real_collector(tmp_path: Path):
     assert f"http://127.0.0.1:{port}/metrics" in text
     # One table row per sweep level.
     levels = [lv["concurrency"] for lv in rec.header["sweep"]["levels"]]
-    rows = [ln.split()[0] for ln in text.splitlines() if ln.strip() and ln.split()[0].isdigit()]
-    assert [int(r) for r in rows] == levels
+    lines = text.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("clients")) + 2
+    rows = lines[start:start + len(levels) + 1]
+    assert [int(r.split()[0]) for r in rows if r.strip()] == levels
+    # The advisor's verdict on the stored run closes the demo.
+    assert "pool demo: kv_cache_bound" in text
+    assert "--max-num-seqs" in text
     # The store stays behind and reopens.
     assert store.exists()
 
