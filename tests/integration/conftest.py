@@ -111,6 +111,7 @@ def overload_run(mid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         },
         log_path=workdir / "vllm.log",
     )
+    run: OverloadRun | None = None
     try:
         server.start()
         before = vllm_totals(server.metrics_text())
@@ -125,7 +126,10 @@ def overload_run(mid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             lambda: vllm_totals(server.metrics_text()),
             lambda: collector_totals(collector),
         )
-        yield OverloadRun(collector, server, sweep, before, after, workdir)
+        run = OverloadRun(collector, server, sweep, before, after, workdir)
+        yield run
     finally:
         server.stop()
         collector.stop()
+        if run is not None and run.collector is not collector:
+            run.collector.stop()  # a test may have replaced it with a revived one
