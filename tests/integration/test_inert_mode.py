@@ -29,7 +29,9 @@ def test_plugin_is_inert_without_a_collector_url(tiny_model: Path, tmp_path: Pat
                                          headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as resp:
                 assert resp.status == 200
-    text = log.read_text(errors="replace")
+        # Read while the server still runs: stopping the process group may make vLLM
+        # log its own shutdown traceback, which says nothing about the plugin.
+        text = log.read_text(errors="replace")
     inert_lines = [ln for ln in text.splitlines() if "KVSCOPE_COLLECTOR_URL" in ln]
     assert len(inert_lines) == 1, inert_lines
     assert "inert" in inert_lines[0].lower() or "disabled" in inert_lines[0].lower()
