@@ -51,7 +51,14 @@ def collector_totals(collector: CollectorProcess) -> dict[str, float]:
                 ("preemptions", "prompt_tokens", "generation_tokens", "prefix_queries",
                  "prefix_hits")}
 
-    from_steps, from_windows = sums("steps"), sums("windows")
+    # Two reads are two snapshots: while batches still arrive the windows (read second)
+    # may hold more than the steps. Re-read until a window read is bracketed by two
+    # equal step reads; then the two sources must agree.
+    for _ in range(40):
+        from_steps, from_windows = sums("steps"), sums("windows")
+        if sums("steps") == from_steps:
+            break
+        time.sleep(0.25)
     assert from_steps == from_windows, (from_steps, from_windows)
     stats = collector.get_json("/v1/request_stats",
                                params={"since": "0", "group_by": "all"})["rows"]
