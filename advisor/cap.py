@@ -4,8 +4,12 @@ bounds the tail.
 Algorithm
 ---------
 1. The cap is the smallest load (requests in flight) at which the fitted
-   throughput curve reaches ``cap_fraction`` of its plateau, rounded up to a whole
-   request.
+   throughput curve reaches ``cap_fraction`` of its peak, rounded up to a whole
+   request. The curve here is the monotone fit of the load bins up to the one with
+   the highest median throughput: when throughput falls past its peak (preemption
+   thrash), the falling bins would otherwise pull the fitted plateau, and with it the
+   cap, below what the engine delivers at the peak, and the cap exists to keep the
+   engine there. Without such a fall this is the curve's own fit.
 2. With an SLO (``slo_ttft_p99_s``, ``slo_e2e_p99_s``), the P99 at the cap
    (:meth:`~advisor.latency.LatencyVsLoad.p99_at`) must meet it; if not, the cap is
    lowered to the largest whole load whose interpolated P99 meets every SLO, and the
@@ -34,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from advisor._frames import isotonic_increasing
 from advisor.curve import ThroughputCurve
 from advisor.findings import Recommendation, Scope
 from advisor.latency import LatencyVsLoad
@@ -58,9 +63,12 @@ class ConcurrencyCap:
         return True
 
     def fit(self, curve: ThroughputCurve, latency: LatencyVsLoad) -> ConcurrencyCap:
-        plateau = curve.plateau_tokens_per_s_
-        x = curve.bins_["load"].to_numpy(float)
-        fit = curve.bins_["gen_fit"].to_numpy(float)
+        raw = curve.bins_["gen_tokens_per_s"].to_numpy(float)
+        upto = int(np.argmax(raw)) + 1  # bins up to the peak (see step 1)
+        x = curve.bins_["load"].to_numpy(float)[:upto]
+        fit = isotonic_increasing(raw[:upto], curve.bins_["n_windows"].to_numpy(float)[:upto])
+        plateau = float(fit.max())
+        self.peak_tokens_per_s_ = plateau
         target = self.cap_fraction * plateau
         crossing = next((i for i, v in enumerate(fit) if v >= target), len(fit) - 1)
         if crossing == 0:

@@ -28,7 +28,8 @@ Algorithm
    fraction rule, rather than a max-distance (kneedle) rule, reads directly as
    "beyond this load at most 10% more throughput is to be had", is stable when only
    a few load levels exist, and matches the concurrency cap's definition (the
-   smallest load keeping 90% of the plateau). 0.9 rather than 0.95 because plateaus
+   smallest load keeping 90% of the plateau; of the peak when throughput falls past
+   it, see :mod:`advisor.cap`). 0.9 rather than 0.95 because plateaus
    of real engines drift by a few percent (a plateau that creeps up 6% over a
    doubling of load would otherwise drag the knee far past where the batch stopped
    growing).

@@ -1,20 +1,28 @@
 """Session fixtures that run the real vLLM CPU engine with the kvscope plugin.
 
-One engine start costs 40-60 s on these machines, so the overload run is made once
+One engine start costs 30-60 s on these machines, so the overload run is made once
 per test session and every test reads what it left: the collector's store (through
 its HTTP API), vLLM's own /metrics before and after, and the sweep's results.
+
+The advisor scenarios (``bench/advisor_scenarios.py``, run by ``test_advisor_real.py``)
+start one engine per regime, once per module; each fixture runs its engine, sweeps it,
+asks the advisor, stops the engine and returns the measurements, so no two engines
+ever compete for the cores. Their figures are printed in the terminal summary and
+written to ``advisor_real.json`` in pytest's base temporary directory.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.advisor_scenarios import SCENARIOS, AdvisorLab, CapRun, RegimeRun, format_all, summary
 from collector.lab import VllmServer, build_model, default_model_dir, vllm_counter_totals
 from collector.process import CollectorProcess
 from collector.sweep import SweepConfig, SweepResult, run_sweep
@@ -140,3 +148,98 @@ def overload_run(mid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         collector.stop()
         if run is not None and run.collector is not collector:
             run.collector.stop()  # a test may have replaced it with a revived one
+
+
+@dataclass
+class AdvisorFigures:
+    """What the advisor scenarios measured in this session (for the summary and JSON)."""
+
+    runs: dict[str, RegimeRun] = field(default_factory=dict)
+    engine_cap: CapRun | None = None
+    json_path: Path | None = None
+    elapsed_s: float = 0.0
+
+    def ordered_runs(self) -> list[RegimeRun]:
+        return [self.runs[n] for n in SCENARIOS if n in self.runs]
+
+
+ADVISOR_FIGURES = pytest.StashKey[AdvisorFigures]()
+
+
+def _advisor_figures(config: pytest.Config) -> AdvisorFigures:
+    if ADVISOR_FIGURES not in config.stash:
+        config.stash[ADVISOR_FIGURES] = AdvisorFigures()
+    return config.stash[ADVISOR_FIGURES]
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)  # shown with pytest -s
+
+
+@pytest.fixture(scope="module")
+def advisor_lab(mid_model: Path, tmp_path_factory: pytest.TempPathFactory,
+                pytestconfig: pytest.Config) -> Iterator[AdvisorLab]:
+    """A collector process for the advisor scenarios; the figures are written at the end."""
+    figures = _advisor_figures(pytestconfig)
+    started = time.monotonic()
+    lab = AdvisorLab(tmp_path_factory.mktemp("advisor"), model_dir=mid_model, log=_say)
+    lab.start()
+    try:
+        yield lab
+    finally:
+        lab.close()
+        figures.elapsed_s = time.monotonic() - started
+        if figures.runs:
+            path = tmp_path_factory.getbasetemp() / "advisor_real.json"
+            data = summary(figures.ordered_runs(), figures.engine_cap)
+            data["elapsed_s"] = figures.elapsed_s
+            path.write_text(json.dumps(data, indent=2) + "\n")
+            figures.json_path = path
+
+
+def _regime(lab: AdvisorLab, config: pytest.Config, name: str, **kw: Any) -> RegimeRun:
+    run = lab.run_regime(SCENARIOS[name], **kw)
+    _advisor_figures(config).runs[name] = run
+    return run
+
+
+@pytest.fixture(scope="module")
+def kv_starved_run(advisor_lab: AdvisorLab, pytestconfig: pytest.Config) -> RegimeRun:
+    """KV-starved engine (48 blocks of 32): the sweep, the verdict, and the advisor's cap
+    applied as client concurrency on the same engine (``run.client_cap``)."""
+    return _regime(advisor_lab, pytestconfig, "kv-starved", cap_by_client=True)
+
+
+@pytest.fixture(scope="module")
+def kv_engine_cap_run(advisor_lab: AdvisorLab, kv_starved_run: RegimeRun,
+                      pytestconfig: pytest.Config) -> CapRun:
+    """The KV-starved engine restarted with ``--max-num-seqs`` = the advisor's cap,
+    driven at the sweep's highest concurrency."""
+    if kv_starved_run.verdict.recommended_concurrency_cap is None:
+        pytest.fail("the advisor recommended no cap for the KV-starved engine")
+    cap = advisor_lab.run_engine_cap(kv_starved_run)
+    _advisor_figures(pytestconfig).engine_cap = cap
+    return cap
+
+
+@pytest.fixture(scope="module")
+def seq_capped_run(advisor_lab: AdvisorLab, pytestconfig: pytest.Config) -> RegimeRun:
+    """Ample KV, ``--max-num-seqs 6``."""
+    return _regime(advisor_lab, pytestconfig, "seq-capped")
+
+
+@pytest.fixture(scope="module")
+def ample_kv_run(advisor_lab: AdvisorLab, pytestconfig: pytest.Config) -> RegimeRun:
+    """Ample KV (4,096 blocks), ``--max-num-seqs 256``."""
+    return _regime(advisor_lab, pytestconfig, "ample-kv")
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """The advisor scenarios' figures, when this session ran them."""
+    figures = config.stash.get(ADVISOR_FIGURES, None)
+    if figures is None or not figures.runs:
+        return
+    terminalreporter.section("advisor on the real engine")
+    terminalreporter.write_line(format_all(figures.ordered_runs(), figures.engine_cap))
+    terminalreporter.write_line(f"scenarios took {figures.elapsed_s:.0f} s; figures in "
+                                f"{figures.json_path}")

@@ -1,0 +1,705 @@
+"""The advisor on the real vLLM engine: three regimes, the closed loop, the capacity model.
+
+One command (five to seven minutes on a 2-core machine, four engine starts included)::
+
+    .venv/bin/python bench/advisor_scenarios.py [--duration 5] [--json out.json]
+
+What it does
+------------
+1. A collector process on a fresh store. For each regime of :data:`SCENARIOS` (the
+   engine configurations of ``collector.demo.REGIMES``) it starts the real vLLM CPU
+   engine on the lab's "mid" model with the kvscope plugin pointed at the
+   collector, warms it up, and runs a closed-loop sweep (concurrency 1 to 32, a few
+   seconds per level; the overload level as long as the capped runs below). Once the
+   collector holds every token and preemption vLLM's own ``/metrics`` counted,
+   :func:`advisor.analyze` reads the sweep's time range back over HTTP
+   (:class:`advisor.CollectorSource`) and gives the engine's verdict.
+   Each engine is stopped before the next starts (an engine keeps a core busy).
+2. **Closed loop** on the KV-starved engine, with the advisor's recommended cap
+   ``C``: (a) on the same engine, load at client concurrency ``C``; (b) a restarted
+   engine with ``--max-num-seqs C``, driven at the sweep's highest concurrency.
+   Each is set against the uncapped sweep: throughput against the sweep's peak
+   level, e2e P99 against the uncapped highest level, preemptions per second.
+3. **Capacity model**: the KV capacity model's predicted plateau against the
+   measured plateau: the mean client throughput of the sweep levels at or past
+   ``SATURATED_MARGIN`` x the knee (the levels where throughput no longer grows), or
+   of the highest level when the advisor finds the engine unsaturated.
+
+Every load level (sweep levels and capped runs) is its own short run, checked against
+the collector: if the engine did not see the clients' load (on these machines vLLM's
+API server now and then delivers whole responses a second or more late, so closed-loop
+clients stop feeding the engine), the level measured the stall, not the engine, and is
+run again (see ``MAX_ATTEMPTS``; sweep levels below a quarter of the top concurrency
+are run once, nothing is read from them but the advisor's windows); the tables report
+the runs per level. The advisor reads every window, stalled runs included. For the
+same reason latency under a cap is compared with vLLM's own e2e latency (arrival at
+the engine to finish, queueing included) beside the load generator's.
+
+Where the numbers come from: throughput (output tokens/s) and the client's e2e P99
+are the load generator's, over each level's measurement window; requests in flight,
+preemptions per second and engine generated tokens/s come from the collector's
+1-second windows inside that window, vLLM's e2e P99 from the requests it stored. The module doubles as the library of the integration tests in
+``tests/integration/test_advisor_real.py``, which run the same scenarios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from advisor import CollectorSource, EngineVerdict, Report, analyze
+from collector.demo import REGIMES
+from collector.lab import VllmServer, build_model, default_model_dir, vllm_counter_totals
+from collector.process import CollectorProcess
+from collector.sweep import LevelResult, SweepConfig, SweepResult, run_sweep
+
+CONCURRENCY = (1, 2, 4, 8, 16, 32)
+SATURATED_MARGIN = 1.5
+"""Sweep levels at or beyond this multiple of the knee count as the measured plateau
+(the advisor's own saturation margin)."""
+MODEL_NAME = "kvscope-advisor"
+DELIVERED_LOAD_RATIO = 0.9
+"""A load level counts only if the engine saw at least this share of the clients'
+requests in flight (time average over its windows; clean runs show 0.95-1.0);
+otherwise the front end stalled and the level is run again."""
+MAX_ATTEMPTS = 3
+"""Runs of a level the closed loop reads (the overload level, the capped runs); other
+sweep levels from a quarter of the top concurrency up get 2, lower ones 1."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One engine configuration and the verdicts that count as right for it."""
+
+    name: str
+    expected: tuple[str, ...]
+    num_gpu_blocks: int
+    max_num_seqs: int
+
+    @property
+    def pool(self) -> str:
+        return f"advisor-{self.name}"
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "kv-starved": Scenario("kv-starved", ("kv_cache_bound",), **REGIMES["kv-starved"]),
+    "seq-capped": Scenario("seq-capped", ("max_num_seqs_bound",), **REGIMES["seq-capped"]),
+    # Ample KV, cap 256: the compute ceiling. Whether a sweep up to 32 clients goes
+    # far enough past the knee to call it saturated depends on the curve; either
+    # answer is right as long as an unsaturated one names compute as the ceiling.
+    "ample-kv": Scenario("ample-kv", ("compute_bound", "not_saturated"), **REGIMES["ample-kv"]),
+}
+
+
+@dataclass
+class LevelMeasure:
+    """One load level: the client's measurements and the engine's from the collector."""
+
+    concurrency: int
+    client_tokens_per_s: float
+    e2e_p99_s: float | None
+    ttft_p99_s: float | None
+    completed: int
+    errors: int
+    engine_tokens_per_s: float
+    preemptions_per_s: float
+    batch_median: float
+    waiting_median: float
+    load_median: float
+    """Requests in flight at the engine (running + waiting), median over the windows."""
+    load_mean: float
+    """The same, mean over the windows (what :attr:`delivered` checks)."""
+    kv_usage_median: float
+    n_windows: int
+    engine_e2e_p99_s: float | None = None
+    """P99 of vLLM's own e2e latency (arrival at the engine to finish, queueing included)
+    of the requests that finished inside the window; unlike the client's, it holds no
+    front-end delay."""
+    attempts: int = 1
+    """Runs of this level made until the engine saw the load (the last one is kept)."""
+
+    @property
+    def delivered(self) -> bool:
+        """Whether the engine saw the clients' load (the front end did not stall)."""
+        return self.load_mean >= DELIVERED_LOAD_RATIO * self.concurrency
+
+
+@dataclass
+class RegimeRun:
+    """A regime's engine, sweep and the advisor's report on it."""
+
+    scenario: Scenario
+    engine_id: str
+    startup_s: float
+    since_unix_s: float
+    until_unix_s: float
+    levels: list[LevelMeasure]
+    report: Report
+    client_cap: CapRun | None = None
+
+    @property
+    def verdict(self) -> EngineVerdict:
+        return self.report.engine(self.engine_id)
+
+    @property
+    def correct(self) -> bool:
+        v = self.verdict
+        if v.bottleneck not in self.scenario.expected:
+            return False
+        # An unsaturated verdict is right only when it names the expected ceiling.
+        return v.bottleneck != "not_saturated" or v.approaching in self.scenario.expected
+
+    def evidence(self, kind: str) -> dict[str, Any]:
+        found = self.report.findings_of(kind, self.engine_id)
+        return found[0].evidence if found else {}
+
+    @property
+    def peak(self) -> LevelMeasure:
+        """The sweep level with the highest client throughput."""
+        return max(self.levels, key=lambda lv: lv.client_tokens_per_s)
+
+    @property
+    def top(self) -> LevelMeasure:
+        """The sweep level with the highest concurrency (the uncapped overload)."""
+        return max(self.levels, key=lambda lv: lv.concurrency)
+
+    @property
+    def plateau_levels(self) -> list[LevelMeasure]:
+        """Levels at or past ``SATURATED_MARGIN`` x the knee; for an engine the advisor
+        finds unsaturated, the highest level (where the capacity model predicts)."""
+        v = self.verdict
+        if v.knee_concurrency is None:
+            return []
+        if not v.saturated:
+            return [self.top] if self.top.delivered else []
+        return [lv for lv in self.levels if lv.delivered
+                and lv.concurrency >= SATURATED_MARGIN * v.knee_concurrency]
+
+    @property
+    def growth_last_doubling(self) -> float | None:
+        """Client throughput at the highest level over the level at half its concurrency
+        (``None`` unless the engine saw the load of both)."""
+        half = [lv for lv in self.levels if 2 * lv.concurrency == self.top.concurrency]
+        if not half or half[0].client_tokens_per_s <= 0 or not (
+                half[0].delivered and self.top.delivered):
+            return None
+        return self.top.client_tokens_per_s / half[0].client_tokens_per_s - 1.0
+
+    @property
+    def measured_plateau_tokens_per_s(self) -> float | None:
+        lvs = self.plateau_levels
+        return sum(lv.client_tokens_per_s for lv in lvs) / len(lvs) if lvs else None
+
+    @property
+    def predicted_plateau_tokens_per_s(self) -> float | None:
+        v = self.evidence("kv_capacity").get("predicted_plateau_tokens_per_s")
+        return None if v is None else float(v)
+
+    @property
+    def prediction_error_ratio(self) -> float | None:
+        p, m = self.predicted_plateau_tokens_per_s, self.measured_plateau_tokens_per_s
+        return None if p is None or not m else p / m - 1.0
+
+
+@dataclass
+class CapRun:
+    """One load level against a capped setting, set against the uncapped sweep."""
+
+    how: str
+    """``client`` (client concurrency = cap) or ``engine`` (``--max-num-seqs`` = cap)."""
+    cap: int
+    level: LevelMeasure
+    peak_tokens_per_s: float
+    uncapped: LevelMeasure
+    predicted_throughput_fraction: float | None = None
+    predicted_p99_e2e_s: float | None = None
+    startup_s: float | None = None
+    engine_id: str | None = None
+
+    @property
+    def throughput_fraction(self) -> float:
+        return self.level.client_tokens_per_s / self.peak_tokens_per_s
+
+    @property
+    def p99_ratio(self) -> float | None:
+        """Engine-side e2e P99 under the cap over the uncapped overload level's."""
+        a, b = self.level.engine_e2e_p99_s, self.uncapped.engine_e2e_p99_s
+        return None if a is None or not b else a / b
+
+    @property
+    def client_p99_ratio(self) -> float | None:
+        """The same with the load generator's e2e P99 (front-end delays included)."""
+        a, b = self.level.e2e_p99_s, self.uncapped.e2e_p99_s
+        return None if a is None or not b else a / b
+
+
+Log = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+class AdvisorLab:
+    """A collector process and the real engines the scenarios run against.
+
+    ``duration_s`` and ``warmup_s`` are the sweep's per-level measurement window and
+    unmeasured ramp; ``cap_duration_s`` and ``cap_warmup_s`` the same for a capped run.
+    ``log`` receives one line per step; ``progress`` shows the sweep's progress bars on
+    stderr.
+    """
+
+    def __init__(self, workdir: str | Path, *, model_dir: str | Path | None = None,
+                 concurrency: tuple[int, ...] = CONCURRENCY, duration_s: float = 5.0,
+                 warmup_s: float = 2.0, cap_duration_s: float = 10.0,
+                 cap_warmup_s: float = 3.0, seed: int = 3,
+                 log: Log = _quiet, progress: bool = False) -> None:
+        self.workdir = Path(workdir)
+        self.model_dir = Path(model_dir) if model_dir else None
+        self.concurrency = tuple(concurrency)
+        self.duration_s = duration_s
+        self.warmup_s = warmup_s
+        self.cap_duration_s = cap_duration_s
+        self.cap_warmup_s = cap_warmup_s
+        self.seed = seed
+        self.log = log
+        self.progress = progress
+        self.collector: CollectorProcess | None = None
+        self._t0 = time.monotonic()
+
+    # -- set-up -----------------------------------------------------------------------
+
+    def start(self) -> AdvisorLab:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.model_dir is None:
+            self.model_dir = build_model(default_model_dir("mid"), "mid")
+        self.collector = CollectorProcess(self.workdir / "store.duckdb",
+                                          log_path=self.workdir / "collector.log").start()
+        self._say(f"collector at {self.collector.url}, store {self.workdir / 'store.duckdb'}")
+        return self
+
+    def close(self) -> None:
+        if self.collector is not None:
+            self.collector.stop()
+            self.collector = None
+
+    def __enter__(self) -> AdvisorLab:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _say(self, text: str) -> None:
+        self.log(f"[{time.monotonic() - self._t0:6.1f} s] {text}")
+
+    @property
+    def _collector(self) -> CollectorProcess:
+        if self.collector is None:
+            raise RuntimeError("AdvisorLab.start() first")
+        return self.collector
+
+    @contextmanager
+    def engine(self, pool: str, *, num_gpu_blocks: int, max_num_seqs: int) -> Iterator[VllmServer]:
+        """A real engine with the plugin shipping to the collector under ``pool``."""
+        assert self.model_dir is not None
+        self._say(f"{pool}: starting vLLM (--num-gpu-blocks-override {num_gpu_blocks}, "
+                  f"--max-num-seqs {max_num_seqs})")
+        server = VllmServer(
+            self.model_dir, served_model_name=MODEL_NAME, num_gpu_blocks=num_gpu_blocks,
+            max_num_seqs=max_num_seqs, enable_prefix_caching=True,
+            env={"KVSCOPE_COLLECTOR_URL": self._collector.url, "KVSCOPE_POOL": pool,
+                 "KVSCOPE_FLUSH_INTERVAL_S": "0.5"},
+            log_path=self.workdir / f"vllm-{pool}.log")
+        try:
+            server.start()
+            self._say(f"{pool}: engine up in {server.startup_s:.0f} s at {server.url}")
+            yield server
+        finally:
+            server.stop()
+            self._say(f"{pool}: engine stopped")
+
+    # -- load and measurement -----------------------------------------------------------
+
+    def _sweep(self, server: VllmServer, concurrency: list[int], duration_s: float,
+               warmup_s: float, seed: int) -> SweepResult:
+        return run_sweep(SweepConfig(
+            url=server.url, model=MODEL_NAME, concurrency=concurrency, duration_s=duration_s,
+            warmup_s=warmup_s, cooldown_s=1.0, prompt_words=(8, 40), output_tokens=(128, 128),
+            seed=seed, progress=self.progress))
+
+    def _warm(self, server: VllmServer) -> None:
+        """A few seconds of load the analysis leaves out (first requests run slower)."""
+        self._sweep(server, [4], duration_s=1.0, warmup_s=1.0, seed=self.seed + 100)
+
+    def _engine_id(self, pool: str) -> str:
+        deadline = time.monotonic() + 30.0
+        while True:
+            rows = self._collector.get_json("/v1/engines")["rows"]
+            ids = [r["engine_id"] for r in rows if r.get("pool") == pool]
+            if ids:
+                return str(ids[-1])
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no engine of pool {pool} reached the collector")
+            time.sleep(0.5)
+
+    def _drain(self, server: VllmServer, engine_id: str, timeout_s: float = 30.0) -> None:
+        """Wait until the collector holds every token, preemption and request vLLM counted."""
+        keys = {"generation_tokens": "vllm:generation_tokens_total",
+                "prompt_tokens": "vllm:prompt_tokens_total",
+                "preemptions": "vllm:num_preemptions_total"}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            vllm = vllm_counter_totals(server.metrics_text())
+            rows = self._collector.get_json(
+                "/v1/totals", params={"source": "windows", "engine": engine_id})["rows"]
+            stats = self._collector.get_json("/v1/request_stats", params={
+                "since": "0", "engine": engine_id, "group_by": "engine"})["rows"]
+            ours = {k: float(rows[0][k]) if rows else 0.0 for k in keys}
+            theirs = {k: vllm[v] for k, v in keys.items()}
+            n_req = float(stats[0]["n_requests"]) if stats else 0.0
+            if ours == theirs and n_req == vllm["vllm:request_success_total"]:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"collector short of vLLM's counters for {engine_id}: "
+                                   f"{ours} / {n_req} requests vs {theirs} / "
+                                   f"{vllm['vllm:request_success_total']}")
+            time.sleep(0.5)
+
+    def _measure(self, engine_id: str, levels: list[LevelResult]) -> list[LevelMeasure]:
+        lo = math.floor(min(lv.window_start_unix_s for lv in levels))
+        hi = math.ceil(max(lv.window_end_unix_s for lv in levels)) + 1
+        src = CollectorSource(self._collector.url)
+        w = src.windows(lo, hi, engine=engine_id)
+        r = src.requests(lo, hi, engine=engine_id)
+        return [measure_level(lv, w, r) for lv in levels]
+
+    # -- scenarios ------------------------------------------------------------------------
+
+    def _level(self, server: VllmServer, engine_id: str, concurrency: int, duration_s: float,
+               warmup_s: float, seed: int, attempts: int = MAX_ATTEMPTS
+               ) -> tuple[LevelMeasure, SweepResult]:
+        """One load level, measured; run again (up to ``attempts`` runs) while the engine
+        did not see the clients' load: a stalled front end measures nothing of the engine."""
+        for attempt in range(1, attempts + 1):
+            sweep = self._sweep(server, [concurrency], duration_s, warmup_s,
+                                seed + 1000 * (attempt - 1))
+            self._drain(server, engine_id)
+            level = self._measure(engine_id, sweep.levels)[0]
+            level.attempts = attempt
+            if level.delivered:
+                break
+            self._say(f"{concurrency} clients: the engine saw {level.load_mean:.1f} requests "
+                      f"in flight on average, the front end stalled"
+                      f"{'; running the level again' if attempt < attempts else ''}")
+        return level, sweep
+
+    def run_regime(self, scenario: Scenario, *, cap_by_client: bool = False) -> RegimeRun:
+        """Start the regime's engine, sweep it, let the advisor judge; with
+        ``cap_by_client``, then load the same engine at the recommended cap."""
+        with self.engine(scenario.pool, num_gpu_blocks=scenario.num_gpu_blocks,
+                         max_num_seqs=scenario.max_num_seqs) as server:
+            self._warm(server)
+            engine_id = self._engine_id(scenario.pool)
+            top = max(self.concurrency)
+            self._say(f"{scenario.pool}: sweeping {','.join(map(str, self.concurrency))} "
+                      f"clients, {self.warmup_s:g} + {self.duration_s:g} s per level "
+                      f"({self.cap_duration_s:g} s at {top})")
+            levels: list[LevelMeasure] = []
+            since = until = math.nan
+            for i, c in enumerate(self.concurrency):
+                # The overload level lasts as long as the capped runs set against it,
+                # so their latency percentiles come from samples of the same span.
+                duration = self.cap_duration_s if c == top else self.duration_s
+                # Low levels are run once: a stall there only moves the advisor's windows
+                # to lower loads, and no figure below is read from them.
+                attempts = MAX_ATTEMPTS if c == top else 2 if 4 * c >= top else 1
+                level, sweep = self._level(server, engine_id, c, duration, self.warmup_s,
+                                           self.seed + i, attempts)
+                levels.append(level)
+                if i == 0:
+                    since = sweep.started_unix_s
+                until = sweep.finished_unix_s + 1.0
+            # Every window of the sweep, stalled attempts included: the advisor reads load
+            # at the engine, so a stall only adds windows at a lower load.
+            report = analyze(CollectorSource(self._collector.url), since, until,
+                             pool=scenario.pool)
+            run = RegimeRun(scenario=scenario, engine_id=engine_id,
+                            startup_s=server.startup_s or math.nan, since_unix_s=since,
+                            until_unix_s=until, levels=levels, report=report)
+            v = run.verdict
+            self._say(f"{scenario.pool}: advisor says {v.bottleneck}"
+                      f"{'' if v.saturated else f' (approaching {v.approaching})'}, knee "
+                      f"{_num(v.knee_concurrency, '.1f')}, plateau "
+                      f"{_num(v.plateau_tokens_per_s, ',.0f')} tok/s, cap "
+                      f"{_num(v.recommended_concurrency_cap, 'd')}")
+            if cap_by_client:
+                cap = v.recommended_concurrency_cap
+                if cap is None:
+                    raise RuntimeError(f"{scenario.pool}: the advisor recommended no cap")
+                self._say(f"{scenario.pool}: closed loop (a), {cap} clients for "
+                          f"{self.cap_duration_s:g} s")
+                level, _ = self._level(server, engine_id, cap, self.cap_duration_s,
+                                       self.cap_warmup_s, self.seed + 50)
+                run.client_cap = CapRun(
+                    how="client", cap=cap, level=level,
+                    peak_tokens_per_s=run.peak.client_tokens_per_s, uncapped=run.top,
+                    predicted_throughput_fraction=v.predicted_throughput_fraction_at_cap,
+                    predicted_p99_e2e_s=v.predicted_p99_e2e_s_at_cap, engine_id=engine_id)
+        return run
+
+    def run_engine_cap(self, uncapped: RegimeRun, cap: int | None = None) -> CapRun:
+        """Restart the regime's engine with ``--max-num-seqs cap`` (default: the advisor's
+        recommendation) and drive it at the sweep's highest concurrency."""
+        sc = uncapped.scenario
+        cap = cap if cap is not None else uncapped.verdict.recommended_concurrency_cap
+        if cap is None:
+            raise RuntimeError(f"{sc.pool}: the advisor recommended no cap")
+        pool = f"{sc.pool}-capped"
+        top = uncapped.top.concurrency
+        with self.engine(pool, num_gpu_blocks=sc.num_gpu_blocks, max_num_seqs=cap) as server:
+            self._warm(server)
+            engine_id = self._engine_id(pool)
+            self._say(f"{pool}: closed loop (b), {top} clients against --max-num-seqs {cap} "
+                      f"for {self.cap_duration_s:g} s")
+            level, _ = self._level(server, engine_id, top, self.cap_duration_s,
+                                   self.cap_warmup_s, self.seed + 60)
+            return CapRun(how="engine", cap=cap, level=level,
+                          peak_tokens_per_s=uncapped.peak.client_tokens_per_s,
+                          uncapped=uncapped.top, startup_s=server.startup_s,
+                          engine_id=engine_id)
+
+
+def measure_level(lv: LevelResult, windows: pd.DataFrame,
+                  requests: pd.DataFrame | None = None) -> LevelMeasure:
+    """A sweep level with the engine's windows that lie inside its measurement window
+    and the requests that finished inside it (cancelled ones left out)."""
+    w = windows
+    if len(w):
+        ts = pd.to_numeric(w["ts_s"])
+        w = w[(ts >= lv.window_start_unix_s) & (ts + 1.0 <= lv.window_end_unix_s + 0.5)]
+    n = len(w)
+    e2e_p99: float | None = None
+    if requests is not None and len(requests):
+        fin = pd.to_numeric(requests["finished_unix_s"])
+        done = requests[(fin >= lv.window_start_unix_s) & (fin < lv.window_end_unix_s)
+                        & (requests["finish_reason"] != "abort")]
+        if len(done):
+            e2e_p99 = float(pd.to_numeric(done["e2e_s"]).quantile(0.99))
+
+    def col(name: str) -> pd.Series:
+        return pd.to_numeric(w[name], errors="coerce") if n else pd.Series(dtype=float)
+
+    def med(name: str) -> float:
+        return float(col(name).median()) if n else math.nan
+
+    return LevelMeasure(
+        concurrency=lv.concurrency, client_tokens_per_s=lv.output_tokens_per_s,
+        e2e_p99_s=lv.e2e_p99_s, ttft_p99_s=lv.ttft_p99_s, completed=lv.requests_completed,
+        errors=lv.error_count,
+        engine_tokens_per_s=float(col("generation_tokens").sum()) / n if n else math.nan,
+        preemptions_per_s=float(col("preemptions").sum()) / n if n else math.nan,
+        batch_median=med("batch_mean"), waiting_median=med("waiting_mean"),
+        load_median=float((col("batch_mean") + col("waiting_mean")).median()) if n else math.nan,
+        load_mean=float((col("batch_mean") + col("waiting_mean")).mean()) if n else math.nan,
+        kv_usage_median=med("kv_usage_mean"), n_windows=n, engine_e2e_p99_s=e2e_p99)
+
+
+# -- presentation ----------------------------------------------------------------------------
+
+
+def _num(v: float | int | None, spec: str = ".2f") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    return format(v, spec)
+
+
+def _runs(lv: LevelMeasure) -> str:
+    return f"{lv.attempts}{'' if lv.delivered else '*'}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None or not math.isfinite(v) else f"{v:+.0%}"
+
+
+def regimes_table(runs: list[RegimeRun]) -> str:
+    """Per regime: expected vs verdict, knee, plateau measured vs predicted, cap."""
+    head = (f"{'regime':<11} {'expected':<29} {'advisor verdict':<34} {'ok':<3} {'knee':>5} "
+            f"{'last 2x':>7} {'plateau meas':>12} {'advisor':>8} {'KV model':>8} {'err':>5} "
+            f"{'cap':>4}")
+    lines = [head, "-" * len(head)]
+    for r in runs:
+        v = r.verdict
+        verdict = v.bottleneck if v.saturated else f"{v.bottleneck} -> {v.approaching}"
+        lines.append(
+            f"{r.scenario.name:<11} {' | '.join(r.scenario.expected):<29} {verdict:<34} "
+            f"{'yes' if r.correct else 'NO':<3} {_num(v.knee_concurrency, '.1f'):>5} "
+            f"{_pct(r.growth_last_doubling):>7} "
+            f"{_num(r.measured_plateau_tokens_per_s, ',.0f'):>12} "
+            f"{_num(v.plateau_tokens_per_s, ',.0f'):>8} "
+            f"{_num(r.predicted_plateau_tokens_per_s, ',.0f'):>8} "
+            f"{_pct(r.prediction_error_ratio):>5} {_num(v.recommended_concurrency_cap, 'd'):>4}")
+    lines.append(
+        "last 2x: client throughput growth from half the top concurrency to the top; "
+        f"plateau meas: mean client output tok/s of the levels at >= {SATURATED_MARGIN:g}x the "
+        "knee (unsaturated: the top level); advisor: its plateau fitted on the engine's "
+        "windows; KV model: the capacity model's prediction (err vs measured)")
+    return "\n".join(lines)
+
+
+def levels_table(run: RegimeRun) -> str:
+    """One regime's sweep, client and engine side."""
+    head = (f"{'clients':>7} {'in flight':>9} {'client tok/s':>12} {'engine tok/s':>12} "
+            f"{'batch':>6} {'waiting':>7} {'KV used':>7} {'preempt/s':>9} {'TTFT p99':>8} "
+            f"{'e2e p99':>8} {'engine':>7} {'runs':>4}")
+    lines = [f"{run.scenario.name} ({run.engine_id}, engine up in {run.startup_s:.0f} s)",
+             head, "-" * len(head)]
+    for lv in run.levels:
+        lines.append(
+            f"{lv.concurrency:>7} {_num(lv.load_mean, '.1f'):>9} "
+            f"{lv.client_tokens_per_s:>12,.0f} "
+            f"{_num(lv.engine_tokens_per_s, ',.0f'):>12} {_num(lv.batch_median, '.1f'):>6} "
+            f"{_num(lv.waiting_median, '.1f'):>7} {_num(lv.kv_usage_median, '.0%'):>7} "
+            f"{_num(lv.preemptions_per_s, '.1f'):>9} {_num(lv.ttft_p99_s):>7}s "
+            f"{_num(lv.e2e_p99_s):>7}s {_num(lv.engine_e2e_p99_s):>6}s {_runs(lv):>4}")
+    return "\n".join(lines)
+
+
+def closed_loop_table(run: RegimeRun, engine_cap: CapRun | None) -> str:
+    """The uncapped sweep's peak and overload against the two ways of applying the cap."""
+    v = run.verdict
+    head = (f"{'setting':<36} {'clients':>7} {'in flight':>9} {'tok/s':>7} {'of peak':>7} "
+            f"{'e2e p99 engine':>14} {'client':>8} {'preempt/s':>9} {'runs':>4}")
+    lines = [f"closed loop on {run.scenario.name}: advisor cap {v.recommended_concurrency_cap} "
+             f"(predicted {_num(v.predicted_throughput_fraction_at_cap, '.0%')} of its plateau, "
+             f"e2e P99 {_num(v.predicted_p99_e2e_s_at_cap)} s vs "
+             f"{_num(v.p99_e2e_s_at_max_load)} s uncapped)", head, "-" * len(head)]
+    peak, top = run.peak, run.top
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return "" if a is None or not b else f" ({a / b:.2f})"
+
+    def row(name: str, lv: LevelMeasure) -> str:
+        eng = f"{_num(lv.engine_e2e_p99_s)}s{ratio(lv.engine_e2e_p99_s, top.engine_e2e_p99_s)}"
+        cli = f"{_num(lv.e2e_p99_s)}s{ratio(lv.e2e_p99_s, top.e2e_p99_s)}"
+        return (f"{name:<36} {lv.concurrency:>7} {_num(lv.load_mean, '.1f'):>9} "
+                f"{lv.client_tokens_per_s:>7,.0f} "
+                f"{lv.client_tokens_per_s / peak.client_tokens_per_s:>7.0%} "
+                f"{eng:>14} {cli:>13} {_num(lv.preemptions_per_s, '.1f'):>9} {_runs(lv):>4}")
+
+    lines.append(row("uncapped sweep, peak level", peak))
+    lines.append(row("uncapped sweep, highest level", top))
+    if run.client_cap is not None:
+        c = run.client_cap
+        lines.append(row(f"(a) cap as client concurrency {c.cap}", c.level))
+    if engine_cap is not None:
+        lines.append(row(f"(b) --max-num-seqs {engine_cap.cap}, restarted", engine_cap.level))
+    lines.append("in flight: requests at the engine (running + waiting), mean over its windows; "
+                 "e2e p99: vLLM's own (engine) and the load generator's, in brackets over the "
+                 "uncapped highest level's; runs: measurements made until the engine saw the "
+                 "offered load, * where it never did (the front end stalled in every run)")
+    return "\n".join(lines)
+
+
+def summary(runs: list[RegimeRun], engine_cap: CapRun | None) -> dict[str, Any]:
+    """The measured figures as a JSON-ready dict."""
+    out: dict[str, Any] = {"regimes": {}, "closed_loop": {}}
+    for r in runs:
+        v = r.verdict
+        out["regimes"][r.scenario.name] = {
+            "engine_id": r.engine_id, "expected": list(r.scenario.expected),
+            "correct": r.correct, "verdict": v.to_dict(), "startup_s": r.startup_s,
+            "measured_plateau_tokens_per_s": r.measured_plateau_tokens_per_s,
+            "growth_last_doubling_ratio": r.growth_last_doubling,
+            "predicted_plateau_tokens_per_s": r.predicted_plateau_tokens_per_s,
+            "prediction_error_ratio_vs_client": r.prediction_error_ratio,
+            "kv_capacity": r.evidence("kv_capacity"), "bottleneck": r.evidence("bottleneck"),
+            "levels": [asdict(lv) for lv in r.levels]}
+        for cap in (r.client_cap, engine_cap if r.scenario.name == "kv-starved" else None):
+            if cap is None:
+                continue
+            out["closed_loop"][f"{r.scenario.name}/{cap.how}"] = {
+                "cap": cap.cap, "level": asdict(cap.level),
+                "peak_tokens_per_s": cap.peak_tokens_per_s,
+                "throughput_fraction": cap.throughput_fraction,
+                "uncapped_top_level": asdict(cap.uncapped), "p99_ratio_engine": cap.p99_ratio,
+                "p99_ratio_client": cap.client_p99_ratio,
+                "predicted_throughput_fraction": cap.predicted_throughput_fraction,
+                "predicted_p99_e2e_s": cap.predicted_p99_e2e_s, "startup_s": cap.startup_s}
+    return json.loads(json.dumps(_nan_to_none(out), default=float))
+
+
+def _nan_to_none(x: Any) -> Any:
+    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan_to_none(v) for v in x]
+    return x
+
+
+def format_all(runs: list[RegimeRun], engine_cap: CapRun | None) -> str:
+    parts = [regimes_table(runs)]
+    kv = next((r for r in runs if r.scenario.name == "kv-starved"), None)
+    if kv is not None:
+        parts.append(closed_loop_table(kv, engine_cap))
+    parts += [levels_table(r) for r in runs]
+    return "\n\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--workdir", default="/tmp/kvscope-advisor-scenarios",
+                   help="collector store, engine and collector logs (default: %(default)s)")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds per sweep level")
+    p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds per level")
+    p.add_argument("--cap-duration", type=float, default=10.0,
+                   help="seconds of each capped run (default: %(default)s)")
+    p.add_argument("--regimes", default=",".join(SCENARIOS),
+                   help="comma-separated regimes (default: %(default)s)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no sweep progress bars")
+    args = p.parse_args(argv)
+    names = [n for n in args.regimes.split(",") if n]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        p.error(f"unknown regime(s) {unknown}; choose from {list(SCENARIOS)}")
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    runs: list[RegimeRun] = []
+    engine_cap: CapRun | None = None
+    started = time.monotonic()
+    with AdvisorLab(args.workdir, duration_s=args.duration, warmup_s=args.warmup,
+                    cap_duration_s=args.cap_duration, log=log,
+                    progress=not args.no_progress) as lab:
+        for i, name in enumerate(names, 1):
+            log(f"== regime {i}/{len(names)}: {name}")
+            sc = SCENARIOS[name]
+            run = lab.run_regime(sc, cap_by_client=name == "kv-starved")
+            runs.append(run)
+            if name == "kv-starved":
+                log("== closed loop (b): the cap as --max-num-seqs on a restarted engine")
+                engine_cap = lab.run_engine_cap(run)
+    print(format_all(runs, engine_cap))
+    print(f"\ntotal {time.monotonic() - started:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary(runs, engine_cap), indent=2) + "\n")
+    return 0 if all(r.correct for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
