@@ -36,6 +36,7 @@ from collector.sweep import (
     summarize_level,
 )
 from collector.sweep.prompts import WORDS
+from collector.sweep.routing import Router
 from collector.sweep.stats import RequestRecord
 from collector.sweep.traces import MOONCAKE_BLOCK_TOKENS
 
@@ -415,3 +416,92 @@ async def _sweep_dead_server() -> SweepResult:
     cfg = SweepConfig(url="http://127.0.0.1:9", model="m", concurrency=[1], duration_s=0.5,
                       warmup_s=0.0, progress=False)  # fmt: skip
     return await run_sweep_async(cfg)
+
+
+# --- several replicas and routing policies -------------------------------------------
+
+
+def test_router_policies() -> None:
+    rr = Router(3, "round-robin")
+    assert [rr.choose("a b c") for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    affine = Router(2, "prefix-affine", affinity_words=2)
+    first = affine.choose("alpha beta one")
+    assert all(affine.choose(f"alpha beta {w}") == first for w in ("two", "three", "four"))
+    targets = {affine.choose(f"group{g} x tail") for g in range(20)}
+    assert targets == {0, 1}  # distinct prefixes spread over both replicas
+    least = Router(3, "least-loaded")
+    a, b = least.choose("p"), least.choose("p")
+    assert a != b
+    least.done(a)
+    assert least.choose("p") in ({0, 1, 2} - {b})  # never the one still busy
+    with pytest.raises(ValueError, match="routing policy"):
+        Router(2, "random")
+    with pytest.raises(SweepError, match="routing"):
+        SweepConfig(routing="hash").validate()
+
+
+def test_arguments_with_replicas_and_routing() -> None:
+    parser = add_sweep_arguments(argparse.ArgumentParser())
+    cfg = config_from_args(parser.parse_args(
+        ["--url", "http://a:8000", "--url", "http://b:8000", "--routing", "prefix-affine",
+         "--shared-prefix-words", "40"]))  # fmt: skip
+    assert cfg.targets == ["http://a:8000", "http://b:8000"] and cfg.routing == "prefix-affine"
+    assert cfg.router().affinity_words == 40
+    assert config_from_args(parser.parse_args([])).targets == [SweepConfig.url]
+
+
+def prompt_recording_app(seen: list[str]) -> web.Application:
+    """A fake server that streams 3 tokens and remembers each prompt it was sent."""
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "fake-model"}]})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body["prompt"])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(1, 4):
+            await asyncio.sleep(TOKEN_INTERVAL_S)
+            chunk = {"choices": [{"index": 0, "text": " w", "finish_reason": None}],
+                     "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": i}}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+def _sweep_two_replicas(routing: str) -> tuple[SweepResult, list[list[str]]]:
+    seen: list[list[str]] = [[], []]
+
+    async def go() -> SweepResult:
+        async with serving(prompt_recording_app(seen[0])) as a, \
+                serving(prompt_recording_app(seen[1])) as b:
+            cfg = SweepConfig(url=a, replicas=[b], routing=routing, concurrency=[4],
+                              duration_s=0.6, warmup_s=0.1, cooldown_s=0.0,
+                              output_tokens=(3, 3), shared_prefix_words=6, prefix_groups=8,
+                              progress=False)  # fmt: skip
+            return await run_sweep_async(cfg)
+
+    return asyncio.run(go()), seen
+
+
+def test_sweep_spreads_requests_over_replicas_by_policy() -> None:
+    result, seen = _sweep_two_replicas("round-robin")
+    (lv,) = result.levels
+    assert lv.requests_per_target is not None
+    assert lv.requests_per_target == [len(seen[0]), len(seen[1])]
+    assert abs(len(seen[0]) - len(seen[1])) <= 4 and min(map(len, seen)) > 10
+    prefixes = [{" ".join(p.split()[:6]) for p in s} for s in seen]
+    assert prefixes[0] & prefixes[1]  # round robin sends each prefix group everywhere
+    assert "+ 1 more, round-robin routing" in format_table(result)
+    assert "requests per server" in format_table(result)
+
+    result, seen = _sweep_two_replicas("prefix-affine")
+    prefixes = [{" ".join(p.split()[:6]) for p in s} for s in seen]
+    assert not prefixes[0] & prefixes[1]  # each group meets one replica only
+    assert all(prefixes) and len(prefixes[0] | prefixes[1]) == 8

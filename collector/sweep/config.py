@@ -13,6 +13,7 @@ from typing import Any
 
 from collector.sweep.errors import SweepError
 from collector.sweep.prompts import TOKENS_PER_WORD
+from collector.sweep.routing import POLICIES, Router
 from collector.sweep.traces import load_trace
 from collector.sweep.workload import Workload
 
@@ -25,6 +26,13 @@ class SweepConfig:
 
     url: str = "http://127.0.0.1:8000"
     """Base URL of an OpenAI-compatible server (with or without a trailing ``/v1``)."""
+    replicas: list[str] = field(default_factory=list)
+    """More servers of the same model: requests are spread over ``url`` and these."""
+    routing: str = "round-robin"
+    """How requests are spread over the servers (see :mod:`collector.sweep.routing`)."""
+    affinity_words: int | None = None
+    """Prompt words hashed by ``prefix-affine`` routing (default: the shared prefix's
+    length when there is one, else 32)."""
     model: str | None = None
     """Model name for requests; ``None`` takes the first one ``GET /v1/models`` lists."""
     concurrency: list[int] = field(default_factory=lambda: list(DEFAULT_CONCURRENCY))
@@ -98,6 +106,8 @@ class SweepConfig:
             (self.prefix_groups >= 1, "prefix_groups must be >= 1"),
             (self.tokens_per_word > 0, "tokens_per_word must be > 0"),
             (self.request_timeout_s > 0, "request_timeout_s must be > 0"),
+            (self.routing in POLICIES, f"routing: one of {', '.join(POLICIES)}"),
+            (self.affinity_words is None or self.affinity_words >= 1, "affinity_words >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -110,6 +120,16 @@ class SweepConfig:
                 "invalid sweep configuration: the shared prefix fills max_prompt_tokens"
             )
         return self
+
+    @property
+    def targets(self) -> list[str]:
+        """Every server requests go to: ``url`` first, then ``replicas``."""
+        return [self.url, *self.replicas]
+
+    def router(self) -> Router:
+        """A fresh :class:`~collector.sweep.routing.Router` over :attr:`targets`."""
+        words = self.affinity_words or self.shared_prefix_words or 32
+        return Router(len(self.targets), self.routing, words)
 
     def workload(self) -> Workload:
         """The :class:`Workload` this configuration describes (reads the trace, if any)."""
@@ -168,8 +188,23 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     target = parser.add_argument_group("server")
     target.add_argument(
         "--url",
-        default=d.url,
-        help="base URL of the OpenAI-compatible server (default: %(default)s)",
+        action="append",
+        default=None,
+        metavar="URL",
+        help=f"base URL of the OpenAI-compatible server (default: {d.url}); repeat it for the replicas of a pool, which then share the load by --routing",
+    )
+    target.add_argument(
+        "--routing",
+        choices=POLICIES,
+        default=d.routing,
+        help="how requests are spread over several --url: round-robin (default), least-loaded (fewest in flight) or prefix-affine (a hash of the prompt's first words picks the replica)",
+    )
+    target.add_argument(
+        "--affinity-words",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt words hashed by prefix-affine routing (default: --shared-prefix-words, else 32)",
     )
     target.add_argument(
         "--model", default=None, help="model name (default: the first one GET /v1/models lists)"
@@ -322,8 +357,12 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 def config_from_args(args: argparse.Namespace) -> SweepConfig:
     """The validated :class:`SweepConfig` of parsed ``add_sweep_arguments`` options."""
+    urls = args.url or [SweepConfig.url]
     return SweepConfig(
-        url=args.url,
+        url=urls[0],
+        replicas=list(urls[1:]),
+        routing=args.routing,
+        affinity_words=args.affinity_words,
         model=args.model,
         concurrency=list(args.concurrency),
         duration_s=args.duration,

@@ -102,7 +102,10 @@ def _seconds(value: float | None) -> str:
 def format_table(result: SweepResult) -> str:
     """The levels as a fixed-width text table, one row per level."""
     header = "  ".join(fmt.format(name) for name, fmt in _COLUMNS)
-    lines = [f"{result.model} @ {result.url}", header, "-" * len(header)]
+    replicas = result.config.get("replicas") or []
+    where = result.url if not replicas else (
+        f"{result.url} + {len(replicas)} more, {result.config.get('routing')} routing")
+    lines = [f"{result.model} @ {where}", header, "-" * len(header)]
     for lv in result.levels:
         cells = (
             lv.concurrency,
@@ -120,6 +123,11 @@ def format_table(result: SweepResult) -> str:
         lines.append(
             "  ".join(fmt.format(cell) for (_, fmt), cell in zip(_COLUMNS, cells, strict=True))
         )
+    if replicas:
+        for lv in result.levels:
+            if lv.requests_per_target:
+                lines.append(f"concurrency {lv.concurrency}: requests per server "
+                             + ", ".join(str(n) for n in lv.requests_per_target))
     kinds = sorted({k for lv in result.levels for k in lv.errors})
     if kinds:
         lines.append("errors by kind: " + ", ".join(

@@ -101,7 +101,8 @@ async def _run_level(
     requests: Iterator[RequestSpec],
 ) -> LevelResult:
     records: list[RequestRecord] = []
-    url = f"{api_base(config.url)}/completions"
+    urls = [f"{api_base(u)}/completions" for u in config.targets]
+    router = config.router()
     level_start_s = time.perf_counter()
     unix_offset_s = time.time() - level_start_s
     window_start_s = level_start_s + config.warmup_s
@@ -120,7 +121,13 @@ async def _run_level(
             )
             record = RequestRecord(time.perf_counter(), spec.max_tokens, spec.est_prompt_tokens)
             records.append(record)
-            await stream_completion(session, url, body, record, timeout_s=config.request_timeout_s)
+            target = router.choose(spec.prompt)
+            try:
+                await stream_completion(
+                    session, urls[target], body, record, timeout_s=config.request_timeout_s
+                )
+            finally:
+                router.done(target)
             if record.error is not None:
                 await asyncio.sleep(ERROR_BACKOFF_S)
 
@@ -140,6 +147,7 @@ async def _run_level(
         window_start_s=window_start_s,
         window_end_s=window_end_s,
         unix_offset_s=unix_offset_s,
+        requests_per_target=list(router.sent) if len(urls) > 1 else None,
     )
 
 

@@ -84,6 +84,8 @@ class LevelResult:
     window_start_unix_s: float = 0.0
     """Wall-clock start of the measurement window, to align it with server telemetry."""
     window_end_unix_s: float = 0.0
+    requests_per_target: list[int] | None = None
+    """Requests sent to each server (in ``--url`` order) when there are several."""
 
     @property
     def error_count(self) -> int:
@@ -115,6 +117,7 @@ def summarize_level(
     window_start_s: float,
     window_end_s: float,
     unix_offset_s: float = 0.0,
+    requests_per_target: list[int] | None = None,
 ) -> LevelResult:
     """Summarise one level's records over its measurement window.
 
@@ -171,4 +174,5 @@ def summarize_level(
         mean_in_flight=busy_s / duration_s,
         window_start_unix_s=window_start_s + unix_offset_s,
         window_end_unix_s=window_end_s + unix_offset_s,
+        requests_per_target=requests_per_target,
     )
