@@ -7,6 +7,7 @@ end in ``_``); :func:`analyze` runs them all per engine and pool through a
 """
 
 from advisor.analyze import analyze, analyze_frames
+from advisor.balance import LoadBalance
 from advisor.bottleneck import BottleneckClassifier
 from advisor.cap import ConcurrencyCap
 from advisor.capacity import KvCapacityModel, WhatIf, replica_whatif
@@ -23,11 +24,14 @@ from advisor.findings import (
     Scope,
 )
 from advisor.latency import LatencyVsLoad
+from advisor.prefill import PrefillCost
+from advisor.prefix import KV_EVENT_COLUMNS, PrefixRouting
 from advisor.sources import CollectorSource, FrameSource, Source, SourceError
 from advisor.steptime import StepTimeModel
 
 __all__ = [
     "BOTTLENECKS",
+    "KV_EVENT_COLUMNS",
     "SCHEMA_VERSION",
     "BottleneckClassifier",
     "CollectorSource",
@@ -37,8 +41,11 @@ __all__ = [
     "FrameSource",
     "KvCapacityModel",
     "LatencyVsLoad",
+    "LoadBalance",
     "NotEnoughData",
     "PoolVerdict",
+    "PrefillCost",
+    "PrefixRouting",
     "Recommendation",
     "Report",
     "SchemaVersionError",

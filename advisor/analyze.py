@@ -4,9 +4,12 @@
 hands frames to the pure analyses; :func:`analyze_frames` is the pure part. Per
 engine: throughput curve, bottleneck, step-time and KV capacity models, latency vs
 load, concurrency cap, and the recommendations that follow from the bottleneck.
-Per pool: summed plateaus and caps, and the one-more-replica what-if.
-Recommendations are ranked by expected gain (relative throughput gain, or relative
-P99 reduction for a cap).
+Per pool: summed plateaus and caps, the one-more-replica what-if, prefix-cache reuse
+and routing (:mod:`advisor.prefix`, with vLLM's KV-cache events when the source has
+them) and the load balance across replicas (:mod:`advisor.balance`).
+Recommendations are ranked by expected gain: relative throughput gain, or a relative
+latency reduction (P99 for a cap, mean TTFT for prefix-aware routing, the busiest
+replica's latency for least-loaded routing).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import pandas as pd
 
+from advisor.balance import LoadBalance, upstream
 from advisor.bottleneck import BottleneckClassifier
 from advisor.cap import ConcurrencyCap
 from advisor.capacity import KvCapacityModel, replica_whatif
@@ -30,33 +34,43 @@ from advisor.findings import (
     Scope,
 )
 from advisor.latency import LatencyVsLoad
+from advisor.prefix import PrefixRouting
 from advisor.sources import Source
 from advisor.steptime import StepTimeModel
 
 
 def analyze(source: Source, since: float | None = None, until: float | None = None,
             pool: str | None = None, *, slo_ttft_p99_s: float | None = None,
-            slo_e2e_p99_s: float | None = None, cap_fraction: float = 0.9) -> Report:
-    """Read engines, windows and requests from ``source`` and analyse them."""
+            slo_e2e_p99_s: float | None = None, cap_fraction: float = 0.9,
+            min_routing_loss: float = 0.05, imbalance_threshold: float = 1.25) -> Report:
+    """Read engines, windows, requests and KV events from ``source`` and analyse them."""
     engines = source.engines()
     windows = source.windows(since, until, pool=pool)
     requests = source.requests(since, until, pool=pool)
-    return analyze_frames(engines, windows, requests, since=since, until=until, pool=pool,
-                          slo_ttft_p99_s=slo_ttft_p99_s, slo_e2e_p99_s=slo_e2e_p99_s,
-                          cap_fraction=cap_fraction)
+    read_events = getattr(source, "kv_events", None)  # sources written before kv_events
+    kv_events = read_events(since, until, pool=pool) if read_events else None
+    return analyze_frames(engines, windows, requests, kv_events, since=since, until=until,
+                          pool=pool, slo_ttft_p99_s=slo_ttft_p99_s,
+                          slo_e2e_p99_s=slo_e2e_p99_s, cap_fraction=cap_fraction,
+                          min_routing_loss=min_routing_loss,
+                          imbalance_threshold=imbalance_threshold)
 
 
-def analyze_frames(engines: pd.DataFrame, windows: pd.DataFrame, requests: pd.DataFrame, *,
+def analyze_frames(engines: pd.DataFrame, windows: pd.DataFrame, requests: pd.DataFrame,
+                   kv_events: pd.DataFrame | None = None, *,
                    since: float | None = None, until: float | None = None,
                    pool: str | None = None, slo_ttft_p99_s: float | None = None,
-                   slo_e2e_p99_s: float | None = None, cap_fraction: float = 0.9) -> Report:
+                   slo_e2e_p99_s: float | None = None, cap_fraction: float = 0.9,
+                   min_routing_loss: float = 0.05, imbalance_threshold: float = 1.25) -> Report:
     """The pure part of :func:`analyze`: frames in, report out.
 
     Engines without a window in ``windows`` (no data in the time range) are left out
-    of the verdicts and counted in ``report.coverage``.
+    of the verdicts and counted in ``report.coverage``. ``kv_events`` empty or None:
+    KV events are not configured.
     """
     params = {"pool": pool, "slo_ttft_p99_s": slo_ttft_p99_s, "slo_e2e_p99_s": slo_e2e_p99_s,
-              "cap_fraction": cap_fraction}
+              "cap_fraction": cap_fraction, "min_routing_loss": min_routing_loss,
+              "imbalance_threshold": imbalance_threshold}
     report = Report(since_unix_s=since, until_unix_s=until, parameters=params)
     known_pools = (sorted({str(p) for p in engines["pool"].dropna()})
                    if "pool" in engines else [])
@@ -77,6 +91,9 @@ def analyze_frames(engines: pd.DataFrame, windows: pd.DataFrame, requests: pd.Da
         _engine(report, cfg, w, r, cap_fraction=cap_fraction, slo_ttft_p99_s=slo_ttft_p99_s,
                 slo_e2e_p99_s=slo_e2e_p99_s)
     _pools(report)
+    _prefix_and_balance(report, analyzed, windows, requests, kv_events,
+                        min_routing_loss=min_routing_loss,
+                        imbalance_threshold=imbalance_threshold)
     report.recommendations.sort(key=lambda x: (-x.expected_gain, x.kind, str(x.scope.engine_id)))
     return report
 
@@ -215,12 +232,6 @@ def _config_recommendations(scope: Scope, bn: BottleneckClassifier, kv: KvCapaci
     return out
 
 
-def _upstream(engine_id: str) -> str:
-    """``host:port`` of an engine id ``host:port:engine_index``."""
-    head, sep, tail = engine_id.rpartition(":")
-    return head if sep and tail.isdigit() and ":" in head else engine_id
-
-
 def _pool_cap(report: Report, pool: str | None, vs: list[EngineVerdict]) -> None:
     """The pool's summed cap as one recommendation, with per-replica gateway limits."""
     capped = [v for v in vs if v.recommended_concurrency_cap is not None]
@@ -229,7 +240,7 @@ def _pool_cap(report: Report, pool: str | None, vs: list[EngineVerdict]) -> None
     total = sum(int(v.recommended_concurrency_cap or 0) for v in capped)
     per_server: dict[str, int] = {}
     for v in capped:
-        key = _upstream(v.engine_id)
+        key = upstream(v.engine_id)
         per_server[key] = per_server.get(key, 0) + int(v.recommended_concurrency_cap or 0)
     servers = " ".join(f"server {k} max_conns={c};" for k, c in sorted(per_server.items()))
     weights = [v.plateau_tokens_per_s or 0.0 for v in capped]
@@ -281,3 +292,47 @@ def _pools(report: Report) -> None:
                 evidence={"plateau_tokens_per_s": pv.plateau_tokens_per_s,
                           "concurrency_cap": pv.recommended_concurrency_cap,
                           "one_more_replica": rep}))
+
+
+def _finite(v: float | None) -> float | None:
+    return None if v is None or not math.isfinite(v) else float(v)
+
+
+def _rows_of(df: pd.DataFrame | None, ids: set[str]) -> pd.DataFrame:
+    if df is None or not len(df) or "engine_id" not in df:
+        return pd.DataFrame()
+    return df[df["engine_id"].isin(ids)]
+
+
+def _prefix_and_balance(report: Report, analyzed: pd.DataFrame, windows: pd.DataFrame,
+                        requests: pd.DataFrame, kv_events: pd.DataFrame | None, *,
+                        min_routing_loss: float, imbalance_threshold: float) -> None:
+    """Per pool: prefix-cache reuse and routing, and the load balance across replicas."""
+    configs = {str(c["engine_id"]): {k: (None if _isnan(v) else v) for k, v in c.items()}
+               for c in (analyzed.to_dict("records") if len(analyzed) else [])}
+    for pv in report.pools:
+        ids = set(pv.engine_ids)
+        w, r = _rows_of(windows, ids), _rows_of(requests, ids)
+        pr = PrefixRouting(min_routing_loss=min_routing_loss).fit(
+            [configs[e] for e in pv.engine_ids], w, r, _rows_of(kv_events, ids))
+        report.findings.extend(pr.findings(pv.pool))
+        rec = pr.recommendation(pv.pool)
+        if rec is not None:
+            report.recommendations.append(rec)
+        rates = dict(zip(pr.engines_["engine_id"], pr.engines_["hit_rate"], strict=True))
+        for eid in pv.engine_ids:
+            report.engine(eid).prefix_hit_rate = _finite(rates.get(eid))
+        pv.prefix_hit_rate = _finite(pr.hit_rate_)
+        if pr.predicted_hit_rate_affine_ is not None:
+            pv.prefix_routing_loss = _finite(pr.routing_loss_)
+            pv.predicted_prefix_hit_rate_affine = _finite(pr.predicted_hit_rate_affine_)
+        if len(pv.engine_ids) < 2:
+            continue
+        lb = LoadBalance(threshold=imbalance_threshold).fit(w, r, pv.engine_ids)
+        scope = Scope(pool=pv.pool)
+        report.findings.append(lb.finding(scope))
+        pv.load_imbalance = _finite(lb.imbalance_)
+        busiest = report.engine(lb.busiest_) if lb.busiest_ is not None else None
+        bal = lb.recommendation(scope, busiest_saturated=bool(busiest and busiest.saturated))
+        if bal is not None:
+            report.recommendations.append(bal)

@@ -2,7 +2,9 @@
 
 :func:`make_engine` simulates the 1-second windows and finished requests of one
 engine swept through load levels, in one of the regimes the advisor tells apart,
-and returns them with the true answer (bottleneck, knee, plateau). The simulation
+and returns them with the true answer (bottleneck, knee, plateau);
+:func:`make_prefix_pool` a pool of replicas with prefix-cache reuse and KV-cache
+events, with its true reuse ratios. The simulation of :func:`make_engine`
 is a closed-form steady state per second, not a scheduler:
 
 * the batch is ``min(load, max_num_seqs, KV-bound batch, token-budget batch)``
@@ -58,6 +60,7 @@ class SyntheticEngine:
     windows: pd.DataFrame
     requests: pd.DataFrame
     truth: dict[str, Any] = field(default_factory=dict)
+    kv_events: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
 def _batch(load: np.ndarray, p: dict[str, Any]) -> tuple[np.ndarray, float]:
@@ -149,3 +152,90 @@ def make_engine(regime: str, *, seed: int = 0, levels: tuple[float, ...] = (1, 2
              "knee": knee, "plateau_tokens_per_s": plateau, "kv_batch": kv_batch,
              "thrash": thrash, "saturated": regime != "not_saturated"}
     return SyntheticEngine(engines=engines, windows=windows, requests=requests, truth=truth)
+
+
+def make_prefix_pool(*, seed: int = 0, hit_rates: tuple[float, ...] = (0.4, 0.2),
+                     dup_ratios: tuple[float, ...] = (0.2, 0.2),
+                     evict_ratios: tuple[float, ...] = (0.05, 0.05),
+                     loads: tuple[float, ...] = (8.0, 2.0), block_size: int = 16,
+                     queries_per_s: int = 2000, seconds: int = 60, requests_per_s: int = 4,
+                     prefill_s_per_token: float = 2e-4, ttft_base_s: float = 0.05,
+                     with_events: bool = True, pool: str = "px",
+                     t0: int = 1_700_000_000) -> SyntheticEngine:
+    """A pool of replicas with prefix-cache reuse and KV-cache events, and its true answer.
+
+    Engine ``i`` (id ``px{i}:8000:0``) looks up about ``queries_per_s`` prompt tokens a
+    second, finds ``hit_rates[i]`` of them, and stores blocks of which ``dup_ratios[i]``
+    (of its lookups, in tokens) another replica held and ``evict_ratios[i]`` more had
+    been seen before and evicted. Its load is ``loads[i]`` in flight. Requests have
+    prompts of 200-2000 tokens, a cached part on ``hit_rates[i]`` of them, a prefill
+    of ``ttft_base_s + prefill_s_per_token x computed tokens`` (10% lognormal noise,
+    and 5% stragglers 0.2-1 s slower) and a queue wait (exponential, mean 10 ms per
+    request in flight, and 5% of requests queued 1-3 s); TTFT is queue + prefill.
+    ``truth``: the delivered, routing-loss, eviction-loss, captured and available
+    ratios computed from the generated counts, the predicted hit rate under
+    prefix-affine routing, the slope, and the load imbalance.
+    """
+    rng = np.random.default_rng(seed)
+    n = len(hit_rates)
+    ts = t0 + np.arange(seconds)
+    windows, requests, events, engines = [], [], [], []
+    tot = dict.fromkeys(("q", "x", "dup", "reseen"), 0.0)
+    for i in range(n):
+        eid = f"px{i}:8000:0"
+        q = rng.integers(int(queries_per_s * 0.8), int(queries_per_s * 1.2) + 1, seconds)
+        x = np.round(q * hit_rates[i]).astype(int)
+        dup = np.round(q * dup_ratios[i] / block_size).astype(int)
+        reseen = dup + np.round(q * evict_ratios[i] / block_size).astype(int)
+        stored = np.ceil((q - x) / block_size).astype(int)
+        tot["q"] += q.sum()
+        tot["x"] += x.sum()
+        tot["dup"] += dup.sum() * block_size
+        tot["reseen"] += reseen.sum() * block_size
+        load = loads[i] * (1 + rng.normal(0, 0.05, seconds))
+        windows.append(pd.DataFrame({
+            "engine_id": eid, "ts_s": ts, "n_steps": 40, "n_parts": 1,
+            "first_step_unix_s": ts + 0.01, "last_step_unix_s": ts + 0.99,
+            "batch_mean": load, "batch_p50": load, "batch_p90": load, "batch_max": load,
+            "waiting_mean": 0.0, "deferred_mean": 0.0, "kv_usage_mean": 0.5,
+            "kv_usage_max": 0.6, "preemptions": 0, "prompt_tokens": q - x,
+            "generation_tokens": np.round(load * 30).astype(int), "prefix_queries": q,
+            "prefix_hits": x}))
+        events.append(pd.DataFrame({
+            "engine_id": eid, "ts_s": ts, "stored_blocks": stored, "dup_blocks": dup,
+            "reseen_blocks": reseen, "orphan_blocks": 0, "removed_blocks": stored,
+            "cleared_events": 0, "missed_batches": 0, "held_blocks": 500,
+            "held_shared_blocks": 100, "block_size": block_size}))
+        k = seconds * requests_per_s
+        prompt = rng.integers(200, 2001, k)
+        cached = np.where(rng.random(k) < hit_rates[i],
+                          np.round(prompt * rng.uniform(0.3, 0.9, k)), 0).astype(int)
+        queue = (rng.exponential(0.01 * loads[i], k)
+                 + np.where(rng.random(k) < 0.05, rng.uniform(1.0, 3.0, k), 0.0))
+        prefill = ((ttft_base_s + prefill_s_per_token * (prompt - cached))
+                   * rng.lognormal(0, 0.1, k)
+                   + np.where(rng.random(k) < 0.05, rng.uniform(0.2, 1.0, k), 0.0))
+        ttft = queue + prefill
+        requests.append(pd.DataFrame({
+            "engine_id": eid, "boot_id": "synthetic",
+            "finished_unix_s": np.repeat(ts, requests_per_s) + rng.random(k),
+            "e2e_s": ttft + 1.0, "queue_s": queue, "prefill_s": prefill,
+            "decode_s": 1.0, "ttft_s": ttft, "prompt_tokens": prompt, "generation_tokens": 30,
+            "cached_tokens": cached, "preemptions": 0, "finish_reason": "length"}))
+        engines.append({"engine_id": eid, "pool": pool, "model": "synthetic",
+                        "num_gpu_blocks": 4096, "block_size": block_size, "max_num_seqs": 256,
+                        "max_num_batched_tokens": 8192, "enable_prefix_caching": True})
+    h = tot["x"] / tot["q"]
+    loss = tot["dup"] / tot["q"]
+    evict = (tot["reseen"] - tot["dup"]) / tot["q"]
+    mean_load = float(np.mean(loads))
+    truth = {"hit_rate": h, "routing_loss": loss, "eviction_loss": evict,
+             "captured": h + evict, "available": h + evict + loss,
+             "predicted_hit_rate_affine": h + loss, "prefill_s_per_token": prefill_s_per_token,
+             "prefix_queries": tot["q"], "n_requests": n * seconds * requests_per_s,
+             "imbalance": max(loads) / mean_load}
+    return SyntheticEngine(engines=pd.DataFrame(engines),
+                           windows=pd.concat(windows, ignore_index=True),
+                           requests=pd.concat(requests, ignore_index=True),
+                           truth=truth, kv_events=(pd.concat(events, ignore_index=True)
+                                                   if with_events else pd.DataFrame()))

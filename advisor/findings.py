@@ -2,7 +2,9 @@
 
 Every result is a plain dataclass that round-trips through JSON (``to_dict`` /
 ``from_dict``); :class:`Report` carries ``schema_version``, bumped on a change an
-older reader would misread. Renderers (CLI, dashboard, ``/metrics``) only present
+older reader would misread. Adding a field, a finding ``kind`` or a recommendation
+``kind`` is not such a change: readers ignore verdict fields they do not know, and
+kinds are open strings. Renderers (CLI, dashboard, ``/metrics``) only present
 these objects; they never recompute.
 
 Conventions: numbers carry their unit in the key (``tokens_per_s``, ``_s``,
@@ -146,6 +148,8 @@ class EngineVerdict:
     predicted_p99_e2e_s_at_cap: float | None = None
     p99_e2e_s_at_max_load: float | None = None
     confidence: float = 0.0
+    prefix_hit_rate: float | None = None
+    """Prefix-cache hits / queries (tokens) over the window; None without queries."""
 
     def to_dict(self) -> dict[str, Any]:
         return _clean(dataclasses.asdict(self))
@@ -158,7 +162,16 @@ class EngineVerdict:
 
 @dataclass
 class PoolVerdict:
-    """A pool (deployment) summed over its engines."""
+    """A pool (deployment) summed over its engines.
+
+    The prefix and routing fields come from :mod:`advisor.prefix` and
+    :mod:`advisor.balance`: ``prefix_hit_rate`` (hits / queries over the pool's
+    engines), ``prefix_routing_loss`` (share of looked-up tokens recomputed while
+    another replica held them; needs KV-cache events and two engines),
+    ``predicted_prefix_hit_rate_affine`` (hit rate predicted under prefix-affine
+    routing: delivered + routing loss, a lower bound) and ``load_imbalance`` (busiest
+    replica's mean in-flight load / the pool mean; two engines or more).
+    """
 
     pool: str | None
     engine_ids: list[str]
@@ -166,6 +179,10 @@ class PoolVerdict:
     plateau_tokens_per_s: float | None = None
     recommended_concurrency_cap: int | None = None
     engines_without_cap: list[str] = field(default_factory=list)
+    prefix_hit_rate: float | None = None
+    prefix_routing_loss: float | None = None
+    predicted_prefix_hit_rate_affine: float | None = None
+    load_imbalance: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return _clean(dataclasses.asdict(self))

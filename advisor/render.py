@@ -4,8 +4,10 @@ Order: the verdict first (per pool, then per engine: bottleneck, knee, plateau,
 saturated or headroom, the recommended cap with its predicted share of peak and
 P99, the trade-off sentence, and the evidence behind the bottleneck) and what was
 read; a text plot of throughput against load per engine with the knee and the cap
-marked; the ranked recommendations (expected effect, trade-off, evidence, the change
-to copy); the findings table.
+marked; per pool, the prefix cache and routing (hit rates per replica, reuse
+available / captured by routing / delivered, TTFT with and without cached tokens,
+load balance, the routing recommendation); the ranked recommendations (expected
+effect, trade-off, evidence, the change to copy); the findings table.
 
 It only presents the report: every number comes from a verdict, finding or
 recommendation. Messages for the two ways ``advise`` can come back empty (the
@@ -41,8 +43,16 @@ _EFFECT_LABELS = {
     "p99_ttft_s_uncapped": "TTFT P99 uncapped", "plateau_tokens_per_s": "plateau",
     "gain_ratio": "gain", "kv_batch": "KV room (sequences)",
     "effective_batch": "batch", "step_ms": "step",
-    "tokens_per_step_now": "tokens/step now",
+    "tokens_per_step_now": "tokens/step now", "hit_rate": "hit rate now",
+    "predicted_hit_rate": "predicted hit rate", "predicted_hit_rate_max": "at most",
+    "mean_ttft_change_s": "mean TTFT change", "mean_ttft_s": "mean TTFT now",
+    "tokens_saved_per_request": "prompt tokens saved per request",
+    "busiest_load": "busiest replica in flight", "balanced_load": "balanced in flight",
+    "busiest_latency_reduction_ratio": "busiest replica's latency reduced by",
 }
+_CHANGE_LABELS = {"router_policy": "router policy", "production_stack": "production-stack",
+                  "llm_d": "llm-d", "load_bound": "load bound", "router_options": "routers"}
+_POOL_ROUTING_KINDS = ("prefix_aware_routing", "least_loaded_routing")
 _GATEWAY_LABELS = {"nginx": "nginx", "nginx_upstream": "nginx upstream",
                    "gateway_api_maxConcurrency": "Gateway API / llm-d"}
 
@@ -81,10 +91,15 @@ def _value(key: str, v: Any) -> str:
             return _tok(float(v))
         if key.endswith("_ms"):
             return f"{v:.1f} ms"
+        if key.endswith("change_s"):
+            return f"{v * 1e3:+,.0f} ms"
         if key.endswith("_s") or "_s_" in key:
             return _sec(float(v))
-        if key.endswith(("_ratio", "fraction", "_share")):
+        if key.endswith(("_ratio", "fraction", "_share", "hit_rate", "hit_rate_max", "_loss",
+                         "available", "captured")):
             return _pct(float(v))
+        if key.endswith("_r2"):
+            return _num(v, ".2f")
         return _num(v, ",.0f") if float(v).is_integer() else _num(v, ",.1f")
     return "-" if v is None else str(v)
 
@@ -179,6 +194,70 @@ def _verdict(report: Report) -> list[Text | Padding]:
     return lines
 
 
+# -- prefix cache and routing -------------------------------------------------------------
+
+
+def _pool_findings(report: Report, pool: str | None, kind: str) -> list[Finding]:
+    return [f for f in report.findings if f.kind == kind and f.scope.pool == pool
+            and f.scope.engine_id is None]
+
+
+def _ttft_text(ev: dict[str, Any]) -> str | None:
+    c, u = ev.get("ttft_cached") or {}, ev.get("ttft_uncached") or {}
+    if not c.get("n") and not u.get("n"):
+        return None
+    def one(d: dict[str, Any]) -> str:
+        if not d.get("n"):
+            return "none"
+        return f"{_num(d.get('p50_s'), '.2f')}/{_num(d.get('p90_s'), '.2f')} s (n={d['n']})"
+    text = f"TTFT P50/P90 with cached tokens {one(c)}, without {one(u)}"
+    if ev.get("prefill_fit_usable"):
+        quality = "" if ev.get("prefill_fit_good") else ", poor fit"
+        text += (f"; prefill {_num(ev['prefill_s_per_token'] * 1e3, '.3f')} ms per computed "
+                 f"prompt token (r2 {_num(ev.get('prefill_fit_r2'), '.2f')}, "
+                 f"n={ev.get('prefill_fit_n')}{quality})")
+    return text
+
+
+def _prefix_block(report: Report, pv: PoolVerdict) -> list[Text | Padding]:
+    cache = _pool_findings(report, pv.pool, "prefix_cache")
+    if not cache:
+        return []
+    ev = cache[0].evidence
+    head = Text()
+    head.append(f"pool {pv.pool}" if pv.pool is not None else "engines without a pool",
+                style="bold")
+    rates = ev.get("engine_hit_rates") or {}
+    head.append(f": prefix-cache hit rate {_pct(pv.prefix_hit_rate)}")
+    if len(rates) > 1:
+        head.append(" (" + ", ".join(f"{k} {_pct(v)}" for k, v in rates.items()) + ")")
+    lines: list[Text] = []
+    for f in _pool_findings(report, pv.pool, "prefix_routing"):
+        re_ = f.evidence
+        lines.append(Text(
+            f"reuse available {_pct(re_.get('available'))}, captured by routing "
+            f"{_pct(re_.get('captured'))}, delivered {_pct(re_.get('hit_rate'))} (routing loss "
+            f"{_pct(re_.get('routing_loss'))}, eviction loss {_pct(re_.get('eviction_loss'))}); "
+            f"confidence {f.confidence:.2f}"))
+    for f in _pool_findings(report, pv.pool, "kv_events_missing"):
+        lines.append(Text(f.summary, style="yellow" if f.severity == "warning" else ""))
+    ttft = _ttft_text(ev)
+    if ttft:
+        lines.append(Text(ttft))
+    for f in _pool_findings(report, pv.pool, "load_imbalance"):
+        lines.append(Text(f.summary, style="yellow" if f.severity == "warning" else ""))
+    for f in report.findings:
+        if f.kind == "prefix_caching_off" and f.scope.pool == pv.pool:
+            lines.append(Text(f"{f.scope.engine_id}: {f.summary}", style="yellow"))
+    for i, r in enumerate(report.recommendations, start=1):
+        if r.kind in _POOL_ROUTING_KINDS and r.scope.pool == pv.pool:
+            t = Text("-> ", style="bold")
+            t.append(r.summary, style="bold")
+            t.append(f"  (recommendation {i})", style="dim")
+            lines.append(t)
+    return [head, *(_ind(t, 2) for t in lines)]
+
+
 # -- plots, recommendations, findings ----------------------------------------------------
 
 
@@ -212,7 +291,7 @@ def _change_rows(change: dict[str, Any]) -> list[tuple[str, str]]:
         elif key == "per_engine_caps" and isinstance(val, dict):
             rows.append(("per engine", ", ".join(f"{k} {c}" for k, c in val.items())))
         else:
-            rows.append((key, str(val)))
+            rows.append((_CHANGE_LABELS.get(key, key), str(val)))
     return rows
 
 
@@ -302,6 +381,12 @@ def render_report(report: Report, console: Console, *, source: str = "",
             console.print()
             console.print(panel)
             plotted += 1
+    blocks = [b for pv in report.pools for b in _prefix_block(report, pv)]
+    if blocks:
+        console.print()
+        console.print(Text("Prefix cache and routing", style="bold underline"))
+        for line in blocks:
+            console.print(line)
     console.print()
     if report.recommendations:
         console.print(Text("Recommendations, ranked by expected gain", style="bold underline"))

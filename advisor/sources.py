@@ -1,13 +1,17 @@
 """Where the advisor reads its frames from.
 
-A :class:`Source` answers three questions with DataFrames whose columns follow the
+A :class:`Source` answers four questions with DataFrames whose columns follow the
 kvscope store (see the collector's read API): ``engines()`` (identity and
-configuration, one row per engine), ``windows(...)`` (1-second windows per engine)
-and ``requests(...)`` (finished requests). Times are unix seconds, half-open
+configuration, one row per engine), ``windows(...)`` (1-second windows per engine),
+``requests(...)`` (finished requests) and ``kv_events(...)`` (vLLM's KV-cache events
+counted per engine and second, columns :data:`advisor.prefix.KV_EVENT_COLUMNS`; an
+empty frame means KV events are not configured). Times are unix seconds, half-open
 ``since <= t < until``; ``None`` leaves a side open.
 
 * :class:`CollectorSource` reads a kvscope collector over HTTP (standard library
   ``urllib``), asking for ``format=columns`` and paging when an answer is truncated.
+  A collector without ``GET /v1/kv_events`` (404, an older version) gives an empty
+  ``kv_events`` frame.
 * :class:`FrameSource` serves DataFrames held in memory (tests, notebooks, files).
 
 The advisor never imports the collector's service code; this module is the only
@@ -54,6 +58,9 @@ class Source(Protocol):
     def requests(self, since: float | None = None, until: float | None = None,
                  engine: str | None = None, pool: str | None = None) -> pd.DataFrame: ...
 
+    def kv_events(self, since: float | None = None, until: float | None = None,
+                  pool: str | None = None) -> pd.DataFrame: ...
+
 
 def _in_range(df: pd.DataFrame, col: str, since: float | None, until: float | None,
               engine: str | None, pool: str | None, pools: pd.DataFrame) -> pd.DataFrame:
@@ -75,10 +82,13 @@ class FrameSource:
     """A source over in-memory DataFrames (same columns as the collector's read API)."""
 
     def __init__(self, engines: pd.DataFrame, windows: pd.DataFrame,
-                 requests: pd.DataFrame | None = None) -> None:
+                 requests: pd.DataFrame | None = None,
+                 kv_events: pd.DataFrame | None = None) -> None:
         self._engines = engines.reset_index(drop=True)
         self._windows = windows.reset_index(drop=True)
         self._requests = (requests if requests is not None else pd.DataFrame()).reset_index(
+            drop=True)
+        self._kv_events = (kv_events if kv_events is not None else pd.DataFrame()).reset_index(
             drop=True)
 
     def engines(self) -> pd.DataFrame:
@@ -92,6 +102,10 @@ class FrameSource:
                  engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
         return _in_range(self._requests, "finished_unix_s", since, until, engine, pool,
                          self._engines)
+
+    def kv_events(self, since: float | None = None, until: float | None = None,
+                  pool: str | None = None) -> pd.DataFrame:
+        return _in_range(self._kv_events, "ts_s", since, until, None, pool, self._engines)
 
 
 def _error_text(body: str) -> str:
@@ -143,9 +157,11 @@ class CollectorSource:
 
     def _ranged(self, path: str, ts_col: str, since: float | None, until: float | None,
                 engine: str | None, pool: str | None) -> pd.DataFrame:
-        params: dict[str, Any] = {"since": 0 if since is None else since, "until": until,
-                                  "engine": engine, "pool": pool, "format": "columns",
-                                  "limit": self.page_rows}
+        return self._paged(path, ts_col, {"since": 0 if since is None else since,
+                                          "until": until, "engine": engine, "pool": pool,
+                                          "format": "columns", "limit": self.page_rows})
+
+    def _paged(self, path: str, ts_col: str, params: dict[str, Any]) -> pd.DataFrame:
         parts: list[pd.DataFrame] = []
         while True:
             answer = self._get(path, params)
@@ -174,3 +190,15 @@ class CollectorSource:
     def requests(self, since: float | None = None, until: float | None = None,
                  engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
         return self._ranged("/v1/requests", "finished_unix_s", since, until, engine, pool)
+
+    def kv_events(self, since: float | None = None, until: float | None = None,
+                  pool: str | None = None) -> pd.DataFrame:
+        """``GET /v1/kv_events``; empty when the collector predates it (404)."""
+        try:
+            return self._paged("/v1/kv_events", "ts_s",
+                               {"since": 0 if since is None else since, "until": until,
+                                "pool": pool})
+        except SourceError as e:
+            if e.status == 404:
+                return pd.DataFrame()
+            raise

@@ -108,3 +108,33 @@ def test_source_error_messages() -> None:
     boom = SourceError("x", url="http://c", path="/v1/windows", status=500, reason="store")
     assert source_error_message(boom, "http://c") == (
         "the collector at http://c answered 500 on /v1/windows: store")
+
+
+def test_prefix_and_routing_section_per_pool() -> None:
+    from advisor.datasets import make_prefix_pool
+
+    s = make_prefix_pool(seed=0)
+    rep = analyze(FrameSource(s.engines, s.windows, s.requests, s.kv_events))
+    text = _text(rep)
+    start, recs = text.index("Prefix cache and routing"), text.index("Recommendations, ranked")
+    assert text.index("from test, the test window") < start < recs
+    section = " ".join(text[start:recs].split())
+    assert "pool px: prefix-cache hit rate 30% (px0:8000:0 40%, px1:8000:0 20%)" in section
+    assert ("reuse available 55%, captured by routing 35%, delivered 30% (routing loss 20%, "
+            "eviction loss 5%)") in section
+    assert "TTFT P50/P90 with cached tokens" in section and "per computed prompt token" in section
+    assert "busiest / mean 1.6" in section
+    rank = next(i for i, r in enumerate(rep.recommendations, start=1)
+                if r.kind == "prefix_aware_routing")
+    assert f"predicted hit rate 30% -> 50%, mean TTFT -20 ms (recommendation {rank})" in section
+    assert "router policy prefix-aware" in " ".join(text[recs:].split())
+
+
+def test_prefix_section_without_events_names_the_flag() -> None:
+    from advisor.datasets import make_prefix_pool
+    from advisor.prefix import KV_EVENTS_FLAG
+
+    s = make_prefix_pool(with_events=False)
+    text = " ".join(_text(analyze(FrameSource(s.engines, s.windows, s.requests))).split())
+    section = text[text.index("Prefix cache and routing"):text.index("Recommendations")]
+    assert KV_EVENTS_FLAG in section and "reuse available" not in section

@@ -1,0 +1,176 @@
+"""TTFT with and without cached prompt tokens, and what a computed prompt token costs.
+
+Algorithm
+---------
+* **TTFT per request**: ``ttft_s``; where the engine did not report it, ``queue_s +
+  prefill_s`` (arrival to first token is the queue wait plus the prefill, which is
+  what vLLM's TTFT measures).
+* **Cached vs uncached**: P50 and P90 TTFT, and the count, of the requests with
+  ``cached_tokens > 0`` and of those with none. The two groups can differ in prompt
+  length and in the load they met (in a load sweep the first, uncached requests meet
+  the lowest load), so this is a description, not the effect of the cache; the fit
+  below is the effect.
+* **Prefill cost**: a Theil-Sen line (median of pairwise slopes, intercept the median
+  residual) of the **prefill part of TTFT** against the **computed** prompt tokens
+  ``prompt_tokens - cached_tokens``. The prefill part is ``ttft_s - queue_s`` (else
+  ``prefill_s``): the queue wait follows the load, not the request's own length, and
+  in real runs the load correlates with how much was cached (the cache warms up as
+  load rises), which would bias a fit of the whole TTFT. A median-based fit keeps the
+  slope from following the long tail of prefills that shared their steps with
+  others. ``r2_`` says how much of the prefill time the computed tokens explain,
+  measured robustly: ``1 - (MAD of the residuals / MAD of y)^2`` (MAD: median
+  absolute deviation), the usual r2 for Gaussian noise, which a few slow requests do
+  not drive to zero. Pairs are all pairs up to ``max_pairs``, else ``max_pairs`` pairs
+  drawn with ``random_state`` (deterministic).
+* **Usable** when at least ``min_requests`` requests with ``min_distinct`` distinct
+  computed-token counts give a positive slope. :meth:`PrefillCost.ttft_change_s`
+  turns tokens saved per request into a mean TTFT change: ``-slope x tokens``, with the
+  queue wait held as it was (fewer computed tokens also shorten the queue under
+  load, so this understates the gain on a busy engine).
+* **Confidence**: ``min(1, n / full_confidence_requests) x clip(r2, 0.25, 1)`` when
+  usable, else 0; a fit is called poor below ``good_r2`` (``good_``).
+
+Parameters
+----------
+min_requests : requests needed for a fit (default 20).
+min_distinct : distinct computed-token counts needed (default 3).
+good_r2 : r2 at or above which the fit counts as good (default 0.3).
+full_confidence_requests : requests for full confidence (default 200).
+max_pairs : pairwise slopes at most (default 20000).
+random_state : seed for the pair sample (default 0).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+
+def _col(df: pd.DataFrame, name: str) -> np.ndarray:
+    if name not in df:
+        return np.full(len(df), math.nan)
+    return pd.to_numeric(df[name], errors="coerce").to_numpy(float)
+
+
+def request_ttft_s(requests: pd.DataFrame) -> np.ndarray:
+    """TTFT per request: ``ttft_s``, else ``queue_s + prefill_s`` (NaN when neither)."""
+    ttft = _col(requests, "ttft_s")
+    parts = _col(requests, "queue_s") + _col(requests, "prefill_s")
+    return np.where(np.isfinite(ttft), ttft, parts)
+
+
+def request_prefill_s(requests: pd.DataFrame) -> np.ndarray:
+    """The prefill part of TTFT: ``ttft_s - queue_s``, else ``prefill_s`` (NaN when neither)."""
+    part = _col(requests, "ttft_s") - _col(requests, "queue_s")
+    return np.where(np.isfinite(part), part, _col(requests, "prefill_s"))
+
+
+def theil_sen(x: np.ndarray, y: np.ndarray, *, max_pairs: int = 20_000,
+              random_state: int = 0) -> tuple[float, float]:
+    """Slope and intercept of the Theil-Sen line through ``(x, y)`` (NaN without pairs)."""
+    n = len(x)
+    if n < 2:
+        return math.nan, math.nan
+    if n * (n - 1) // 2 <= max_pairs:
+        i, j = np.triu_indices(n, 1)
+    else:
+        rng = np.random.default_rng(random_state)
+        i, j = rng.integers(0, n, max_pairs), rng.integers(0, n, max_pairs)
+    dx = x[j] - x[i]
+    keep = dx != 0
+    if not keep.any():
+        return math.nan, math.nan
+    slope = float(np.median((y[j] - y[i])[keep] / dx[keep]))
+    return slope, float(np.median(y - slope * x))
+
+
+def _mad(v: np.ndarray) -> float:
+    return float(np.median(np.abs(v - np.median(v))))
+
+
+def _pcts(v: np.ndarray) -> dict[str, Any]:
+    v = v[np.isfinite(v)]
+    if not len(v):
+        return {"n": 0, "p50_s": None, "p90_s": None, "mean_s": None}
+    return {"n": len(v), "p50_s": float(np.quantile(v, 0.5)),
+            "p90_s": float(np.quantile(v, 0.9)), "mean_s": float(v.mean())}
+
+
+class PrefillCost:
+    """TTFT of cached vs uncached requests and the cost of a computed prompt token."""
+
+    def __init__(self, *, min_requests: int = 20, min_distinct: int = 3, good_r2: float = 0.3,
+                 full_confidence_requests: int = 200, max_pairs: int = 20_000,
+                 random_state: int = 0) -> None:
+        self.min_requests = min_requests
+        self.min_distinct = min_distinct
+        self.good_r2 = good_r2
+        self.full_confidence_requests = full_confidence_requests
+        self.max_pairs = max_pairs
+        self.random_state = random_state
+
+    def fit(self, requests: pd.DataFrame) -> PrefillCost:
+        r = requests if len(requests) else pd.DataFrame()
+        ttft = request_ttft_s(r)
+        prompt = _col(r, "prompt_tokens")
+        cached = np.nan_to_num(_col(r, "cached_tokens"), nan=0.0)
+        x = np.maximum(prompt - cached, 0.0)
+        ok = np.isfinite(ttft) & np.isfinite(x)
+        self.cached_ = _pcts(ttft[ok & (cached > 0)])
+        self.uncached_ = _pcts(ttft[ok & (cached <= 0)])
+        self.mean_ttft_s_ = float(ttft[ok].mean()) if ok.any() else math.nan
+        y = request_prefill_s(r)
+        ok = np.isfinite(y) & np.isfinite(x)
+        self.n_ = int(ok.sum())
+        x, y = x[ok], y[ok]
+        self.slope_s_per_token_, self.intercept_s_ = theil_sen(
+            x, y, max_pairs=self.max_pairs, random_state=self.random_state)
+        self.r2_ = math.nan
+        if self.n_ >= 2 and math.isfinite(self.slope_s_per_token_):
+            mad_y = _mad(y)
+            mad_res = _mad(y - self.intercept_s_ - self.slope_s_per_token_ * x)
+            self.r2_ = 1.0 - (mad_res / mad_y) ** 2 if mad_y > 0 else math.nan
+        self.usable_ = bool(self.n_ >= self.min_requests
+                            and len(np.unique(x)) >= self.min_distinct
+                            and self.slope_s_per_token_ > 0)
+        r2 = self.r2_ if math.isfinite(self.r2_) else 0.0
+        self.good_ = bool(self.usable_ and r2 >= self.good_r2)
+        self.confidence_ = (min(1.0, self.n_ / self.full_confidence_requests)
+                            * min(1.0, max(0.25, r2)) if self.usable_ else 0.0)
+        return self
+
+    def ttft_change_s(self, tokens_saved_per_request: float) -> float | None:
+        """Mean TTFT change when each request computes ``tokens_saved_per_request`` fewer
+        prompt tokens (None when the fit is not usable)."""
+        if not self.usable_:
+            return None
+        return -self.slope_s_per_token_ * tokens_saved_per_request
+
+    def evidence(self) -> dict[str, Any]:
+        return {"ttft_cached": self.cached_, "ttft_uncached": self.uncached_,
+                "prefill_s_per_token": self.slope_s_per_token_,
+                "prefill_intercept_s": self.intercept_s_, "prefill_fit_r2": self.r2_,
+                "prefill_fit_n": self.n_, "prefill_fit_usable": self.usable_,
+                "prefill_fit_good": self.good_, "mean_ttft_s": self.mean_ttft_s_}
+
+    def summary(self) -> str:
+        c, u = self.cached_, self.uncached_
+        parts = []
+        if c["n"] or u["n"]:
+            parts.append(f"TTFT P50/P90 with cached tokens {_s(c['p50_s'])}/{_s(c['p90_s'])} "
+                         f"(n={c['n']}), without {_s(u['p50_s'])}/{_s(u['p90_s'])} "
+                         f"(n={u['n']})")
+        if self.usable_:
+            quality = "" if self.good_ else ", poor fit"
+            parts.append(f"prefill {self.slope_s_per_token_ * 1e3:.3f} ms per computed prompt "
+                         f"token (r2 {self.r2_:.2f}, n={self.n_}{quality})")
+        else:
+            parts.append(f"no prefill cost fit ({self.n_} requests)")
+        return "; ".join(parts)
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f} s"
