@@ -25,7 +25,7 @@ from engine_plugins._adapter import finished_requests, request_row, step_row, to
 from engine_plugins._config import Settings, load_settings
 from engine_plugins._logging import ERRORS, ONCE
 from engine_plugins.exporter import EngineBuffer, Exporter, current_exporter, get_exporter
-from engine_plugins.schema import MAX_ID_CHARS, MAX_LABEL_CHARS
+from engine_plugins.schema import MAX_ID_CHARS, MAX_LABEL_CHARS, MAX_TEXT_CHARS
 
 _time = time.time
 
@@ -78,6 +78,39 @@ def _model_name(model_config: Any) -> str:
     return str(name)[:MAX_LABEL_CHARS]
 
 
+def offset_endpoint_port(endpoint: str, engine_index: int) -> str:
+    """The endpoint a data-parallel engine publishes on: vLLM adds the engine's
+    data-parallel index to a tcp port (``inproc`` gets a ``_dp<index>`` suffix), as
+    ``ZmqEventPublisher.offset_endpoint_port`` does in vLLM 0.32."""
+    if engine_index == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{engine_index}"
+    head, sep, port = endpoint.rpartition(":")
+    if "tcp" in endpoint and sep and port.isdigit() and int(port) != 0:
+        return f"{head}:{int(port) + engine_index}"
+    return endpoint
+
+
+def kv_events_endpoint(kv_events_config: Any, engine_index: int) -> str | None:
+    """The ZMQ endpoint of this engine's KV-cache event publisher, or None.
+
+    None unless ``enable_kv_cache_events`` is on with the ``zmq`` publisher, and for a
+    tcp port 0 (vLLM picks the port when it binds; this process never learns it).
+    """
+    if kv_events_config is None or getattr(kv_events_config, "enable_kv_cache_events",
+                                           False) is not True:
+        return None
+    if getattr(kv_events_config, "publisher", None) != "zmq":
+        return None
+    endpoint = getattr(kv_events_config, "endpoint", None)
+    if not isinstance(endpoint, str) or not endpoint or len(endpoint) > MAX_TEXT_CHARS:
+        return None
+    if endpoint.startswith("tcp://") and endpoint.rpartition(":")[2] == "0":
+        return None
+    return offset_endpoint_port(endpoint, _int_or_none(engine_index) or 0)
+
+
 class KvscopeStatLogger(StatLoggerBase):
     """Per-engine stat logger: copies a few numbers per step into the exporter's buffer."""
 
@@ -127,7 +160,7 @@ class KvscopeStatLogger(StatLoggerBase):
         par = getattr(cfg, "parallel_config", None)
         settings = self.settings or load_settings()
         prefix = getattr(cache, "enable_prefix_caching", None)
-        return {
+        hello = {
             "engine_id": self.engine_id or settings.engine_id(self.engine_index),
             "boot_id": boot_id,
             "host": settings.host[:MAX_LABEL_CHARS],
@@ -153,6 +186,12 @@ class KvscopeStatLogger(StatLoggerBase):
             "pipeline_parallel_size": _int_or_none(getattr(par, "pipeline_parallel_size", None)),
             "data_parallel_size": _int_or_none(getattr(par, "data_parallel_size", None)),
         }
+        # Optional field: sent only when there is an endpoint, so that collectors older
+        # than the field keep accepting the hellos of engines without KV events.
+        endpoint = kv_events_endpoint(getattr(cfg, "kv_events_config", None), self.engine_index)
+        if endpoint is not None:
+            hello["kv_events_endpoint"] = endpoint
+        return hello
 
     def _attach(self, exporter: Exporter) -> None:
         assert self.engine_id is not None

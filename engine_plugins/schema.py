@@ -21,6 +21,11 @@ vLLM server process) since the previous batch. It is JSON, sent gzip-compressed:
 ``(engine_id, boot_id, seq)`` is the idempotency key: the collector stores a batch
 once however often it is resent.
 
+Hello fields added to version 1 after its release are *optional* (``Field.optional``):
+a sender may leave them out and a receiver reads them as null. Senders include them
+only when they have a value, since a receiver older than the field rejects it as
+unknown.
+
 Columns are equal-length lists. Every value is checked by :func:`validate_batch`,
 which raises :class:`SchemaError` naming the offending field. Bump
 ``SCHEMA_VERSION`` on any change a receiver of the old version would misread.
@@ -63,6 +68,14 @@ class Field:
     minimum: float | None = 0.0
     maximum: float | None = None
     max_chars: int = MAX_LABEL_CHARS
+    optional: bool = False
+    """May be absent from a record (it then reads as null). Fields added to schema
+    version 1 after its release are optional, so batches of older plugins (and the
+    bundled recordings) stay valid; an optional field is always nullable."""
+
+    def __post_init__(self) -> None:
+        if self.optional and not self.nullable:
+            raise ValueError(f"field {self.name}: an optional field must be nullable")
 
 
 # Per engine step: one row per record() call that carried scheduler stats.
@@ -121,6 +134,10 @@ HELLO_FIELDS: tuple[Field, ...] = (
     Field("tensor_parallel_size", INT, "tensor-parallel size", nullable=True),
     Field("pipeline_parallel_size", INT, "pipeline-parallel size", nullable=True),
     Field("data_parallel_size", INT, "data-parallel size", nullable=True),
+    Field("kv_events_endpoint", STR,
+          "ZMQ endpoint of vLLM's KV-cache event publisher for this engine (with the "
+          "data-parallel port offset), when it publishes over ZMQ",
+          nullable=True, optional=True, max_chars=MAX_TEXT_CHARS),
 )
 
 # Exporter counters, cumulative since the process started.
@@ -187,7 +204,7 @@ def _check_record(where: str, fields: tuple[Field, ...], obj: Any, *, required: 
         raise SchemaError(f"{where}: unknown field(s) {', '.join(map(repr, unknown[:5]))}")
     for f in fields:
         if f.name not in obj:
-            if required and not f.nullable:
+            if required and not (f.nullable or f.optional):
                 raise SchemaError(f"{where}.{f.name}: missing")
             continue
         _check_value(f"{where}.{f.name}", f, obj[f.name])

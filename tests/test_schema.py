@@ -93,3 +93,41 @@ def test_field_names_carry_units_and_are_unique():
     for f in schema.STEP_FIELDS + schema.REQUEST_FIELDS:
         if f.kind == schema.FLOAT:
             assert f.name.endswith(("_s", "_ratio")), f.name
+
+
+def test_optional_hello_field_may_be_missing_and_reads_as_null():
+    """``kv_events_endpoint`` came after version 1: hellos without it (older plugins,
+    the bundled recordings) stay valid; with it, it must be a string or null."""
+    f = {x.name: x for x in schema.HELLO_FIELDS}["kv_events_endpoint"]
+    assert f.optional and f.nullable
+    b = make_batch()
+    b["hello"].pop("kv_events_endpoint", None)
+    schema.validate_batch(b)
+    b["hello"]["kv_events_endpoint"] = "tcp://*:5557"
+    schema.validate_batch(b)
+    b["hello"]["kv_events_endpoint"] = 5557
+    with pytest.raises(schema.SchemaError, match=r"hello\.kv_events_endpoint"):
+        schema.validate_batch(b)
+    # A required field stays required.
+    b = make_batch()
+    b["hello"].pop("pool")
+    with pytest.raises(schema.SchemaError, match=r"hello\.pool: missing"):
+        schema.validate_batch(b)
+
+
+def test_optional_field_must_be_nullable():
+    with pytest.raises(ValueError, match="nullable"):
+        schema.Field("x", schema.STR, "doc", optional=True)
+
+
+def test_recorded_hellos_without_the_new_field_still_validate():
+    from pathlib import Path
+
+    from collector.recording import load_recording
+
+    recordings = sorted((Path(__file__).parents[1] / "collector" / "recordings").glob("*.jsonl.gz"))
+    assert recordings
+    for path in recordings:
+        hellos = [b["hello"] for b in load_recording(path).batches if b.get("hello")]
+        assert hellos, path
+        assert all("kv_events_endpoint" not in h for h in hellos)

@@ -172,3 +172,34 @@ def _feed_both(prom: Any, kv: KvscopeStatLogger) -> None:
     for sched, it in calls:
         prom.record(sched, it, engine_idx=0)
         kv.record(sched, it, engine_idx=0)
+
+
+def test_hello_advertises_the_kv_events_endpoint(
+    installed_exporter: Exporter, light_vllm_config: Any
+) -> None:
+    """The endpoint comes from vLLM's real KVEventsConfig, offset per data-parallel
+    engine exactly as vLLM's publisher offsets the port it binds."""
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    assert "kv_events_endpoint" not in KvscopeStatLogger(light_vllm_config, 0).build_hello("b")
+    light_vllm_config.kv_events_config = KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:5557")
+    for index in (0, 1, 3):
+        hello = KvscopeStatLogger(light_vllm_config, index).build_hello("b")
+        expected = ZmqEventPublisher.offset_endpoint_port("tcp://*:5557", index)
+        assert hello["kv_events_endpoint"] == expected == f"tcp://*:{5557 + index}"
+    batch = {"schema_version": schema.SCHEMA_VERSION, "engine_id": hello["engine_id"],
+             "boot_id": "b", "seq": 0, "sent_unix_s": 1.0, "hello": hello}
+    schema.validate_batch(batch)
+    light_vllm_config.kv_events_config = KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint="inproc://kv")
+    assert KvscopeStatLogger(light_vllm_config, 2).build_hello("b")["kv_events_endpoint"] == (
+        ZmqEventPublisher.offset_endpoint_port("inproc://kv", 2))
+    # Events off, the null publisher, or a port vLLM picks at bind time: nothing to advertise.
+    for cfg in (KVEventsConfig(enable_kv_cache_events=False, publisher="zmq"),
+                KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+                KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                               endpoint="tcp://*:0")):
+        light_vllm_config.kv_events_config = cfg
+        assert "kv_events_endpoint" not in KvscopeStatLogger(light_vllm_config, 1).build_hello("b")
