@@ -1,9 +1,10 @@
 """The store's tables, derived from the wire schema, and their idempotent creation.
 
 Columns that mirror wire fields are generated from :mod:`engine_plugins.schema`, so a
-field added there appears here too; :func:`ensure_schema` adds such columns to an
-existing store file (``ALTER TABLE ... ADD COLUMN``) and records the store layout
-version in ``meta``.
+field added there appears here too; :func:`ensure_schema` creates missing tables and
+adds such columns to an existing store file (``ALTER TABLE ... ADD COLUMN IF NOT
+EXISTS``) and records the store layout version in ``meta``. Added columns are
+nullable, so a store written before them opens and reads them as null.
 """
 
 from __future__ import annotations
@@ -78,6 +79,25 @@ WINDOW_FIELDS: tuple[tuple[str, str], ...] = (
 )
 WINDOW_COLUMNS: tuple[str, ...] = ("engine_id", "ts_s", *(c for c, _ in WINDOW_FIELDS))
 
+#: Per (engine_id, ts_s) counters of the engine's KV-cache events (see
+#: :mod:`collector.kv_events`). All but the ``HELD_LAST`` columns add up when a second
+#: arrives in parts; those take the latest part's value.
+KV_EVENT_FIELDS: tuple[tuple[str, str], ...] = (
+    ("n_batches", "BIGINT"),
+    ("stored_blocks", "BIGINT"),
+    ("dup_blocks", "BIGINT"),
+    ("reseen_blocks", "BIGINT"),
+    ("orphan_blocks", "BIGINT"),
+    ("removed_blocks", "BIGINT"),
+    ("cleared_events", "BIGINT"),
+    ("missed_batches", "BIGINT"),
+    ("held_blocks", "BIGINT"),
+    ("held_shared_blocks", "BIGINT"),
+    ("block_size", "BIGINT"),
+)
+KV_EVENT_COLUMNS: tuple[str, ...] = ("engine_id", "ts_s", *(c for c, _ in KV_EVENT_FIELDS))
+KV_EVENT_LAST: tuple[str, ...] = ("held_blocks", "held_shared_blocks", "block_size")
+
 ENGINE_EXTRA: list[tuple[str, str]] = [
     ("boot_id", "VARCHAR"),  # boot of the hello applied (the latest process start)
     *_cols(HELLO_FIELDS, skip=("engine_id", "boot_id")),
@@ -106,6 +126,10 @@ TABLES: dict[str, dict[str, Any]] = {
     },
     "requests": {
         "cols": [("engine_id", "VARCHAR"), ("boot_id", "VARCHAR"), *_cols(REQUEST_FIELDS)],
+    },
+    "kv_event_windows": {
+        "cols": [("engine_id", "VARCHAR"), ("ts_s", "BIGINT"), *KV_EVENT_FIELDS],
+        "pk": ("engine_id", "ts_s"),
     },
     "ingested_batches": {
         "cols": [("engine_id", "VARCHAR"), ("boot_id", "VARCHAR"), ("seq", "BIGINT"),
@@ -155,7 +179,7 @@ def ensure_schema(con: Any) -> None:
             }
             for col, typ in TABLES[name]["cols"]:
                 if col not in have:
-                    con.execute(f"ALTER TABLE {name} ADD COLUMN {col} {typ}")
+                    con.execute(f"ALTER TABLE {name} ADD COLUMN IF NOT EXISTS {col} {typ}")
         con.execute(
             "INSERT INTO meta VALUES ('store_schema_version', ?) "
             "ON CONFLICT (key) DO UPDATE SET value = excluded.value",

@@ -11,6 +11,7 @@ from typing import Any
 
 import pandas as pd
 
+from collector._ddl import KV_EVENT_FIELDS, KV_EVENT_LAST
 from engine_plugins.schema import EXPORTER_KEYS
 
 _PCTS = ((50, 0.5), (90, 0.9), (99, 0.99))
@@ -67,6 +68,27 @@ def windows(cur: Any, engine_id: str | None = None, pool: str | None = None,
     return _df(cur, "SELECT w.*, e.pool, e.model FROM windows_1s w "
                     f"LEFT JOIN engines e ON e.engine_id = w.engine_id{where} "
                     f"ORDER BY w.ts_s, w.engine_id{_limit(limit)}", args)
+
+
+def kv_event_windows(cur: Any, engine_id: str | None = None, pool: str | None = None,
+                     since: float | None = None, until: float | None = None,
+                     limit: int | None = None) -> pd.DataFrame:
+    """Per engine-second KV-event counters (all ``kv_event_windows`` columns and the
+    engine's pool), oldest first."""
+    where, args = _where(engine_id, pool, "ts_s", since, until, alias="k")
+    return _df(cur, "SELECT k.*, e.pool FROM kv_event_windows k "
+                    f"LEFT JOIN engines e ON e.engine_id = k.engine_id{where} "
+                    f"ORDER BY k.ts_s, k.engine_id{_limit(limit)}", args)
+
+
+KV_EVENT_SUMS: tuple[str, ...] = tuple(c for c, _ in KV_EVENT_FIELDS if c not in KV_EVENT_LAST)
+
+
+def kv_event_totals(cur: Any) -> pd.DataFrame:
+    """Per-engine sums of the additive KV-event counters (``KV_EVENT_SUMS``)."""
+    sel = ", ".join(f"CAST(coalesce(sum({c}), 0) AS BIGINT) AS {c}" for c in KV_EVENT_SUMS)
+    return _df(cur, f"SELECT engine_id, {sel} FROM kv_event_windows "
+                    "GROUP BY engine_id ORDER BY engine_id")
 
 
 def steps(cur: Any, engine_id: str | None = None, pool: str | None = None,

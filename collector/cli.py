@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from engine_plugins import __version__
 
@@ -36,11 +37,19 @@ def _require(cmd: str, extra: str, also: tuple[str, ...] = ()) -> None:
 
 
 def _cmd_collector(args: argparse.Namespace) -> int:
-    _require("collector", "collector")
+    _require("collector", "collector",
+             also=("zmq", "msgspec") if args.kv_events != "off" else ())
     from collector.server import serve
+
+    serve(collector_settings(args))
+    return 0
+
+
+def collector_settings(args: argparse.Namespace) -> Any:
+    """The collector's :class:`~collector.settings.Settings` from parsed arguments."""
     from collector.settings import Settings
 
-    settings = Settings(
+    return Settings(
         host=args.host,
         port=args.port,
         store_path=args.store,
@@ -48,9 +57,10 @@ def _cmd_collector(args: argparse.Namespace) -> int:
         raw_step_retention_s=args.raw_retention_s,
         advise_interval_s=args.advise_interval_s,
         advise_window_s=args.advise_window_s,
+        kv_events=args.kv_events,
+        kv_events_endpoints=tuple(args.kv_events_endpoint),
+        kv_events_seen_capacity=args.kv_events_seen_capacity,
     )
-    serve(settings)
-    return 0
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
@@ -159,7 +169,39 @@ def _add_collector(sub: argparse._SubParsersAction) -> None:
                         "(default: 60; 0 disables)")
     p.add_argument("--advise-window-s", type=float, default=1800.0,
                    help="seconds of recent data each advisor run reads (default: 1800)")
+    p.add_argument("--kv-events", choices=("auto", "off"), default="auto",
+                   help="subscribe to vLLM's KV-cache events (ZMQ) of every engine whose "
+                        "hello advertises an endpoint (vLLM --kv-events-config with the zmq "
+                        "publisher) and measure prefix duplication per pool; off never "
+                        "subscribes (default: auto)")
+    p.add_argument("--kv-events-endpoint", metavar="ENGINE_ID=tcp://HOST:PORT",
+                   type=_kv_override, action="append", default=[],
+                   help="subscribe to this engine's KV events here instead of the "
+                        "advertised endpoint (repeatable)")
+    p.add_argument("--kv-events-seen-capacity", type=_at_least_two, default=2_000_000,
+                   metavar="N",
+                   help="block contents each pool remembers for reseen counting "
+                        "(default: 2000000, about 70 bytes each)")
     p.set_defaults(func=_cmd_collector)
+
+
+def _kv_override(text: str) -> tuple[str, str]:
+    from collector._kv_endpoints import parse_override
+
+    try:
+        return parse_override(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _at_least_two(text: str) -> int:
+    try:
+        v = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2, got {text!r}")
+    return v
 
 
 def _positive(text: str) -> float:
@@ -312,6 +354,12 @@ def _add_record(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_record)
 
 
+def _add_dashboard(sub: argparse._SubParsersAction) -> None:
+    from dashboard.cli import add_parser
+
+    add_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvscope",
@@ -324,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     adders: Sequence[Callable[[argparse._SubParsersAction], None]] = (
-        _add_demo, _add_collector, _add_advise, _add_sweep, _add_record,
+        _add_demo, _add_collector, _add_advise, _add_dashboard, _add_sweep, _add_record,
     )
     for add in adders:
         add(sub)

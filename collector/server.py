@@ -16,10 +16,11 @@ Routes:
   own (see :mod:`collector.verdicts`).
 * ``GET /healthz``: ``{"status": "ok", ...}``, 503 when the writer is not running.
 * Read API (JSON): ``GET /v1/engines``, ``/v1/engines/{engine_id}/configs``,
-  ``/v1/windows``, ``/v1/steps``, ``/v1/requests``, ``/v1/request_stats``,
-  ``/v1/totals``. Parameters: ``engine``, ``pool``, ``since``, ``until`` (unix
-  seconds, ``now`` or a duration ago: ``90s``, ``30m``, ``2h``, ``7d``, ``1w``; ``since``
-  defaults to ``1h``), ``limit`` (rows, oldest first; default and maximum
+  ``/v1/windows``, ``/v1/steps``, ``/v1/requests``, ``/v1/kv_events`` (per
+  engine-second KV-event counters, see :mod:`collector.kv_events`; ``engine_id`` is
+  accepted for ``engine``), ``/v1/request_stats``, ``/v1/totals``. Parameters:
+  ``engine``, ``pool``, ``since``, ``until`` (unix seconds, ``now`` or a duration ago:
+  ``90s``, ``30m``, ``2h``, ``7d``, ``1w``; ``since`` defaults to ``1h``), ``limit`` (rows, oldest first; default and maximum
   ``read_row_limit``), ``fields`` (comma-separated columns to return), ``format``
   (``records``, the default, or ``columns``),
   ``group_by`` (request_stats: ``engine``, ``pool`` or ``all``) and ``source``
@@ -42,11 +43,10 @@ import json
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 from aiohttp import web
@@ -60,6 +60,9 @@ from collector.settings import Settings
 from collector.store import Store
 from collector.verdicts import VerdictLoop
 from engine_plugins.schema import INGEST_PATH, SchemaError
+
+if TYPE_CHECKING:
+    from collector.kv_events import KvEventsManager
 
 __all__ = ["Context", "RunningCollector", "context", "create_app", "create_runner", "serve", "start"]
 
@@ -75,6 +78,8 @@ class Context:
     writer: GroupCommitWriter
     state: FleetState
     executor: ThreadPoolExecutor
+    kv_events: KvEventsManager | None = None
+    """The KV-event subscriber (None with ``kv_events="off"``)."""
 
 
 class _Slot:
@@ -150,6 +155,12 @@ async def _ingest(request: web.Request) -> web.Response:
                   batch.seq, exc)
         return _error(500, f"store: the batch was not stored ({type(exc).__name__})")
     ctx.state.observe_ack(time.perf_counter() - t0)
+    if ctx.kv_events is not None:
+        try:
+            ctx.kv_events.note_batch(batch.engine_id, batch.boot_id, batch.hello, request.remote)
+        except Exception:  # KV-event subscription must never fail an ingest
+            log.exception("handing batch %s/%s/%d to the KV-event subscriber failed",
+                          batch.engine_id, batch.boot_id, batch.seq)
     return web.json_response({"status": result.status, "need_hello": result.need_hello})
 
 
@@ -168,11 +179,12 @@ def _frame_json(df: pd.DataFrame, fmt: str, truncated: bool) -> str:
 
 
 async def _read(request: web.Request, allowed: tuple[str, ...], default_since: str | None,
-                fn: Callable[[Store, Query], pd.DataFrame]) -> web.Response:
+                fn: Callable[[Store, Query], pd.DataFrame],
+                params: Mapping[str, str] | None = None) -> web.Response:
     ctx = context(request.app)
     try:
-        q = parse_query(request.query, allowed, default_since=default_since,
-                        max_limit=ctx.settings.read_row_limit)
+        q = parse_query(request.query if params is None else params, allowed,
+                        default_since=default_since, max_limit=ctx.settings.read_row_limit)
     except ParamError as exc:
         return _error(400, str(exc))
     limited = "limit" in allowed
@@ -226,6 +238,16 @@ async def _requests(request: web.Request) -> web.Response:
     return await _read(request, _RANGE, "1h", _range_reader("requests"))
 
 
+async def _kv_events(request: web.Request) -> web.Response:
+    # ``engine_id`` is accepted as another name of ``engine`` here.
+    params = dict(request.query)
+    if "engine_id" in params:
+        alias = params.pop("engine_id")
+        if params.setdefault("engine", alias) != alias:
+            return _error(400, "engine_id and engine name different engines")
+    return await _read(request, _RANGE, "1h", _range_reader("kv_event_windows"), params)
+
+
 async def _request_stats(request: web.Request) -> web.Response:
     allowed = ("engine", "pool", "since", "until", "group_by", "format", "fields")
     return await _read(request, allowed, "1h", lambda st, q: st.request_stats(
@@ -261,7 +283,11 @@ async def _healthz(request: web.Request) -> web.Response:
 
 async def _retention_loop(ctx: Context) -> None:
     s = ctx.settings
-    job = partial(ctx.store.apply_retention, s.raw_step_retention_s, s.ledger_retention_s)
+
+    def job() -> dict[str, int]:
+        return {**ctx.store.apply_retention(s.raw_step_retention_s, s.ledger_retention_s),
+                **ctx.store.apply_kv_event_retention(s.raw_step_retention_s)}
+
     while True:
         try:
             deleted = await asyncio.wrap_future(ctx.writer.call(job))
@@ -306,7 +332,19 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
         state.extra["kvscope_collector_last_commit_batches"] = (
             "gauge", "Batches in the writer's latest group transaction.",
             lambda: writer.last_group_size)
-        ctx = app[_SLOT].ctx = Context(settings, store, writer, state, executor)
+        kv_events: KvEventsManager | None = None
+        if settings.kv_events != "off":
+            from collector.kv_events import KvEventsManager
+
+            try:
+                kv_events = KvEventsManager(settings, store, writer)
+                await loop.run_in_executor(executor, kv_events.load)
+                kv_events.start()
+                state.sections.append(kv_events.render)
+            except Exception:  # the collector serves on without KV events
+                log.exception("the KV-event subscriber could not start")
+                kv_events = None
+        ctx = app[_SLOT].ctx = Context(settings, store, writer, state, executor, kv_events)
         retention = asyncio.create_task(_retention_loop(ctx), name="kvscope-retention")
         verdicts: VerdictLoop | None = None
         if settings.advise_interval_s > 0:
@@ -320,6 +358,8 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
         finally:
             if verdicts is not None:
                 await loop.run_in_executor(None, verdicts.stop)
+            if kv_events is not None:
+                await loop.run_in_executor(None, kv_events.stop)
             retention.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await retention
@@ -365,6 +405,7 @@ def create_app(settings: Settings, store: Store | None = None) -> web.Applicatio
     app.router.add_get("/v1/windows", _windows)
     app.router.add_get("/v1/steps", _steps)
     app.router.add_get("/v1/requests", _requests)
+    app.router.add_get("/v1/kv_events", _kv_events)
     app.router.add_get("/v1/request_stats", _request_stats)
     app.router.add_get("/v1/totals", _totals)
     return app

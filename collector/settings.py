@@ -59,6 +59,23 @@ class Settings:
     advise_cap_fraction: float = 0.9
     """Share of the plateau the published concurrency cap keeps (``kvscope advise
     --cap-fraction``)."""
+    kv_events: str = "auto"
+    """``auto``: subscribe to the KV-cache events of every engine whose hello advertises
+    a ZMQ endpoint (or that has an override); ``off``: never (see
+    :mod:`collector.kv_events`)."""
+    kv_events_endpoints: tuple[tuple[str, str], ...] = ()
+    """Operator overrides, (engine_id, endpoint): subscribe there instead of the
+    advertised endpoint."""
+    kv_events_seen_capacity: int = 2_000_000
+    """Canonical block ids each pool remembers for ``reseen_blocks`` (oldest forgotten
+    first, counted); about 70 bytes each."""
+    kv_events_max_engine_blocks: int = 2_000_000
+    """Most blocks tracked per engine; blocks stored beyond are counted, not tracked."""
+    kv_events_idle_s: float = 600.0
+    """An engine neither sending batches nor KV events for this long is unsubscribed
+    and its blocks forgotten; it is subscribed afresh when it sends again."""
+    kv_events_flush_interval_s: float = 1.0
+    """How often the per engine-second KV-event counters are written to the store."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -89,6 +106,19 @@ class Settings:
             raise ValueError("advise_window_s: must be > 0")
         if not 0 < self.advise_cap_fraction <= 1:
             raise ValueError("advise_cap_fraction: must be in (0, 1]")
+        if self.kv_events not in ("auto", "off"):
+            raise ValueError(f"kv_events: expected auto or off, got {self.kv_events!r}")
+        for engine_id, endpoint in self.kv_events_endpoints:
+            if not engine_id or "://" not in endpoint:
+                raise ValueError(f"kv_events_endpoints: expected (engine_id, "
+                                 f"tcp://host:port), got ({engine_id!r}, {endpoint!r})")
+        for name in ("kv_events_seen_capacity", "kv_events_max_engine_blocks"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"{name}: must be >= 2")
+        if not self.kv_events_idle_s > 0:
+            raise ValueError("kv_events_idle_s: must be > 0")
+        if not 0 < self.kv_events_flush_interval_s <= 60:
+            raise ValueError("kv_events_flush_interval_s: must be in (0, 60]")
 
     def replace(self, **changes: object) -> Settings:
         """Return a copy with some fields changed (validated again)."""

@@ -17,6 +17,8 @@ Tables (see :mod:`collector._ddl` for every column):
 * ``requests``: engine_id, boot_id and the wire's REQUEST_FIELDS.
 * ``ingested_batches``: the idempotency ledger, key (engine_id, boot_id, seq).
 * ``exporter_stats``: the plugin's cumulative counters per (engine_id, boot_id).
+* ``kv_event_windows``: per (engine_id, ts_s) counters of the engine's KV-cache events
+  (see :mod:`collector.kv_events`); deleted after the raw-step retention.
 * ``meta`` (store layout version) and ``saved_state`` (state kept across restarts).
 """
 
@@ -34,12 +36,30 @@ import pandas as pd
 
 from collector import _reads
 from collector._batch import PreparedBatch
-from collector._ddl import TABLES, StoreVersionError, ensure_schema
+from collector._ddl import (
+    KV_EVENT_COLUMNS,
+    KV_EVENT_FIELDS,
+    KV_EVENT_LAST,
+    TABLES,
+    StoreVersionError,
+    ensure_schema,
+)
 from collector._ingest import DUPLICATE, STORED, IngestResult, WriteCache, ingest_in_transaction
 
 __all__ = ["DUPLICATE", "STORED", "IngestResult", "Store", "StoreVersionError"]
 
 log = logging.getLogger(__name__)
+
+_KV_COLS = ", ".join(KV_EVENT_COLUMNS)
+KV_EVENT_UPSERT = (
+    f"INSERT INTO kv_event_windows ({_KV_COLS}) SELECT {_KV_COLS} FROM _kv_rows "
+    "ON CONFLICT (engine_id, ts_s) DO UPDATE SET "
+    + ", ".join(
+        f"{c} = coalesce(excluded.{c}, kv_event_windows.{c})" if c in KV_EVENT_LAST
+        else f"{c} = kv_event_windows.{c} + excluded.{c}"
+        for c, _ in KV_EVENT_FIELDS
+    )
+)
 
 RECENT_BOOTS_S = 3600.0
 """At open, the writer remembers the highest seq of boots that sent within this long."""
@@ -164,6 +184,26 @@ class Store:
             out["ingested_batches"] = self.delete_old_ledger(now - ledger_retention_s)
         return out
 
+    def write_kv_event_windows(self, rows: pd.DataFrame) -> int:
+        """Merge per-(engine_id, ts_s) KV-event counters (columns ``KV_EVENT_COLUMNS``,
+        one row per key): counts add up, held counts and block size take the new value.
+        Returns the rows written."""
+        if rows.empty:
+            return 0
+        with self._write_lock:
+            self._check_open()
+            _kv_rows = rows[list(KV_EVENT_COLUMNS)]
+            self._con.execute(KV_EVENT_UPSERT)
+            return len(_kv_rows)
+
+    def apply_kv_event_retention(self, retention_s: float,
+                                 now_unix_s: float | None = None) -> dict[str, int]:
+        """Delete KV-event windows older than ``retention_s`` (0 = keep); return the count."""
+        if retention_s <= 0:
+            return {"kv_event_windows": 0}
+        now = time.time() if now_unix_s is None else now_unix_s
+        return {"kv_event_windows": self._delete("kv_event_windows", "ts_s", now - retention_s)}
+
     def save_state(self, key: str, value: str) -> None:
         """Keep a small text value (e.g. metric state) across restarts."""
         with self._write_lock:
@@ -243,6 +283,17 @@ class Store:
         """Per-engine sums: engine_id, n_steps, preemptions, prompt_tokens,
         generation_tokens, prefix_queries, prefix_hits; ``source`` steps or windows."""
         return _reads.totals(self._cursor(), source, engine_id)
+
+    def kv_event_windows(self, engine_id: str | None = None, pool: str | None = None,
+                         since_unix_s: float | None = None, until_unix_s: float | None = None,
+                         limit: int | None = None) -> pd.DataFrame:
+        """Columns: engine_id, ts_s, the KV-event counters (see ``_ddl``), pool."""
+        return _reads.kv_event_windows(self._cursor(), engine_id, pool, since_unix_s,
+                                       until_unix_s, limit)
+
+    def kv_event_totals(self) -> pd.DataFrame:
+        """Per-engine sums of the KV-event counters (engine_id and the additive columns)."""
+        return _reads.kv_event_totals(self._cursor())
 
     def finished_request_counts(self) -> pd.DataFrame:
         """Columns: engine_id, n_requests."""
