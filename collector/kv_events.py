@@ -431,13 +431,13 @@ class KvEventsManager:
         for name, col, help_text in _TOTALS:
             w.family(name, "counter", help_text)
             for engine_id, t in totals:
-                w.sample(name, label_str((("engine_id", engine_id),
+                w.sample(name, label_str((("engine", engine_id),
                                           ("pool", pools.get(engine_id, "")))), t.get(col, 0))
         w.family("kvscope_kv_events_held_blocks", "gauge",
                  "KV-cache blocks the engine holds, as known from its KV events.")
         for engine_id, pool, n in snap.held:
             w.sample("kvscope_kv_events_held_blocks",
-                     label_str((("engine_id", engine_id), ("pool", pool))), n)
+                     label_str((("engine", engine_id), ("pool", pool))), n)
         w.family("kvscope_pool_kv_distinct_blocks", "gauge",
                  "Distinct block contents held across the engines of the pool.")
         for pool, n in snap.distinct:
@@ -446,7 +446,7 @@ class KvEventsManager:
                  "1 while the collector is subscribed to the engine's KV events, else 0.")
         for engine_id, pool, endpoint, v in snap.subscribed:
             w.sample("kvscope_kv_events_subscribed", label_str(
-                (("engine_id", engine_id), ("pool", pool), ("endpoint", endpoint))), v)
+                (("engine", engine_id), ("pool", pool), ("endpoint", endpoint))), v)
         w.family("kvscope_kv_events_dropped_total", "counter",
                  "What KV-event accounting dropped or could not read, by reason.")
         for reason, n in sorted(snap.dropped.items()):

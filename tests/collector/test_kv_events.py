@@ -234,7 +234,7 @@ def test_duplication_measured_within_a_pool(make_collector: Any, engines: list[E
     promtool_ok(text)
 
     def lab(e: Engine) -> tuple[tuple[str, str], ...]:
-        return (("engine_id", e.engine_id), ("pool", e.pool))
+        return (("engine", e.engine_id), ("pool", e.pool))
 
     for e, t in ((a, ta), (b, tb), (c, tc)):
         assert m[("kvscope_kv_events_blocks_stored_total", lab(e))] == t["stored_blocks"]
@@ -274,12 +274,12 @@ def test_new_boot_resubscribes_and_starts_afresh(make_collector: Any,
     ta = totals(lc.url, a.engine_id)
     assert (ta["stored_blocks"], ta["dup_blocks"], ta["missed_batches"]) == (3, 1, 0)
     wait_for(lambda: scrape(lc.url)[1].get(("kvscope_kv_events_held_blocks", (
-        ("engine_id", a.engine_id), ("pool", "p")))) == 1, "a's held gauge to restart at 1")
+        ("engine", a.engine_id), ("pool", "p")))) == 1, "a's held gauge to restart at 1")
     _, m = scrape(lc.url)
     sub = {k[1]: v for k, v in m.items() if k[0] == "kvscope_kv_events_subscribed"}
-    assert sub == {(("endpoint", f"tcp://127.0.0.1:{a2.port}"), ("engine_id", a.engine_id),
+    assert sub == {(("endpoint", f"tcp://127.0.0.1:{a2.port}"), ("engine", a.engine_id),
                     ("pool", "p")): 1,
-                   (("endpoint", f"tcp://127.0.0.1:{b.port}"), ("engine_id", b.engine_id),
+                   (("endpoint", f"tcp://127.0.0.1:{b.port}"), ("engine", b.engine_id),
                     ("pool", "p")): 1}
 
 
@@ -292,12 +292,12 @@ def test_silent_engine_is_unsubscribed_until_it_sends_again(make_collector: Any,
     connect(lc.url, a)
     send(lc.url, a, [stored([1], None, P1)])
     key = ("kvscope_kv_events_subscribed", (("endpoint", f"tcp://127.0.0.1:{a.port}"),
-                                            ("engine_id", a.engine_id), ("pool", "p")))
+                                            ("engine", a.engine_id), ("pool", "p")))
     unsub = ("kvscope_kv_events_subscribed", (("endpoint", a.advertised),
-                                              ("engine_id", a.engine_id), ("pool", "p")))
+                                              ("engine", a.engine_id), ("pool", "p")))
     wait_for(lambda: scrape(lc.url)[1].get(unsub) == 0, "the silent engine to be dropped")
     assert key not in scrape(lc.url)[1]
-    held = ("kvscope_kv_events_held_blocks", (("engine_id", a.engine_id), ("pool", "p")))
+    held = ("kvscope_kv_events_held_blocks", (("engine", a.engine_id), ("pool", "p")))
     assert held not in scrape(lc.url)[1]
     # It sends a batch again: subscribed again, starting from an empty cache picture.
     post_batch(lc.url, batch(engine_id=a.engine_id, seq=1))
@@ -346,7 +346,7 @@ def test_collector_process_with_an_override_keeps_counters_over_restarts(
         assert c.get_json("/v1/engines")["rows"][0]["kv_events_endpoint"] is None
     with CollectorProcess(store, extra_args=args) as c:
         _, m = scrape(c.url)
-        lab = (("engine_id", a.engine_id), ("pool", "p"))
+        lab = (("engine", a.engine_id), ("pool", "p"))
         assert m[("kvscope_kv_events_blocks_stored_total", lab)] == 3
         # Subscribed again at start, from the store's engines and the override.
         connect(c.url, a)
