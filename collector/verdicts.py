@@ -19,7 +19,8 @@ the bottleneck as the ``bottleneck`` label; ``not_saturated`` and
 ``kvscope_advisor_recommended_concurrency_cap`` with the predicted
 ``kvscope_advisor_cap_throughput_ratio`` (share of the plateau kept) and
 ``kvscope_advisor_cap_p99_e2e_seconds``. Per pool: ``kvscope_advisor_pool_*`` (the
-summed cap and plateau). The loop's own: ``kvscope_advisor_runs_total{result=ok|
+summed cap and plateau, the prefix hit ratio, the routing loss and the predicted hit
+ratio under prefix-aware routing where KV events are collected, the load imbalance). The loop's own: ``kvscope_advisor_runs_total{result=ok|
 no_data|error}``, ``kvscope_advisor_last_run_timestamp_seconds``,
 ``kvscope_advisor_last_success_timestamp_seconds`` (last run without error) and
 ``kvscope_advisor_last_run_duration_seconds``.
@@ -74,6 +75,15 @@ _POOL_GAUGES = (
      "Recommended caps summed over the pool's saturated engines."),
     ("kvscope_advisor_pool_plateau_tokens_per_second", "plateau_tokens_per_s",
      "Plateau generated tokens per second summed over the pool's engines."),
+    ("kvscope_advisor_pool_prefix_hit_ratio", "prefix_hit_rate",
+     "Prefix-cache hits over lookups (tokens), summed over the pool's engines."),
+    ("kvscope_advisor_pool_prefix_routing_loss_ratio", "prefix_routing_loss",
+     "Share of the pool's prefix lookups that prefix-aware routing would turn into hits "
+     "(blocks one replica computed while another held them; needs KV events)."),
+    ("kvscope_advisor_pool_predicted_prefix_hit_ratio_affine", "predicted_prefix_hit_rate_affine",
+     "The pool's predicted prefix hit ratio under prefix-aware routing (needs KV events)."),
+    ("kvscope_advisor_pool_load_imbalance_ratio", "load_imbalance",
+     "Busiest replica's mean requests in flight over the pool mean (1 = balanced)."),
 )
 
 
@@ -207,7 +217,8 @@ class VerdictLoop:
             requests = pd.concat([self.store.requests(engine_id=e, since_unix_s=since,
                                                       until_unix_s=until) for e in ids],
                                  ignore_index=True)
-        report = analyze(FrameSource(engines, windows, requests), since, until, pool,
+        kv_events = self._kv_events(pool, engines, since, until)
+        report = analyze(FrameSource(engines, windows, requests, kv_events), since, until, pool,
                          cap_fraction=self.cap_fraction)
         models = {str(r["engine_id"]): _py(r.get("model")) for r in engines.to_dict("records")}
         out = _PoolVerdicts(pool=report.pools[0] if report.pools else None)
@@ -216,6 +227,18 @@ class VerdictLoop:
                                 ("model", models.get(v.engine_id))))
             out.engines.append((labels, v))
         return out
+
+    def _kv_events(self, pool: str | None, engines: pd.DataFrame, since: float,
+                   until: float) -> pd.DataFrame | None:
+        """The pool's KV-event seconds (``None`` for a store without them)."""
+        read = getattr(self.store, "kv_event_windows", None)
+        if read is None:
+            return None
+        if pool is not None:
+            return read(pool=pool, since_unix_s=since, until_unix_s=until)
+        frames = [read(engine_id=str(e), since_unix_s=since, until_unix_s=until)
+                  for e in engines["engine_id"]]
+        return pd.concat(frames, ignore_index=True) if frames else None
 
     def _log_failure(self, exc: BaseException, n: int) -> None:
         self._unlogged += n
@@ -251,7 +274,7 @@ class VerdictLoop:
                 w.family(name, "gauge", help_text)
                 for p in pools:
                     value = getattr(p.pool, attr) if p.pool is not None else None
-                    if value is not None:
+                    if value is not None and math.isfinite(float(value)):
                         w.sample(name, label_str((("pool", p.pool.pool if p.pool else None),)),
                                  value)
             w.family("kvscope_advisor_runs_total", "counter",

@@ -118,3 +118,74 @@ def test_settings_validate_the_advisor() -> None:
         Settings(advise_interval_s=-1)
     with pytest.raises(ValueError, match="advise_window_s"):
         Settings(advise_window_s=0)
+
+
+class _FrameStore:
+    """A store whose reads return fixed frames (the advisor's synthetic prefix pool)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.p = pool
+
+    @staticmethod
+    def _cut(df: Any, col: str, since_unix_s: float | None, until_unix_s: float | None,
+             engine_id: str | None = None) -> Any:
+        out = df
+        if not len(out):
+            return out
+        if engine_id is not None:
+            out = out[out["engine_id"] == engine_id]
+        if since_unix_s is not None:
+            out = out[out[col] >= since_unix_s]
+        if until_unix_s is not None:
+            out = out[out[col] < until_unix_s]
+        return out.reset_index(drop=True)
+
+    def engines(self) -> Any:
+        return self.p.engines
+
+    def windows(self, engine_id: str | None = None, pool: str | None = None,
+                since_unix_s: float | None = None, until_unix_s: float | None = None) -> Any:
+        return self._cut(self.p.windows, "ts_s", since_unix_s, until_unix_s, engine_id)
+
+    def requests(self, engine_id: str | None = None, pool: str | None = None,
+                 since_unix_s: float | None = None, until_unix_s: float | None = None) -> Any:
+        return self._cut(self.p.requests, "finished_unix_s", since_unix_s, until_unix_s,
+                         engine_id)
+
+    def kv_event_windows(self, engine_id: str | None = None, pool: str | None = None,
+                         since_unix_s: float | None = None,
+                         until_unix_s: float | None = None) -> Any:
+        return self._cut(self.p.kv_events, "ts_s", since_unix_s, until_unix_s, engine_id)
+
+
+def test_pool_prefix_gauges_come_from_the_kv_events() -> None:
+    from advisor.datasets import make_prefix_pool
+
+    pool = make_prefix_pool(seed=3)
+    t_end = float(pool.windows["ts_s"].max()) + 1
+    loop = VerdictLoop(_FrameStore(pool), interval_s=1, window_s=3600,  # type: ignore[arg-type]
+                       clock=lambda: t_end + 10)
+    assert loop.run_once() == "ok"
+    w = TextWriter()
+    loop.render(w)
+    m = _samples(w.text())
+    label = (("pool", "px"),)
+    truth = pool.truth
+    assert m[("kvscope_advisor_pool_prefix_hit_ratio", label)] == pytest.approx(
+        truth["hit_rate"], abs=0.01)
+    assert m[("kvscope_advisor_pool_prefix_routing_loss_ratio", label)] == pytest.approx(
+        truth["routing_loss"], abs=0.01)
+    assert m[("kvscope_advisor_pool_predicted_prefix_hit_ratio_affine", label)] == pytest.approx(
+        truth["hit_rate"] + truth["routing_loss"], abs=0.01)
+    assert m[("kvscope_advisor_pool_load_imbalance_ratio", label)] > 1.25
+
+    # Without KV events the loss and prediction are not published, the hit ratio is.
+    no_events = make_prefix_pool(seed=3, with_events=False)
+    loop = VerdictLoop(_FrameStore(no_events), interval_s=1, window_s=3600,  # type: ignore[arg-type]
+                       clock=lambda: t_end + 10)
+    assert loop.run_once() == "ok"
+    w = TextWriter()
+    loop.render(w)
+    m = _samples(w.text())
+    assert ("kvscope_advisor_pool_prefix_hit_ratio", label) in m
+    assert ("kvscope_advisor_pool_prefix_routing_loss_ratio", label) not in m
