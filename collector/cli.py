@@ -97,7 +97,9 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     source = CollectorSource(url, token=args.token, timeout_s=args.timeout)
     try:
         report = analyze(source, since, until, args.pool, slo_ttft_p99_s=args.slo_ttft_p99,
-                         slo_e2e_p99_s=args.slo_e2e_p99, cap_fraction=args.cap_fraction)
+                         slo_e2e_p99_s=args.slo_e2e_p99, cap_fraction=args.cap_fraction,
+                         min_routing_loss=args.min_routing_loss,
+                         imbalance_threshold=args.imbalance_threshold)
     except SourceError as exc:
         return fail(source_error_message(exc, url), 2)
     if args.out:
@@ -224,6 +226,16 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _ratio(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {text!r}") from None
+    if not v >= 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return v
+
+
 _ADVISE_EPILOG = """\
 times: unix seconds, 'now', or a duration ago: 90s, 30m, 2h, 7d, 1w.
 
@@ -272,6 +284,13 @@ def _add_advise(sub: argparse._SubParsersAction) -> None:
                    help="P99 end-to-end latency target in seconds: the cap is lowered to meet it")
     p.add_argument("--cap-fraction", type=_fraction, default=0.9, metavar="F",
                    help="share of the plateau throughput the cap must keep (default: 0.9)")
+    p.add_argument("--min-routing-loss", type=_fraction, default=0.05, metavar="F",
+                   help="recommend prefix-aware routing when at least this share of the pool's "
+                        "prefix lookups were computed on one replica while another held them "
+                        "(needs vLLM's KV events; default: 0.05)")
+    p.add_argument("--imbalance-threshold", type=_ratio, default=1.25, metavar="R",
+                   help="flag a pool whose busiest replica carries R times the mean load "
+                        "(default: 1.25)")
     p.add_argument("--json", action="store_true",
                    help="print the report as JSON (schema_version'd) instead of the text view")
     p.add_argument("--out", metavar="FILE", default=None,

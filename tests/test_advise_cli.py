@@ -69,6 +69,16 @@ def test_json_verdict_kv_starved(kv_report: tuple[dict[str, Any], str, Path]) ->
     # The JSON round-trips through the findings types, and --out holds the same report.
     assert Report.from_json(text).to_dict() == d
     assert json.loads(out.read_text()) == d
+    assert d["parameters"]["min_routing_loss"] == 0.05
+    assert d["parameters"]["imbalance_threshold"] == 1.25
+
+
+def test_routing_thresholds_reach_the_report(kv_starved_collector: Any) -> None:
+    res = advise("--collector", kv_starved_collector.collector.url, "--since", "30m", "--json",
+                 "--min-routing-loss", "0.2", "--imbalance-threshold", "1.5")
+    assert res.returncode == 0, res.stderr
+    params = json.loads(res.stdout)["parameters"]
+    assert params["min_routing_loss"] == 0.2 and params["imbalance_threshold"] == 1.5
 
 
 def test_terminal_shows_the_verdict_first(kv_starved_collector: Any,
@@ -151,6 +161,8 @@ def test_token_and_empty_collector(tmp_path: Path) -> None:
 def test_bad_arguments_exit_2(kv_starved_collector: Any) -> None:
     for args, expect in ((("--since", "yesterday"), "--since: expected unix seconds"),
                          (("--cap-fraction", "1.5"), "must be in (0, 1]"),
+                         (("--imbalance-threshold", "0.5"), "must be >= 1"),
+                         (("--min-routing-loss", "0"), "must be in (0, 1]"),
                          (("--since", "1h", "--until", "2h"), "must be after --since")):
         res = advise("--collector", kv_starved_collector.collector.url, *args)
         assert res.returncode == 2, args
