@@ -20,8 +20,12 @@ Counters: ``kvscope_engine_steps_total``, ``..._prompt_tokens_total``,
 ``..._finished_requests_total`` and the plugin's own ``kvscope_exporter_<field>_total``.
 Histograms of per-step observations: ``kvscope_engine_step_batch_size`` and
 ``kvscope_engine_step_kv_usage_ratio``. ``kvscope_engine_info`` carries the
-configuration. The collector's own: ``kvscope_collector_*``. The advisor's verdicts
-(``kvscope_advisor_*``, see :mod:`collector.verdicts`) are a section added at startup.
+configuration as labels, and ``kvscope_engine_max_num_seqs``,
+``..._max_num_batched_tokens``, ``..._kv_capacity_blocks`` and
+``..._kv_block_size_tokens`` carry its numbers as values (for PromQL, which cannot
+compare a sample with a label). The collector's own: ``kvscope_collector_*``. The
+advisor's verdicts (``kvscope_advisor_*``, see :mod:`collector.verdicts`) are a
+section added at startup.
 
 Across collector restarts: step/token/preemption/prefix counters are rebuilt from the
 store's windows, finished requests from the requests table, exporter counters from
@@ -98,6 +102,16 @@ _COUNTERS = (  # (metric, attribute, help)
      "Prefix-cache hits, in tokens."),
     ("kvscope_engine_finished_requests_total", "finished_requests", "Requests finished."),
 )
+_CONFIG_GAUGES = (  # (metric, hello field, help)
+    ("kvscope_engine_max_num_seqs", "max_num_seqs",
+     "The engine's max_num_seqs: most requests one step runs (from its latest hello)."),
+    ("kvscope_engine_max_num_batched_tokens", "max_num_batched_tokens",
+     "The engine's token budget per step, max_num_batched_tokens (from its latest hello)."),
+    ("kvscope_engine_kv_capacity_blocks", "num_gpu_blocks",
+     "KV-cache blocks the engine has, num_gpu_blocks (from its latest hello)."),
+    ("kvscope_engine_kv_block_size_tokens", "block_size",
+     "Tokens per KV-cache block (from its latest hello)."),
+)
 _STEP_SUMS = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_queries",
               "prefix_hits")
 
@@ -105,7 +119,8 @@ _STEP_SUMS = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_queri
 class _Engine:
     """Metric values of one engine."""
 
-    __slots__ = ("batch_hist", "batch_size", "batch_sum", "deferred", "engine_id", "exporter",
+    __slots__ = ("batch_hist", "batch_size", "batch_sum", "config", "deferred", "engine_id",
+                 "exporter",
                  "finished_requests", "gauge_boot_id", "generation_tokens", "hello_started",
                  "info",
                  "kv_blocks_used", "kv_hist", "kv_sum", "kv_usage_ratio", "labels",
@@ -116,6 +131,7 @@ class _Engine:
         self.engine_id = engine_id
         self.labels = label_str((("engine", engine_id), ("pool", ""), ("model", "")))
         self.info: str | None = None
+        self.config: dict[str, float] = {}
         self.hello_started = -1.0
         self.batch_size: int | None = None
         self.waiting: int | None = None
@@ -142,6 +158,8 @@ class _Engine:
                 ("model", ident.get("model")))
         self.labels = label_str(base)
         self.info = label_str((*base, *((k, ident.get(k)) for k in INFO_KEYS)))
+        self.config = {f: float(v) for _, f, _ in _CONFIG_GAUGES
+                       if isinstance(v := ident.get(f), int | float) and not isinstance(v, bool)}
 
 
 class FleetState:
@@ -321,6 +339,11 @@ class FleetState:
             for e in engines:
                 if e.info is not None:
                     w.sample("kvscope_engine_info", e.info, 1)
+            for name, key, help_text in _CONFIG_GAUGES:
+                w.family(name, "gauge", help_text)
+                for e in engines:
+                    if key in e.config:
+                        w.sample(name, e.labels, e.config[key])
             for f in EXPORTER_FIELDS:
                 name = f"kvscope_exporter_{f.name}_total"
                 w.family(name, "counter", f"Engine plugin: {f.doc} (summed over boots).")
