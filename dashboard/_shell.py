@@ -1,0 +1,150 @@
+"""The Streamlit frame around every page: settings, sidebar, cached reads, refresh, errors.
+
+A page is a function ``render(snapshot)``; :func:`run_page` gives it the current
+:class:`~dashboard.data.Snapshot` inside a fragment that reruns every ``refresh_s``
+seconds, or shows what went wrong (collector unreachable, 401, no data) and what to
+do about it. Reads are cached per refresh tick and shared by pages and sessions.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+import streamlit as st
+
+from dashboard.data import Snapshot, load_snapshot, resolve_since
+from dashboard.settings import (
+    WINDOW_CHOICES,
+    DashboardSettings,
+    SettingsError,
+    parse_settings,
+)
+
+_SETTINGS = "kvscope_settings"
+_WINDOW = "kvscope_window"
+_AUTO = "kvscope_auto_refresh"
+
+
+def settings() -> DashboardSettings:
+    """The settings from the app's arguments (after ``--``), parsed once per session."""
+    if _SETTINGS not in st.session_state:
+        try:
+            st.session_state[_SETTINGS] = parse_settings(sys.argv[1:])
+        except SettingsError as exc:
+            st.error(f"kvscope dashboard: {exc}")
+            st.stop()
+    s: DashboardSettings = st.session_state[_SETTINGS]
+    return s
+
+
+@st.cache_data(ttl=3600, max_entries=16, show_spinner="Reading the collector...")
+def _cached_snapshot(url: str, token: str | None, timeout_s: float, since: str,
+                     pool: str | None, tick: int) -> Snapshot:
+    # ``tick`` changes every refresh period: a new key, a new read.
+    del tick
+    s = DashboardSettings(collector_url=url, token=token, timeout_s=timeout_s)
+    return load_snapshot(s, since, pool)
+
+
+def window() -> str:
+    """The window the sidebar selected (``--since`` until changed)."""
+    return str(st.session_state.get(_WINDOW) or settings().since)
+
+
+def refresh_s() -> float | None:
+    """Seconds between automatic refreshes, None when off."""
+    s = settings()
+    if s.refresh_s <= 0 or not st.session_state.get(_AUTO, True):
+        return None
+    return s.refresh_s
+
+
+def read_period_s() -> float:
+    """Seconds one read of the collector is shown for: the refresh interval, but at
+    least 1/360 of the window (a 7-day window is read again every 28 min, not every
+    10 s), and an hour when automatic refresh is off."""
+    refresh = refresh_s()
+    if refresh is None:
+        return 3600.0
+    now = time.time()
+    since = resolve_since(window(), now)
+    span = now - since if since is not None else 7 * 86400.0
+    return max(refresh, span / 360.0)
+
+
+def snapshot() -> Snapshot:
+    """The current read of the collector (one per read period, shared by all pages and
+    sessions)."""
+    s = settings()
+    return _cached_snapshot(s.collector_url, s.token, s.timeout_s, window(), s.pool,
+                            int(time.time() // read_period_s()))
+
+
+def sidebar() -> None:
+    """Collector, window and refresh controls."""
+    s = settings()
+    with st.sidebar:
+        st.markdown(f"**Collector** `{s.collector_url}`" + (f"  \npool `{s.pool}`"
+                                                           if s.pool else ""))
+        choices = list(WINDOW_CHOICES)
+        if s.since not in choices:
+            choices.insert(0, s.since)
+        st.selectbox("Window (data since)", choices, index=choices.index(s.since),
+                     key=_WINDOW, help="how far back the advisor and the charts read")
+        if s.refresh_s > 0:
+            st.toggle(f"Refresh every {s.refresh_s:g} s", value=True, key=_AUTO)
+        if st.button("Refresh now", icon=":material/refresh:"):
+            _cached_snapshot.clear()
+        st.caption("Verdicts, findings and recommendations are the advisor's "
+                   "(`kvscope advise`); charts plot the collector's rows.")
+
+
+def _utc(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%H:%M:%S UTC")
+
+
+def show_problem(snap: Snapshot) -> bool:
+    """Show why there is nothing to render, with what to do; True when there was."""
+    if snap.error is not None:
+        if snap.error_status is None:
+            st.error(f"**Collector unreachable.** {snap.error}.")
+            st.info("Start one with `kvscope collector --store kvscope.duckdb`, point "
+                    "`kvscope dashboard --collector URL` at it, or look at the recorded "
+                    "demo data with `kvscope dashboard --demo`.")
+        elif snap.error_status == 401:
+            st.error(f"**Not authorized (401).** {snap.error}.")
+            st.info("Restart the dashboard with `kvscope dashboard --collector URL "
+                    "--token T` (or set `KVSCOPE_TOKEN`), T being the collector's `--token`.")
+        else:
+            st.error(f"**The collector answered {snap.error_status}.** {snap.error}.")
+        return True
+    if not snap.has_data:
+        st.warning(f"**No data.** {snap.no_data_text}.")
+        return True
+    return False
+
+
+def run_page(render: Callable[[Snapshot], None], title: str) -> None:
+    """Render a page from the current snapshot, refreshed every ``refresh_s`` seconds."""
+    st.title(title)
+
+    @st.fragment(run_every=refresh_s())
+    def body() -> None:
+        snap = snapshot()
+        cov = snap.report.coverage if snap.report is not None else {}
+        period = read_period_s()
+        again = (f"; read again every {period:.0f} s" if refresh_s() is not None
+                 else "; automatic refresh off")
+        st.caption(f"read {_utc(snap.fetched_unix_s)} from {snap.collector_url} in "
+                   f"{snap.read_s:.1f} s{again}; {snap.window}"
+                   + (f"; {cov.get('n_engines_analyzed', 0)} engine(s), "
+                      f"{cov.get('n_windows', 0):,} one-second windows, "
+                      f"{cov.get('n_requests', 0):,} finished requests" if cov else ""))
+        if show_problem(snap):
+            return
+        render(snap)
+
+    body()

@@ -1,0 +1,186 @@
+"""What one refresh of the dashboard reads from the collector, and nothing else.
+
+:func:`load_snapshot` reads engines, 1-second windows and finished requests through
+:class:`advisor.CollectorSource` (the collector's ``/v1`` read API), runs
+:func:`advisor.analyze` once on those same frames and keeps all of it in a
+:class:`Snapshot`: the pages present the report's verdicts, findings and
+recommendations and plot the raw frames; they never recompute a finding.
+:func:`recent_steps` reads the per-step rows of one engine (``/v1/steps``).
+
+No Streamlit here: the app caches these calls; the tests call them directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+
+from advisor import CollectorSource, Report, SourceError, analyze
+from advisor.render import no_data_message, source_error_message, window_text
+from dashboard.settings import DashboardSettings
+
+
+class _KeepingSource:
+    """A source that hands the advisor the collector's frames and keeps them."""
+
+    def __init__(self, source: CollectorSource) -> None:
+        self.source = source
+        self.frames: dict[str, pd.DataFrame] = {}
+
+    def engines(self) -> pd.DataFrame:
+        self.frames["engines"] = self.source.engines()
+        return self.frames["engines"]
+
+    def windows(self, since: float | None = None, until: float | None = None,
+                engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+        self.frames["windows"] = self.source.windows(since, until, engine, pool)
+        return self.frames["windows"]
+
+    def requests(self, since: float | None = None, until: float | None = None,
+                 engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+        self.frames["requests"] = self.source.requests(since, until, engine, pool)
+        return self.frames["requests"]
+
+    def kv_events(self, since: float | None = None, until: float | None = None,
+                  pool: str | None = None) -> pd.DataFrame:
+        self.frames["kv_events"] = self.source.kv_events(since, until, pool)
+        return self.frames["kv_events"]
+
+
+class _StepSource(CollectorSource):
+    """The collector source with the raw steps too (``GET /v1/steps``)."""
+
+    def steps(self, since: float | None = None, until: float | None = None,
+              engine: str | None = None) -> pd.DataFrame:
+        return self._ranged("/v1/steps", "ts_unix_s", since, until, engine, None)
+
+
+@dataclass
+class Snapshot:
+    """One read of the collector: the advisor's report and the frames it was made from.
+
+    ``settings`` are those of the read (the pages read raw steps with them);
+    ``error`` is set (and ``report`` is None) when the collector could not be read;
+    ``error_status`` is its HTTP status (None when unreachable). ``fetched_unix_s``
+    is when the read started; ``since_unix_s`` / ``until_unix_s`` the window.
+    """
+
+    settings: DashboardSettings
+    since_text: str
+    since_unix_s: float | None
+    until_unix_s: float | None
+    fetched_unix_s: float
+    report: Report | None = None
+    engines: pd.DataFrame = field(default_factory=pd.DataFrame)
+    windows: pd.DataFrame = field(default_factory=pd.DataFrame)
+    requests: pd.DataFrame = field(default_factory=pd.DataFrame)
+    error: str | None = None
+    error_status: int | None = None
+    read_s: float = 0.0
+
+    @property
+    def collector_url(self) -> str:
+        return self.settings.collector_url
+
+    @property
+    def window(self) -> str:
+        """``2026-... UTC to now (--since 30m)``."""
+        return window_text(self.since_unix_s, self.until_unix_s, self.since_text)
+
+    @property
+    def has_data(self) -> bool:
+        return self.report is not None and self.report.has_data
+
+    @property
+    def no_data_text(self) -> str:
+        """Why there is nothing to show and what to do (empty when there is data)."""
+        if self.report is None or self.report.has_data:
+            return ""
+        text = no_data_message(self.report, self.collector_url, self.window,
+                               self.fetched_unix_s)
+        if self.report.coverage.get("n_engines_known"):
+            text += "; or pick a longer window in the sidebar"
+        return text
+
+    def engine_config(self, engine_id: str) -> dict[str, Any]:
+        """The engine's latest configuration (its row of ``/v1/engines``)."""
+        if "engine_id" not in self.engines:
+            return {}
+        rows = self.engines[self.engines["engine_id"] == engine_id]
+        if not len(rows):
+            return {}
+        return {k: (None if isinstance(v, float) and v != v else v)
+                for k, v in rows.iloc[0].to_dict().items()}
+
+    def engine_windows(self, engine_id: str) -> pd.DataFrame:
+        """The engine's 1-second windows, oldest first."""
+        return _part(self.windows, engine_id, self._parts, "windows")
+
+    def engine_requests(self, engine_id: str) -> pd.DataFrame:
+        """The engine's finished requests, oldest first."""
+        return _part(self.requests, engine_id, self._parts, "requests")
+
+    @functools.cached_property
+    def _parts(self) -> dict[str, dict[str, pd.DataFrame]]:
+        return {}
+
+
+def _part(df: pd.DataFrame, engine_id: str, cache: dict[str, dict[str, pd.DataFrame]],
+          name: str) -> pd.DataFrame:
+    """One engine's rows, the frame split by engine once (fleets have many engines)."""
+    if "engine_id" not in df:
+        return df.iloc[0:0]
+    if name not in cache:
+        cache[name] = {str(k): g.reset_index(drop=True) for k, g in df.groupby("engine_id")}
+    return cache[name].get(engine_id, df.iloc[0:0])
+
+
+def resolve_since(since_text: str, now_unix_s: float) -> float | None:
+    """Unix seconds of a ``--since`` value (``0`` and ``all`` mean the beginning)."""
+    from collector._params import parse_time
+
+    if since_text.strip().lower() in ("", "0", "all"):
+        return None
+    return parse_time("since", since_text, now_unix_s)
+
+
+def load_snapshot(settings: DashboardSettings, since_text: str | None = None,
+                  pool: str | None = None, *, now_unix_s: float | None = None) -> Snapshot:
+    """Read the collector once and run the advisor on what was read."""
+    now = time.time() if now_unix_s is None else now_unix_s
+    since_text = since_text or settings.since
+    pool = pool if pool is not None else settings.pool
+    since = resolve_since(since_text, now)
+    snap = Snapshot(settings=settings, since_text=since_text,
+                    since_unix_s=since, until_unix_s=None, fetched_unix_s=now)
+    source = _KeepingSource(CollectorSource(settings.collector_url, token=settings.token,
+                                            timeout_s=settings.timeout_s))
+    t0 = time.monotonic()
+    try:
+        snap.report = analyze(source, since, None, pool)
+    except SourceError as exc:
+        snap.error = source_error_message(exc, settings.collector_url)
+        snap.error_status = exc.status
+        return snap
+    finally:
+        snap.read_s = time.monotonic() - t0
+    snap.engines = source.frames.get("engines", pd.DataFrame())
+    snap.windows = source.frames.get("windows", pd.DataFrame())
+    snap.requests = source.frames.get("requests", pd.DataFrame())
+    return snap
+
+
+def recent_steps(settings: DashboardSettings, engine_id: str, last_step_unix_s: float,
+                 seconds: float = 30.0, limit: int = 20_000) -> pd.DataFrame:
+    """The engine's raw steps of the ``seconds`` before its newest step (``/v1/steps``).
+
+    Empty when the collector no longer holds them (raw steps are kept
+    ``--raw-retention-s``). Raises :class:`advisor.SourceError` on a failed read.
+    """
+    source = _StepSource(settings.collector_url, token=settings.token,
+                         timeout_s=settings.timeout_s, page_rows=limit)
+    return source.steps(last_step_unix_s - seconds, last_step_unix_s + 1.0, engine_id)

@@ -1,0 +1,1 @@
+"""Page scripts run by ``st.navigation`` (see ``dashboard/app.py``)."""

@@ -1,0 +1,113 @@
+"""The dashboard's settings: which collector to read, which window, how often to refresh.
+
+One typed object built from the arguments after ``--`` of ``streamlit run
+dashboard/app.py -- --collector URL ...`` and the environment. ``kvscope dashboard``
+passes the bearer token through the environment (``KVSCOPE_TOKEN``), never on the
+command line, so it does not show in the process list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+DEFAULT_SINCE = "30m"
+DEFAULT_REFRESH_S = 10.0
+WINDOW_CHOICES = ("5m", "15m", "30m", "1h", "3h", "6h", "24h", "7d")
+"""The windows the sidebar offers (``--since`` is added when it is not among them)."""
+
+
+class SettingsError(ValueError):
+    """The dashboard's arguments are invalid; the message names the argument."""
+
+
+@dataclass(frozen=True)
+class DashboardSettings:
+    """Where the dashboard reads and how it refreshes.
+
+    ``collector_url`` is the collector's base URL (no path); ``token`` its bearer
+    token, if one is configured; ``since`` the default window, a duration ago
+    (``30m``, ``2h``, ``7d``) or unix seconds; ``refresh_s`` seconds between
+    refreshes (0 turns automatic refresh off); ``timeout_s`` bounds each HTTP request.
+    """
+
+    collector_url: str
+    token: str | None = None
+    since: str = DEFAULT_SINCE
+    refresh_s: float = DEFAULT_REFRESH_S
+    timeout_s: float = 30.0
+    pool: str | None = None
+
+
+def normalize_url(url: str) -> str:
+    """``host:8844`` -> ``http://host:8844``; no trailing slash."""
+    url = url.strip()
+    return (url if "://" in url else f"http://{url}").rstrip("/")
+
+
+def _non_negative(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return v
+
+
+def _positive(text: str) -> float:
+    v = _non_negative(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return v
+
+
+def check_since(text: str) -> str:
+    """``text`` when the collector's time syntax accepts it, else :class:`SettingsError`."""
+    from collector._params import ParamError, parse_time
+
+    try:
+        parse_time("--since", text, 0.0)
+    except ParamError as exc:
+        raise SettingsError(str(exc)) from None
+    return text.strip()
+
+
+def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
+                   ) -> DashboardSettings:
+    """Settings from the app's arguments, with ``KVSCOPE_*`` variables as defaults.
+
+    ``--collector`` defaults to ``$KVSCOPE_COLLECTOR_URL``, ``--token`` to
+    ``$KVSCOPE_TOKEN``. Raises :class:`SettingsError` naming what is missing or wrong.
+    """
+    env = os.environ if environ is None else environ
+    p = argparse.ArgumentParser(prog="dashboard/app.py", add_help=False, exit_on_error=False)
+    p.add_argument("--collector", default=env.get("KVSCOPE_COLLECTOR_URL"))
+    p.add_argument("--token", default=env.get("KVSCOPE_TOKEN") or None)
+    p.add_argument("--since", default=DEFAULT_SINCE)
+    p.add_argument("--refresh", type=_non_negative, default=DEFAULT_REFRESH_S)
+    p.add_argument("--timeout", type=_positive, default=30.0)
+    p.add_argument("--pool", default=None)
+    try:
+        args, unknown = p.parse_known_args(list(argv))
+    except (argparse.ArgumentError, argparse.ArgumentTypeError) as exc:
+        raise SettingsError(str(exc)) from None
+    if unknown:
+        raise SettingsError(f"unknown argument(s): {' '.join(unknown)}")
+    if not args.collector:
+        raise SettingsError("no collector: pass --collector URL (or set KVSCOPE_COLLECTOR_URL)")
+    return DashboardSettings(collector_url=normalize_url(args.collector), token=args.token,
+                             since=check_since(args.since), refresh_s=args.refresh,
+                             timeout_s=args.timeout, pool=args.pool or None)
+
+
+def to_argv(settings: DashboardSettings) -> list[str]:
+    """The app arguments that :func:`parse_settings` turns back into ``settings``
+    (the token is left out: pass it as ``KVSCOPE_TOKEN``)."""
+    argv = ["--collector", settings.collector_url, "--since", settings.since,
+            "--refresh", f"{settings.refresh_s:g}", "--timeout", f"{settings.timeout_s:g}"]
+    if settings.pool:
+        argv += ["--pool", settings.pool]
+    return argv
