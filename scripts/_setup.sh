@@ -61,3 +61,9 @@ ensure_debian() {
   # The package may start its own daemon; kvscope's tests start their own.
   $sudo service "$pkg" stop >/dev/null 2>&1 || true
 }
+
+# ensure_chromium: a real headless browser for the dashboard's browser tests
+# (Debian's chromium, about 100 MB with its libraries).
+ensure_chromium() {
+  ensure_debian chromium chromium
+}

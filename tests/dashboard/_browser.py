@@ -1,0 +1,209 @@
+"""A real headless Chromium driven over the DevTools protocol (no Selenium).
+
+Streamlit renders its pages in the browser from messages on a websocket, so a page
+is only "loaded" once the app has run: :meth:`Chromium.load` navigates, then polls
+the rendered text until the app is idle and the text has stopped changing (and
+contains what the caller waits for), and returns it with the DOM. :meth:`screenshot`
+captures the whole page: Streamlit scrolls inside its main section, so the viewport
+is first made as tall as that section.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from websockets.sync.client import ClientConnection, connect
+
+WIDTH, HEIGHT = 1400, 1000
+SAVED: list[Path] = []
+"""Screenshots taken in this test session (listed at the end of the run)."""
+_RUNNING_JS = "!!document.querySelector('[data-testid=\"stStatusWidget\"] button, " \
+              "[data-testid=\"stSkeleton\"]')"
+
+
+class BrowserError(RuntimeError):
+    """Chromium did not start, or a page did not settle in time."""
+
+
+@dataclass
+class Loaded:
+    """A page after the app rendered it."""
+
+    url: str
+    text: str
+    """``document.body.innerText``."""
+    html: str
+    exceptions: list[str]
+    """Text of every Streamlit exception box on the page."""
+    seconds: float
+
+
+class Chromium:
+    """``chromium --headless=new`` with a DevTools websocket to its first page."""
+
+    def __init__(self, binary: str = "chromium", *, width: int = WIDTH,
+                 height: int = HEIGHT) -> None:
+        path = shutil.which(binary)
+        if path is None:
+            raise BrowserError(f"{binary} is not installed")
+        self.width, self.height = width, height
+        self._profile = tempfile.TemporaryDirectory(prefix="kvscope-chromium-")
+        self.proc = subprocess.Popen(
+            [path, "--headless=new", "--disable-gpu", "--no-sandbox", "--no-first-run",
+             "--no-default-browser-check", "--disable-extensions", "--hide-scrollbars",
+             "--disable-dev-shm-usage", f"--window-size={width},{height}",
+             "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1",
+             f"--user-data-dir={self._profile.name}", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self._stack = contextlib.ExitStack()
+        self.ws: ClientConnection | None = None
+        self.log: list[str] = []
+        self._id = 0
+        try:
+            port = self._devtools_port(30.0)
+            self.ws = self._stack.enter_context(
+                connect(self._page_ws(port), max_size=None, open_timeout=10))
+            self._call("Page.enable")
+            self._call("Runtime.enable")
+        except BaseException:
+            self.close()
+            raise
+
+    def _devtools_port(self, timeout_s: float) -> int:
+        assert self.proc.stderr is not None
+        deadline = time.monotonic() + timeout_s
+        seen = []
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                if self.proc.poll() is not None:
+                    break
+                continue
+            seen.append(line)
+            m = re.search(r"DevTools listening on ws://[^:]+:(\d+)/", line)
+            if m:
+                # Keep reading chromium's log so a full pipe never blocks it.
+                threading.Thread(target=self._drain, daemon=True,
+                                 name="chromium-stderr").start()
+                return int(m.group(1))
+        raise BrowserError("chromium did not open its DevTools port:\n" + "".join(seen[-20:]))
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log.append(line)
+            del self.log[:-200]
+
+    @staticmethod
+    def _page_ws(port: int) -> str:
+        for _ in range(50):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=5) as r:
+                targets = json.loads(r.read())
+            pages = [t for t in targets if t.get("type") == "page"]
+            if pages:
+                return str(pages[0]["webSocketDebuggerUrl"])
+            time.sleep(0.1)
+        raise BrowserError("chromium has no page target")
+
+    def _call(self, method: str, params: dict[str, Any] | None = None,
+              timeout_s: float = 60.0) -> dict[str, Any]:
+        assert self.ws is not None
+        self._id += 1
+        self.ws.send(json.dumps({"id": self._id, "method": method, "params": params or {}}))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BrowserError(f"{method}: no answer in {timeout_s:.0f} s")
+            msg = json.loads(self.ws.recv(timeout=left))
+            if msg.get("id") == self._id:
+                if "error" in msg:
+                    raise BrowserError(f"{method}: {msg['error']}")
+                return dict(msg.get("result") or {})
+
+    def eval(self, expression: str) -> Any:
+        res = self._call("Runtime.evaluate", {"expression": expression, "returnByValue": True})
+        if "exceptionDetails" in res:
+            raise BrowserError(f"{expression[:60]}: {res['exceptionDetails']}")
+        return res.get("result", {}).get("value")
+
+    def text(self) -> str:
+        """The page's rendered text now."""
+        return str(self.eval("document.body ? document.body.innerText : ''") or "")
+
+    def load(self, url: str, *, wait_for: Sequence[str] = (), timeout_s: float = 90.0,
+             settle_s: float = 2.0) -> Loaded:
+        """Open ``url`` and wait until the app is idle, its text contains every string
+        of ``wait_for`` and has not changed for ``settle_s`` seconds."""
+        self._call("Emulation.setDeviceMetricsOverride",
+                   {"width": self.width, "height": self.height, "deviceScaleFactor": 1,
+                    "mobile": False})
+        t0 = time.monotonic()
+        self._call("Page.navigate", {"url": url})
+        last, stable_since = "", time.monotonic()
+        while True:
+            time.sleep(0.5)
+            text = self.text()
+            running = bool(self.eval(_RUNNING_JS))
+            if text != last:
+                last, stable_since = text, time.monotonic()
+            settled = time.monotonic() - stable_since >= settle_s
+            if (settled and not running and "stApp" in str(self.eval(
+                    "document.querySelector('[data-testid=\"stApp\"]') ? 'stApp' : ''"))
+                    and all(w in text for w in wait_for)):
+                break
+            if time.monotonic() - t0 > timeout_s:
+                missing = [w for w in wait_for if w not in text]
+                raise BrowserError(f"{url} did not settle in {timeout_s:.0f} s (running "
+                                   f"{running}, missing {missing}); text so far:\n{text[:3000]}")
+        exceptions = self.eval("Array.from(document.querySelectorAll("
+                               "'[data-testid=\"stException\"]')).map(e => e.innerText)")
+        html = str(self.eval("document.documentElement.outerHTML"))
+        return Loaded(url, last, html, list(exceptions or []), time.monotonic() - t0)
+
+    def screenshot(self, path: Path) -> Path:
+        """The whole page as PNG (the viewport grown to the main section's height)."""
+        full = self.eval("Math.max(...Array.from(document.querySelectorAll("
+                         "'[data-testid=\"stMain\"], [data-testid=\"stMainBlockContainer\"], "
+                         "section.main')).map(e => e.scrollHeight), 0)")
+        height = int(min(max(self.height, int(full or 0) + 40), 12000))
+        self._call("Emulation.setDeviceMetricsOverride",
+                   {"width": self.width, "height": height, "deviceScaleFactor": 1,
+                    "mobile": False})
+        time.sleep(1.5)  # charts re-layout to the new size
+        data = self._call("Page.captureScreenshot", {"format": "png"})["data"]
+        path.write_bytes(base64.b64decode(data))
+        return path
+
+    def close(self) -> None:
+        if self.ws is not None:
+            with contextlib.suppress(Exception):
+                self._stack.close()
+            self.ws = None
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._profile.cleanup()
+
+    def __enter__(self) -> Chromium:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

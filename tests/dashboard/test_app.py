@@ -1,0 +1,388 @@
+"""The dashboard's pages under Streamlit's AppTest, reading a real collector process that
+holds the demo fleet (three real vLLM recordings replayed over HTTP).
+
+Every number a page shows is checked against what :func:`advisor.analyze` answers on
+the same collector, formatted as ``kvscope advise`` formats it, and the raw numbers
+of the overview against the collector's own rows."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pytest
+from _fleet import AMPLE, KV_STARVED, SEQ_CAPPED, expected_report
+from streamlit.testing.v1 import AppTest
+
+from advisor import FrameSource, Report, analyze
+from advisor.datasets import make_prefix_pool
+from advisor.prefix import KV_EVENTS_FLAG
+from collector.process import CollectorProcess, free_port
+
+APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+
+
+def run_app(monkeypatch: pytest.MonkeyPatch, url: str, *extra: str,
+            page: str | None = None) -> AppTest:
+    """The app as ``streamlit run dashboard/app.py -- --collector URL ...`` runs it."""
+    monkeypatch.setattr(sys, "argv", ["app.py", "--collector", url, "--refresh", "0", *extra])
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.run()
+    if page is not None:
+        at.switch_page(page).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def metrics(at: AppTest) -> dict[str, str]:
+    return {m.label: m.value for m in at.metric}
+
+
+def metric_list(at: AppTest, label: str) -> list[str]:
+    return [m.value for m in at.metric if m.label == label]
+
+
+def codes(at: AppTest) -> list[str]:
+    return [c.value for c in at.code]
+
+
+def texts(at: AppTest) -> str:
+    parts = [m.value for m in at.markdown] + [c.value for c in at.caption]
+    parts += [w.value for w in at.warning] + [i.value for i in at.info]
+    return "\n".join(parts)
+
+
+def chart_data(at: AppTest) -> list[list[pd.DataFrame]]:
+    """The data sets of every Vega-Lite chart on the page, in order."""
+    out = []
+    for el in at.get("vega_lite_chart"):
+        out.append([pa.ipc.open_stream(d.data.data).read_all().to_pandas()
+                    for d in el.proto.datasets])
+    return out
+
+
+def no_problem_shown(at: AppTest) -> None:
+    assert not at.error, [e.value for e in at.error]
+    assert "No data" not in texts(at)
+
+
+def pct(v: float | None) -> str:
+    return "–" if v is None else f"{v:.0%}"
+
+
+# -- fleet overview ------------------------------------------------------------------
+
+
+def test_overview_ranks_the_kv_starved_pool_first_with_the_advisors_numbers(
+        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess, expected: Report) -> None:
+    at = run_app(monkeypatch, fleet.url)
+    no_problem_shown(at)
+    assert at.title[0].value == "Fleet overview"
+    m = metrics(at)
+    saturated = sum(v.saturated for v in expected.engines)
+    assert m["engines analyzed"] == "3"
+    assert m["saturated"] == f"{saturated} of 3"
+    assert m["recommendations"] == str(len(expected.recommendations))
+
+    kv = expected.engine(KV_STARVED)
+    callout = at.warning[0].value
+    assert callout.startswith("**pool demo: saturated, KV-bound")
+    assert f"`{KV_STARVED}` kv_cache_bound, saturated, knee {kv.knee_concurrency:.1f}, " \
+           f"cap {kv.recommended_concurrency_cap} in flight" in callout
+
+    pools, engines = (t.value for t in at.table[:2])
+    assert list(pools.index) == ["demo", "demo-ample"]
+    demo = next(p for p in expected.pools if p.pool == "demo")
+    assert pools.loc["demo", "recommended cap"] == f"{demo.recommended_concurrency_cap} in flight"
+    assert pools.loc["demo", "plateau"] == f"{demo.plateau_tokens_per_s:,.0f} tok/s"
+    assert pools.loc["demo-ample", "needs attention"] == "ok"
+
+    assert list(engines.index) == [KV_STARVED, SEQ_CAPPED, AMPLE]
+    for eid in engines.index:
+        v, row = expected.engine(eid), engines.loc[eid]
+        assert row["verdict"].startswith(f"{v.bottleneck}, {'saturated' if v.saturated else 'headroom'}")
+        assert row["knee (in flight)"] == f"{v.knee_concurrency:.1f}"
+        assert row["plateau"] == f"{v.plateau_tokens_per_s:,.0f} tok/s"
+        assert row["prefix hit rate"] == pct(v.prefix_hit_rate)
+        assert row["cap"] == (str(v.recommended_concurrency_cap)
+                              if v.recommended_concurrency_cap is not None else "–")
+        assert row["status"].startswith("silent ")  # the replay is over
+    assert engines.loc[KV_STARVED, "batch / max_num_seqs"].endswith(" / 256")
+    assert engines.loc[SEQ_CAPPED, "batch / max_num_seqs"].endswith(" / 6")
+
+
+def test_overview_last_minute_columns_match_the_collectors_windows(
+        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess) -> None:
+    at = run_app(monkeypatch, fleet.url)
+    engines = at.table[1].value
+    w = pd.DataFrame(fleet.get_json("/v1/windows", params={
+        "engine": KV_STARVED, "since": "0", "format": "columns"})["columns"])
+    last = w[w["ts_s"] > w["ts_s"].max() - 60]
+    span = int(last["ts_s"].max() - last["ts_s"].min() + 1)
+    row = engines.loc[KV_STARVED]
+    assert row["batch / max_num_seqs"] == f"{last['batch_mean'].mean():,.1f} / 256"
+    assert row["KV used"] == f"{last['kv_usage_mean'].mean():.0%}"
+    assert row["preemptions/s"] == f"{last['preemptions'].sum() / span:,.1f}"
+    assert row["generated"] == f"{last['generation_tokens'].sum() / span:,.0f} tok/s"
+
+
+def test_sidebar_window_changes_what_is_read(monkeypatch: pytest.MonkeyPatch,
+                                            fleet: CollectorProcess) -> None:
+    at = run_app(monkeypatch, fleet.url)
+    assert "(--since 30m)" in at.caption[0].value
+    assert at.sidebar.selectbox[0].value == "30m"
+    at.sidebar.selectbox[0].set_value("5m").run()
+    assert not at.exception
+    assert "(--since 5m)" in at.caption[0].value
+
+
+# -- engine detail -------------------------------------------------------------------
+
+
+def test_engine_detail_shows_the_kv_starved_engine_against_its_limits(
+        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess, expected: Report) -> None:
+    at = run_app(monkeypatch, fleet.url, page="pages/engine.py")
+    no_problem_shown(at)
+    assert at.selectbox[0].value == KV_STARVED  # the engine needing attention most
+    body = texts(at)
+    assert "KV cache 48 blocks x 32 tokens = 1,536 tokens" in body
+    assert "max_num_seqs 256, max_num_batched_tokens 2048" in body
+    assert ":red-background[kv_cache_bound] saturated" in body
+    kv = expected.engine(KV_STARVED)
+    m = metrics(at)
+    assert m["knee (in flight)"] == f"{kv.knee_concurrency:.1f}"
+    assert m["recommended cap"] == str(kv.recommended_concurrency_cap)
+
+    charts = chart_data(at)
+    assert len(charts) == 8  # six per-second series, latency percentiles, per-step
+    # KV blocks in use against num_gpu_blocks 48: the rule carries the total.
+    rules = [d for c in charts for d in c if "label" in d]
+    assert any(d["label"].iloc[0] == "num_gpu_blocks 48" and d["v"].iloc[0] == 48
+               for d in rules)
+    # Per-second series: the blocks in use never exceed the total, and reach it.
+    series = next(d for c in charts for d in c if "series" in d
+                  and "blocks in use (max)" in set(d["series"]))
+    blocks = series[series["series"] == "blocks in use (max)"]["y"]
+    assert blocks.max() == 48
+    # The raw steps: the per-step chart holds the last 30 s of steps of this engine.
+    steps = charts[-1][0]
+    assert set(steps["series"]) == {"batch (running)", "waiting"}
+    assert len(steps) > 1000
+
+
+def test_engine_detail_switches_to_the_sequence_capped_engine(
+        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess, expected: Report) -> None:
+    at = run_app(monkeypatch, fleet.url, page="pages/engine.py")
+    at.selectbox[0].set_value(SEQ_CAPPED).run()
+    assert not at.exception
+    assert "max_num_seqs 6," in texts(at)
+    assert ":orange-background[max_num_seqs_bound]" in texts(at)
+    v = expected.engine(SEQ_CAPPED)
+    assert metrics(at)["recommended cap"] == str(v.recommended_concurrency_cap)
+    rules = [d for c in chart_data(at) for d in c if "label" in d]
+    assert any(d["label"].iloc[0] == "max_num_seqs 6" for d in rules)
+
+
+# -- plateau --------------------------------------------------------------------------
+
+
+def test_plateau_presents_the_advisors_curve_knee_and_cap(
+        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess, expected: Report) -> None:
+    at = run_app(monkeypatch, fleet.url, page="pages/plateau.py")
+    no_problem_shown(at)
+    kv = expected.engine(KV_STARVED)
+    m = metrics(at)
+    assert m["knee (in flight)"] == f"{kv.knee_concurrency:.1f}"
+    assert m["plateau (generated)"] == f"{kv.plateau_tokens_per_s:,.0f} tok/s"
+    assert m["recommended cap (in flight)"] == str(kv.recommended_concurrency_cap)
+    assert m["share of peak at the cap"] == f"{kv.predicted_throughput_fraction_at_cap:.0%}"
+    assert m["e2e P99 at the cap"] == f"{kv.predicted_p99_e2e_s_at_cap:.2f} s"
+    body = texts(at)
+    assert ":red-background[kv_cache_bound] saturated" in body
+    why = expected.findings_of("bottleneck", KV_STARVED)[0]
+    assert f"**{why.summary}**" in body
+    evidence = at.table[0].value
+    assert evidence.loc["kv usage median", "value"] == f"{why.evidence['kv_usage_median']:.0%}"
+    assert evidence.loc["max num seqs", "value"] == "256"
+
+    plateau, p99 = chart_data(at)
+    curve = expected.findings_of("throughput_curve", KV_STARVED)[0].frame
+    assert curve is not None
+    points = plateau[0]
+    assert points["load"].tolist() == pytest.approx(curve["load"])
+    assert points["measured"].tolist() == pytest.approx(curve["gen_tokens_per_s"])
+    labels = {d["label"].iloc[0]: d["v"].iloc[0] for d in plateau if "label" in d}
+    assert labels[f"knee {kv.knee_concurrency:.1f}"] == pytest.approx(kv.knee_concurrency)
+    assert labels[f"cap {kv.recommended_concurrency_cap}"] == kv.recommended_concurrency_cap
+    assert labels[f"plateau {kv.plateau_tokens_per_s:,.0f} tok/s"] == pytest.approx(
+        kv.plateau_tokens_per_s)
+    lat = expected.findings_of("latency_vs_load", KV_STARVED)[0].frame
+    assert lat is not None
+    p99_lines = p99[0]
+    e2e = p99_lines[p99_lines["metric"] == "e2e P99"]
+    assert e2e["load"].tolist() == pytest.approx(lat["load"])
+    assert e2e["seconds"].tolist() == pytest.approx(lat["e2e_s_p99"])
+
+
+def test_plateau_of_an_engine_with_headroom_has_no_cap(
+        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess, expected: Report) -> None:
+    at = run_app(monkeypatch, fleet.url, page="pages/plateau.py")
+    at.selectbox[0].set_value(AMPLE).run()
+    assert not at.exception
+    v = expected.engine(AMPLE)
+    assert v.recommended_concurrency_cap is None
+    assert metrics(at)["recommended cap (in flight)"] == "–"
+    assert f"headroom, approaching {v.approaching}" in texts(at)
+
+
+# -- recommendations ---------------------------------------------------------------------
+
+
+def test_recommendations_are_ranked_with_the_change_to_copy(
+        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess, expected: Report) -> None:
+    at = run_app(monkeypatch, fleet.url, page="pages/recommendations.py")
+    no_problem_shown(at)
+    heads = [m.value for m in at.markdown if m.value.startswith("#### ")]
+    assert heads == [f"#### {i}. {r.summary}"
+                     for i, r in enumerate(expected.recommendations, start=1)]
+    cap_rec = next(r for r in expected.recommendations
+                   if r.kind == "concurrency_cap" and r.scope.engine_id == KV_STARVED)
+    cap = expected.engine(KV_STARVED).recommended_concurrency_cap
+    flags = " ".join(cap_rec.change["vllm_flags"])
+    assert flags.startswith(f"--max-num-seqs {cap} ")
+    c = codes(at)
+    assert flags in c
+    assert f"limit_conn_zone $server_name zone=vllm_conn:1m; limit_conn vllm_conn {cap};" in c
+    assert f"maxConcurrency: {cap}" in c
+    raise_seqs = next(r for r in expected.recommendations if r.kind == "raise_max_num_seqs")
+    assert raise_seqs.scope.engine_id == SEQ_CAPPED
+    assert raise_seqs.change["vllm_flags"][0] in c
+    pool_cap = next(r for r in expected.recommendations if r.kind == "pool_concurrency_cap")
+    assert pool_cap.change["gateway"]["nginx_upstream"] in c
+
+
+# -- prefix and routing ------------------------------------------------------------------
+
+
+def test_prefix_page_shows_hit_rates_per_replica_and_the_missing_kv_events(
+        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess, expected: Report) -> None:
+    at = run_app(monkeypatch, fleet.url, page="pages/prefix.py")
+    no_problem_shown(at)
+    by_pool = {p.pool: p for p in expected.pools}
+    assert metric_list(at, "prefix-cache hit rate") == [
+        pct(by_pool["demo"].prefix_hit_rate), pct(by_pool["demo-ample"].prefix_hit_rate)]
+    assert metric_list(at, "load imbalance")[0] == f"{by_pool['demo'].load_imbalance:.2f}x"
+    replicas = at.table[0].value
+    for eid in (KV_STARVED, SEQ_CAPPED):
+        assert replicas.loc[eid, "hit rate"] == pct(expected.engine(eid).prefix_hit_rate)
+    cache = next(f for f in expected.findings
+                 if f.kind == "prefix_cache" and f.scope.pool == "demo")
+    ttft = at.table[1].value
+    assert ttft.loc["with cached tokens", "n"] == f"{cache.evidence['ttft_cached']['n']:,}"
+    assert ttft.loc["without cached tokens", "TTFT P50"] == \
+        f"{cache.evidence['ttft_uncached']['p50_s']:.2f} s"
+    assert KV_EVENTS_FLAG.split(" ", 1)[1] in " ".join(codes(at))
+    assert "cannot be measured on these 2 replicas" in texts(at)
+
+
+def _prefix_page(report_json: str) -> None:
+    from advisor import Report
+    from dashboard._views.prefix import render
+    from dashboard.data import Snapshot
+    from dashboard.settings import DashboardSettings
+
+    render(Snapshot(settings=DashboardSettings("http://127.0.0.1:9"), since_text="all",
+                    since_unix_s=None, until_unix_s=None, fetched_unix_s=0.0,
+                    report=Report.from_json(report_json)))
+
+
+def test_prefix_page_with_kv_events_shows_duplication_and_the_routing_change() -> None:
+    pool = make_prefix_pool(seed=3)
+    report = analyze(FrameSource(pool.engines, pool.windows, pool.requests, pool.kv_events))
+    pv = report.pools[0]
+    assert pv.prefix_routing_loss is not None  # the synthetic pool has KV events
+    at = AppTest.from_function(_prefix_page, kwargs={"report_json": report.to_json()},
+                               default_timeout=30).run()
+    assert not at.exception, [e.value for e in at.exception]
+    m = metrics(at)
+    routing = next(f for f in report.findings if f.kind == "prefix_routing")
+    assert m["routing loss"] == pct(pv.prefix_routing_loss)
+    assert m["prefix-affine (predicted)"] == pct(pv.predicted_prefix_hit_rate_affine)
+    assert m["reuse available"] == pct(routing.evidence["available"])
+    assert m["cache duplicated across replicas"] == pct(
+        routing.evidence["duplicated_cache_ratio"])
+    rec = next(r for r in report.recommendations if r.kind == "prefix_aware_routing")
+    assert rec.change["production_stack"] in codes(at)
+    heads = [x.value for x in at.markdown if x.value.startswith("#### ")]
+    rank = report.recommendations.index(rec) + 1
+    assert f"#### {rank}. {rec.summary}" in heads
+
+
+# -- what the dashboard says when it cannot show anything ------------------------------
+
+
+def test_unreachable_collector_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    at = run_app(monkeypatch, url)
+    assert "Collector unreachable" in at.error[0].value
+    assert url in at.error[0].value
+    assert "kvscope collector" in at.info[0].value
+    assert not at.table
+
+
+@pytest.fixture(scope="module")
+def token_collector(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    with CollectorProcess(tmp_path_factory.mktemp("token") / "kvscope.duckdb",
+                          token="s3cret", extra_args=["--advise-interval-s", "0"]) as c:
+        yield c
+
+
+def test_wrong_token_gets_the_401_explained(monkeypatch: pytest.MonkeyPatch,
+                                            token_collector: CollectorProcess) -> None:
+    monkeypatch.delenv("KVSCOPE_TOKEN", raising=False)
+    at = run_app(monkeypatch, token_collector.url)
+    assert "Not authorized (401)" in at.error[0].value
+    assert "--token" in at.info[0].value
+    at = run_app(monkeypatch, token_collector.url, "--token", "wrong")
+    assert "Not authorized (401)" in at.error[0].value
+
+
+def test_token_from_the_environment_reaches_an_empty_collector(
+        monkeypatch: pytest.MonkeyPatch, token_collector: CollectorProcess) -> None:
+    monkeypatch.setenv("KVSCOPE_TOKEN", "s3cret")
+    at = run_app(monkeypatch, token_collector.url)
+    assert not at.error
+    assert "knows no engines yet" in at.warning[0].value
+    assert "kvscope demo" in at.warning[0].value
+
+
+def test_no_data_in_the_window_names_a_window_that_has_it(
+        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess) -> None:
+    at = run_app(monkeypatch, fleet.url, "--since", "5s", page="pages/plateau.py")
+    assert not at.error
+    text = at.warning[0].value
+    assert text.startswith("**No data.** no data in the window")
+    assert "try --since" in text and "pick a longer window in the sidebar" in text
+    assert not at.metric
+
+
+def test_bad_arguments_stop_the_app_with_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSCOPE_COLLECTOR_URL", raising=False)
+    monkeypatch.setattr(sys, "argv", ["app.py"])
+    at = AppTest.from_file(str(APP), default_timeout=30).run()
+    assert not at.exception
+    assert "pass --collector URL" in at.error[0].value
+    monkeypatch.setattr(sys, "argv", ["app.py", "--collector", "x:1", "--since", "yesterday"])
+    at = AppTest.from_file(str(APP), default_timeout=30).run()
+    assert "--since: expected unix seconds" in at.error[0].value
+
+
+def test_expected_report_is_stable_across_reads(fleet: CollectorProcess,
+                                                expected: Report) -> None:
+    # The pages are compared with a report made at another moment: that only holds
+    # because the replayed data lies wholly inside the window.
+    again = expected_report(fleet.url)
+    assert [v.to_dict() for v in again.engines] == [v.to_dict() for v in expected.engines]

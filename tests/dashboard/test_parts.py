@@ -1,0 +1,257 @@
+"""The dashboard's parts without a browser: settings, the command line, the attention
+order, formatting, the chart series and the demo fleet's relabelling."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+
+import pandas as pd
+import pytest
+
+from advisor import EngineVerdict, Finding, PoolVerdict, Report, Scope
+from collector.recording import load_recording
+from dashboard import cli
+from dashboard._charts import bucket_seconds, engine_series, latency_series
+from dashboard._format import value
+from dashboard._status import engine_status, engines_by_attention, pools_by_attention, recent
+from dashboard._views.recommendations import change_blocks
+from dashboard.demo import DEMO_FLEET, relabeled
+from dashboard.settings import (
+    DashboardSettings,
+    SettingsError,
+    normalize_url,
+    parse_settings,
+    to_argv,
+)
+
+# -- settings and command line -----------------------------------------------------------
+
+
+def test_settings_round_trip_through_the_app_arguments() -> None:
+    s = DashboardSettings("http://c:8844", token="t", since="2h", refresh_s=7.5,
+                          timeout_s=12.0, pool="p")
+    argv = to_argv(s)
+    assert "t" not in argv  # the token never goes on a command line
+    back = parse_settings(argv, {"KVSCOPE_TOKEN": "t"})
+    assert back == s
+
+
+def test_settings_take_the_collector_and_token_from_the_environment() -> None:
+    s = parse_settings([], {"KVSCOPE_COLLECTOR_URL": "c:8844", "KVSCOPE_TOKEN": "x"})
+    assert (s.collector_url, s.token, s.since, s.refresh_s) == ("http://c:8844", "x", "30m", 10)
+    assert normalize_url("https://c:1/ ") == "https://c:1"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ([], "pass --collector URL"),
+    (["--collector", "c", "--since", "soon"], "--since: expected unix seconds"),
+    (["--collector", "c", "--refresh", "-1"], "must be >= 0"),
+    (["--collector", "c", "--timeout", "0"], "must be > 0"),
+    (["--collector", "c", "--colour", "red"], "unknown argument(s): --colour red"),
+])
+def test_bad_settings_name_the_argument(argv: list[str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_settings(argv, {})
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    from collector.cli import build_parser
+
+    return build_parser().parse_args(["dashboard", *argv])
+
+
+def test_the_app_runs_headless_on_loopback_without_the_token_on_its_command_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: dict[str, object] = {}
+
+    class FakePopen:
+        def __init__(self, cmd: list[str], env: dict[str, str]) -> None:
+            seen["cmd"], seen["env"] = cmd, env
+
+        def wait(self) -> int:
+            return 0
+
+    monkeypatch.setattr(cli.subprocess, "Popen", FakePopen)
+    assert cli.run(_args("--collector", "c:8844", "--token", "s3cret", "--port", "8600")) == 0
+    cmd = seen["cmd"]
+    assert isinstance(cmd, list)
+    assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4] == str(cli.APP)
+    opts = dict(zip(cmd[5:cmd.index("--")][::2], cmd[5:cmd.index("--")][1::2], strict=True))
+    assert opts["--server.address"] == "127.0.0.1"
+    assert opts["--server.port"] == "8600"
+    assert opts["--server.headless"] == "true"
+    assert opts["--browser.gatherUsageStats"] == "false"
+    app_argv = cmd[cmd.index("--") + 1:]
+    assert parse_settings(app_argv, {}).collector_url == "http://c:8844"
+    assert "s3cret" not in " ".join(cmd)
+    env = seen["env"]
+    assert isinstance(env, dict) and env["KVSCOPE_TOKEN"] == "s3cret"
+
+
+def test_missing_extra_names_the_install_command(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "streamlit" else real(name, *a))
+    assert cli.run(_args("--collector", "c:8844")) == 2
+    err = capsys.readouterr().err
+    assert "streamlit is not installed" in err
+    assert "pip install 'kvscope[dashboard]'" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    ((), "pass --collector URL"),
+    (("--collector", "c", "--since", "later"), "--since: expected unix seconds"),
+    (("--demo", "--collector", "c"), "--demo starts its own collector"),
+    (("--collector", "c", "--port", "70000"), "is not a TCP port"),
+])
+def test_cli_refuses_bad_arguments(argv: tuple[str, ...], message: str,
+                                   monkeypatch: pytest.MonkeyPatch,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("KVSCOPE_COLLECTOR_URL", raising=False)
+    assert cli.run(_args(*argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+# -- attention order and status ------------------------------------------------------------
+
+
+def _verdict(eid: str, pool: str, bottleneck: str, saturated: bool,
+             thrash: bool = False) -> EngineVerdict:
+    return EngineVerdict(engine_id=eid, pool=pool, bottleneck=bottleneck, saturated=saturated,
+                         preemption_thrash=thrash)
+
+
+def test_pools_needing_attention_come_first() -> None:
+    engines = [_verdict("a:1:0", "calm", "not_saturated", False),
+               _verdict("b:1:0", "capped", "max_num_seqs_bound", True),
+               _verdict("c:1:0", "kv", "kv_cache_bound", True),
+               _verdict("d:1:0", "kv", "not_saturated", False),
+               _verdict("e:1:0", "thrash", "kv_cache_bound", True, thrash=True),
+               _verdict("f:1:0", "skewed", "not_saturated", False),
+               _verdict("g:1:0", "skewed", "not_saturated", False)]
+    pools = [PoolVerdict(pool=p, engine_ids=[v.engine_id for v in engines if v.pool == p],
+                         bottlenecks={}) for p in ("calm", "capped", "kv", "skewed", "thrash")]
+    imbalance = Finding(kind="load_imbalance", scope=Scope(pool="skewed"), summary="uneven",
+                        severity="warning")
+    report = Report(None, None, engines=engines, pools=pools, findings=[imbalance])
+    ranked = pools_by_attention(report)
+    assert [pv.pool for pv, _ in ranked] == ["thrash", "kv", "capped", "skewed", "calm"]
+    assert ranked[0][1].text == "preemption thrash, saturated, KV-bound"
+    assert ranked[3][1].text == "load imbalance"
+    assert ranked[4][1].text == "ok"
+    assert [v.engine_id for v in engines_by_attention(report)] == [
+        "e:1:0", "c:1:0", "d:1:0", "b:1:0", "f:1:0", "g:1:0", "a:1:0"]
+
+
+def test_engine_status_and_the_last_minute() -> None:
+    assert engine_status(100.0, 110.0) == "live"
+    assert engine_status(100.0, 100.0 + 12 * 60) == "silent 12 min"
+    assert engine_status(None, 1.0) == "no steps yet"
+    w = pd.DataFrame({"ts_s": [0, 1, 2, 100, 101, 103], "batch_mean": [9, 9, 9, 2, 4, 6],
+                      "kv_usage_mean": [1, 1, 1, 0.2, 0.4, 0.6], "preemptions": [5] * 6,
+                      "generation_tokens": [100] * 6, "waiting_mean": [0] * 6})
+    r = recent(w, seconds=60)
+    # The last 60 s hold seconds 100, 101 and 103: a 4-second span, 102 idle.
+    assert r.seconds == 4
+    assert r.batch_mean == pytest.approx(4.0)
+    assert r.kv_usage_mean == pytest.approx(0.4)
+    assert r.preemptions_per_s == pytest.approx(15 / 4)
+    assert r.gen_tokens_per_s == pytest.approx(300 / 4)
+    assert r.end_unix_s == 104.0
+
+
+# -- formatting and the change to copy -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("key", "v", "text"), [
+    ("plateau_tokens_per_s", 1285.4, "1,285 tok/s"),
+    ("preemptions_per_s", 8.24, "8.2/s"),
+    ("steps_per_s_plateau", 112.0, "112.0/s"),
+    ("tokens_per_step_median", 15.3, "15.3"),
+    ("p99_e2e_s", 1.584, "1.58 s"),
+    ("kv_usage_median", 0.953, "95%"),
+    ("throughput_fraction", 0.97, "97%"),
+    ("mean_ttft_change_s", -0.25, "-250 ms"),
+    ("step_ms", 12.17, "12.2 ms"),
+    ("feasible", True, "yes"),
+    ("p99_e2e_s", math.nan, "–"),
+    ("n_windows", 31, "31"),
+])
+def test_values_read_like_the_terminal_view(key: str, v: object, text: str) -> None:
+    assert value(key, v) == text
+
+
+def test_every_part_of_a_change_becomes_a_block_to_copy() -> None:
+    change = {"concurrency_cap": 8,
+              "vllm_flags": ["--max-num-seqs 8", "--max-num-queued-reqs 2"],
+              "gateway": {"nginx": "limit_conn vllm_conn 8;", "gateway_api_maxConcurrency": 8,
+                          "nginx_upstream": "upstream p { server a:1 max_conns=8; }"},
+              "per_engine_caps": {"a:1:0": 8, "b:1:0": 6},
+              "router_policy": "prefix-aware", "production_stack": "--routing-logic prefixaware",
+              "something_new": {"k": 1}}
+    blocks = change_blocks(change)
+    assert blocks == [
+        ("vLLM flags", "--max-num-seqs 8 --max-num-queued-reqs 2", "bash"),
+        ("nginx", "limit_conn vllm_conn 8;", "nginx"),
+        ("Gateway API / llm-d", "maxConcurrency: 8", "yaml"),
+        ("nginx upstream", "upstream p { server a:1 max_conns=8; }", "nginx"),
+        ("cap per engine (in flight)", "a:1:0: 8\nb:1:0: 6", "yaml"),
+        ("router policy", "prefix-aware", "text"),
+        ("vLLM production-stack router", "--routing-logic prefixaware", "bash"),
+        ("something new", '{\n  "k": 1\n}', "text"),
+    ]
+
+
+# -- chart series -----------------------------------------------------------------------------
+
+
+def test_engine_series_bucket_long_windows_and_keep_rates_per_second() -> None:
+    assert bucket_seconds(600) == 1
+    assert bucket_seconds(3600) == 5
+    assert bucket_seconds(7 * 86400) == 3600
+    n = 3600
+    w = pd.DataFrame({"ts_s": range(n), "batch_mean": [4.0] * n, "batch_max": [6] * n,
+                      "kv_usage_mean": [0.5] * n, "kv_blocks_max": [30] * n,
+                      "waiting_mean": [1.0] * n, "waiting_max": [3] * n,
+                      "preemptions": [2] * n, "generation_tokens": [100] * n,
+                      "prompt_tokens": [50] * n, "prefix_queries": [40] * n,
+                      "prefix_hits": [10] * n})
+    s = engine_series(w, num_gpu_blocks=48)
+    assert len(s) == n // 5 and set(s["bucket_s"]) == {5}
+    assert s["gen_tokens_per_s"].tolist() == pytest.approx([100.0] * len(s))
+    assert s["preemptions_per_s"].tolist() == pytest.approx([2.0] * len(s))
+    assert s["prefix_hit_rate"].tolist() == pytest.approx([0.25] * len(s))
+    assert s["kv_blocks_mean"].tolist() == pytest.approx([24.0] * len(s))
+    assert s["batch_max"].max() == 6
+
+
+def test_latency_series_are_percentiles_per_bucket() -> None:
+    r = pd.DataFrame({"finished_unix_s": [0.5 + i * 0.01 for i in range(100)],
+                      "ttft_s": [i / 100 for i in range(100)],
+                      "e2e_s": [1.0] * 100})
+    lat = latency_series(r)
+    ttft = lat[lat["metric"] == "TTFT P50"]["seconds"].tolist()
+    assert ttft == pytest.approx([0.495])
+    assert lat[lat["metric"] == "e2e P99"]["seconds"].tolist() == pytest.approx([1.0])
+    assert set(lat["n"]) == {100}
+
+
+# -- demo fleet ---------------------------------------------------------------------------------
+
+
+def test_demo_fleet_relabels_each_recording_as_its_own_engine() -> None:
+    assert len({e.engine_id for e in DEMO_FLEET}) == len(DEMO_FLEET)
+    for e in DEMO_FLEET:
+        rec = load_recording(e.path)
+        out = relabeled(rec, e)
+        assert {b["engine_id"] for b in out.batches} == {e.engine_id}
+        hellos = [b["hello"] for b in out.batches if b.get("hello")]
+        assert hellos and all(h["engine_id"] == e.engine_id and h["pool"] == e.pool
+                              and h["port"] == e.port for h in hellos)
+        # The original is untouched and every step kept.
+        assert {b["engine_id"] for b in rec.batches} == {"demo-host:8000:0"}
+        assert sum(len(b["steps"]["ts_unix_s"]) for b in out.batches) == sum(
+            len(b["steps"]["ts_unix_s"]) for b in rec.batches)
