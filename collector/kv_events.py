@@ -329,6 +329,10 @@ class KvEventsManager:
                 e.idle = True
 
     def _poll(self, timeout_ms: int) -> None:
+        if not self._by_sock:
+            # zmq's poll returns at once without sockets: wait here instead of spinning.
+            self._stop.wait(timeout_ms / 1000)
+            return
         for sock, _ in self._poller.poll(timeout_ms):
             e = self._by_sock.get(sock)
             if e is None:

@@ -384,3 +384,23 @@ def test_cli_flags_build_the_settings() -> None:
                 ["--kv-events-endpoint", "e=udp://h:1"], ["--kv-events-seen-capacity", "1"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["collector", *bad])
+
+
+def _cpu_seconds(pid: int) -> float:
+    import os
+
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_collector_does_not_spin(tmp_path: Path) -> None:
+    """With KV events on (the default) but no engine publishing, the subscriber thread
+    must wait, not poll an empty socket set in a loop."""
+    with CollectorProcess(tmp_path / "idle.duckdb") as c:
+        assert c.proc is not None
+        time.sleep(2.0)
+        before, t0 = _cpu_seconds(c.proc.pid), time.monotonic()
+        time.sleep(3.0)
+        share = (_cpu_seconds(c.proc.pid) - before) / (time.monotonic() - t0)
+    assert share < 0.25, f"an idle collector used {share:.0%} of a core"
