@@ -118,6 +118,13 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    _require("report", "collector", also=("rich",))
+    from collector.report.cli import run
+
+    return run(args)
+
+
 def _cmd_sweep(args: argparse.Namespace) -> int:
     _require("sweep", "collector")
     from collector.sweep import config_from_args, print_table, run_sweep
@@ -373,6 +380,13 @@ def _add_record(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_record)
 
 
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    from collector.report.cli import add_parser
+
+    add_parser(sub, {"positive": _positive, "fraction": _fraction, "ratio": _ratio})
+    sub.choices["report"].set_defaults(func=_cmd_report)
+
+
 def _add_dashboard(sub: argparse._SubParsersAction) -> None:
     from dashboard.cli import add_parser
 
@@ -391,7 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     adders: Sequence[Callable[[argparse._SubParsersAction], None]] = (
-        _add_demo, _add_collector, _add_advise, _add_dashboard, _add_sweep, _add_record,
+        _add_demo, _add_collector, _add_advise, _add_report, _add_dashboard, _add_sweep,
+        _add_record,
     )
     for add in adders:
         add(sub)
