@@ -327,7 +327,7 @@ def glance(wr: WeeklyReport) -> list[tuple[str, str, str]]:
                                               "engine time"),
         ("recommendations", str(len(wr.current.recommendations)),
          f"{status.count('new')} new this week"),
-        ("changes: worse / better", f"{worse} / {better}",
+        ("worse / better", f"{worse} / {better}",
          f"{sum(1 for c in wr.comparison.changes if c.kind == 'config_change')} "
          "configuration change(s)"),
     ]

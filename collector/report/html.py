@@ -48,8 +48,9 @@ h3 { font-size:16px; margin:22px 0 8px; }
 .b-not_saturated { background:#dcfce7; color:#166534; }
 .s-new { background:#dbeafe; color:#1e40af; }
 .s-open { background:#f1f5f9; color:#334155; }
-.changes { display:grid; grid-template-columns:1fr 1fr; gap:14px; }
-.group { background:var(--card); border:1px solid var(--line); border-radius:8px; padding:10px 14px; }
+.changes { columns:2 440px; column-gap:14px; }
+.group { background:var(--card); border:1px solid var(--line); border-radius:8px; padding:10px 14px;
+  margin:0 0 14px; break-inside:avoid; }
 .group h3 { margin:2px 0 6px; font-size:15px; }
 .group ul { margin:0; padding-left:18px; }
 .group li { margin:5px 0; }
