@@ -237,3 +237,14 @@ def test_data_path_alerts(live: LiveFleet) -> None:
     for name in QUIET_ALERTS:
         res = p.query(exprs[name], live.at)
         assert not res, f"{name} on a healthy fleet: {describe(res)}"
+
+
+def test_configuration_gauges_carry_the_hellos_numbers(live: LiveFleet) -> None:
+    """kvscope_engine_max_num_seqs & co., which the batch and KV panels compare with."""
+    want = {STARVED: {"max_num_seqs": 256, "kv_capacity_blocks": 48},
+            CAPPED: {"max_num_seqs": 6, "kv_capacity_blocks": 4096}}
+    for engine, values in want.items():
+        for name, value in {**values, "kv_block_size_tokens": 32,
+                            "max_num_batched_tokens": 2048}.items():
+            res = live.prometheus.query(f'kvscope_engine_{name}{{engine="{engine}"}}', live.at)
+            assert [float(s["value"][1]) for s in res] == [value], (engine, name, describe(res))
