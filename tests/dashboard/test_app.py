@@ -8,6 +8,7 @@ of the overview against the collector's own rows."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from advisor import FrameSource, Report, analyze
 from advisor.datasets import make_prefix_pool
 from advisor.prefix import KV_EVENTS_FLAG
 from collector.process import CollectorProcess, free_port
+from dashboard._status import LIVE_S
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 
@@ -109,7 +111,14 @@ def test_overview_ranks_the_kv_starved_pool_first_with_the_advisors_numbers(
         assert row["prefix hit rate"] == pct(v.prefix_hit_rate)
         assert row["cap"] == (str(v.recommended_concurrency_cap)
                               if v.recommended_concurrency_cap is not None else "–")
-        assert row["status"].startswith("silent ")  # the replay is over
+        # The replay is over: live until LIVE_S after its last step, silent after.
+        last = next(r["last_step_unix_s"] for r in fleet.get_json("/v1/engines")["rows"]
+                    if r["engine_id"] == eid)
+        age = time.time() - float(last)
+        if age > LIVE_S + 3:
+            assert row["status"].startswith("silent "), (row["status"], age)
+        elif age < LIVE_S - 3:
+            assert row["status"] == "live", (row["status"], age)
     assert engines.loc[KV_STARVED, "batch / max_num_seqs"].endswith(" / 256")
     assert engines.loc[SEQ_CAPPED, "batch / max_num_seqs"].endswith(" / 6")
 
