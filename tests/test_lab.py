@@ -165,3 +165,25 @@ def test_parse_prometheus_text_edge_cases() -> None:
     assert vllm_counter_totals("") == dict.fromkeys(VLLM_COUNTERS, 0.0)
     with pytest.raises(ValueError, match="line 1"):
         parse_prometheus_text("not a sample line at all {")
+
+
+def test_renice_process_group_touches_only_the_named_processes_of_the_group() -> None:
+    import os
+    import subprocess
+    import time
+
+    from collector.lab import renice_process_group
+
+    leader = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "30"])  # same name, not in the group
+    try:
+        time.sleep(0.2)
+        changed = renice_process_group(leader.pid, "sleep", 7)
+        assert changed == 1
+        assert os.getpriority(os.PRIO_PROCESS, leader.pid) == 7
+        assert os.getpriority(os.PRIO_PROCESS, other.pid) == os.getpriority(os.PRIO_PROCESS, 0)
+        assert renice_process_group(leader.pid, "VLLM::EngineCor", 7) == 0
+    finally:
+        for p in (leader, other):
+            p.kill()
+            p.wait()
