@@ -20,9 +20,11 @@ Algorithm
    load seen (what an uncapped overload gives).
 
 Rendering: the cap ``C`` becomes vLLM ``--max-num-seqs min(C, current)`` and
-``--max-num-queued-reqs`` (a short queue of ``ceil(queue_share x C)``: the rest is
-rejected at once instead of queueing), a gateway cap (nginx ``limit_conn``, Gateway
-API / llm-d ``maxConcurrency``) of ``C`` per replica.
+``--max-num-queued-reqs C + Q``, where ``Q = ceil(queue_share x C)`` is a short queue:
+vLLM's admission limit counts every unfinished request (running and waiting) in the
+API server and rejects the rest with 503 at once, for the gateway or client to retry
+on another replica, instead of letting them queue. Also a gateway cap (nginx
+``limit_conn``, Gateway API / llm-d ``maxConcurrency``) of ``C`` per replica.
 
 Parameters
 ----------
@@ -113,10 +115,11 @@ class ConcurrencyCap:
         except (TypeError, ValueError):
             current = 0
         seqs = min(c, current) if current > 0 else c
-        queued = max(1, math.ceil(self.queue_share * c))
+        queue = max(1, math.ceil(self.queue_share * c))
         change = {
             "concurrency_cap": c,
-            "vllm_flags": [f"--max-num-seqs {seqs}", f"--max-num-queued-reqs {queued}"],
+            # vLLM's admission limit counts running and waiting requests together.
+            "vllm_flags": [f"--max-num-seqs {seqs}", f"--max-num-queued-reqs {seqs + queue}"],
             "gateway": {
                 "nginx": f"limit_conn_zone $server_name zone=vllm_conn:1m; limit_conn vllm_conn {c};",
                 "gateway_api_maxConcurrency": c,

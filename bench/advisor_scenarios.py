@@ -17,7 +17,10 @@ What it does
    Each engine is stopped before the next starts (an engine keeps a core busy).
 2. **Closed loop** on the KV-starved engine, with the advisor's recommended cap
    ``C``: (a) on the same engine, load at client concurrency ``C``; (b) a restarted
-   engine with ``--max-num-seqs C``, driven at the sweep's highest concurrency.
+   engine with the recommendation's vLLM flags (``--max-num-seqs C
+   --max-num-queued-reqs C+Q``: admission control, requests beyond ``C + Q`` in flight
+   are rejected with 503 for the client or gateway to retry elsewhere), driven at the
+   sweep's highest concurrency.
    Each is set against the uncapped sweep: throughput against the sweep's peak
    level, e2e P99 against the uncapped highest level, preemptions per second.
 3. **Capacity model**: the KV capacity model's predicted plateau against the
@@ -127,11 +130,20 @@ class LevelMeasure:
     front-end delay."""
     attempts: int = 1
     """Runs of this level made until the engine saw the load (the last one is kept)."""
+    admit_limit: int | None = None
+    """Requests the engine admits at most (``--max-num-seqs`` + ``--max-num-queued-reqs``)
+    when admission control is on; the rest are rejected with 503."""
+
+    @property
+    def offered(self) -> int:
+        """Requests in flight the engine should see: the clients, or its admission limit."""
+        c = self.concurrency
+        return c if self.admit_limit is None else min(c, self.admit_limit)
 
     @property
     def delivered(self) -> bool:
         """Whether the engine saw the clients' load (the front end did not stall)."""
-        return self.load_mean >= DELIVERED_LOAD_RATIO * self.concurrency
+        return self.load_mean >= DELIVERED_LOAD_RATIO * self.offered
 
 
 @dataclass
@@ -216,7 +228,8 @@ class CapRun:
     """One load level against a capped setting, set against the uncapped sweep."""
 
     how: str
-    """``client`` (client concurrency = cap) or ``engine`` (``--max-num-seqs`` = cap)."""
+    """``client`` (client concurrency = cap) or ``engine`` (the recommendation's vLLM flags:
+    ``--max-num-seqs`` = cap and ``--max-num-queued-reqs``, on a restarted engine)."""
     cap: int
     level: LevelMeasure
     peak_tokens_per_s: float
@@ -225,6 +238,14 @@ class CapRun:
     predicted_p99_e2e_s: float | None = None
     startup_s: float | None = None
     engine_id: str | None = None
+    flags: list[str] | None = None
+    """The vLLM flags the engine was restarted with (``engine`` runs)."""
+
+    @property
+    def rejected_share(self) -> float:
+        """Requests rejected (HTTP 503 from admission control) over requests sent."""
+        n = self.level.completed + self.level.errors
+        return self.level.errors / n if n else 0.0
 
     @property
     def throughput_fraction(self) -> float:
@@ -309,14 +330,16 @@ class AdvisorLab:
         return self.collector
 
     @contextmanager
-    def engine(self, pool: str, *, num_gpu_blocks: int, max_num_seqs: int) -> Iterator[VllmServer]:
+    def engine(self, pool: str, *, num_gpu_blocks: int, max_num_seqs: int,
+               extra_args: tuple[str, ...] = ()) -> Iterator[VllmServer]:
         """A real engine with the plugin shipping to the collector under ``pool``."""
         assert self.model_dir is not None
         self._say(f"{pool}: starting vLLM (--num-gpu-blocks-override {num_gpu_blocks}, "
-                  f"--max-num-seqs {max_num_seqs})")
+                  f"--max-num-seqs {max_num_seqs}{' ' if extra_args else ''}"
+                  f"{' '.join(extra_args)})")
         server = VllmServer(
             self.model_dir, served_model_name=MODEL_NAME, num_gpu_blocks=num_gpu_blocks,
-            max_num_seqs=max_num_seqs, enable_prefix_caching=True,
+            max_num_seqs=max_num_seqs, enable_prefix_caching=True, extra_args=extra_args,
             env={"KVSCOPE_COLLECTOR_URL": self._collector.url, "KVSCOPE_POOL": pool,
                  "KVSCOPE_FLUSH_INTERVAL_S": "0.5"},
             log_path=self.workdir / f"vllm-{pool}.log")
@@ -386,8 +409,8 @@ class AdvisorLab:
     # -- scenarios ------------------------------------------------------------------------
 
     def _level(self, server: VllmServer, engine_id: str, concurrency: int, duration_s: float,
-               warmup_s: float, seed: int, attempts: int = MAX_ATTEMPTS
-               ) -> tuple[LevelMeasure, SweepResult]:
+               warmup_s: float, seed: int, attempts: int = MAX_ATTEMPTS,
+               admit_limit: int | None = None) -> tuple[LevelMeasure, SweepResult]:
         """One load level, measured; run again (up to ``attempts`` runs) while the engine
         did not see the clients' load: a stalled front end measures nothing of the engine."""
         for attempt in range(1, attempts + 1):
@@ -396,6 +419,7 @@ class AdvisorLab:
             self._drain(server, engine_id)
             level = self._measure(engine_id, sweep.levels)[0]
             level.attempts = attempt
+            level.admit_limit = admit_limit
             if level.delivered:
                 break
             self._say(f"{concurrency} clients: the engine saw {level.load_mean:.1f} requests "
@@ -457,26 +481,37 @@ class AdvisorLab:
                     predicted_p99_e2e_s=v.predicted_p99_e2e_s_at_cap, engine_id=engine_id)
         return run
 
-    def run_engine_cap(self, uncapped: RegimeRun, cap: int | None = None) -> CapRun:
-        """Restart the regime's engine with ``--max-num-seqs cap`` (default: the advisor's
-        recommendation) and drive it at the sweep's highest concurrency."""
+    def run_engine_cap(self, uncapped: RegimeRun) -> CapRun:
+        """Restart the regime's engine with the vLLM flags of the advisor's cap
+        recommendation (``--max-num-seqs C --max-num-queued-reqs C+Q``: admission control,
+        requests beyond C+Q in flight are rejected with 503) and drive it at the sweep's
+        highest concurrency."""
         sc = uncapped.scenario
-        cap = cap if cap is not None else uncapped.verdict.recommended_concurrency_cap
-        if cap is None:
+        rec = next((r for r in uncapped.report.recommendations
+                    if r.kind == "concurrency_cap" and r.scope.engine_id == uncapped.engine_id),
+                   None)
+        if rec is None:
             raise RuntimeError(f"{sc.pool}: the advisor recommended no cap")
+        flags = [str(f) for f in rec.change.get("vllm_flags", [])]
+        values = {f.split()[0]: int(f.split()[1]) for f in flags if len(f.split()) == 2}
+        cap = values["--max-num-seqs"]
+        queued = values.get("--max-num-queued-reqs")
+        extra = () if queued is None else ("--max-num-queued-reqs", str(queued))
         pool = f"{sc.pool}-capped"
         top = uncapped.top.concurrency
-        with self.engine(pool, num_gpu_blocks=sc.num_gpu_blocks, max_num_seqs=cap) as server:
+        with self.engine(pool, num_gpu_blocks=sc.num_gpu_blocks, max_num_seqs=cap,
+                         extra_args=extra) as server:
             self._warm(server)
             engine_id = self._engine_id(pool)
-            self._say(f"{pool}: closed loop (b), {top} clients against --max-num-seqs {cap} "
+            self._say(f"{pool}: closed loop (b), {top} clients against {' '.join(flags)} "
                       f"for {self.cap_duration_s:g} s")
             level, _ = self._level(server, engine_id, top, self.cap_duration_s,
-                                   self.cap_warmup_s, self.seed + 60)
+                                   self.cap_warmup_s, self.seed + 60,
+                                   admit_limit=queued)
             return CapRun(how="engine", cap=cap, level=level,
                           peak_tokens_per_s=uncapped.peak.client_tokens_per_s,
                           uncapped=uncapped.top, startup_s=server.startup_s,
-                          engine_id=engine_id)
+                          engine_id=engine_id, flags=flags)
 
 
 def measure_level(lv: LevelResult, windows: pd.DataFrame,
@@ -577,7 +612,7 @@ def levels_table(run: RegimeRun) -> str:
 def closed_loop_table(run: RegimeRun, engine_cap: CapRun | None) -> str:
     """The uncapped sweep's peak and overload against the two ways of applying the cap."""
     v = run.verdict
-    head = (f"{'setting':<36} {'clients':>7} {'in flight':>9} {'tok/s':>7} {'of peak':>7} "
+    head = (f"{'setting':<44} {'clients':>7} {'in flight':>9} {'tok/s':>7} {'of peak':>7} "
             f"{'e2e p99 engine':>14} {'client':>8} {'preempt/s':>9} {'runs':>4}")
     lines = [f"closed loop on {run.scenario.name}: advisor cap {v.recommended_concurrency_cap} "
              f"(predicted {_num(v.predicted_throughput_fraction_at_cap, '.0%')} of its plateau, "
@@ -591,7 +626,7 @@ def closed_loop_table(run: RegimeRun, engine_cap: CapRun | None) -> str:
     def row(name: str, lv: LevelMeasure) -> str:
         eng = f"{_num(lv.engine_e2e_p99_s)}s{ratio(lv.engine_e2e_p99_s, top.engine_e2e_p99_s)}"
         cli = f"{_num(lv.e2e_p99_s)}s{ratio(lv.e2e_p99_s, top.e2e_p99_s)}"
-        return (f"{name:<36} {lv.concurrency:>7} {_num(lv.load_mean, '.1f'):>9} "
+        return (f"{name:<44} {lv.concurrency:>7} {_num(lv.load_mean, '.1f'):>9} "
                 f"{lv.client_tokens_per_s:>7,.0f} "
                 f"{lv.client_tokens_per_s / peak.client_tokens_per_s:>7.0%} "
                 f"{eng:>14} {cli:>13} {_num(lv.preemptions_per_s, '.1f'):>9} {_runs(lv):>4}")
@@ -602,7 +637,10 @@ def closed_loop_table(run: RegimeRun, engine_cap: CapRun | None) -> str:
         c = run.client_cap
         lines.append(row(f"(a) cap as client concurrency {c.cap}", c.level))
     if engine_cap is not None:
-        lines.append(row(f"(b) --max-num-seqs {engine_cap.cap}, restarted", engine_cap.level))
+        lines.append(row(f"(b) {' '.join(engine_cap.flags or [])}", engine_cap.level))
+        lines.append(f"(b): {engine_cap.level.errors} of "
+                     f"{engine_cap.level.errors + engine_cap.level.completed} requests rejected "
+                     f"with 503 by admission control ({engine_cap.rejected_share:.0%})")
     lines.append("in flight: requests at the engine (running + waiting), mean over its windows; "
                  "e2e p99: vLLM's own (engine) and the load generator's, in brackets over the "
                  "uncapped highest level's; runs: measurements made until the engine saw the "
@@ -634,7 +672,8 @@ def summary(runs: list[RegimeRun], engine_cap: CapRun | None) -> dict[str, Any]:
                 "uncapped_top_level": asdict(cap.uncapped), "p99_ratio_engine": cap.p99_ratio,
                 "p99_ratio_client": cap.client_p99_ratio,
                 "predicted_throughput_fraction": cap.predicted_throughput_fraction,
-                "predicted_p99_e2e_s": cap.predicted_p99_e2e_s, "startup_s": cap.startup_s}
+                "predicted_p99_e2e_s": cap.predicted_p99_e2e_s, "startup_s": cap.startup_s,
+                "flags": cap.flags, "rejected_share": cap.rejected_share}
     return json.loads(json.dumps(_nan_to_none(out), default=float))
 
 
@@ -692,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
             run = lab.run_regime(sc, cap_by_client=name == "kv-starved")
             runs.append(run)
             if name == "kv-starved":
-                log("== closed loop (b): the cap as --max-num-seqs on a restarted engine")
+                log("== closed loop (b): the cap's vLLM flags on a restarted engine")
                 engine_cap = lab.run_engine_cap(run)
     print(format_all(runs, engine_cap))
     print(f"\ntotal {time.monotonic() - started:.0f} s")

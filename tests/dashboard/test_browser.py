@@ -132,7 +132,7 @@ def _plateau(r: Report) -> list[str]:
 def _recommendations(r: Report) -> list[str]:
     cap = r.engine(KV_STARVED).recommended_concurrency_cap
     first = r.recommendations[0]
-    return [f"1. {first.summary}", f"--max-num-seqs {cap} --max-num-queued-reqs 2",
+    return [f"1. {first.summary}", f"--max-num-seqs {cap} --max-num-queued-reqs {cap + -(-cap // 4)}",
             f"limit_conn vllm_conn {cap};", f"maxConcurrency: {cap}",
             f"{len(r.recommendations)}. {r.recommendations[-1].summary}"]
 

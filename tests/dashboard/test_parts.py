@@ -186,7 +186,7 @@ def test_values_read_like_the_terminal_view(key: str, v: object, text: str) -> N
 
 def test_every_part_of_a_change_becomes_a_block_to_copy() -> None:
     change = {"concurrency_cap": 8,
-              "vllm_flags": ["--max-num-seqs 8", "--max-num-queued-reqs 2"],
+              "vllm_flags": ["--max-num-seqs 8", "--max-num-queued-reqs 10"],
               "gateway": {"nginx": "limit_conn vllm_conn 8;", "gateway_api_maxConcurrency": 8,
                           "nginx_upstream": "upstream p { server a:1 max_conns=8; }"},
               "per_engine_caps": {"a:1:0": 8, "b:1:0": 6},
@@ -194,7 +194,7 @@ def test_every_part_of_a_change_becomes_a_block_to_copy() -> None:
               "something_new": {"k": 1}}
     blocks = change_blocks(change)
     assert blocks == [
-        ("vLLM flags", "--max-num-seqs 8 --max-num-queued-reqs 2", "bash"),
+        ("vLLM flags", "--max-num-seqs 8 --max-num-queued-reqs 10", "bash"),
         ("nginx", "limit_conn vllm_conn 8;", "nginx"),
         ("Gateway API / llm-d", "maxConcurrency: 8", "yaml"),
         ("nginx upstream", "upstream p { server a:1 max_conns=8; }", "nginx"),

@@ -111,7 +111,7 @@ def test_recommendations_ranked_by_expected_gain(session: Session) -> None:
     html = session.via_collector.html
     heads = re.findall(r'<div class="head">(.*?)</div>', html)
     assert heads[: len(recs)] == [_escaped(r["summary"]) for r in recs]
-    assert "--max-num-seqs 8 --max-num-queued-reqs 2" in html  # the change to copy
+    assert "--max-num-seqs 8 --max-num-queued-reqs 10" in html  # the change to copy
 
 
 def _escaped(text: str) -> str:
