@@ -26,6 +26,7 @@ from advisor.findings import (
 from advisor.latency import LatencyVsLoad
 from advisor.prefill import PrefillCost
 from advisor.prefix import KV_EVENT_COLUMNS, PrefixRouting
+from advisor.prometheus import PrometheusSource, analyze_prometheus
 from advisor.sources import CollectorSource, FrameSource, Source, SourceError
 from advisor.steptime import StepTimeModel
 
@@ -46,6 +47,7 @@ __all__ = [
     "PoolVerdict",
     "PrefillCost",
     "PrefixRouting",
+    "PrometheusSource",
     "Recommendation",
     "Report",
     "SchemaVersionError",
@@ -57,5 +59,6 @@ __all__ = [
     "WhatIf",
     "analyze",
     "analyze_frames",
+    "analyze_prometheus",
     "replica_whatif",
 ]

@@ -65,6 +65,14 @@ def collector_settings(args: argparse.Namespace) -> Any:
 
 def _cmd_advise(args: argparse.Namespace) -> int:
     _require("advise", "collector", also=("rich",))
+    if args.prometheus:
+        from collector.prom_advise import run
+
+        return run(args)
+    if not args.collector:
+        print("kvscope advise: give --collector URL (or set KVSCOPE_COLLECTOR_URL) or "
+              "--prometheus URL", file=sys.stderr)
+        return 2
     import time
 
     from rich.console import Console
@@ -277,7 +285,7 @@ def _add_advise(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     env_url = os.environ.get("KVSCOPE_COLLECTOR_URL")
-    p.add_argument("--collector", metavar="URL", default=env_url, required=env_url is None,
+    p.add_argument("--collector", metavar="URL", default=env_url,
                    help="base URL of the kvscope collector (default: $KVSCOPE_COLLECTOR_URL)")
     p.add_argument("--token", default=os.environ.get("KVSCOPE_TOKEN"),
                    help="the collector's bearer token (default: $KVSCOPE_TOKEN)")
@@ -304,6 +312,9 @@ def _add_advise(sub: argparse._SubParsersAction) -> None:
                    help="also write the JSON report to FILE")
     p.add_argument("--timeout", type=_positive, default=30.0, metavar="S",
                    help="seconds per HTTP request to the collector (default: 30)")
+    from collector.prom_advise import add_arguments
+
+    add_arguments(p)
     p.set_defaults(func=_cmd_advise)
 
 

@@ -67,3 +67,10 @@ ensure_debian() {
 ensure_chromium() {
   ensure_debian chromium chromium
 }
+
+# ensure_victoria_metrics: a second PromQL backend for the Prometheus-source tests
+# (Debian's single-node VictoriaMetrics and its tools, about 85 MB; the tests start
+# their own server).
+ensure_victoria_metrics() {
+  ensure_debian victoria-metrics victoria-metrics
+}

@@ -1,0 +1,121 @@
+"""``kvscope advise --prometheus URL``: the advisor over vLLM's own series in Prometheus.
+
+The arguments are those of ``kvscope advise`` (see :mod:`collector.cli`) plus
+``--prometheus``, ``--selector``, ``--pool-label`` and ``--step``; the output is the
+same report (text, ``--json``, ``--out``), with the ``scrape_resolution`` finding and
+confidences scaled to the resolution (:mod:`advisor.prometheus`).
+
+Exit codes: 0 verdicts; 2 bad arguments, Prometheus unreachable or refusing the query
+(its own error message is shown); 3 no vLLM series matched, or none in the window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The Prometheus options of ``kvscope advise``."""
+    p.add_argument("--prometheus", metavar="URL", default=None,
+                   help="read vLLM's own /metrics series from this Prometheus-compatible "
+                        "server (Prometheus, Thanos, Mimir, VictoriaMetrics) instead of a "
+                        "collector: nothing to install in the engines")
+    p.add_argument("--selector", default=None, metavar="'{...}'",
+                   help='with --prometheus: label matchers added to every query, e.g. '
+                        '\'{namespace="prod"}\'')
+    p.add_argument("--pool-label", default=None, metavar="LABEL",
+                   help="with --prometheus: the label that groups replicas into pools "
+                        "(default: model_name; kvscope's own series use pool)")
+    p.add_argument("--step", type=float, default=None, metavar="S",
+                   help="with --prometheus: window length in seconds (default: the scrape "
+                        "interval)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from advisor._promql import PromQLError
+    from advisor.prometheus import PrometheusSource, analyze_prometheus
+    from advisor.render import render_report, window_text
+    from advisor.sources import SourceError
+    from collector._params import ParamError, parse_time
+
+    def fail(message: str, code: int) -> int:
+        print(f"kvscope advise: {message}", file=sys.stderr)
+        return code
+
+    url = args.prometheus if "://" in args.prometheus else f"http://{args.prometheus}"
+    url = url.rstrip("/")
+    now = time.time()
+    try:
+        since = parse_time("--since", args.since, now) if args.since else None
+        until = parse_time("--until", args.until, now) if args.until else None
+    except ParamError as exc:
+        return fail(str(exc), 2)
+    if since is not None and since >= now:
+        return fail(f"--since {args.since} lies in the future; use a duration such as 30m", 2)
+    if since is not None and until is not None and until <= since:
+        return fail(f"--until ({args.until}) must be after --since ({args.since})", 2)
+    if args.step is not None and args.step < 1:
+        return fail("--step must be at least 1 (seconds)", 2)
+    try:
+        source = PrometheusSource(url, selector=args.selector, pool_label=args.pool_label,
+                                  step=args.step, timeout_s=args.timeout,
+                                  lookback_s=max(7 * 86400.0, now - (since or now)))
+    except PromQLError as exc:
+        return fail(f"--selector: {exc}", 2)
+    try:
+        report = analyze_prometheus(source, since, until, args.pool,
+                                    slo_ttft_p99_s=args.slo_ttft_p99,
+                                    slo_e2e_p99_s=args.slo_e2e_p99,
+                                    cap_fraction=args.cap_fraction,
+                                    min_routing_loss=args.min_routing_loss,
+                                    imbalance_threshold=args.imbalance_threshold)
+    except SourceError as exc:
+        if exc.status is None:
+            return fail(f"cannot reach Prometheus at {url} ({exc.reason}): check the base URL "
+                        "(e.g. http://prometheus:9090, no /api path)", 2)
+        return fail(str(exc), 2)
+    if args.out:
+        try:
+            with open(args.out, "w", encoding="utf-8") as f:
+                f.write(report.to_json(indent=2) + "\n")
+        except OSError as exc:
+            return fail(f"cannot write --out {args.out}: {exc}", 2)
+    window = window_text(since, until, args.since, args.until)
+    if args.json:
+        sys.stdout.write(report.to_json(indent=2) + "\n")
+    elif report.has_data:
+        render_report(report, Console(highlight=False), source=f"Prometheus {url}",
+                      window=window)
+    if not report.has_data:
+        return fail(no_data_message(source, report, url, window), 3)
+    return 0
+
+
+def no_data_message(source: object, report: object, url: str, window: str) -> str:
+    """Why a Prometheus-backed report is empty: no series at all, or none in the window."""
+    from advisor.findings import Report
+    from advisor.prometheus import PrometheusSource
+
+    assert isinstance(source, PrometheusSource) and isinstance(report, Report)
+    f = source.last_fetch
+    sel = f" matching {source.selector}" if source.selector else ""
+    if f is None or not (f.vllm or f.kvscope):
+        tried = " or ".join(source.names_tried())
+        return (f"no vLLM series{sel} at {url} in the window {window}: tried {tried} "
+                "(and every older name of them); check --selector, --since and that "
+                "Prometheus scrapes vLLM's /metrics")
+    pools = report.coverage.get("pools") or []
+    pool = report.parameters.get("pool")
+    if pool is not None and pools:
+        return f"no engines in pool {pool!r} at {url}; pools known: {', '.join(pools)}"
+    latest = report.coverage.get("latest_step_unix_s")
+    when = (f"; the newest sample is from {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(latest))}"
+            if isinstance(latest, float) and math.isfinite(latest) else "")
+    return f"vLLM series{sel} exist at {url} but hold no data in the window {window}{when}"

@@ -1,0 +1,143 @@
+"""Real PromQL backends for the tests: Prometheus and VictoriaMetrics (Debian packages),
+each in a child process with a temporary config, data directory and free port.
+
+Used by ``tests/prometheus`` and ``tests/integration/test_prometheus_source.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from collector.process import free_port
+
+PROMETHEUS = "/usr/bin/prometheus"
+VICTORIA_METRICS = "/usr/bin/victoria-metrics"
+
+
+def require(path: str, package: str) -> str:
+    """The binary's path, or a test failure naming the Debian package (scripts/test
+    installs both)."""
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"{path} is missing: install the Debian package {package!r} "
+                    "(scripts/test does it)")
+    return path
+
+
+def _dur(seconds: float) -> str:
+    return f"{round(seconds * 1000)}ms"
+
+
+class Backend:
+    """A PromQL server in a child process scraping ``targets`` every ``scrape_interval_s``."""
+
+    name = "backend"
+
+    def __init__(self, workdir: Path, targets: list[str], *, scrape_interval_s: float = 1.0,
+                 metrics_path: str = "/metrics", job: str = "vllm",
+                 extra_labels: dict[str, str] | None = None, fresh: bool = True) -> None:
+        self.workdir = workdir / self.name
+        if fresh:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = self.workdir / "server.log"
+        sc: dict[str, Any] = {"targets": targets}
+        if extra_labels:
+            sc["labels"] = dict(extra_labels)
+        self.config = {
+            "global": {"scrape_interval": _dur(scrape_interval_s),
+                       "scrape_timeout": _dur(min(scrape_interval_s, 10))},
+            "scrape_configs": [{"job_name": job, "metrics_path": metrics_path,
+                                "static_configs": [sc]}],
+        }
+        self.config_path = self.workdir / "scrape.yml"
+        self.config_path.write_text(yaml.safe_dump(self.config))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    def ready_path(self) -> str:
+        return "/-/ready"
+
+    def start(self, timeout_s: float = 30.0) -> Backend:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n"
+                                   f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + self.ready_path(), timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"{self.name} not ready in {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def __enter__(self) -> Backend:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class PrometheusServer(Backend):
+    name = "prometheus"
+
+    def command(self) -> list[str]:
+        return [require(PROMETHEUS, "prometheus"), f"--config.file={self.config_path}",
+                f"--storage.tsdb.path={self.workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--storage.tsdb.retention.time=1d", "--log.level=warn"]
+
+
+class VictoriaMetricsServer(Backend):
+    """Single-node VictoriaMetrics scraping itself (``-promscrape.config``); its query
+    results are not delayed (``-search.latencyOffset=0s``) nor cached, so a test can
+    read what was just scraped."""
+
+    name = "victoria-metrics"
+
+    def command(self) -> list[str]:
+        return [require(VICTORIA_METRICS, "victoria-metrics"),
+                f"-promscrape.config={self.config_path}",
+                f"-storageDataPath={self.workdir / 'data'}",
+                f"-httpListenAddr=127.0.0.1:{self.port}",
+                "-search.latencyOffset=0s", "-search.disableCache", "-retentionPeriod=1d",
+                "-loggerLevel=WARN"]
+
+    def ready_path(self) -> str:
+        return "/health"
+
+
+BACKENDS = {"prometheus": PrometheusServer, "victoria-metrics": VictoriaMetricsServer}

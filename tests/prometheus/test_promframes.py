@@ -1,0 +1,109 @@
+"""Scrape-resolution series into frames: counter increases, histogram quantiles,
+pseudo-requests, the inferred sequence cap, the confidence factor."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from advisor._promframes import (
+    bucket_quantile,
+    confidence_factor,
+    cumulative_round,
+    footprint_tokens,
+    increases,
+    infer_max_num_seqs,
+    pseudo_requests,
+    quantiles_from_buckets,
+)
+
+INF = math.inf
+
+
+def test_increases_count_a_reset_as_the_new_value() -> None:
+    got = increases(np.array([10.0, 15.0, 15.0, 3.0, 7.0, math.nan, 9.0]))
+    assert got[:4].tolist() == [5.0, 0.0, 3.0, 4.0]
+    assert math.isnan(got[4]) and math.isnan(got[5])  # unknown across a missing point
+
+
+def test_cumulative_round_keeps_totals() -> None:
+    x = np.array([0.4, 0.4, 0.4, 2.6, math.nan, 0.2])
+    r = cumulative_round(x)
+    assert r.dtype.kind == "i" and r.sum() == 4 and (r >= 0).all()
+    assert abs(np.cumsum(r) - np.cumsum(np.nan_to_num(x))).max() <= 0.5 + 1e-9
+
+
+def test_quantiles_from_buckets_interpolate_like_histogram_quantile() -> None:
+    les = np.array([1.0, 2.0, 4.0, INF])
+    cum = np.array([0.0, 4.0, 4.0, 4.0])  # four observations in (1, 2]
+    assert quantiles_from_buckets(les, cum, 4).tolist() == [1.125, 1.375, 1.625, 1.875]
+    # Above the last finite bound: the highest finite bound, as histogram_quantile does.
+    assert quantiles_from_buckets(les, np.array([0, 0, 0, 2.0]), 2).tolist() == [4.0, 4.0]
+    # The first bucket starts at 0; fractional counts (rates x window) are fine.
+    assert quantiles_from_buckets(les, np.array([0.5, 0.5, 0.5, 0.5]), 1).tolist() == [0.5]
+    assert np.isnan(quantiles_from_buckets(les, np.zeros(4), 3)).all()
+
+
+def test_bucket_quantile_per_row() -> None:
+    les = np.array([0.5, 0.9, 1.0])
+    rows = np.array([[10.0, 10.0, 10.0], [0.0, 0.0, 10.0], [0.0, 0.0, 0.0]])
+    got = bucket_quantile(les, rows, 0.5)
+    assert got[0] == pytest.approx(0.25) and got[1] == pytest.approx(0.95)
+    assert math.isnan(got[2])
+
+
+def test_pseudo_requests_spread_each_window_over_its_histograms() -> None:
+    les = np.array([1.0, 2.0, INF])
+    e2e = np.array([[0.0, 0.0, 0.0], [1.0, 3.0, 3.0], [0.0, 2.0, 2.0]])
+    gen = np.array([[0.0, 0.0, 0.0], [0.0, 3.0, 3.0], [0.0, 0.0, 2.0]])
+    r = pseudo_requests("e", np.array([100.0, 101.0, 102.0]), np.array([0.0, 3.0, 2.0]),
+                        {"e2e": (les, e2e), "request_generation_tokens": (les, gen)},
+                        {"request_generation_tokens": np.array([math.nan, 1.5, math.nan])},
+                        scale=1.0, prompt_tokens=np.array([10.0, 20.0, 30.0]),
+                        cached_share=0.25)
+    assert len(r) == 5 and set(r["engine_id"]) == {"e"}
+    assert r["finished_unix_s"].tolist() == [101.5] * 3 + [102.5] * 2
+    first = r[r["finished_unix_s"] == 101.5]
+    assert first["e2e_s"].is_monotonic_increasing and first["e2e_s"].iloc[0] < 1.0
+    assert first["generation_tokens"].mean() == pytest.approx(1.5, abs=0.34)  # rescaled, rounded
+    assert first["prompt_tokens"].tolist() == [20.0] * 3 and first["cached_tokens"].iloc[0] == 5
+    assert r["ttft_s"].isna().all()  # no TTFT histogram given
+    assert (r["weight"] == 1.0).all()
+    half = pseudo_requests("e", np.array([100.0, 101.0, 102.0]), np.array([0.0, 3.0, 2.0]),
+                           {"e2e": (les, e2e)}, {}, scale=0.5,
+                           prompt_tokens=np.full(3, 10.0), cached_share=0.0)
+    assert len(half) in (2, 3) and (half["weight"] == 2.0).all()
+
+
+def test_footprint_matches_the_capacity_models_formula() -> None:
+    r = pd.DataFrame({"prompt_tokens": [100, 100], "generation_tokens": [100, 300],
+                      "cached_tokens": [20, 20]})
+    # weights g: (100*(80+50) + 300*(80+150)) / 400 + 16/2
+    assert footprint_tokens(r, 16) == pytest.approx((100 * 130 + 300 * 230) / 400 + 8)
+    assert math.isnan(footprint_tokens(r.iloc[0:0], 16))
+
+
+def test_infer_max_num_seqs_only_when_the_batch_was_pinned_with_kv_to_spare() -> None:
+    n = 20
+    pinned = np.full(n, 6.0)
+    assert infer_max_num_seqs(pinned, np.full(n, 4.0), np.full(n, 0.1)) == 6
+    # KV full: the batch is held by memory, not by a cap.
+    assert infer_max_num_seqs(pinned, np.full(n, 4.0), np.full(n, 0.97)) is None
+    # Nothing waited: no evidence of any cap.
+    assert infer_max_num_seqs(pinned, np.zeros(n), np.full(n, 0.1)) is None
+    # The batch wandered below its maximum while requests waited.
+    wander = np.where(np.arange(n) % 2 == 0, 6.0, 3.0)
+    assert infer_max_num_seqs(wander, np.full(n, 4.0), np.full(n, 0.1)) is None
+
+
+def test_confidence_factor_falls_with_resolution() -> None:
+    assert confidence_factor(1, per_step_means=True) == 1.0
+    assert confidence_factor(2, per_step_means=True) == 1.0  # the shortest kvscope window
+    assert confidence_factor(8, per_step_means=True) == 0.5
+    assert confidence_factor(1, per_step_means=False) == 0.9
+    assert confidence_factor(4, per_step_means=False) == 0.45
+    assert confidence_factor(15, per_step_means=False) == pytest.approx(0.305, abs=2e-3)
+    assert confidence_factor(86400, per_step_means=False) == 0.2
