@@ -398,6 +398,12 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     sub.choices["report"].set_defaults(func=_cmd_report)
 
 
+def _add_lint(sub: argparse._SubParsersAction) -> None:
+    from collector.lint import add_parser
+
+    add_parser(sub)
+
+
 def _add_dashboard(sub: argparse._SubParsersAction) -> None:
     from dashboard.cli import add_parser
 
@@ -417,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     adders: Sequence[Callable[[argparse._SubParsersAction], None]] = (
         _add_demo, _add_collector, _add_advise, _add_report, _add_dashboard, _add_sweep,
-        _add_record,
+        _add_record, _add_lint,
     )
     for add in adders:
         add(sub)
