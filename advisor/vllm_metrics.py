@@ -121,11 +121,11 @@ CHANGES: tuple[MetricChange, ...] = (
     MetricChange("vllm:model_execute_time_milliseconds", "", HISTOGRAM, "0.8 (V0)",
                  "with the V0 engine", "use the request phase histograms",
                  "vllm:request_inference_time_seconds"),
-    MetricChange("vllm:avg_prompt_throughput_toks_per_s", "", GAUGE, "0.4 (V0)",
-                 "early 2025 (vLLM PR #12383)", "a gauge averaged inside vLLM",
+    MetricChange("vllm:avg_prompt_throughput_toks_per_s", "", GAUGE, "early 2024 (PR #2764)",
+                 "early 2025 (PR #12383)", "a gauge averaged inside vLLM",
                  "rate(vllm:prompt_tokens_total[1m])"),
-    MetricChange("vllm:avg_generation_throughput_toks_per_s", "", GAUGE, "0.4 (V0)",
-                 "early 2025 (vLLM PR #12383)", "a gauge averaged inside vLLM",
+    MetricChange("vllm:avg_generation_throughput_toks_per_s", "", GAUGE, "early 2024 (PR #2764)",
+                 "early 2025 (PR #12383)", "a gauge averaged inside vLLM",
                  "rate(vllm:generation_tokens_total[1m])"),
 )
 
