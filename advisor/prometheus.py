@@ -72,77 +72,23 @@ never bound reads as no cap; ``max_num_batched_tokens`` is unknown (no
 
 from __future__ import annotations
 
-import itertools
 import math
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from advisor._promapi import PromClient
-from advisor._promframes import (
-    HISTOGRAM_COLUMNS,
-    bucket_quantile,
-    confidence_factor,
-    footprint_tokens,
-    increases,
-    infer_max_num_seqs,
-    pseudo_requests,
-)
+from advisor._promframes import confidence_factor
 from advisor._promql import matchers_of_selector, with_matchers
+from advisor._promread import KV_PREFIX, KV_PROBE, Fetch, Reader, num
 from advisor.analyze import analyze
 from advisor.findings import Finding, Report, Scope
 from advisor.sources import SourceError
 from advisor.vllm_metrics import HISTOGRAM, ROLES, wire_names
 
 __all__ = ["PrometheusSource", "analyze_prometheus", "annotate_report"]
-
-_VLLM_KEYS = ("instance", "pod", "engine")
-_KV = "kvscope_engine_"
-_KV_PROBE = "kvscope_engine_steps_total"
-KVSCOPE_SMOOTH_STEPS = 2
-"""Windows a kvscope counter increase is averaged over at short steps (see _read_kvscope)."""
-_INT_CFG = ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-            "max_model_len", "tensor_parallel_size", "pipeline_parallel_size",
-            "data_parallel_size")
-
-
-def _num(v: Any) -> float:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return math.nan
-    return f if math.isfinite(f) else math.nan
-
-
-def _bool(v: Any) -> bool | None:
-    s = str(v).strip().lower()
-    return True if s == "true" else False if s == "false" else None
-
-
-@dataclass
-class _Fetch:
-    """Everything read for one time range."""
-
-    since: float
-    until: float
-    names: set[str]
-    vllm: dict[str, list[str]] = field(default_factory=dict)
-    kvscope: bool = False
-    step_s: int = 0
-    kv_step_s: int = 0
-    scrape_s: float = math.nan
-    fine: bool = True
-    windows: pd.DataFrame = field(default_factory=pd.DataFrame)
-    requests: pd.DataFrame = field(default_factory=pd.DataFrame)
-    engines: dict[str, dict[str, Any]] = field(default_factory=dict)
-    request_scale: float = 1.0
-    inferred: dict[str, int] = field(default_factory=dict)
-
 
 class PrometheusSource:
     """A :class:`~advisor.sources.Source` reading vLLM's (and kvscope's) series from a
@@ -176,19 +122,20 @@ class PrometheusSource:
         self.max_requests = max_requests
         self.clock = clock
         self.client = PromClient(self.url, timeout_s=timeout_s, headers=headers)
-        self._fetches: dict[tuple[float | None, float | None], _Fetch] = {}
-        self.last_fetch: _Fetch | None = None
+        self.reader = Reader(self.client, self.inner, pool_label, max_requests)
+        self._fetches: dict[tuple[float | None, float | None], Fetch] = {}
+        self.last_fetch: Fetch | None = None
 
     # -- what the fleet exposes --------------------------------------------------------
 
     def names_tried(self) -> list[str]:
         """The names whose presence makes an engine (for error messages)."""
         out = [] if self.series == "kvscope" else list(ROLES["running"].names)
-        return out + ([] if self.series == "vllm" else [_KV_PROBE])
+        return out + ([] if self.series == "vllm" else [KV_PROBE])
 
     def exposed_names(self, since: float, until: float) -> set[str]:
         """``vllm:*`` and ``kvscope_engine_*`` sample names stored over the range."""
-        match = with_matchers("", self.inner, f'__name__=~"vllm:.+|{_KV}.+"')
+        match = with_matchers("", self.inner, f'__name__=~"vllm:.+|{KV_PREFIX}.+"')
         try:
             return set(self.client.label_values("__name__", match, since, until))
         except SourceError as e:
@@ -208,344 +155,7 @@ class PrometheusSource:
                 out[role.key] = fams
         return out
 
-    # -- query building ----------------------------------------------------------------
-
-    def _sel(self, fams: list[str], kind: str, suffix: str = "") -> str:
-        wires = [(f + suffix) if kind == HISTOGRAM else wire_names(f, kind)[0] for f in fams]
-        if len(wires) == 1:
-            return with_matchers(wires[0], self.inner)
-        alt = "|".join(w.replace(".", "\\\\.") for w in wires)
-        return with_matchers("", self.inner, f'__name__=~"{alt}"')
-
-    @staticmethod
-    def _dur(seconds: float) -> str:
-        return f"{max(1, round(seconds * 1000))}ms"
-
-    def _gauge(self, sel: str, by: str, f: _Fetch, agg: str = "avg") -> str:
-        """A gauge per window: the scraped value, or its ``agg`` over the window."""
-        if f.fine:
-            return f"max by ({by}) ({sel})"
-        return f"max by ({by}) ({agg}_over_time({sel}[{self._dur(f.step_s)}]))"
-
-    @staticmethod
-    def _raw(sel: str, by: str) -> str:
-        """A counter's latest value at each grid point (differenced here, see _counters)."""
-        return f"max by ({by}) ({sel})"
-
-    # -- reading -----------------------------------------------------------------------
-
-    def _scrape_interval(self, probe: str, since: float, until: float) -> float:
-        """Median gap between raw samples of ``probe`` (at the end of the range, else its
-        start); 15 s when no series has two samples there."""
-        span = min(600.0, max(1.0, until - since))
-        for at in (until, min(until, since + span)):
-            gaps: list[float] = []
-            for _, pts in self.client.raw_samples(f"{probe}[{self._dur(span)}]", at):
-                ts = [t for t, _ in pts]
-                gaps.extend(b - a for a, b in itertools.pairwise(ts) if b > a)
-            if gaps:
-                return float(statistics.median(gaps))
-        return 15.0
-
-    def _grid(self, f: _Fetch) -> np.ndarray:
-        """Window end times ``t_k``; window ``k`` covers ``(t_k - step, t_k]``."""
-        step = f.step_s
-        first = math.ceil(f.since / step) * step + step
-        last = math.floor(f.until / step) * step
-        return np.arange(first, last + step, step, dtype=float) if last >= first else \
-            np.zeros(0)
-
-    def _on_grid(self, expr: str, grid: np.ndarray, f: _Fetch, lead: int = 1
-                 ) -> list[tuple[dict[str, str], np.ndarray]]:
-        """Each series of ``expr`` at ``lead`` points before the grid and on it (NaN where
-        the backend has no value): the points before the first window are for differences."""
-        if not len(grid):
-            return []
-        t0 = float(grid[0]) - lead * f.step_s
-        n = len(grid) + lead
-        out = []
-        for labels, pts in self.client.query_range(expr, t0, float(grid[-1]), f.step_s):
-            arr = np.full(n, math.nan)
-            for t, v in pts:
-                k = round((t - t0) / f.step_s)
-                if 0 <= k < n:
-                    arr[k] = v
-            out.append((labels, arr))
-        return out
-
-    @staticmethod
-    def _smoothed(arr: np.ndarray, intervals: int) -> np.ndarray:
-        """Increases per window, averaged over the last ``intervals`` grid intervals (NaN
-        ones left out); ``arr`` has ``intervals`` leading points."""
-        d = increases(arr)
-        if intervals == 1:
-            return d
-        stack = np.stack([d[i:len(d) - intervals + 1 + i] for i in range(intervals)])
-        ok = np.isfinite(stack)
-        n = ok.sum(axis=0)
-        total = np.where(ok, stack, 0.0).sum(axis=0)
-        return np.where(n > 0, total / np.maximum(n, 1), math.nan)
-
-    def _engine_id(self, labels: dict[str, str], kind: str) -> str:
-        if kind == "kvscope":
-            return labels.get("engine", "")
-        where = labels.get("instance") or labels.get("pod") or labels.get("job") or "?"
-        return f"{where}:{labels.get('engine') or '0'}"
-
-    def _pool(self, labels: dict[str, str], kind: str) -> str:
-        label = self.pool_label or ("pool" if kind == "kvscope" else "model_name")
-        return labels.get(label) or labels.get("job") or "default"
-
-    def _columns(self, gauges: dict[str, str], counters: dict[str, str], grid: np.ndarray,
-                 f: _Fetch, kind: str, ids: dict[str, dict[str, str]], smooth: int = 1
-                 ) -> dict[str, dict[str, np.ndarray]]:
-        """Per engine, per column, one value per window: gauges as read, counters as their
-        increase over the window (reset-aware, see :func:`~advisor._promframes.increases`;
-        averaged over ``smooth`` windows)."""
-        out: dict[str, dict[str, np.ndarray]] = {}
-        for col, expr in (*gauges.items(), *counters.items()):
-            for labels, arr in self._on_grid(expr, grid, f, lead=smooth):
-                eid = self._engine_id(labels, kind)
-                ids.setdefault(eid, labels)
-                out.setdefault(eid, {})[col] = (self._smoothed(arr, smooth) if col in counters
-                                                else arr[smooth:])
-        return out
-
-    def _buckets(self, sel: str, by: str, grid: np.ndarray, f: _Fetch, kind: str = "vllm",
-                 smooth: int = 1) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Per engine: bucket bounds and per-window cumulative counts (windows x buckets)."""
-        per: dict[str, dict[float, np.ndarray]] = {}
-        for labels, arr in self._on_grid(self._raw(sel, f"{by}, le"), grid, f, lead=smooth):
-            le = _num(labels.get("le", "nan").replace("+Inf", "inf"))
-            if not math.isnan(le):
-                per.setdefault(self._engine_id(labels, kind), {})[le] = \
-                    self._smoothed(arr, smooth)
-        out = {}
-        for eid, by_le in per.items():
-            les = np.array(sorted(by_le))
-            out[eid] = (les, np.stack([by_le[x] for x in les], axis=1))
-        return out
-
-    def _read_vllm(self, f: _Fetch, grid: np.ndarray) -> None:
-        roles = f.vllm
-        keys = [*_VLLM_KEYS, "model_name"]
-        if self.pool_label and self.pool_label not in keys:
-            keys.append(self.pool_label)
-        by = ", ".join(keys)
-
-        def sel(role: str, suffix: str = "") -> str:
-            return self._sel(roles[role], ROLES[role].kind, suffix)
-
-        gauges = {"snapshot": self._gauge(sel("running"), by, f),
-                  "batch_max": self._gauge(sel("running"), by, f, "max")}
-        if "waiting" in roles:
-            gauges["waiting_mean"] = self._gauge(sel("waiting"), by, f)
-        if "kv_usage" in roles:
-            gauges["kv_usage_sampled"] = self._gauge(sel("kv_usage"), by, f)
-            gauges["kv_usage_max"] = self._gauge(sel("kv_usage"), by, f, "max")
-        counters: dict[str, str] = {col: self._raw(sel(col), by) for col in (
-            "preemptions", "prompt_tokens", "generation_tokens", "prefix_queries",
-            "prefix_hits") if col in roles}
-        if "iterations" in roles:
-            counters["n_steps"] = self._raw(sel("iterations", "_count"), by)
-        for role in ("request_prompt_tokens", "request_generation_tokens"):
-            if role in roles:
-                counters[f"{role}:sum"] = self._raw(sel(role, "_sum"), by)
-                counters[f"{role}:count"] = self._raw(sel(role, "_count"), by)
-        ids: dict[str, dict[str, str]] = {}
-        cols = self._columns(gauges, counters, grid, f, "vllm", ids)
-        hists = {role: self._buckets(sel(role, "_bucket"), by, grid, f)
-                 for role in set(HISTOGRAM_COLUMNS.values()) if role in roles}
-        configs = self._vllm_configs(f.since, f.until)
-        totals = {eid: np.nansum(h[1][:, -1]) for eid, h in hists.get("e2e", {}).items()}
-        f.request_scale = min(1.0, self.max_requests / max(1.0, sum(totals.values())))
-        frames, reqs = [], []
-        for eid, c in cols.items():
-            if "snapshot" not in c:
-                continue
-            cfg = self._identity(ids[eid], "vllm")
-            cfg.update(configs.get(self._config_key(ids[eid]), {}))
-            r = (self._requests(eid, c, hists, grid, f) if eid in hists.get("e2e", {})
-                 else pd.DataFrame())
-            w = self._vllm_windows(c, grid, f, cfg, r)
-            if not len(w):
-                continue
-            w.insert(0, "engine_id", eid)
-            frames.append(w)
-            if len(r):
-                reqs.append(r)
-            m = infer_max_num_seqs(c["batch_max"], c.get("waiting_mean", np.zeros(len(grid))),
-                                   w.set_index("ts_s")["kv_usage_mean"].reindex(
-                                       (grid - f.step_s).astype("int64")).to_numpy(float))
-            if m is not None:
-                cfg["max_num_seqs"] = m
-                f.inferred[eid] = m
-            cfg["last_step_unix_s"] = float(w["ts_s"].max() + f.step_s)
-            f.engines[eid] = cfg
-        if frames:
-            f.windows = pd.concat([f.windows, *frames], ignore_index=True)
-        if reqs:
-            f.requests = pd.concat([f.requests, *reqs], ignore_index=True)
-
-    @staticmethod
-    def _vllm_windows(c: dict[str, np.ndarray], grid: np.ndarray, f: _Fetch,
-                      cfg: dict[str, Any], requests: pd.DataFrame) -> pd.DataFrame:
-        n, step = len(grid), f.step_s
-        nan = np.full(n, math.nan)
-        snap = c["snapshot"]
-        rate = {k: c[k] / step if k in c else nan for k in (
-            "n_steps", "preemptions", "prompt_tokens", "generation_tokens", "prefix_queries",
-            "prefix_hits")}
-        gen, steps = rate["generation_tokens"], rate["n_steps"]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            if "n_steps" not in c:  # no iteration histogram: one token per sequence per step
-                steps = gen / np.where(snap > 0, snap, math.nan)
-                batch = snap
-            else:  # tokens per step: the batch averaged over every step, not one snapshot
-                batch = np.where((steps >= 1) & np.isfinite(gen),
-                                 gen / np.where(steps >= 1, steps, 1.0), snap)
-            kv_tokens = _num(cfg.get("num_gpu_blocks")) * _num(cfg.get("block_size"))
-            est = np.minimum(1.0, batch * footprint_tokens(requests, _num(cfg.get("block_size")))
-                             / kv_tokens) if len(requests) and kv_tokens > 0 else nan
-        sampled = c.get("kv_usage_sampled", nan)
-        kv = np.fmax(sampled, est)
-        w = pd.DataFrame({
-            "ts_s": (grid - step).astype("int64"),
-            "n_steps": steps, "batch_mean": batch, "batch_p50": batch,
-            "batch_p90": c["batch_max"], "batch_max": c["batch_max"],
-            "batch_sum": batch * steps,
-            "waiting_mean": c.get("waiting_mean", np.zeros(n)), "deferred_mean": np.zeros(n),
-            "kv_usage_mean": kv, "kv_usage_max": np.fmax(c.get("kv_usage_max", nan), kv),
-            "kv_usage_sampled": sampled, "kv_usage_estimated": est,
-            **{k: rate[k] for k in ("preemptions", "prompt_tokens", "generation_tokens",
-                                    "prefix_queries", "prefix_hits")},
-            "first_step_unix_s": nan, "last_step_unix_s": nan,
-        })
-        return w[np.isfinite(snap)].reset_index(drop=True)
-
-    def _requests(self, eid: str, c: dict[str, np.ndarray],
-                  hists: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]],
-                  grid: np.ndarray, f: _Fetch) -> pd.DataFrame:
-        buckets = {role: h[eid] for role, h in hists.items() if eid in h}
-        counts = buckets["e2e"][1][:, -1]
-        nan = np.full(len(grid), math.nan)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            means = {"request_generation_tokens": c.get("request_generation_tokens:sum", nan)
-                     / c.get("request_generation_tokens:count", nan)}
-            prompt = (c.get("request_prompt_tokens:sum", nan)
-                      / c.get("request_prompt_tokens:count", nan))
-        fallback = float(np.nanmean(prompt)) if np.isfinite(prompt).any() else math.nan
-        prompt = np.where(np.isfinite(prompt), prompt, fallback)
-        q = float(np.nansum(c.get("prefix_queries", np.zeros(1))))
-        hit = float(np.nansum(c.get("prefix_hits", np.zeros(1))))
-        share = min(1.0, hit / q) if q > 0 else 0.0
-        return pseudo_requests(eid, grid - f.step_s, counts, buckets, means,
-                               scale=f.request_scale, prompt_tokens=prompt, cached_share=share)
-
-    def _read_kvscope(self, f: _Fetch, grid: np.ndarray) -> None:
-        keys = ["engine", "pool", "model"]
-        if self.pool_label and self.pool_label not in keys:
-            keys.append(self.pool_label)
-        by = ", ".join(keys)
-
-        def s(name: str) -> str:
-            return with_matchers(_KV + name, self.inner)
-
-        gauges = {"waiting_mean": self._gauge(s("waiting_requests"), by, f),
-                  "deferred_mean": self._gauge(s("deferred_requests"), by, f)}
-        counters = {col: self._raw(s(name), by) for col, name in (
-            ("batch:sum", "step_batch_size_sum"), ("batch:count", "step_batch_size_count"),
-            ("kv:sum", "step_kv_usage_ratio_sum"), ("kv:count", "step_kv_usage_ratio_count"),
-            ("n_steps", "steps_total"), ("preemptions", "preemptions_total"),
-            ("prompt_tokens", "prompt_tokens_total"),
-            ("generation_tokens", "generation_tokens_total"),
-            ("prefix_queries", "prefix_cache_query_tokens_total"),
-            ("prefix_hits", "prefix_cache_hit_tokens_total"))}
-        ids: dict[str, dict[str, str]] = {}
-        # A collector's counters move once per plugin batch (about a second): at steps that
-        # short a window holds zero or two batches. Counting each window's increase as the
-        # mean over two steps takes the jitter out (at 1 s: a 2 s moving average).
-        smooth = KVSCOPE_SMOOTH_STEPS if f.step_s < 2 * KVSCOPE_SMOOTH_STEPS else 1
-        cols = self._columns(gauges, counters, grid, f, "kvscope", ids, smooth)
-        batch_b = self._buckets(s("step_batch_size_bucket"), by, grid, f, "kvscope", smooth)
-        kv_b = self._buckets(s("step_kv_usage_ratio_bucket"), by, grid, f, "kvscope", smooth)
-        infos = {lab.get("engine", ""): lab for lab in
-                 self.client.series(s("info"), f.since, f.until)}
-        frames = []
-        for eid, c in cols.items():
-            if not eid or "batch:sum" not in c:
-                continue
-            n, step = len(grid), f.step_s
-            nan = np.full(n, math.nan)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                batch = c["batch:sum"] / c["batch:count"]
-                kv = c.get("kv:sum", nan) / c.get("kv:count", nan)
-            w = pd.DataFrame({
-                "ts_s": (grid - step).astype("int64"), "batch_mean": batch, "batch_p50": batch,
-                "batch_p90": (bucket_quantile(*batch_b[eid], 0.9) if eid in batch_b else nan),
-                "batch_max": (bucket_quantile(*batch_b[eid], 1.0) if eid in batch_b else nan),
-                "kv_usage_mean": kv,
-                "kv_usage_max": (bucket_quantile(*kv_b[eid], 0.99) if eid in kv_b else nan),
-                "waiting_mean": c.get("waiting_mean", np.zeros(n)),
-                "deferred_mean": c.get("deferred_mean", np.zeros(n)),
-                **{k: c.get(k, nan) / step for k in (
-                    "n_steps", "preemptions", "prompt_tokens", "generation_tokens",
-                    "prefix_queries", "prefix_hits")},
-                "first_step_unix_s": nan, "last_step_unix_s": nan})
-            w["batch_sum"] = w["batch_mean"] * w["n_steps"]
-            w = w[np.isfinite(w["batch_mean"].to_numpy(float))].reset_index(drop=True)
-            if not len(w):
-                continue
-            # A vLLM engine with the same id: the per-step windows replace its gauges.
-            if len(f.windows) and eid in set(f.windows["engine_id"]):
-                f.windows = f.windows[f.windows["engine_id"] != eid]
-            w.insert(0, "engine_id", eid)
-            frames.append(w)
-            cfg = self._identity(ids[eid], "kvscope")
-            for k, v in infos.get(eid, {}).items():
-                if k in _INT_CFG or k == "gpu_memory_utilization":
-                    cfg[k] = _num(v)
-                elif k == "enable_prefix_caching":
-                    cfg[k] = _bool(v)
-                elif k in ("host", "vllm_version", "kv_cache_dtype", "kvscope_version"):
-                    cfg[k] = v or None
-            cfg["last_step_unix_s"] = float(w["ts_s"].max() + f.step_s)
-            f.engines[eid] = {**f.engines.get(eid, {}), **cfg}
-        if frames:
-            f.windows = pd.concat([f.windows, *frames], ignore_index=True)
-
-    def _identity(self, labels: dict[str, str], kind: str) -> dict[str, Any]:
-        eid = self._engine_id(labels, kind)
-        inst = labels.get("instance", "")
-        host, _, port = inst.rpartition(":") if ":" in inst else (inst, "", "")
-        return {"engine_id": eid, "pool": self._pool(labels, kind),
-                "model": labels.get("model_name" if kind == "vllm" else "model") or None,
-                "host": host or labels.get("pod") or None,
-                "port": int(port) if port.isdigit() else None,
-                "engine_index": int(labels["engine"]) if kind == "vllm"
-                and labels.get("engine", "").isdigit() else None,
-                "instance": inst or None, "job": labels.get("job") or None,
-                "series": "kvscope" if kind == "kvscope" else "vllm"}
-
-    @staticmethod
-    def _config_key(labels: dict[str, str]) -> tuple[str, ...]:
-        return tuple(labels.get(k, "") for k in _VLLM_KEYS)
-
-    def _vllm_configs(self, since: float, until: float) -> dict[tuple[str, ...], dict[str, Any]]:
-        """``vllm:cache_config_info`` labels per (instance, pod, engine)."""
-        out: dict[tuple[str, ...], dict[str, Any]] = {}
-        match = with_matchers("vllm:cache_config_info", self.inner)
-        for lab in self.client.series(match, since, until):
-            out[self._config_key(lab)] = {
-                "num_gpu_blocks": _num(lab.get("num_gpu_blocks")),
-                "block_size": _num(lab.get("block_size")),
-                "enable_prefix_caching": _bool(lab.get("enable_prefix_caching")),
-                "kv_cache_dtype": lab.get("cache_dtype") or None,
-                "gpu_memory_utilization": _num(lab.get("gpu_memory_utilization")),
-            }
-        return out
-
-    def prefetch(self, since: float | None = None, until: float | None = None) -> _Fetch:
+    def prefetch(self, since: float | None = None, until: float | None = None) -> Fetch:
         """Read everything for the range once (later calls with it are served from memory)."""
         key = (since, until)
         if key in self._fetches:
@@ -559,24 +169,24 @@ class PrometheusSource:
                 self._fetches[key] = self.last_fetch = f
                 return f
         names = self.exposed_names(since, until)
-        f = _Fetch(since=since, until=until, names=names)
+        f = Fetch(since=since, until=until, names=names)
         if self.series != "kvscope":
             f.vllm = self._roles(names)
             if "running" not in f.vllm:
                 f.vllm = {}
-        f.kvscope = self.series != "vllm" and _KV_PROBE in names
+        f.kvscope = self.series != "vllm" and KV_PROBE in names
         if f.vllm or f.kvscope:
-            probe = (self._sel(f.vllm["running"], ROLES["running"].kind) if f.vllm
-                     else with_matchers(_KV_PROBE, self.inner))
-            f.scrape_s = self._scrape_interval(probe, since, until)
+            probe = (self.reader.sel(f.vllm["running"], ROLES["running"].kind) if f.vllm
+                     else with_matchers(KV_PROBE, self.inner))
+            f.scrape_s = self.reader.scrape_interval(probe, since, until)
             f.step_s = max(math.ceil(self.step or 1), max(1, round(f.scrape_s)),
                            math.ceil((until - since) / max(1, self.max_windows)))
             f.fine = f.step_s < 1.5 * f.scrape_s
             if f.vllm:
-                self._read_vllm(f, self._grid(f))
+                self.reader.read_vllm(f, self.reader.grid(f))
             if f.kvscope:
                 f.kv_step_s = f.step_s
-                self._read_kvscope(f, self._grid(f))
+                self.reader.read_kvscope(f, self.reader.grid(f))
         self._fetches[key] = self.last_fetch = f
         return f
 
@@ -590,13 +200,13 @@ class PrometheusSource:
             for fam in ROLES["running"].names:
                 for lab in self.client.series(with_matchers(fam, self.inner), since, until):
                     if configs is None:
-                        configs = self._vllm_configs(since, until)
-                    cfg = self._identity(lab, "vllm")
-                    cfg.update(configs.get(self._config_key(lab), {}))
+                        configs = self.reader.vllm_configs(since, until)
+                    cfg = self.reader.identity(lab, "vllm")
+                    cfg.update(configs.get(self.reader.config_key(lab), {}))
                     rows.setdefault(cfg["engine_id"], cfg)
         if self.series != "vllm":
-            for lab in self.client.series(with_matchers(_KV_PROBE, self.inner), since, until):
-                cfg = self._identity(lab, "kvscope")
+            for lab in self.client.series(with_matchers(KV_PROBE, self.inner), since, until):
+                cfg = self.reader.identity(lab, "kvscope")
                 if cfg["engine_id"]:
                     rows[cfg["engine_id"]] = cfg
         return rows
@@ -612,7 +222,7 @@ class PrometheusSource:
         for f in self._fetches.values():
             for eid, cfg in f.engines.items():
                 old = rows.get(eid, {})
-                last = max(_num(old.get("last_step_unix_s")), _num(cfg.get("last_step_unix_s")))
+                last = max(num(old.get("last_step_unix_s")), num(cfg.get("last_step_unix_s")))
                 rows[eid] = {**old, **cfg, "last_step_unix_s": last}
         return pd.DataFrame(list(rows.values()))
 
