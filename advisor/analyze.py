@@ -171,8 +171,11 @@ def _engine(report: Report, cfg: dict[str, Any], w: pd.DataFrame, r: pd.DataFram
             verdict.recommended_concurrency_cap = cap.cap_
             verdict.predicted_throughput_fraction_at_cap = cap.throughput_fraction_
             verdict.predicted_p99_e2e_s_at_cap = cap.p99_e2e_s_at_cap_
+            kv_fit = (kv.kv_batch_ if kv is not None and bn.label_ == "kv_cache_bound"
+                      else None)
             report.recommendations.append(cap.recommendation(
-                scope, cfg, {"bottleneck": bn.verdict_, "knee_concurrency": curve.knee_load_}))
+                scope, cfg, {"bottleneck": bn.verdict_, "knee_concurrency": curve.knee_load_},
+                kv_fit_sequences=kv_fit))
 
     if kv is not None:
         report.recommendations.extend(_config_recommendations(scope, bn, kv, steps, cfg))

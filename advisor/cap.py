@@ -19,8 +19,9 @@ Algorithm
    the P99 latencies the engine showed at that load, against the P99 at the highest
    load seen (what an uncapped overload gives).
 
-Rendering: the cap ``C`` becomes vLLM ``--max-num-seqs min(C, current)`` and
-``--max-num-queued-reqs C + Q``, where ``Q = ceil(queue_share x C)`` is a short queue:
+Rendering: the cap ``C`` becomes vLLM ``--max-num-seqs min(C, current)`` (for a
+KV-bound engine also at most the sequences its KV cache holds, so that admitted
+requests wait rather than being preempted) and ``--max-num-queued-reqs C + Q``, where ``Q = ceil(queue_share x C)`` is a short queue:
 vLLM's admission limit counts every unfinished request (running and waiting) in the
 API server and rejects the rest with 503 at once, for the gateway or client to retry
 on another replica, instead of letting them queue. Also a gateway cap (nginx
@@ -108,18 +109,24 @@ class ConcurrencyCap:
                 f"{slo}{bad}; requests beyond the cap wait at the gateway or are rejected")
 
     def recommendation(self, scope: Scope, config: dict[str, Any],
-                       evidence: dict[str, Any] | None = None) -> Recommendation:
+                       evidence: dict[str, Any] | None = None, *,
+                       kv_fit_sequences: float | None = None) -> Recommendation:
+        """``kv_fit_sequences``: for a KV-bound engine, the sequences its KV cache holds
+        (the capacity model's KV-bound batch); ``--max-num-seqs`` is kept at or below it
+        so admitted requests wait in vLLM's queue instead of being preempted."""
         c = self.cap_
         try:
             current = int(config.get("max_num_seqs") or 0)
         except (TypeError, ValueError):
             current = 0
         seqs = min(c, current) if current > 0 else c
+        if kv_fit_sequences is not None and math.isfinite(kv_fit_sequences):
+            seqs = max(1, min(seqs, math.floor(kv_fit_sequences)))
         queue = max(1, math.ceil(self.queue_share * c))
         change = {
             "concurrency_cap": c,
             # vLLM's admission limit counts running and waiting requests together.
-            "vllm_flags": [f"--max-num-seqs {seqs}", f"--max-num-queued-reqs {seqs + queue}"],
+            "vllm_flags": [f"--max-num-seqs {seqs}", f"--max-num-queued-reqs {c + queue}"],
             "gateway": {
                 "nginx": f"limit_conn_zone $server_name zone=vllm_conn:1m; limit_conn vllm_conn {c};",
                 "gateway_api_maxConcurrency": c,

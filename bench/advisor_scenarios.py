@@ -66,7 +66,7 @@ from collector.lab import VllmServer, build_model, default_model_dir, vllm_count
 from collector.process import CollectorProcess
 from collector.sweep import LevelResult, SweepConfig, SweepResult, run_sweep
 
-CONCURRENCY = (1, 2, 4, 8, 16, 32)
+CONCURRENCY = (1, 2, 4, 8, 12, 16, 24, 32)
 SATURATED_MARGIN = 1.5
 """Sweep levels at or beyond this multiple of the knee count as the measured plateau
 (the advisor's own saturation margin)."""

@@ -40,7 +40,7 @@ def test_verdict_comes_first_then_plot_recommendations_findings() -> None:
     assert text.index("from test, the test window") < text.index("Recommendations, ranked") \
         < text.index("Findings")
     assert f"{KNEE} knee" in text and f"{CAP} cap {v.recommended_concurrency_cap}" in text
-    assert f"--max-num-seqs {v.recommended_concurrency_cap}" in text
+    assert f"--max-num-queued-reqs {v.recommended_concurrency_cap + -(-v.recommended_concurrency_cap // 4)}" in text
 
 
 def test_pool_cap_sums_engines_with_per_replica_gateway_limits() -> None:

@@ -55,8 +55,15 @@ def test_cap_keeps_the_fraction_and_cuts_the_tail() -> None:
     # Latency ~ load / throughput (Little's law): the cap at ~12 of 32 in flight.
     assert v.predicted_p99_e2e_s_at_cap < 0.8 * v.p99_e2e_s_at_max_load
     rec = next(r for r in rep.recommendations if r.kind == "concurrency_cap")
-    assert f"--max-num-seqs {v.recommended_concurrency_cap}" in rec.change["vllm_flags"]
-    assert rec.change["gateway"]["gateway_api_maxConcurrency"] == v.recommended_concurrency_cap
+    cap = v.recommended_concurrency_cap
+    # KV-bound: vLLM runs at most the sequences the KV cache holds; the admission limit
+    # and the gateway take the cap.
+    kv = rep.findings_of("kv_capacity")[0].evidence
+    seqs = min(cap, int(kv["kv_batch"]))
+    assert seqs < cap
+    assert rec.change["vllm_flags"] == [f"--max-num-seqs {seqs}",
+                                        f"--max-num-queued-reqs {cap + -(-cap // 4)}"]
+    assert rec.change["gateway"]["gateway_api_maxConcurrency"] == cap
 
 
 def test_slo_lowers_the_cap() -> None:
