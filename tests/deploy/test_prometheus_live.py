@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from _deploy_fleet import KvPublisher, SharedPrefixTraffic, Stream, first_step_unix_s, last_sent_unix_s
+from _deploy_fleet import (
+    KvPublisher,
+    SharedPrefixTraffic,
+    Stream,
+    first_step_unix_s,
+    last_sent_unix_s,
+)
 from _prom import (
     ALERTS,
     MULTI_ENGINE_KV_EVENT_METRICS,
