@@ -46,6 +46,13 @@ class OverloadRun:
     def kvscope_totals(self) -> dict[str, float]:
         return collector_totals(self.collector)
 
+    def settled_totals(self, timeout_s: float = 30.0) -> tuple[dict[str, float], dict[str, float]]:
+        """vLLM's counters now and kvscope's stored totals, once they agree (or the
+        timeout passes). Other tests may drive more load through this session's engine,
+        so the comparison is with vLLM's counters now, not at the fixture's end."""
+        return wait_until_equal(lambda: vllm_totals(self.server.metrics_text()),
+                                lambda: collector_totals(self.collector), timeout_s=timeout_s)
+
 
 def collector_totals(collector: CollectorProcess) -> dict[str, float]:
     """Sums over every stored step and request, read through the query API.

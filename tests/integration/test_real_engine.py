@@ -42,8 +42,7 @@ def test_sweep_completed_every_level_without_errors(overload_run: OverloadRun):
 
 
 def test_stored_totals_equal_vllm_counters(overload_run: OverloadRun):
-    kvscope = overload_run.kvscope_totals()
-    vllm = overload_run.vllm_after
+    vllm, kvscope = overload_run.settled_totals()
     assert kvscope == vllm, f"kvscope {kvscope} != vLLM {vllm}"
     # The comparison is not vacuous: the run produced all of these.
     for key in ("prompt_tokens", "generation_tokens", "prefix_queries", "prefix_hits",
@@ -85,6 +84,7 @@ def test_engine_hello_carries_identity_and_configuration(overload_run: OverloadR
 
 
 def test_metrics_endpoint_passes_promtool_and_matches_vllm(overload_run: OverloadRun):
+    vllm, _ = overload_run.settled_totals()
     text = overload_run.collector.get_text("/metrics")
     check = subprocess.run(["promtool", "check", "metrics"], input=text.encode(),
                            capture_output=True, timeout=60)
@@ -98,7 +98,6 @@ def test_metrics_endpoint_passes_promtool_and_matches_vllm(overload_run: Overloa
         assert vals, f"{name} missing for pool {POOL}"
         return sum(vals)
 
-    vllm = overload_run.vllm_after
     assert value("kvscope_engine_generation_tokens_total") == vllm["generation_tokens"]
     assert value("kvscope_engine_preemptions_total") == vllm["preemptions"]
     assert value("kvscope_engine_step_kv_usage_ratio_count") == value(
