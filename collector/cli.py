@@ -63,6 +63,19 @@ def collector_settings(args: argparse.Namespace) -> Any:
     )
 
 
+def advise_window(args: argparse.Namespace, now: float) -> tuple[float | None, float | None]:
+    """``--since`` / ``--until`` as unix seconds; :class:`ParamError` saying what is wrong."""
+    from collector._params import ParamError, parse_time
+
+    since = parse_time("--since", args.since, now) if args.since else None
+    until = parse_time("--until", args.until, now) if args.until else None
+    if since is not None and since >= now:
+        raise ParamError(f"--since {args.since} lies in the future; use a duration such as 30m")
+    if since is not None and until is not None and until <= since:
+        raise ParamError(f"--until ({args.until}) must be after --since ({args.since})")
+    return since, until
+
+
 def _cmd_advise(args: argparse.Namespace) -> int:
     _require("advise", "collector", also=("rich",))
     if args.prometheus:
@@ -84,7 +97,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         source_error_message,
         window_text,
     )
-    from collector._params import ParamError, parse_time
+    from collector._params import ParamError
 
     def fail(message: str, code: int) -> int:
         print(f"kvscope advise: {message}", file=sys.stderr)
@@ -94,14 +107,9 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     url = url.rstrip("/")
     now = time.time()
     try:
-        since = parse_time("--since", args.since, now) if args.since else None
-        until = parse_time("--until", args.until, now) if args.until else None
+        since, until = advise_window(args, now)
     except ParamError as exc:
         return fail(str(exc), 2)
-    if since is not None and since >= now:
-        return fail(f"--since {args.since} lies in the future; use a duration such as 30m", 2)
-    if since is not None and until is not None and until <= since:
-        return fail(f"--until ({args.until}) must be after --since ({args.since})", 2)
     source = CollectorSource(url, token=args.token, timeout_s=args.timeout)
     try:
         report = analyze(source, since, until, args.pool, slo_ttft_p99_s=args.slo_ttft_p99,

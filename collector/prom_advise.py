@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     from advisor.prometheus import PrometheusSource, analyze_prometheus
     from advisor.render import render_report, window_text
     from advisor.sources import SourceError
-    from collector._params import ParamError, parse_time
+    from collector._params import ParamError
+    from collector.cli import advise_window
 
     def fail(message: str, code: int) -> int:
         print(f"kvscope advise: {message}", file=sys.stderr)
@@ -53,14 +54,9 @@ def run(args: argparse.Namespace) -> int:
     url = url.rstrip("/")
     now = time.time()
     try:
-        since = parse_time("--since", args.since, now) if args.since else None
-        until = parse_time("--until", args.until, now) if args.until else None
+        since, until = advise_window(args, now)
     except ParamError as exc:
         return fail(str(exc), 2)
-    if since is not None and since >= now:
-        return fail(f"--since {args.since} lies in the future; use a duration such as 30m", 2)
-    if since is not None and until is not None and until <= since:
-        return fail(f"--until ({args.until}) must be after --since ({args.since})", 2)
     if args.step is not None and args.step < 1:
         return fail("--step must be at least 1 (seconds)", 2)
     try:

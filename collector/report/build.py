@@ -18,6 +18,7 @@ import pandas as pd
 
 from advisor import FrameSource, Report, analyze
 from advisor._frames import frame_of
+from advisor.sources import Source
 from advisor.usage import weekly_usage
 from advisor.weekly import CONFIG_FIELDS, compare_weeks, config_as_of
 from collector.report.model import WeeklyReport
@@ -44,19 +45,8 @@ class _Silent:
         return None
 
 
-class ReportSource(Protocol):
+class ReportSource(Source, Protocol):
     """The advisor's source questions and the configuration history."""
-
-    def engines(self) -> pd.DataFrame: ...
-
-    def windows(self, since: float | None = None, until: float | None = None,
-                engine: str | None = None, pool: str | None = None) -> pd.DataFrame: ...
-
-    def requests(self, since: float | None = None, until: float | None = None,
-                 engine: str | None = None, pool: str | None = None) -> pd.DataFrame: ...
-
-    def kv_events(self, since: float | None = None, until: float | None = None,
-                  pool: str | None = None) -> pd.DataFrame: ...
 
     def engine_configs(self) -> pd.DataFrame: ...
 
