@@ -21,6 +21,8 @@ place that knows the read API's URLs.
 from __future__ import annotations
 
 import json
+import os
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -122,13 +124,17 @@ class CollectorSource:
 
     ``url`` is the collector's base URL; ``token`` its bearer token when one is
     configured; ``timeout_s`` bounds each HTTP request; ``page_rows`` is the row limit
-    asked per request (the collector may cap it lower: truncated answers are paged).
+    asked per request (the collector may cap it lower: truncated answers are paged);
+    ``ca_file`` a PEM bundle of CAs to verify an ``https://`` collector with (default
+    ``$KVSCOPE_CA_FILE``, else the system's CAs).
     """
 
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0,
-                 page_rows: int = 200_000) -> None:
+                 page_rows: int = 200_000, ca_file: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.token = token
+        self.ca_file = ca_file or os.environ.get("KVSCOPE_CA_FILE") or None
+        self._ssl: ssl.SSLContext | None = None
         self.timeout_s = timeout_s
         self.page_rows = page_rows
 
@@ -138,7 +144,9 @@ class CollectorSource:
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            if self._ssl is None and self.url.startswith("https:"):
+                self._ssl = ssl.create_default_context(cafile=self.ca_file)
+            with urllib.request.urlopen(req, timeout=self.timeout_s, context=self._ssl) as resp:
                 return dict(json.loads(resp.read()))
         except urllib.error.HTTPError as e:
             detail = _error_text(e.read().decode(errors="replace"))

@@ -14,6 +14,8 @@ import zlib
 
 from aiohttp import web
 
+from collector._guards import Lease, Overbudget
+
 CHUNK_BYTES = 64 * 1024
 GZIP_ENCODINGS = frozenset({"gzip", "x-gzip"})
 IDENTITY_ENCODINGS = frozenset({"", "identity"})
@@ -36,9 +38,10 @@ def _too_large(what: str, limit: int) -> BodyError:
 class _Inflater:
     """Incremental gzip decoder with an output cap."""
 
-    def __init__(self, max_out: int) -> None:
+    def __init__(self, max_out: int, lease: Lease | None) -> None:
         self._d = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
         self._max = max_out
+        self._lease = lease
         self._parts: list[bytes] = []
         self._n = 0
 
@@ -59,6 +62,7 @@ class _Inflater:
         self._n += len(out)
         if self._n > self._max:
             raise _too_large("decompressed body", self._max)
+        _hold(self._lease, len(out))
         self._parts.append(out)
 
     def finish(self) -> bytes:
@@ -67,9 +71,19 @@ class _Inflater:
         return b"".join(self._parts)
 
 
+def _hold(lease: Lease | None, n: int) -> None:
+    if lease is not None:
+        try:
+            lease.take(n)
+        except Overbudget as exc:
+            raise BodyError(503, "overloaded", f"collector overloaded: {exc}; retry later") \
+                from None
+
+
 async def read_body(request: web.Request, max_body_bytes: int,
-                    max_decompressed_bytes: int) -> bytes:
-    """Return the decoded body or raise :class:`BodyError` (413, 415 or 400)."""
+                    max_decompressed_bytes: int, lease: Lease | None = None) -> bytes:
+    """Return the decoded body or raise :class:`BodyError` (413, 415, 400, or 503 when
+    holding it would pass ``lease``'s budget: the decoded bytes are taken from it)."""
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding not in GZIP_ENCODINGS and encoding not in IDENTITY_ENCODINGS:
         raise BodyError(415, "unsupported_encoding",
@@ -80,7 +94,11 @@ async def read_body(request: web.Request, max_body_bytes: int,
         raise _too_large("body", max_body_bytes)
     if not gzip:
         max_body_bytes = min(max_body_bytes, max_decompressed_bytes)
-    inflater = _Inflater(max_decompressed_bytes) if gzip else None
+    if length is not None:
+        _hold(lease, 0 if gzip else length)  # refuse early what cannot fit anyway
+        if lease is not None:
+            lease.release()
+    inflater = _Inflater(max_decompressed_bytes, lease) if gzip else None
     parts: list[bytes] = []
     n = 0
     async for chunk in request.content.iter_chunked(CHUNK_BYTES):
@@ -90,6 +108,7 @@ async def read_body(request: web.Request, max_body_bytes: int,
         if inflater is not None:
             inflater.feed(chunk)
         else:
+            _hold(lease, len(chunk))
             parts.append(chunk)
     if inflater is not None:
         if n == 0:

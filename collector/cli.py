@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,15 +40,31 @@ def _require(cmd: str, extra: str, also: tuple[str, ...] = ()) -> None:
 def _cmd_collector(args: argparse.Namespace) -> int:
     _require("collector", "collector",
              also=("zmq", "msgspec") if args.kv_events != "off" else ())
-    from collector.server import serve
+    from collector.server import is_loopback, serve
 
-    serve(collector_settings(args))
+    try:
+        settings = collector_settings(args)
+    except ValueError as exc:
+        print(f"kvscope collector: {exc}", file=sys.stderr)
+        return 2
+    if settings.token is None and not is_loopback(settings.host) and not args.allow_unauthenticated:
+        print(f"kvscope collector: refusing to listen on {settings.host} without a token: anyone "
+              "who can reach it could write and read all data.\n"
+              "Give --token (or set KVSCOPE_TOKEN) and the same token to the engines "
+              "(KVSCOPE_TOKEN) and readers, or listen on 127.0.0.1, or pass "
+              "--allow-unauthenticated if the network is trusted.", file=sys.stderr)
+        return 2
+    for path in (settings.tls_cert_file, settings.tls_key_file):
+        if path is not None and not os.path.isfile(path):
+            print(f"kvscope collector: TLS file {path} does not exist", file=sys.stderr)
+            return 2
+    serve(settings)
     return 0
 
 
 def collector_settings(args: argparse.Namespace) -> Any:
     """The collector's :class:`~collector.settings.Settings` from parsed arguments."""
-    from collector.settings import Settings
+    from collector.settings import MIB, Settings
 
     return Settings(
         host=args.host,
@@ -60,6 +77,12 @@ def collector_settings(args: argparse.Namespace) -> Any:
         kv_events=args.kv_events,
         kv_events_endpoints=tuple(args.kv_events_endpoint),
         kv_events_seen_capacity=args.kv_events_seen_capacity,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        max_inflight_bytes=int(args.max_inflight_mib * MIB),
+        max_exported_engines=args.max_exported_engines,
+        max_new_engines_per_minute=args.max_new_engines_per_minute,
+        header_timeout_s=args.header_timeout_s,
     )
 
 
@@ -179,12 +202,31 @@ def _add_collector(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default: 127.0.0.1; use 0.0.0.0 with --token)")
+                   help="address to listen on (default: 127.0.0.1); any other address needs "
+                        "--token or --allow-unauthenticated")
     p.add_argument("--port", type=int, default=8844, help="port to listen on (default: 8844)")
     p.add_argument("--store", default="kvscope.duckdb",
                    help="DuckDB file holding the data (default: ./kvscope.duckdb)")
-    p.add_argument("--token", default=None,
-                   help="bearer token required on every request (default: none)")
+    p.add_argument("--token", default=os.environ.get("KVSCOPE_TOKEN") or None,
+                   help="bearer token required on every request but /healthz "
+                        "(default: $KVSCOPE_TOKEN, else none)")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="listen on a non-loopback address without a token (logs a warning)")
+    p.add_argument("--tls-cert", metavar="PEM", default=None,
+                   help="serve HTTPS with this certificate (chain); needs --tls-key")
+    p.add_argument("--tls-key", metavar="PEM", default=None,
+                   help="private key of --tls-cert")
+    p.add_argument("--max-inflight-mib", type=_positive, default=256.0, metavar="MIB",
+                   help="ingest bodies held at once (decompressed); past it ingest answers "
+                        "503 with Retry-After (default: 256)")
+    p.add_argument("--max-exported-engines", type=int, default=2000, metavar="N",
+                   help="engines with per-engine series on /metrics, the most recently "
+                        "seen (default: 2000); the rest are counted in "
+                        "kvscope_collector_engines_not_exported")
+    p.add_argument("--max-new-engines-per-minute", type=int, default=600, metavar="N",
+                   help="new engine ids accepted per minute; beyond, 429 (default: 600)")
+    p.add_argument("--header-timeout-s", type=_positive, default=10.0, metavar="S",
+                   help="close connections whose request headers take longer (default: 10)")
     p.add_argument("--raw-retention-s", type=float, default=24 * 3600,
                    help="seconds of raw per-step rows to keep; 1-second windows and "
                         "requests are kept (default: 86400; 0 keeps them forever)")

@@ -73,6 +73,14 @@ INFO_KEYS: tuple[str, ...] = tuple(
 )
 _SAVED_KEY = "metrics.histograms.v1"
 
+#: Reasons of ``kvscope_collector_rejected_batches_total``, exported at 0 from the start.
+REJECT_REASONS: tuple[str, ...] = (
+    "bad_encoding", "bad_json", "engine_limit", "overloaded", "schema", "shutting_down",
+    "timeout", "too_large", "unauthorized", "unsupported_encoding",
+)
+#: Reasons of ``kvscope_collector_rejected_reads_total`` (read API and /metrics).
+READ_REJECT_REASONS: tuple[str, ...] = ("bad_params", "unauthorized")
+
 _GAUGES = (  # (metric, attribute, help)
     ("kvscope_engine_batch_size", "batch_size",
      "Running requests (the batch) in the engine's latest step."),
@@ -165,12 +173,16 @@ class _Engine:
 class FleetState:
     """Per-engine metric values plus the collector's own counters; thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_exported_engines: int = 2_000) -> None:
         self._lock = threading.Lock()
         self._engines: dict[str, _Engine] = {}
+        self.max_exported_engines = max_exported_engines
+        """Engines with per-engine series on a scrape: the most recently seen ones."""
         self.start_unix_s = time.time()
         self._batches = {"stored": 0, "duplicate": 0, "rejected": 0, "failed": 0}
-        self._rejected: dict[str, int] = {}
+        self._rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
+        self._read_rejected: dict[str, int] = dict.fromkeys(READ_REJECT_REASONS, 0)
+        self._not_exported = 0
         self._ack_hist = np.zeros(len(_ACK_LES), dtype=np.int64)
         self._ack_sum = 0.0
         self.extra: dict[str, tuple[str, str, Callable[[], float]]] = {}
@@ -189,6 +201,10 @@ class FleetState:
     def n_engines(self) -> int:
         """Engines known."""
         return len(self._engines)
+
+    def knows(self, engine_id: str) -> bool:
+        """True if the engine has data in the store."""
+        return engine_id in self._engines
 
     # -- updates ---------------------------------------------------------------------
 
@@ -246,6 +262,11 @@ class FleetState:
         with self._lock:
             self._batches["rejected"] += 1
             self._rejected[reason] = self._rejected.get(reason, 0) + 1
+
+    def record_read_rejection(self, reason: str) -> None:
+        """Count a read-API or /metrics request answered 400 or 401."""
+        with self._lock:
+            self._read_rejected[reason] = self._read_rejected.get(reason, 0) + 1
 
     def observe_ack(self, seconds: float) -> None:
         """Time from request start to the answer of an ingest that reached the store."""
@@ -313,7 +334,12 @@ class FleetState:
         """The Prometheus text exposition of everything, built fresh."""
         w = TextWriter()
         with self._lock:
-            engines = sorted(self._engines.values(), key=lambda e: e.engine_id)
+            engines = list(self._engines.values())
+            if len(engines) > self.max_exported_engines:
+                engines.sort(key=lambda e: e.last_seen_unix_s or 0.0, reverse=True)
+                engines = engines[: self.max_exported_engines]
+            self._not_exported = len(self._engines) - len(engines)
+            engines.sort(key=lambda e: e.engine_id)
             for name, attr, help_text in _GAUGES:
                 w.family(name, "gauge", help_text)
                 for e in engines:
@@ -349,7 +375,7 @@ class FleetState:
                 w.family(name, "counter", f"Engine plugin: {f.doc} (summed over boots).")
                 for e in engines:
                     w.sample(name, e.labels, sum(b.get(f.name, 0) for b in e.exporter.values()))
-            self._render_collector(w, len(engines))
+            self._render_collector(w, len(self._engines))
         for section in self.sections:
             section(w)
         return w.text()
@@ -363,6 +389,14 @@ class FleetState:
                  "Ingest requests rejected before reaching the store, by reason.")
         for reason, n in sorted(self._rejected.items()):
             w.sample("kvscope_collector_rejected_batches_total", label_str((("reason", reason),)), n)
+        w.family("kvscope_collector_rejected_reads_total", "counter",
+                 "Read-API and /metrics requests answered 400 (bad_params) or 401, by reason.")
+        for reason, n in sorted(self._read_rejected.items()):
+            w.sample("kvscope_collector_rejected_reads_total", label_str((("reason", reason),)), n)
+        w.family("kvscope_collector_engines_not_exported", "gauge",
+                 "Known engines left out of this scrape's per-engine series "
+                 "(over max_exported_engines; the least recently seen go first).")
+        w.sample("kvscope_collector_engines_not_exported", "", self._not_exported)
         w.family("kvscope_collector_ingest_ack_duration_seconds", "histogram",
                  "Time from an ingest request's start to its answer (after commit).")
         w.histogram("kvscope_collector_ingest_ack_duration_seconds", "", _ACK_LES,

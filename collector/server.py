@@ -42,6 +42,7 @@ import hmac
 import json
 import logging
 import signal
+import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,7 @@ import pandas as pd
 from aiohttp import web
 
 from collector._batch import PreparedBatch, parse_body
+from collector._guards import ByteBudget, GuardedRunner, Lease, NewEngineGate
 from collector._http_body import BodyError, read_body
 from collector._params import ParamError, Query, parse_query
 from collector._writer import GroupCommitWriter, Overloaded, WriterClosed
@@ -64,7 +66,8 @@ from engine_plugins.schema import INGEST_PATH, SchemaError
 if TYPE_CHECKING:
     from collector.kv_events import KvEventsManager
 
-__all__ = ["Context", "RunningCollector", "context", "create_app", "create_runner", "serve", "start"]
+__all__ = ["Context", "RunningCollector", "context", "create_app", "create_runner", "is_loopback",
+           "serve", "ssl_context", "start"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,9 @@ class Context:
     executor: ThreadPoolExecutor
     kv_events: KvEventsManager | None = None
     """The KV-event subscriber (None with ``kv_events="off"``)."""
+    inflight: ByteBudget = dataclasses.field(default_factory=lambda: ByteBudget(1))
+    """Ingest bytes held at once (see :class:`collector._guards.ByteBudget`)."""
+    new_engines: NewEngineGate | None = None
 
 
 class _Slot:
@@ -126,10 +132,24 @@ async def _ingest(request: web.Request) -> web.Response:
     if s.token is not None and not _authorized(request, s.token):
         return reject(401, "unauthorized", "missing or wrong bearer token",
                       **{"WWW-Authenticate": 'Bearer realm="kvscope"'})
+    lease = ctx.inflight.lease()
     try:
-        body = await read_body(request, s.max_body_bytes, s.max_decompressed_bytes)
+        return await _ingest_body(request, ctx, reject, lease, t0)
+    finally:
+        lease.release()
+
+
+async def _ingest_body(request: web.Request, ctx: Context, reject: Callable[..., web.Response],
+                       lease: Lease, t0: float) -> web.Response:
+    s = ctx.settings
+    try:
+        async with asyncio.timeout(s.body_timeout_s):
+            body = await read_body(request, s.max_body_bytes, s.max_decompressed_bytes, lease)
     except BodyError as exc:
-        return reject(exc.status, exc.reason, exc.message)
+        extra = {"Retry-After": "1"} if exc.status == 503 else {}
+        return reject(exc.status, exc.reason, exc.message, **extra)
+    except TimeoutError:
+        return reject(408, "timeout", f"body: not received within {s.body_timeout_s:g} s")
     received = time.time()
     try:
         if len(body) > s.inline_parse_bytes:
@@ -141,6 +161,10 @@ async def _ingest(request: web.Request) -> web.Response:
     except SchemaError as exc:
         msg = str(exc)
         return reject(400, "bad_json" if msg.startswith("body:") else "schema", msg)
+    if ctx.new_engines is not None and not ctx.new_engines.admit(batch.engine_id):
+        return reject(429, "engine_limit",
+                      f"more than {s.max_new_engines_per_minute} new engine ids in the last "
+                      "minute; retry later", **{"Retry-After": "60"})
     try:
         fut = ctx.writer.submit(batch)
     except Overloaded as exc:
@@ -186,6 +210,7 @@ async def _read(request: web.Request, allowed: tuple[str, ...], default_since: s
         q = parse_query(request.query if params is None else params, allowed,
                         default_since=default_since, max_limit=ctx.settings.read_row_limit)
     except ParamError as exc:
+        ctx.state.record_read_rejection("bad_params")
         return _error(400, str(exc))
     limited = "limit" in allowed
     # Ask for one row more than the limit to tell whether the answer was cut.
@@ -198,6 +223,7 @@ async def _read(request: web.Request, allowed: tuple[str, ...], default_since: s
     if q.fields is not None:
         unknown = [f for f in q.fields if f not in df.columns]
         if unknown:
+            ctx.state.record_read_rejection("bad_params")
             return _error(400, f"fields: unknown column(s) {', '.join(map(repr, unknown))}; "
                                f"available: {', '.join(map(str, df.columns))}")
         df = df[list(q.fields)]
@@ -306,7 +332,7 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
         loop = asyncio.get_running_loop()
         executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvscope-read")
         store: Store | None = given
-        state = FleetState()
+        state = FleetState(max_exported_engines=settings.max_exported_engines)
         try:
             if store is None:
                 store = await loop.run_in_executor(executor, Store, settings.store_path)
@@ -344,7 +370,15 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
             except Exception:  # the collector serves on without KV events
                 log.exception("the KV-event subscriber could not start")
                 kv_events = None
-        ctx = app[_SLOT].ctx = Context(settings, store, writer, state, executor, kv_events)
+        ctx = app[_SLOT].ctx = Context(settings, store, writer, state, executor, kv_events,
+                                       ByteBudget(settings.max_inflight_bytes))
+        ctx.new_engines = NewEngineGate(settings.max_new_engines_per_minute, state.knows)
+        state.extra["kvscope_collector_inflight_ingest_bytes"] = (
+            "gauge", "Ingest bytes (decompressed) held: being read, parsed or waiting for the "
+            "writer.", lambda: ctx.inflight.used)
+        state.extra["kvscope_collector_inflight_ingest_bytes_limit"] = (
+            "gauge", "The limit on in-flight ingest bytes; past it ingest answers 503.",
+            lambda: ctx.inflight.limit)
         retention = asyncio.create_task(_retention_loop(ctx), name="kvscope-retention")
         verdicts: VerdictLoop | None = None
         if settings.advise_interval_s > 0:
@@ -383,6 +417,8 @@ def _read_auth(token: str | None) -> Callable[..., Any]:
     async def middleware(request: web.Request, handler: Callable[..., Any]) -> Any:
         if (token is not None and request.method != "POST" and request.path != "/healthz"
                 and not _authorized(request, token)):
+            if request.app[_SLOT].ctx is not None:
+                context(request.app).state.record_read_rejection("unauthorized")
             return _error(401, "missing or wrong bearer token",
                           {"WWW-Authenticate": 'Bearer realm="kvscope"'})
         return await handler(request)
@@ -411,12 +447,24 @@ def create_app(settings: Settings, store: Store | None = None) -> web.Applicatio
     return app
 
 
-def create_runner(app: web.Application, **kwargs: Any) -> web.AppRunner:
+def create_runner(app: web.Application, header_timeout_s: float = 10.0,
+                  **kwargs: Any) -> web.AppRunner:
     """An AppRunner with the settings the ingest path relies on (no auto-decompression,
-    no per-request access log)."""
+    no per-request access log, a deadline for each request head)."""
     kwargs.setdefault("access_log", None)
     kwargs.setdefault("shutdown_timeout", 10.0)
-    return web.AppRunner(app, auto_decompress=False, **kwargs)
+    return GuardedRunner(app, header_timeout_s=header_timeout_s, auto_decompress=False,
+                         **kwargs)
+
+
+def ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    """The server's TLS context from ``tls_cert_file``/``tls_key_file`` (None: plain HTTP)."""
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+    return ctx
 
 
 @dataclass
@@ -427,11 +475,12 @@ class RunningCollector:
     runner: web.AppRunner
     host: str
     port: int
+    tls: bool = False
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. ``http://127.0.0.1:8844``."""
-        return f"http://{self.host}:{self.port}"
+        """Base URL, e.g. ``http://127.0.0.1:8844`` (``https://`` with TLS)."""
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     @property
     def ctx(self) -> Context:
@@ -445,17 +494,35 @@ class RunningCollector:
 
 async def start(settings: Settings, store: Store | None = None) -> RunningCollector:
     """Start the service on the running event loop; port 0 picks a free port."""
+    tls = ssl_context(settings)
     app = create_app(settings, store)
-    runner = create_runner(app)
+    runner = create_runner(app, header_timeout_s=settings.header_timeout_s)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
+    if isinstance(runner, GuardedRunner):
+        guarded = runner
+        context(app).state.extra["kvscope_collector_slow_connections_closed_total"] = (
+            "counter", "Connections closed because a request head did not arrive within "
+            "header_timeout_s.", lambda: guarded.slow_connections_closed)
+    site = web.TCPSite(runner, settings.host, settings.port, ssl_context=tls)
     try:
         await site.start()
     except BaseException:
         await runner.cleanup()
         raise
     port = runner.addresses[0][1]
-    return RunningCollector(app, runner, settings.host, int(port))
+    return RunningCollector(app, runner, settings.host, int(port), tls=tls is not None)
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def serve(settings: Settings) -> None:
@@ -471,6 +538,9 @@ async def _serve(settings: Settings) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     running = await start(settings)
+    if settings.token is None and not is_loopback(settings.host):
+        log.warning("!!! kvscope collector on %s WITHOUT AUTHENTICATION: anyone who can reach "
+                    "it can write and read all data; set --token !!!", running.url)
     log.info("kvscope collector listening on %s (store %s, ingest %s, metrics /metrics)",
              running.url, settings.store_path, INGEST_PATH)
     try:

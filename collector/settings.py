@@ -25,7 +25,12 @@ class Settings:
     store_path: str = "kvscope.duckdb"
     """DuckDB file of the store (created if missing); ``:memory:`` for a throwaway store."""
     token: str | None = None
-    """When set, ``POST /v1/ingest`` requires ``Authorization: Bearer <token>``."""
+    """When set, every route but ``/healthz`` requires ``Authorization: Bearer <token>``
+    (compared in constant time; never logged or printed)."""
+    tls_cert_file: str | None = None
+    """PEM certificate (chain) to serve HTTPS with; needs ``tls_key_file``."""
+    tls_key_file: str | None = None
+    """PEM private key of ``tls_cert_file``."""
     raw_step_retention_s: float = DAY_S
     """Raw step rows older than this (by their ``ts_unix_s``) are deleted; 0 keeps them.
     A step takes about 18 bytes on disk: 1,000 engines at 50 steps/s fill ~78 GB a day."""
@@ -46,6 +51,21 @@ class Settings:
     commits: fewer, larger transactions (each costs milliseconds) for a little latency."""
     max_pending_batches: int = 20_000
     """Validated batches waiting for the writer; beyond this ingest answers 503."""
+    max_inflight_bytes: int = 256 * MIB
+    """Ingest bodies (decompressed) being read, parsed or waiting for the writer, summed;
+    a request that would go past it is answered 503 with ``Retry-After`` (reason
+    ``overloaded``). This bounds the memory the ingest path holds under overload."""
+    header_timeout_s: float = 10.0
+    """A connection must complete a request's head (request line and headers) within this
+    many seconds of its first byte (or of connecting); otherwise it is closed (slow clients)."""
+    body_timeout_s: float = 30.0
+    """An ingest body must arrive within this many seconds; otherwise 408."""
+    max_exported_engines: int = 2_000
+    """Most engines with per-engine series on ``/metrics`` (the most recently seen); the
+    rest are left out and counted (``kvscope_collector_engines_not_exported``)."""
+    max_new_engines_per_minute: int = 600
+    """New engine ids accepted per minute; a batch of a new engine beyond it gets 429
+    (reason ``engine_limit``), so a flood of ids cannot grow the store without bound."""
     inline_parse_bytes: int = 256 * 1024
     """Bodies up to this size (decompressed) are parsed on the event loop; larger ones
     in a worker thread, so one big batch does not stall the loop."""
@@ -91,8 +111,12 @@ class Settings:
                 raise ValueError(f"{name}: must be >= 0 (0 keeps forever)")
         if self.retention_interval_s <= 0:
             raise ValueError("retention_interval_s: must be > 0")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file: give both or neither")
         positive = ("max_body_bytes", "max_decompressed_bytes", "max_group_batches",
-                    "max_pending_batches", "read_row_limit")
+                    "max_pending_batches", "read_row_limit", "max_inflight_bytes",
+                    "header_timeout_s", "body_timeout_s", "max_exported_engines",
+                    "max_new_engines_per_minute")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")

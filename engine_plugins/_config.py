@@ -8,6 +8,8 @@ variable                       default     meaning
 =============================  ==========  ==================================================
 KVSCOPE_COLLECTOR_URL          (unset)     base URL of the collector, http(s)://host:port[/p]
 KVSCOPE_TOKEN                  (unset)     sent as ``Authorization: Bearer <token>``
+KVSCOPE_CA_FILE                (unset)     PEM CA bundle to verify an https collector with
+                                           (default: the system's trusted CAs)
 KVSCOPE_POOL                   default     deployment / pool label
 KVSCOPE_ENGINE_ID              (derived)   engine id override (``:<engine_index>`` appended
                                            when the server runs more than one engine)
@@ -50,6 +52,8 @@ class Settings:
     collector_url: str | None = None
     """Base URL of the collector, without a trailing slash; None means inert."""
     token: str | None = None
+    ca_file: str | None = None
+    """PEM file of CA certificates for an ``https://`` collector (None: system CAs)."""
     pool: str = DEFAULT_POOL
     engine_id_override: str | None = None
     host: str = "localhost"
@@ -185,6 +189,7 @@ def load_settings(
     return Settings(
         collector_url=_collector_url(env),
         token=_text(env, "KVSCOPE_TOKEN", None, 4096),
+        ca_file=_text(env, "KVSCOPE_CA_FILE", None, 4096),
         pool=_text(env, "KVSCOPE_POOL", DEFAULT_POOL, 200) or DEFAULT_POOL,
         engine_id_override=_text(env, "KVSCOPE_ENGINE_ID", None, 180),
         host=host[:100],

@@ -10,6 +10,7 @@ import contextlib
 import email.utils
 import http.client
 import json
+import ssl
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -89,8 +90,11 @@ def retry_after_s(value: str | None, now_unix_s: float | None = None) -> float |
 class IngestClient:
     """POSTs gzip-compressed JSON batches to ``{base_url}/v1/ingest``."""
 
-    def __init__(self, base_url: str, token: str | None = None) -> None:
+    def __init__(self, base_url: str, token: str | None = None,
+                 ca_file: str | None = None) -> None:
         parts = urlsplit(base_url)
+        self._ca_file = ca_file
+        self._ssl: ssl.SSLContext | None = None
         self._https = parts.scheme == "https"
         self._host = parts.hostname or "localhost"
         self._port = parts.port or (443 if self._https else 80)
@@ -108,7 +112,10 @@ class IngestClient:
         conn = self._conn
         if conn is None:
             if self._https:
-                conn = http.client.HTTPSConnection(self._host, self._port, timeout=timeout_s)
+                if self._ssl is None:  # built once: loading CAs costs milliseconds
+                    self._ssl = ssl.create_default_context(cafile=self._ca_file)
+                conn = http.client.HTTPSConnection(self._host, self._port, timeout=timeout_s,
+                                                   context=self._ssl)
             else:
                 conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
             self._conn = conn

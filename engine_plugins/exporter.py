@@ -115,7 +115,7 @@ class Exporter:
         if client is None:
             if settings.collector_url is None:
                 raise ValueError("an Exporter needs settings.collector_url")
-            client = IngestClient(settings.collector_url, settings.token)
+            client = IngestClient(settings.collector_url, settings.token, settings.ca_file)
         self.settings = settings
         self.boot_id = boot_id or uuid.uuid4().hex
         self.pid = os.getpid()

@@ -1,0 +1,163 @@
+"""Limits that keep the collector up under overload and against hostile clients.
+
+* :class:`ByteBudget`: the ingest bodies held at once (being read, parsed, or waiting
+  for the writer), summed in decompressed bytes. A request that would go past the
+  limit is refused with 503 and ``Retry-After``, so memory stays bounded however many
+  clients send at once. Used only on the event loop (no lock).
+* :class:`NewEngineGate`: at most ``per_minute`` engine ids not seen before are
+  admitted per sliding minute; known engines always pass.
+* :class:`GuardedRunner`: an :class:`aiohttp.web.AppRunner` whose connections must
+  complete each request head within ``header_timeout_s`` of its first byte (or of
+  connecting), else they are closed and counted. aiohttp itself has no such timeout:
+  a client sending its headers a byte at a time ("slowloris") would hold a connection
+  and its memory for as long as it likes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_server import Server
+
+__all__ = ["ByteBudget", "GuardedRunner", "Lease", "NewEngineGate", "Overbudget"]
+
+
+class Overbudget(Exception):
+    """Taking these bytes would pass the budget's limit."""
+
+
+class ByteBudget:
+    """A limit on bytes held at once; :meth:`lease` hands out per-request shares."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+
+    def lease(self) -> Lease:
+        """A share for one request; release it when the request is answered."""
+        return Lease(self)
+
+
+class Lease:
+    """The bytes one request holds of a :class:`ByteBudget`."""
+
+    def __init__(self, budget: ByteBudget) -> None:
+        self._budget = budget
+        self.held = 0
+
+    def take(self, n: int) -> None:
+        """Hold ``n`` more bytes or raise :class:`Overbudget` (holding nothing more)."""
+        b = self._budget
+        if b.used + n > b.limit:
+            raise Overbudget(f"{b.used} of {b.limit} ingest bytes in flight")
+        b.used += n
+        self.held += n
+        b.peak = max(b.peak, b.used)
+
+    def release(self) -> None:
+        """Give back everything held (idempotent)."""
+        self._budget.used -= self.held
+        self.held = 0
+
+
+class NewEngineGate:
+    """Admits at most ``per_minute`` new engine ids per sliding minute."""
+
+    def __init__(self, per_minute: int, known: Callable[[str], bool],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_minute = per_minute
+        self._known = known
+        self._clock = clock
+        self._admitted: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def admit(self, engine_id: str) -> bool:
+        """True if the engine is known, recently admitted, or a new one fits the rate."""
+        if engine_id in self._admitted or self._known(engine_id):
+            return True
+        now = self._clock()
+        while self._admitted and next(iter(self._admitted.values())) <= now - 60.0:
+            self._admitted.popitem(last=False)
+        if len(self._admitted) >= self.per_minute:
+            return False
+        self._admitted[engine_id] = now
+        return True
+
+
+class _GuardedHandler(RequestHandler):
+    """Closes a connection whose request head does not arrive in time."""
+
+    _kvs_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._kvs_arm()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._kvs_disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        before = self._request_count
+        super().data_received(data)
+        if self._request_count > before:
+            self._kvs_disarm()  # a head is complete
+        elif data and not self._request_in_progress and not self._messages:
+            self._kvs_arm()  # bytes of a head that is not complete yet
+
+    def _kvs_arm(self) -> None:
+        if self._kvs_deadline is None:
+            server: Any = self._manager
+            self._kvs_deadline = self._loop.call_later(server.kvscope_header_timeout_s,
+                                                       self._kvs_expire)
+
+    def _kvs_disarm(self) -> None:
+        if self._kvs_deadline is not None:
+            self._kvs_deadline.cancel()
+            self._kvs_deadline = None
+
+    def _kvs_expire(self) -> None:
+        self._kvs_deadline = None
+        if self._request_in_progress or self._messages:
+            return
+        server: Any = self._manager
+        server.kvscope_slow_closed += 1
+        self.force_close()
+        if self.transport is not None:
+            self.transport.close()
+
+
+class _GuardedServer(Server):
+    kvscope_header_timeout_s = 10.0
+    kvscope_slow_closed = 0
+
+    def __call__(self) -> RequestHandler:
+        return _GuardedHandler(self, loop=self._loop, **self._kwargs)
+
+
+class GuardedRunner(web.AppRunner):
+    """An AppRunner whose connections get a deadline for each request head."""
+
+    def __init__(self, app: web.Application, *, header_timeout_s: float, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._header_timeout_s = header_timeout_s
+
+    async def _make_server(self) -> Server:
+        server = await super()._make_server()
+        server.__class__ = _GuardedServer
+        guarded: Any = server
+        guarded.kvscope_header_timeout_s = self._header_timeout_s
+        guarded.kvscope_slow_closed = 0
+        return server
+
+    @property
+    def slow_connections_closed(self) -> int:
+        """Connections closed because their request head was too slow."""
+        server: Any = self.server
+        return int(getattr(server, "kvscope_slow_closed", 0))
