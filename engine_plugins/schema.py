@@ -235,9 +235,48 @@ def _check_columns(where: str, fields: tuple[Field, ...], cols: Any) -> int:
             )
         if n_rows > MAX_ROWS_PER_BATCH:
             raise SchemaError(f"{where}: more than {MAX_ROWS_PER_BATCH} rows")
+        if _column_ok(f, col):
+            continue
         for i, v in enumerate(col):
             _check_value(f"{where}.{f.name}[{i}]", f, v)
     return max(n_rows, 0)
+
+
+_NUMBER_TYPES = {INT: frozenset({int}), FLOAT: frozenset({int, float})}
+_NONE_TYPE = type(None)
+
+
+def _column_ok(f: Field, col: list[Any]) -> bool:
+    """Whether every value of ``col`` passes :func:`_check_value` (a fast path).
+
+    Looks at the whole column with builtins that run in C (``set(map(type, ...))``,
+    ``min``, ``max``, ``sum``). False means "not sure": the caller then checks value by
+    value and raises the error naming the first bad one, so the result and every error
+    message stay those of :func:`_check_value`.
+    """
+    if not col:
+        return True
+    types = set(map(type, col))
+    if f.nullable and _NONE_TYPE in types:
+        types.discard(_NONE_TYPE)
+        col = [v for v in col if v is not None]
+        if not col:
+            return True
+    if f.kind == STR:
+        return types == {str} and max(map(len, col)) <= f.max_chars
+    if f.kind == BOOL:
+        return types == {bool}
+    if not types <= _NUMBER_TYPES[f.kind]:
+        return False  # floats in an int column, bools, strings...: value by value
+    if float in types:
+        try:
+            if not math.isfinite(sum(col)):
+                return False  # an inf or nan (or an overflowing sum): value by value
+        except OverflowError:
+            return False
+    if f.minimum is not None and min(col) < f.minimum:
+        return False
+    return f.maximum is None or max(col) <= f.maximum
 
 
 def validate_batch(obj: Any) -> dict[str, Any]:

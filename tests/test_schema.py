@@ -131,3 +131,28 @@ def test_recorded_hellos_without_the_new_field_still_validate():
         hellos = [b["hello"] for b in load_recording(path).batches if b.get("hello")]
         assert hellos, path
         assert all("kv_events_endpoint" not in h for h in hellos)
+
+
+_ODD_VALUES = [0, 1, -1, 2.5, -0.0, 1.0, 1.5, 2**70, -(2**70), 1e308, math.inf, -math.inf,
+               math.nan, None, True, False, "4", "x" * 40, [], {}]
+
+
+@pytest.mark.parametrize("f", schema.STEP_FIELDS + schema.REQUEST_FIELDS, ids=lambda f: f.name)
+def test_column_fast_path_accepts_only_what_value_checks_accept(f):
+    import random
+
+    rng = random.Random(f.name)
+    valid = make_batch(4, 4)["steps" if f in schema.STEP_FIELDS else "requests"][f.name]
+    for _ in range(300):
+        col = list(valid)
+        for _ in range(rng.randint(0, 3)):
+            col[rng.randrange(len(col))] = rng.choice(_ODD_VALUES)
+        try:
+            for v in col:
+                schema._check_value(f.name, f, v)
+            accepted = True
+        except schema.SchemaError:
+            accepted = False
+        if schema._column_ok(f, col):
+            assert accepted, (f.name, col)
+    assert schema._column_ok(f, valid), "a valid column should take the fast path"
