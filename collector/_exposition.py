@@ -22,11 +22,13 @@ def escape_label(value: str) -> str:
 
 def label_str(pairs: Iterable[tuple[str, object]]) -> str:
     """``a="x",b="y"`` (no braces); None becomes the empty string."""
-    return ",".join(f'{k}="{escape_label("" if v is None else _label_value(v))}"'
-                    for k, v in pairs)
+    return ",".join(f'{k}="{escape_label(label_value(v))}"' for k, v in pairs)
 
 
-def _label_value(v: object) -> str:
+def label_value(v: object) -> str:
+    """A label value as text, unescaped: None is empty, booleans ``true``/``false``."""
+    if v is None:
+        return ""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, float):

@@ -40,18 +40,20 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from collector._batch import PreparedBatch
-from collector._exposition import CONTENT_TYPE, TextWriter, bound_strs, label_str
+from collector._exposition import CONTENT_TYPE, TextWriter, bound_strs, label_str, label_value
 from collector._ingest import DUPLICATE, STORED, IngestResult
 from engine_plugins.schema import BOOL, EXPORTER_FIELDS, FLOAT, HELLO_FIELDS, INT
 
-__all__ = ["BATCH_SIZE_BUCKETS", "CONTENT_TYPE", "KV_USAGE_BUCKETS", "FleetState"]
+__all__ = ["BATCH_SIZE_BUCKETS", "CONTENT_TYPE", "ENGINE_FAMILIES", "HISTOGRAM_BOUNDS",
+           "KV_USAGE_BUCKETS", "FleetState", "Snapshot"]
 
 BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256,
                                          384, 512, 768, 1024)
@@ -122,15 +124,49 @@ _CONFIG_GAUGES = (  # (metric, hello field, help)
 )
 _STEP_SUMS = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_queries",
               "prefix_hits")
+_BATCH_HIST_HELP = "Running requests per engine step (one observation per step)."
+_KV_HIST_HELP = "KV-cache usage per engine step (one observation per step)."
+_INFO_HELP = "Engine identity and configuration from its latest hello (value 1)."
+
+HISTOGRAM_BOUNDS: dict[str, tuple[float, ...]] = {
+    "kvscope_engine_step_batch_size": BATCH_SIZE_BUCKETS,
+    "kvscope_engine_step_kv_usage_ratio": KV_USAGE_BUCKETS,
+}
+"""Upper bucket bounds (without +Inf) of the per-engine histograms."""
+ENGINE_FAMILIES: tuple[tuple[str, str, str], ...] = (
+    *((name, "gauge", h) for name, _, h in _GAUGES),
+    *((name, "counter", h) for name, _, h in _COUNTERS),
+    ("kvscope_engine_step_batch_size", "histogram", _BATCH_HIST_HELP),
+    ("kvscope_engine_step_kv_usage_ratio", "histogram", _KV_HIST_HELP),
+    ("kvscope_engine_info", "gauge", _INFO_HELP),
+    *((name, "gauge", h) for name, _, h in _CONFIG_GAUGES),
+    *((f"kvscope_exporter_{f.name}_total", "counter",
+       f"Engine plugin: {f.doc} (summed over boots).") for f in EXPORTER_FIELDS),
+)
+"""(name, kind, help) of every per-engine family of :meth:`FleetState.snapshot`."""
+
+Attrs = Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The per-engine families at one moment, as plain values (for pushing elsewhere)."""
+
+    samples: dict[str, list[tuple[Attrs, float]]]
+    """Gauge and counter families: name -> [(labels, value)]; a gauge without a value
+    for an engine has no sample, as on ``/metrics``."""
+    histograms: dict[str, list[tuple[Attrs, list[int], float]]]
+    """Histogram families: name -> [(labels, counts per bucket (not cumulative, +Inf
+    last), sum of the observations)]."""
 
 
 class _Engine:
     """Metric values of one engine."""
 
-    __slots__ = ("batch_hist", "batch_size", "batch_sum", "config", "deferred", "engine_id",
-                 "exporter",
+    __slots__ = ("attrs", "batch_hist", "batch_size", "batch_sum", "config", "deferred",
+                 "engine_id", "exporter",
                  "finished_requests", "gauge_boot_id", "generation_tokens", "hello_started",
-                 "info",
+                 "info", "info_attrs",
                  "kv_blocks_used", "kv_hist", "kv_sum", "kv_usage_ratio", "labels",
                  "last_seen_unix_s", "last_step_unix_s", "preemptions", "prefix_hit_ratio",
                  "prefix_hits", "prefix_queries", "prompt_tokens", "steps", "waiting")
@@ -138,7 +174,9 @@ class _Engine:
     def __init__(self, engine_id: str) -> None:
         self.engine_id = engine_id
         self.labels = label_str((("engine", engine_id), ("pool", ""), ("model", "")))
+        self.attrs = {"engine": engine_id, "pool": "", "model": ""}
         self.info: str | None = None
+        self.info_attrs: dict[str, str] | None = None
         self.config: dict[str, float] = {}
         self.hello_started = -1.0
         self.batch_size: int | None = None
@@ -165,7 +203,10 @@ class _Engine:
         base = (("engine", self.engine_id), ("pool", ident.get("pool")),
                 ("model", ident.get("model")))
         self.labels = label_str(base)
-        self.info = label_str((*base, *((k, ident.get(k)) for k in INFO_KEYS)))
+        info = (*base, *((k, ident.get(k)) for k in INFO_KEYS))
+        self.info = label_str(info)
+        self.attrs = {k: label_value(v) for k, v in base}
+        self.info_attrs = {k: label_value(v) for k, v in info}
         self.config = {f: float(v) for _, f, _ in _CONFIG_GAUGES
                        if isinstance(v := ident.get(f), int | float) and not isinstance(v, bool)}
 
@@ -350,18 +391,15 @@ class FleetState:
                 w.family(name, "counter", help_text)
                 for e in engines:
                     w.sample(name, e.labels, getattr(e, attr))
-            w.family("kvscope_engine_step_batch_size", "histogram",
-                     "Running requests per engine step (one observation per step).")
+            w.family("kvscope_engine_step_batch_size", "histogram", _BATCH_HIST_HELP)
             for e in engines:
                 w.histogram("kvscope_engine_step_batch_size", e.labels, _BATCH_LES,
                             e.batch_hist.tolist(), e.batch_sum)
-            w.family("kvscope_engine_step_kv_usage_ratio", "histogram",
-                     "KV-cache usage per engine step (one observation per step).")
+            w.family("kvscope_engine_step_kv_usage_ratio", "histogram", _KV_HIST_HELP)
             for e in engines:
                 w.histogram("kvscope_engine_step_kv_usage_ratio", e.labels, _KV_LES,
                             e.kv_hist.tolist(), e.kv_sum)
-            w.family("kvscope_engine_info", "gauge",
-                     "Engine identity and configuration from its latest hello (value 1).")
+            w.family("kvscope_engine_info", "gauge", _INFO_HELP)
             for e in engines:
                 if e.info is not None:
                     w.sample("kvscope_engine_info", e.info, 1)
@@ -379,6 +417,33 @@ class FleetState:
         for section in self.sections:
             section(w)
         return w.text()
+
+    def snapshot(self) -> Snapshot:
+        """The per-engine families (:data:`ENGINE_FAMILIES`) with the values ``/metrics``
+        shows, read under the lock in one go."""
+        samples: dict[str, list[tuple[Attrs, float]]] = {}
+        with self._lock:
+            engines = sorted(self._engines.values(), key=lambda e: e.engine_id)
+            for name, attr, _ in _GAUGES:
+                samples[name] = [(e.attrs, v) for e in engines
+                                 if (v := getattr(e, attr)) is not None]
+            for name, attr, _ in _COUNTERS:
+                samples[name] = [(e.attrs, getattr(e, attr)) for e in engines]
+            samples["kvscope_engine_info"] = [(e.info_attrs, 1) for e in engines
+                                              if e.info_attrs is not None]
+            for name, key, _ in _CONFIG_GAUGES:
+                samples[name] = [(e.attrs, e.config[key]) for e in engines if key in e.config]
+            for f in EXPORTER_FIELDS:
+                samples[f"kvscope_exporter_{f.name}_total"] = [
+                    (e.attrs, sum(b.get(f.name, 0) for b in e.exporter.values()))
+                    for e in engines]
+            histograms: dict[str, list[tuple[Attrs, list[int], float]]] = {
+                "kvscope_engine_step_batch_size": [
+                    (e.attrs, e.batch_hist.tolist(), e.batch_sum) for e in engines],
+                "kvscope_engine_step_kv_usage_ratio": [
+                    (e.attrs, e.kv_hist.tolist(), e.kv_sum) for e in engines],
+            }
+        return Snapshot(samples, histograms)
 
     def _render_collector(self, w: TextWriter, n_engines: int) -> None:
         w.family("kvscope_collector_ingest_batches_total", "counter",

@@ -32,17 +32,17 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
 
 from advisor import EngineVerdict, FrameSource, PoolVerdict, analyze
-from collector._exposition import TextWriter, label_str
+from collector._exposition import TextWriter, label_str, label_value
 from collector.store import Store
 
-__all__ = ["RESULTS", "SETTLE_S", "VerdictLoop"]
+__all__ = ["RESULTS", "SETTLE_S", "VERDICT_FAMILIES", "VerdictLoop"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,24 @@ _POOL_GAUGES = (
     ("kvscope_advisor_pool_load_imbalance_ratio", "load_imbalance",
      "Busiest replica's mean requests in flight over the pool mean (1 = balanced)."),
 )
+_BOTTLENECK_HELP = "The engine's bottleneck at its plateau, as the bottleneck label (value 1)."
+_RUNS_HELP = "Advisor runs over the recent data, by result (ok, no_data, error)."
+_LOOP_GAUGES = (  # (metric, attribute, help)
+    ("kvscope_advisor_last_run_timestamp_seconds", "last_run_unix_s",
+     "When the advisor last ran (unix seconds), whatever its result."),
+    ("kvscope_advisor_last_success_timestamp_seconds", "last_success_unix_s",
+     "When the advisor last ran without error (unix seconds)."),
+    ("kvscope_advisor_last_run_duration_seconds", "last_duration_s",
+     "How long the advisor's latest run took."),
+)
+VERDICT_FAMILIES: tuple[tuple[str, str, str], ...] = (
+    *((name, "gauge", h) for name, _, h in _ENGINE_GAUGES),
+    ("kvscope_advisor_bottleneck", "gauge", _BOTTLENECK_HELP),
+    *((name, "gauge", h) for name, _, h in _POOL_GAUGES),
+    ("kvscope_advisor_runs_total", "counter", _RUNS_HELP),
+    *((name, "gauge", h) for name, _, h in _LOOP_GAUGES),
+)
+"""(name, kind, help) of every family of :meth:`VerdictLoop.snapshot`."""
 
 
 @dataclass
@@ -92,7 +110,8 @@ class _PoolVerdicts:
     """The latest verdicts of one pool, with their preformatted labels."""
 
     pool: PoolVerdict | None = None
-    engines: list[tuple[str, EngineVerdict]] = field(default_factory=list)
+    engines: list[tuple[str, dict[str, str], EngineVerdict]] = field(default_factory=list)
+    """(preformatted labels, the same labels as a dict, verdict) per engine."""
 
 
 def _py(v: Any) -> Any:
@@ -223,9 +242,8 @@ class VerdictLoop:
         models = {str(r["engine_id"]): _py(r.get("model")) for r in engines.to_dict("records")}
         out = _PoolVerdicts(pool=report.pools[0] if report.pools else None)
         for v in report.engines:
-            labels = label_str((("engine", v.engine_id), ("pool", v.pool),
-                                ("model", models.get(v.engine_id))))
-            out.engines.append((labels, v))
+            pairs = (("engine", v.engine_id), ("pool", v.pool), ("model", models.get(v.engine_id)))
+            out.engines.append((label_str(pairs), {k: label_value(x) for k, x in pairs}, v))
         return out
 
     def _kv_events(self, pool: str | None, engines: pd.DataFrame, since: float,
@@ -260,14 +278,13 @@ class VerdictLoop:
             engines = [e for p in pools for e in p.engines]
             for name, attr, help_text in _ENGINE_GAUGES:
                 w.family(name, "gauge", help_text)
-                for labels, v in engines:
+                for labels, _, v in engines:
                     value = getattr(v, attr)
                     if value is not None and not (isinstance(value, float)
                                                   and not math.isfinite(value)):
                         w.sample(name, labels, int(value) if isinstance(value, bool) else value)
-            w.family("kvscope_advisor_bottleneck", "gauge",
-                     "The engine's bottleneck at its plateau, as the bottleneck label (value 1).")
-            for labels, v in engines:
+            w.family("kvscope_advisor_bottleneck", "gauge", _BOTTLENECK_HELP)
+            for labels, _, v in engines:
                 w.sample("kvscope_advisor_bottleneck",
                          f"{labels},{label_str((('bottleneck', v.bottleneck),))}", 1)
             for name, attr, help_text in _POOL_GAUGES:
@@ -277,19 +294,36 @@ class VerdictLoop:
                     if value is not None and math.isfinite(float(value)):
                         w.sample(name, label_str((("pool", p.pool.pool if p.pool else None),)),
                                  value)
-            w.family("kvscope_advisor_runs_total", "counter",
-                     "Advisor runs over the recent data, by result (ok, no_data, error).")
+            w.family("kvscope_advisor_runs_total", "counter", _RUNS_HELP)
             for result in RESULTS:
                 w.sample("kvscope_advisor_runs_total", label_str((("result", result),)),
                          self.runs[result])
-            for name, value, help_text in (
-                ("kvscope_advisor_last_run_timestamp_seconds", self.last_run_unix_s,
-                 "When the advisor last ran (unix seconds), whatever its result."),
-                ("kvscope_advisor_last_success_timestamp_seconds", self.last_success_unix_s,
-                 "When the advisor last ran without error (unix seconds)."),
-                ("kvscope_advisor_last_run_duration_seconds", self.last_duration_s,
-                 "How long the advisor's latest run took."),
-            ):
+            for name, attr, help_text in _LOOP_GAUGES:
                 w.family(name, "gauge", help_text)
+                value = getattr(self, attr)
                 if value is not None:
                     w.sample(name, "", value)
+
+    def snapshot(self) -> dict[str, list[tuple[Mapping[str, str], float]]]:
+        """The families of :data:`VERDICT_FAMILIES` with the samples ``/metrics`` shows:
+        name -> [(labels, value)]."""
+        out: dict[str, list[tuple[Mapping[str, str], float]]] = {}
+        with self._lock:
+            pools = [self._pools[k] for k in sorted(self._pools, key=str)]
+            engines = [e for p in pools for e in p.engines]
+            for name, attr, _ in _ENGINE_GAUGES:
+                out[name] = [(attrs, float(value)) for _, attrs, v in engines
+                             if (value := getattr(v, attr)) is not None
+                             and math.isfinite(float(value))]
+            out["kvscope_advisor_bottleneck"] = [
+                ({**attrs, "bottleneck": label_value(v.bottleneck)}, 1) for _, attrs, v in engines]
+            for name, attr, _ in _POOL_GAUGES:
+                out[name] = [({"pool": label_value(p.pool.pool)}, float(value)) for p in pools
+                             if p.pool is not None
+                             and (value := getattr(p.pool, attr)) is not None
+                             and math.isfinite(float(value))]
+            out["kvscope_advisor_runs_total"] = [({"result": r}, self.runs[r]) for r in RESULTS]
+            for name, attr, _ in _LOOP_GAUGES:
+                value = getattr(self, attr)
+                out[name] = [] if value is None else [({}, value)]
+        return out
