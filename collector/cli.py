@@ -40,6 +40,13 @@ def _require(cmd: str, extra: str, also: tuple[str, ...] = ()) -> None:
 def _cmd_collector(args: argparse.Namespace) -> int:
     _require("collector", "collector",
              also=("zmq", "msgspec") if args.kv_events != "off" else ())
+    if args.otlp_endpoint:
+        from collector.otlp import MissingOtlpError, require_sdk
+
+        try:
+            require_sdk("kvscope collector --otlp-endpoint")
+        except MissingOtlpError as exc:
+            raise MissingExtraError(str(exc)) from None
     from collector.server import is_loopback, serve
 
     try:
@@ -83,6 +90,9 @@ def collector_settings(args: argparse.Namespace) -> Any:
         max_exported_engines=args.max_exported_engines,
         max_new_engines_per_minute=args.max_new_engines_per_minute,
         header_timeout_s=args.header_timeout_s,
+        otlp_endpoint=args.otlp_endpoint,
+        otlp_interval_s=args.otlp_interval,
+        otlp_headers=tuple(args.otlp_header),
     )
 
 
@@ -249,7 +259,36 @@ def _add_collector(sub: argparse._SubParsersAction) -> None:
                    metavar="N",
                    help="block contents each pool remembers for reseen counting "
                         "(default: 2000000, about 70 bytes each)")
+    p.add_argument("--otlp-endpoint", metavar="URL", type=_otlp_url, default=None,
+                   help="also push the fleet metrics and the advisor's verdicts to this "
+                        "OTLP/HTTP metrics endpoint, e.g. http://otel-collector:4318/v1/metrics "
+                        "(a URL without a path gets /v1/metrics; needs kvscope[otlp]; "
+                        "OTEL_EXPORTER_OTLP_* variables apply; default: off)")
+    p.add_argument("--otlp-interval", metavar="S", type=_positive, default=None,
+                   help="seconds between OTLP exports (default: $OTEL_METRIC_EXPORT_INTERVAL "
+                        "in ms, else 60)")
+    p.add_argument("--otlp-header", metavar="KEY=VALUE", type=_header, action="append",
+                   default=[],
+                   help="HTTP header on every OTLP export, e.g. 'Authorization=Bearer T' "
+                        "(repeatable; added to $OTEL_EXPORTER_OTLP_HEADERS)")
     p.set_defaults(func=_cmd_collector)
+
+
+def _otlp_url(text: str) -> str:
+    scheme, sep, rest = text.partition("://")
+    if scheme not in ("http", "https") or not sep or not rest.strip("/"):
+        raise argparse.ArgumentTypeError(
+            f"expected an http(s) URL such as http://otel-collector:4318/v1/metrics, got {text!r}")
+    return text
+
+
+def _header(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(c in key for c in " :\r\n"):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. Authorization=Bearer T), "
+                                         f"got {text!r}")
+    return key, value.strip()
 
 
 def _kv_override(text: str) -> tuple[str, str]:

@@ -375,12 +375,7 @@ class FleetState:
         """The Prometheus text exposition of everything, built fresh."""
         w = TextWriter()
         with self._lock:
-            engines = list(self._engines.values())
-            if len(engines) > self.max_exported_engines:
-                engines.sort(key=lambda e: e.last_seen_unix_s or 0.0, reverse=True)
-                engines = engines[: self.max_exported_engines]
-            self._not_exported = len(self._engines) - len(engines)
-            engines.sort(key=lambda e: e.engine_id)
+            engines = self._exported()
             for name, attr, help_text in _GAUGES:
                 w.family(name, "gauge", help_text)
                 for e in engines:
@@ -418,12 +413,23 @@ class FleetState:
             section(w)
         return w.text()
 
+    def _exported(self) -> list[_Engine]:
+        """The engines shown, by id (the caller holds the lock): the most recently seen
+        ``max_exported_engines``."""
+        engines = list(self._engines.values())
+        if len(engines) > self.max_exported_engines:
+            engines.sort(key=lambda e: e.last_seen_unix_s or 0.0, reverse=True)
+            engines = engines[: self.max_exported_engines]
+        self._not_exported = len(self._engines) - len(engines)
+        engines.sort(key=lambda e: e.engine_id)
+        return engines
+
     def snapshot(self) -> Snapshot:
         """The per-engine families (:data:`ENGINE_FAMILIES`) with the values ``/metrics``
-        shows, read under the lock in one go."""
+        shows (the same engines), read under the lock in one go."""
         samples: dict[str, list[tuple[Attrs, float]]] = {}
         with self._lock:
-            engines = sorted(self._engines.values(), key=lambda e: e.engine_id)
+            engines = self._exported()
             for name, attr, _ in _GAUGES:
                 samples[name] = [(e.attrs, v) for e in engines
                                  if (v := getattr(e, attr)) is not None]

@@ -14,6 +14,8 @@ Routes:
 * ``GET /metrics``: Prometheus text exposition (see :mod:`collector.metrics`), with
   the advisor's verdicts refreshed every ``advise_interval_s`` in a thread of their
   own (see :mod:`collector.verdicts`).
+* With ``otlp_endpoint`` set, the same metrics are also pushed to an OTLP/HTTP
+  endpoint (see :mod:`collector.otlp`).
 * ``GET /healthz``: ``{"status": "ok", ...}``, 503 when the writer is not running.
 * Read API (JSON): ``GET /v1/engines``, ``/v1/engines/{engine_id}/configs``,
   ``/v1/windows``, ``/v1/steps``, ``/v1/requests``, ``/v1/kv_events`` (per
@@ -65,6 +67,7 @@ from engine_plugins.schema import INGEST_PATH, SchemaError
 
 if TYPE_CHECKING:
     from collector.kv_events import KvEventsManager
+    from collector.otlp import OtlpExport
 
 __all__ = ["Context", "RunningCollector", "context", "create_app", "create_runner", "is_loopback",
            "serve", "ssl_context", "start"]
@@ -330,6 +333,10 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
                                                                      AsyncIterator[None]]:
     async def ctx_manager(app: web.Application) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
+        if settings.otlp_endpoint is not None:
+            from collector.otlp import require_sdk
+
+            require_sdk()  # before anything is opened
         executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvscope-read")
         store: Store | None = given
         state = FleetState(max_exported_engines=settings.max_exported_engines)
@@ -387,7 +394,13 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
                                    cap_fraction=settings.advise_cap_fraction)
             state.sections.append(verdicts.render)
             verdicts.start()
+        otlp: OtlpExport | None = None
         try:
+            if settings.otlp_endpoint is not None:
+                from collector.otlp import OtlpExport
+
+                otlp = OtlpExport(settings, state, verdicts).start()
+                state.sections.append(otlp.render)
             yield
         finally:
             if verdicts is not None:
@@ -398,6 +411,8 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
             with contextlib.suppress(asyncio.CancelledError):
                 await retention
             await loop.run_in_executor(None, writer.close)
+            if otlp is not None:  # after the writer: the last export has every batch
+                await loop.run_in_executor(None, otlp.shutdown)
             executor.shutdown(wait=True)
             try:
                 state.save(store)

@@ -96,6 +96,15 @@ class Settings:
     and its blocks forgotten; it is subscribed afresh when it sends again."""
     kv_events_flush_interval_s: float = 1.0
     """How often the per engine-second KV-event counters are written to the store."""
+    otlp_endpoint: str | None = None
+    """OTLP/HTTP metrics URL (e.g. ``http://otel-collector:4318/v1/metrics``) to push the
+    fleet metrics and verdicts to (see :mod:`collector.otlp`); None: no OTLP export."""
+    otlp_interval_s: float | None = None
+    """Seconds between OTLP exports; None: ``$OTEL_METRIC_EXPORT_INTERVAL`` (milliseconds)
+    or 60 s, as the OpenTelemetry SDK does."""
+    otlp_headers: tuple[tuple[str, str], ...] = ()
+    """Extra HTTP headers on every OTLP export (e.g. authorization), on top of
+    ``$OTEL_EXPORTER_OTLP_(METRICS_)HEADERS``."""
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -143,15 +152,30 @@ class Settings:
             raise ValueError("kv_events_idle_s: must be > 0")
         if not 0 < self.kv_events_flush_interval_s <= 60:
             raise ValueError("kv_events_flush_interval_s: must be in (0, 60]")
+        if self.otlp_endpoint is not None:
+            scheme, sep, rest = self.otlp_endpoint.partition("://")
+            if scheme not in ("http", "https") or not sep or not rest.strip("/"):
+                raise ValueError(f"otlp_endpoint: expected an http(s) URL such as "
+                                 f"http://otel-collector:4318/v1/metrics, got "
+                                 f"{self.otlp_endpoint!r}")
+        if self.otlp_interval_s is not None and not self.otlp_interval_s > 0:
+            raise ValueError("otlp_interval_s: must be > 0")
+        for key, _ in self.otlp_headers:
+            if not key.strip() or any(c in key for c in " :\r\n"):
+                raise ValueError(f"otlp_headers: {key!r} is not a header name")
 
     def replace(self, **changes: object) -> Settings:
         """Return a copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
-        # Never print the token.
-        fields = ", ".join(
-            f"{f.name}={'***' if f.name == 'token' and self.token else getattr(self, f.name)!r}"
-            for f in dataclasses.fields(self)
-        )
+        # Never print the token or header values (they often carry credentials).
+        def shown(name: str) -> object:
+            if name == "token" and self.token:
+                return "***"
+            if name == "otlp_headers":
+                return tuple((k, "***") for k, _ in self.otlp_headers)
+            return getattr(self, name)
+
+        fields = ", ".join(f"{f.name}={shown(f.name)!r}" for f in dataclasses.fields(self))
         return f"Settings({fields})"
