@@ -164,7 +164,8 @@ class OtlpExport:
             raise
         log.info("OTLP export to %s every %s", self.endpoint,
                  f"{self.interval_s:g} s" if self.interval_s else
-                 "$OTEL_METRIC_EXPORT_INTERVAL ms (default 60 s)")
+                 f"{os.environ.get('OTEL_METRIC_EXPORT_INTERVAL', '60000')} ms "
+                 "($OTEL_METRIC_EXPORT_INTERVAL, default 60000)")
         return self
 
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
