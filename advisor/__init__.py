@@ -27,7 +27,7 @@ from advisor.latency import LatencyVsLoad
 from advisor.prefill import PrefillCost
 from advisor.prefix import KV_EVENT_COLUMNS, PrefixRouting
 from advisor.prometheus import PrometheusSource, analyze_prometheus
-from advisor.sources import CollectorSource, FrameSource, Source, SourceError
+from advisor.sources import CollectorSource, FrameSource, Source, SourceError, WindowSample
 from advisor.steptime import StepTimeModel
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "StepTimeModel",
     "ThroughputCurve",
     "WhatIf",
+    "WindowSample",
     "analyze",
     "analyze_frames",
     "analyze_prometheus",

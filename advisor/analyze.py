@@ -35,16 +35,33 @@ from advisor.findings import (
 )
 from advisor.latency import LatencyVsLoad
 from advisor.prefix import PrefixRouting
-from advisor.sources import Source
+from advisor.sources import Source, WindowSample
 from advisor.steptime import StepTimeModel
+
+MAX_WINDOWS_PER_ENGINE = 30_000
+"""Windows per engine the analyses read at most from a source that can sample (about
+8 hours of 1-second windows); more are sampled in whole time blocks."""
 
 
 def analyze(source: Source, since: float | None = None, until: float | None = None,
             pool: str | None = None, *, slo_ttft_p99_s: float | None = None,
             slo_e2e_p99_s: float | None = None, cap_fraction: float = 0.9,
-            min_routing_loss: float = 0.05, imbalance_threshold: float = 1.25) -> Report:
-    """Read engines, windows, requests and KV events from ``source`` and analyse them."""
+            min_routing_loss: float = 0.05, imbalance_threshold: float = 1.25,
+            max_windows_per_engine: int | None = MAX_WINDOWS_PER_ENGINE) -> Report:
+    """Read engines, windows, requests and KV events from ``source`` and analyse them.
+
+    A source with ``window_sample`` (the store) gives at most about
+    ``max_windows_per_engine`` windows per engine, in whole time blocks, with the
+    requests and KV events of those blocks; the report's coverage then states the true
+    counts and ``window_sample_share``. ``None`` reads everything."""
     engines = source.engines()
+    sampler = getattr(source, "window_sample", None)
+    if sampler is not None and max_windows_per_engine:
+        s = sampler(since, until, pool=pool, max_windows_per_engine=max_windows_per_engine)
+        return analyze_sample(engines, s, since=since, until=until, pool=pool,
+                              slo_ttft_p99_s=slo_ttft_p99_s, slo_e2e_p99_s=slo_e2e_p99_s,
+                              cap_fraction=cap_fraction, min_routing_loss=min_routing_loss,
+                              imbalance_threshold=imbalance_threshold)
     windows = source.windows(since, until, pool=pool)
     requests = source.requests(since, until, pool=pool)
     read_events = getattr(source, "kv_events", None)  # sources written before kv_events
@@ -54,6 +71,15 @@ def analyze(source: Source, since: float | None = None, until: float | None = No
                           slo_e2e_p99_s=slo_e2e_p99_s, cap_fraction=cap_fraction,
                           min_routing_loss=min_routing_loss,
                           imbalance_threshold=imbalance_threshold)
+
+
+def analyze_sample(engines: pd.DataFrame, sample: WindowSample, **kw: Any) -> Report:
+    """:func:`analyze_frames` on a :class:`~advisor.sources.WindowSample`, with the
+    coverage counted from its true counts when it is not complete."""
+    report = analyze_frames(engines, sample.windows, sample.requests, sample.kv_events, **kw)
+    if not sample.complete:
+        report.coverage.update(sample.coverage({v.engine_id for v in report.engines}))
+    return report
 
 
 def analyze_frames(engines: pd.DataFrame, windows: pd.DataFrame, requests: pd.DataFrame,
@@ -82,12 +108,15 @@ def analyze_frames(engines: pd.DataFrame, windows: pd.DataFrame, requests: pd.Da
                 if "engine_id" in engines else engines.iloc[0:0])
     w_in = windows[windows["engine_id"].isin(set(analyzed["engine_id"]))] if has_ids else windows
     report.coverage = _coverage(engines, analyzed, w_in, requests, known_pools)
+    # One pass over the frames instead of one scan per engine (a fleet has many).
+    w_of = dict(tuple(w_in.groupby("engine_id", sort=False))) if has_ids else {}
+    has_req = bool(len(requests)) and "engine_id" in requests
+    r_of = dict(tuple(requests.groupby("engine_id", sort=False))) if has_req else {}
     for _, row in (analyzed.sort_values("engine_id").iterrows() if len(analyzed) else ()):
         cfg = {k: (None if _isnan(v) else v) for k, v in row.to_dict().items()}
         eid = str(cfg["engine_id"])
-        w = windows[windows["engine_id"] == eid]
-        r = (requests[requests["engine_id"] == eid]
-             if len(requests) and "engine_id" in requests else requests)
+        w = w_of.get(eid, windows.iloc[0:0])
+        r = r_of.get(eid, requests.iloc[0:0]) if has_req else requests
         _engine(report, cfg, w, r, cap_fraction=cap_fraction, slo_ttft_p99_s=slo_ttft_p99_s,
                 slo_e2e_p99_s=slo_e2e_p99_s)
     _pools(report)

@@ -14,6 +14,12 @@ empty frame means KV events are not configured). Times are unix seconds, half-op
   ``kv_events`` frame.
 * :class:`FrameSource` serves DataFrames held in memory (tests, notebooks, files).
 
+A source may also offer ``window_sample(since, until, pool=..., max_windows_per_engine=N)``
+returning a :class:`WindowSample`: the windows (and the requests and KV events) of
+whole time blocks, about ``N`` windows per engine, with the true counts. A week of
+1-second windows of a large fleet does not fit in memory; :func:`advisor.analyze`
+then fits on the sample and reports the true counts (the collector's store offers it).
+
 The advisor never imports the collector's service code; this module is the only
 place that knows the read API's URLs.
 """
@@ -21,11 +27,13 @@ place that knows the read API's URLs.
 from __future__ import annotations
 
 import json
+import math
 import os
 import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import pandas as pd
@@ -46,6 +54,38 @@ class SourceError(RuntimeError):
         self.path = path
         self.status = status
         self.reason = reason
+
+
+@dataclass
+class WindowSample:
+    """Windows, finished requests and KV-event windows of whole time blocks, and per
+    engine the true ``counts`` of the range (engine_id, n_windows, first_ts_s,
+    last_ts_s, n_requests, keep_ratio: the share of the engine's time kept, 1.0 when
+    every window was read)."""
+
+    windows: pd.DataFrame
+    requests: pd.DataFrame
+    kv_events: pd.DataFrame
+    counts: pd.DataFrame
+
+    @property
+    def complete(self) -> bool:
+        """True when every window and request of the range was read."""
+        return not len(self.counts) or float(self.counts["keep_ratio"].min()) >= 1.0
+
+    def coverage(self, engine_ids: set[str]) -> dict[str, Any]:
+        """The report's coverage counts over ``engine_ids`` from the true counts, and
+        ``window_sample_share``: the share of their windows the analyses read."""
+        c = self.counts[self.counts["engine_id"].isin(engine_ids)]
+        if not len(c):
+            return {}
+        n = float(c["n_windows"].sum())
+        read = float((c["n_windows"] * c["keep_ratio"]).sum())
+        first, last = float(c["first_ts_s"].min()), float(c["last_ts_s"].max())
+        return {"n_windows": int(n), "n_requests": int(c["n_requests"].sum()),
+                "first_window_s": first if math.isfinite(first) else None,
+                "last_window_s": last if math.isfinite(last) else None,
+                "window_sample_share": round(read / n, 4) if n else 1.0}
 
 
 @runtime_checkable

@@ -61,11 +61,28 @@ class Usage:
         return {k: v[i] for k, v in self.pools.items()}
 
 
+DAY_COLUMNS = ("engine_id", "day_start_unix_s", "active_s", "saturated_s", "generation_tokens",
+               "prompt_tokens", "preemptions", "prefix_queries", "prefix_hits", "requests",
+               "gen_tokens_per_s_peak", "load_max", "first_window_s", "last_window_s")
+"""Columns of the per (engine, UTC day) sums :func:`usage_from_days` assembles: the
+window sums of ``USAGE_SUMS``, finished requests, the busiest second's generated
+tokens, the highest load and the first and last window; a store computes them in SQL
+(``collector._reads.usage_days``), :func:`weekly_usage` from frames."""
+
+
 def weekly_usage(windows: pd.DataFrame, requests: pd.DataFrame, report: Report,
                  since: float, until: float, *, day_s: float = DAY_S) -> Usage:
     """One week's use per engine and day (see the module docstring); days are UTC
     days (``day_s`` long) overlapping ``[since, until)``, the first and last partial."""
     verdicts = {v.engine_id: v for v in report.engines}
+    return usage_from_days(usage_days(windows, requests, verdicts, since, until, day_s=day_s),
+                           report, since, until, day_s=day_s)
+
+
+def usage_days(windows: pd.DataFrame, requests: pd.DataFrame,
+               verdicts: dict[str, EngineVerdict], since: float, until: float, *,
+               day_s: float = DAY_S) -> pd.DataFrame:
+    """The :data:`DAY_COLUMNS` sums per engine of ``verdicts`` and day with data."""
     w = windows[windows["engine_id"].isin(verdicts)] if len(windows) else windows
     w = prepare_windows(w) if len(w) else pd.DataFrame(columns=["engine_id", "ts_s", "load"])
     w = w[(w["ts_s"] >= math.floor(since)) & (w["ts_s"] < until)]
@@ -76,40 +93,92 @@ def weekly_usage(windows: pd.DataFrame, requests: pd.DataFrame, report: Report,
     if len(r) and "engine_id" in r:
         r = r[r["engine_id"].isin(verdicts)]
         t = pd.to_numeric(r["finished_unix_s"], errors="coerce")
-        r = r[(t >= since) & (t < until)].assign(day=_day(t, day_s), requests=1)
+        r = r[(t >= since) & (t < until)].assign(day=_day(t, day_s))
+        n_req = r.groupby(["engine_id", "day"]).size()
+    else:
+        n_req = pd.Series(dtype=float)
+    rows = []
+    for (eid, d), g in (w.groupby(["engine_id", "day"], sort=True) if len(w) else ()):
+        row: dict[str, Any] = {"engine_id": eid, "day_start_unix_s": float(d),
+                               **{k: _total(g, k) for k in USAGE_SUMS if k != "requests"}}
+        row["requests"] = float(n_req.get((eid, d), 0))
+        row["gen_tokens_per_s_peak"] = float(g["gen_tokens_per_s"].max())
+        row["load_max"] = float(g["load"].max())
+        row["first_window_s"] = float(g["ts_s"].min())
+        row["last_window_s"] = float(g["ts_s"].max())
+        rows.append(row)
+    seen = {(r_["engine_id"], r_["day_start_unix_s"]) for r_ in rows}
+    for (eid, d), n in n_req.items():
+        if (eid, float(d)) not in seen:  # requests finished on a day without windows
+            rows.append({"engine_id": eid, "day_start_unix_s": float(d),
+                         **{k: 0.0 for k in USAGE_SUMS if k != "requests"},
+                         "requests": float(n), "gen_tokens_per_s_peak": None,
+                         "load_max": None, "first_window_s": None, "last_window_s": None})
+    return pd.DataFrame(rows, columns=list(DAY_COLUMNS))
+
+
+def _total(df: pd.DataFrame, col: str) -> float:
+    return float(pd.to_numeric(df[col], errors="coerce").sum()) if col in df and len(df) else 0.0
+
+
+def usage_from_days(days_in: pd.DataFrame, report: Report, since: float, until: float, *,
+                    day_s: float = DAY_S) -> Usage:
+    """Assemble the :class:`Usage` of ``report``'s engines from per (engine, day) sums
+    (:data:`DAY_COLUMNS`; days without a row count as unused)."""
+    verdicts = {v.engine_id: v for v in report.engines}
+    by_key = {(str(r["engine_id"]), float(r["day_start_unix_s"])): r
+              for r in days_in.to_dict("records")} if len(days_in) else {}
     first_day = _day(pd.Series([since]), day_s).iloc[0]
     day_starts = np.arange(first_day, until, day_s)
     day_rows = []
-    for eid, v in sorted(verdicts.items()):
-        we = w[w["engine_id"] == eid]
-        re_ = r[r["engine_id"] == eid] if len(r) and "engine_id" in r else r.iloc[0:0]
-        for d in day_starts:
-            day_rows.append(_ratios({
-                "engine_id": eid, "pool": v.pool, "day_start_unix_s": float(d),
-                **_sums(we[we["day"] == d], re_[re_["day"] == d] if len(re_) else re_)}))
-    days = pd.DataFrame(day_rows)
     eng_rows = []
     for eid, v in sorted(verdicts.items()):
-        we = w[w["engine_id"] == eid]
-        row = {"engine_id": eid, "pool": v.pool,
-               **_sums(we, r[r["engine_id"] == eid] if len(r) and "engine_id" in r else r)}
+        parts = []
+        for d in day_starts:
+            part = by_key.get((eid, float(d)))
+            parts.append(part)
+            day_rows.append(_ratios({"engine_id": eid, "pool": v.pool,
+                                     "day_start_unix_s": float(d), **_from_parts([part])}))
+        row = {"engine_id": eid, "pool": v.pool, **_from_parts(parts)}
         row["knee_concurrency"] = _saturation_knee(v)
-        row["first_window_s"] = float(we["ts_s"].min()) if len(we) else None
-        row["last_window_s"] = float(we["ts_s"].max()) if len(we) else None
+        firsts = [p["first_window_s"] for p in parts if p and _num(p["first_window_s"])]
+        lasts = [p["last_window_s"] for p in parts if p and _num(p["last_window_s"])]
+        row["first_window_s"] = float(min(firsts)) if firsts else None
+        row["last_window_s"] = float(max(lasts)) if lasts else None
         eng_rows.append(_ratios(row))
+    days = pd.DataFrame(day_rows)
     engines = pd.DataFrame(eng_rows)
     pool_rows = []
     for _, g in (engines.groupby(engines["pool"].astype(str), sort=True)
                     if len(engines) else ()):
-        row = {"pool": g["pool"].iloc[0], "n_engines": len(g),
-               **{k: float(g[k].sum()) for k in USAGE_SUMS}}
-        row["gen_tokens_per_s_mean"] = (row["generation_tokens"] / row["active_s"]
-                                        if row["active_s"] else None)
-        pool_rows.append(_ratios(row))
+        prow = {"pool": g["pool"].iloc[0], "n_engines": len(g),
+                **{k: float(g[k].sum()) for k in USAGE_SUMS}}
+        prow["gen_tokens_per_s_mean"] = (prow["generation_tokens"] / prow["active_s"]
+                                         if prow["active_s"] else None)
+        pool_rows.append(_ratios(prow))
     return Usage(since_unix_s=float(since), until_unix_s=float(until),
                  days=frame_of(days, list(days.columns)),
                  engines=frame_of(engines, list(engines.columns)),
                  pools=frame_of(pd.DataFrame(pool_rows), list(pool_rows[0]) if pool_rows else []))
+
+
+def _num(v: Any) -> bool:
+    return v is not None and not (isinstance(v, float) and math.isnan(v))
+
+
+def _from_parts(parts: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """Sums over days (``None``: a day without data) in the layout of a usage row."""
+    have = [p for p in parts if p]
+    out: dict[str, Any] = {k: float(sum(float(p[k]) for p in have))
+                           for k in USAGE_SUMS if k != "requests"}
+    out["requests"] = float(sum(float(p["requests"]) for p in have))
+    out["gen_tokens_per_s_mean"] = (out["generation_tokens"] / out["active_s"]
+                                    if out["active_s"] else None)
+    peaks = [float(p["gen_tokens_per_s_peak"]) for p in have if _num(p["gen_tokens_per_s_peak"])]
+    loads = [float(p["load_max"]) for p in have if _num(p["load_max"])]
+    out["gen_tokens_per_s_peak"] = max(peaks) if peaks else None
+    out["load_max"] = max(loads) if loads else None
+    return out
 
 
 def _saturation_knee(v: EngineVerdict) -> float:
@@ -121,19 +190,6 @@ def _saturation_knee(v: EngineVerdict) -> float:
 
 def _day(ts: pd.Series, day_s: float) -> pd.Series:
     return (np.floor(pd.to_numeric(ts, errors="coerce") / day_s) * day_s).astype(float)
-
-
-def _sums(w: pd.DataFrame, r: pd.DataFrame) -> dict[str, Any]:
-    def total(df: pd.DataFrame, col: str) -> float:
-        return float(pd.to_numeric(df[col], errors="coerce").sum()) if col in df and len(df) else 0.0
-
-    out: dict[str, Any] = {k: total(w, k) for k in USAGE_SUMS if k != "requests"}
-    out["requests"] = float(len(r))
-    gen = pd.to_numeric(w["gen_tokens_per_s"], errors="coerce") if len(w) else pd.Series([])
-    out["gen_tokens_per_s_mean"] = out["generation_tokens"] / out["active_s"] if out["active_s"] else None
-    out["gen_tokens_per_s_peak"] = float(gen.max()) if len(gen) else None
-    out["load_max"] = float(w["load"].max()) if len(w) else None
-    return out
 
 
 def _ratios(row: dict[str, Any]) -> dict[str, Any]:

@@ -185,3 +185,128 @@ def exporter_stats(cur: Any, engine_id: str | None = None) -> pd.DataFrame:
 def table_counts(cur: Any, tables: tuple[str, ...]) -> dict[str, int]:
     """Row count per table."""
     return {t: int(cur.execute(f"SELECT count(*) FROM {t}").fetchone()[0]) for t in tables}
+
+
+# -- fleet-scale reads: per-engine counts, a block sample of the windows, daily sums ----
+
+SAMPLE_BLOCK_S = 300
+"""Windows are sampled in whole blocks of this many seconds (see :func:`window_sample`)."""
+_PPM = 1_000_000
+
+
+def window_counts(cur: Any, pool: str | None = None, since: float | None = None,
+                  until: float | None = None) -> pd.DataFrame:
+    """Per engine with windows in the range: engine_id, n_windows, first_ts_s, last_ts_s,
+    n_requests (finished requests in the range)."""
+    where, args = _where(None, pool, "ts_s", since, until)
+    rwhere, rargs = _where(None, pool, "finished_unix_s", since, until)
+    return _df(cur, "SELECT w.*, coalesce(r.n_requests, 0) AS n_requests FROM ("
+                    "SELECT engine_id, count(*) AS n_windows, min(ts_s) AS first_ts_s, "
+                    f"max(ts_s) AS last_ts_s FROM windows_1s{where} GROUP BY engine_id) w "
+                    "LEFT JOIN (SELECT engine_id, count(*) AS n_requests FROM requests"
+                    f"{rwhere} GROUP BY engine_id) r USING (engine_id) ORDER BY engine_id",
+               [*args, *rargs])
+
+
+def _keep(block_expr: str) -> str:
+    return f"(hash({block_expr}) % {_PPM}) < k.keep_ppm"
+
+
+def window_sample(cur: Any, keep: pd.DataFrame, pool: str | None = None,
+                  since: float | None = None, until: float | None = None,
+                  block_s: int = SAMPLE_BLOCK_S) -> dict[str, pd.DataFrame]:
+    """Windows, finished requests and KV-event windows of whole time blocks.
+
+    ``keep`` has engine_id and keep_ppm: the share of ``block_s``-second blocks kept per
+    engine, in millionths. A block is kept when a hash of its index falls below that
+    share, so engines with the same share keep the same blocks (a pool's replicas are
+    seen at the same moments) and a larger share keeps a superset. A request belongs to
+    the block it finished in. Returns frames ``windows``, ``requests``, ``kv_events``
+    with the columns of :func:`windows`, :func:`requests`, :func:`kv_event_windows`.
+    """
+    _keep_rows = keep[["engine_id", "keep_ppm"]].astype({"keep_ppm": "int64"})
+    cur.register("_keep_rows", _keep_rows)
+    try:
+        where, args = _where(None, pool, "ts_s", since, until, alias="w")
+        wk = _keep(f"w.ts_s // {int(block_s)}")
+        windows_df = _df(cur, "SELECT w.*, e.pool, e.model FROM windows_1s w "
+                              "JOIN _keep_rows k ON k.engine_id = w.engine_id "
+                              "LEFT JOIN engines e ON e.engine_id = w.engine_id"
+                              f"{where}{' AND ' if where else ' WHERE '}{wk} "
+                              "ORDER BY w.ts_s, w.engine_id", args)
+        where, args = _where(None, pool, "finished_unix_s", since, until, alias="r")
+        rk = _keep(f"CAST(floor(r.finished_unix_s / {int(block_s)}) AS BIGINT)")
+        requests_df = _df(cur, "SELECT r.* FROM requests r "
+                               "JOIN _keep_rows k ON k.engine_id = r.engine_id"
+                               f"{where}{' AND ' if where else ' WHERE '}{rk} "
+                               "ORDER BY r.finished_unix_s, r.engine_id", args)
+        kv_df = pd.DataFrame()
+        if cur.execute("SELECT count(*) FROM information_schema.tables "
+                       "WHERE table_name = 'kv_event_windows'").fetchone()[0]:
+            where, args = _where(None, pool, "ts_s", since, until, alias="x")
+            xk = _keep(f"x.ts_s // {int(block_s)}")
+            kv_df = _df(cur, "SELECT x.*, e.pool FROM kv_event_windows x "
+                             "JOIN _keep_rows k ON k.engine_id = x.engine_id "
+                             "LEFT JOIN engines e ON e.engine_id = x.engine_id"
+                             f"{where}{' AND ' if where else ' WHERE '}{xk} "
+                             "ORDER BY x.ts_s, x.engine_id", args)
+    finally:
+        cur.unregister("_keep_rows")
+    return {"windows": windows_df, "requests": requests_df, "kv_events": kv_df}
+
+
+def usage_days(cur: Any, knees: pd.DataFrame, since: float, until: float,
+               day_s: float = 86400.0) -> pd.DataFrame:
+    """Per engine of ``knees`` (engine_id, knee: the load past which a second counts as
+    saturated, null for none) and UTC day: the ``advisor.usage.DAY_COLUMNS`` sums of the
+    1-second windows in ``[since, until)`` and the requests finished then, in one scan."""
+    _knees = knees[["engine_id", "knee"]].astype({"knee": "float64"})
+    cur.register("_knees", _knees)
+    try:
+        load = ("(coalesce(w.batch_mean, 0.0) + coalesce(w.waiting_mean, 0.0) "
+                "+ coalesce(w.deferred_mean, 0.0))")
+        sums = ", ".join(f"CAST(coalesce(sum(w.{c}), 0) AS DOUBLE) AS {c}"
+                         for c in ("generation_tokens", "prompt_tokens", "preemptions",
+                                   "prefix_queries", "prefix_hits"))
+        day = f"floor(w.ts_s / {float(day_s)}) * {float(day_s)}"
+        rday = f"floor(r.finished_unix_s / {float(day_s)}) * {float(day_s)}"
+        sql = (
+            "WITH wd AS (SELECT w.engine_id, "
+            f"{day} AS day_start_unix_s, CAST(count(*) AS DOUBLE) AS active_s, "
+            f"CAST(count(*) FILTER (WHERE {load} > k.knee) AS DOUBLE) AS saturated_s, {sums}, "
+            "CAST(max(coalesce(w.generation_tokens, 0)) AS DOUBLE) AS gen_tokens_per_s_peak, "
+            f"max({load}) AS load_max, CAST(min(w.ts_s) AS DOUBLE) AS first_window_s, "
+            "CAST(max(w.ts_s) AS DOUBLE) AS last_window_s "
+            "FROM windows_1s w JOIN _knees k ON k.engine_id = w.engine_id "
+            "WHERE w.ts_s >= ? AND w.ts_s < ? GROUP BY 1, 2), "
+            f"rd AS (SELECT r.engine_id, {rday} AS day_start_unix_s, "
+            "CAST(count(*) AS DOUBLE) AS requests FROM requests r "
+            "JOIN _knees k ON k.engine_id = r.engine_id "
+            "WHERE r.finished_unix_s >= ? AND r.finished_unix_s < ? GROUP BY 1, 2) "
+            "SELECT engine_id, day_start_unix_s, coalesce(active_s, 0) AS active_s, "
+            "coalesce(saturated_s, 0) AS saturated_s, "
+            + ", ".join(f"coalesce({c}, 0) AS {c}" for c in
+                        ("generation_tokens", "prompt_tokens", "preemptions", "prefix_queries",
+                         "prefix_hits"))
+            + ", coalesce(rd.requests, 0) AS requests, gen_tokens_per_s_peak, load_max, "
+            "first_window_s, last_window_s "
+            "FROM wd FULL OUTER JOIN rd USING (engine_id, day_start_unix_s) "
+            "ORDER BY engine_id, day_start_unix_s")
+        return _df(cur, sql, [math.floor(since), until, since, until])
+    finally:
+        cur.unregister("_knees")
+
+
+def sample(cur: Any, max_windows_per_engine: int, pool: str | None = None,
+           since: float | None = None, until: float | None = None,
+           block_s: int = SAMPLE_BLOCK_S) -> dict[str, pd.DataFrame]:
+    """:func:`window_sample` keeping about ``max_windows_per_engine`` windows per engine
+    (all of an engine that has fewer), plus ``counts``: :func:`window_counts` with
+    ``keep_ratio``, the share of blocks kept (1.0: every window read)."""
+    counts = window_counts(cur, pool, since, until)
+    n = counts["n_windows"].to_numpy(float)
+    ratio = [min(1.0, max_windows_per_engine / v) if v > 0 else 1.0 for v in n]
+    counts = counts.assign(keep_ratio=ratio)
+    keep = counts.assign(keep_ppm=[_PPM if r >= 1.0 else max(1, math.ceil(r * _PPM))
+                                   for r in ratio])
+    return {**window_sample(cur, keep, pool, since, until, block_s), "counts": counts}

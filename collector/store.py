@@ -299,6 +299,21 @@ class Store:
         """Columns: engine_id, n_requests."""
         return _reads.finished_request_counts(self._cursor())
 
+    def window_sample(self, max_windows_per_engine: int, pool: str | None = None,
+                      since_unix_s: float | None = None,
+                      until_unix_s: float | None = None) -> dict[str, pd.DataFrame]:
+        """Windows, requests and KV-event windows of whole 5-minute blocks, about
+        ``max_windows_per_engine`` windows per engine, and the true ``counts`` per engine
+        (see ``_reads.sample``): the advisor's input at fleet scale."""
+        return _reads.sample(self._cursor(), max_windows_per_engine, pool, since_unix_s,
+                             until_unix_s)
+
+    def usage_days(self, knees: pd.DataFrame, since_unix_s: float,
+                   until_unix_s: float) -> pd.DataFrame:
+        """Per engine (``knees``: engine_id, knee) and UTC day: window sums, seconds past
+        the knee and requests finished (``advisor.usage.DAY_COLUMNS``), in SQL."""
+        return _reads.usage_days(self._cursor(), knees, since_unix_s, until_unix_s)
+
     def exporter_stats(self, engine_id: str | None = None) -> pd.DataFrame:
         """Columns: engine_id, boot_id, the EXPORTER_FIELDS, updated_unix_s."""
         return _reads.exporter_stats(self._cursor(), engine_id)

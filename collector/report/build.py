@@ -6,6 +6,13 @@ frames, each with the engines' configuration as it was at the end of its window
 (:func:`advisor.weekly.config_as_of`), so last week is judged by last week's
 ``max_num_seqs``. Usage and the comparison come from :mod:`advisor.usage` and
 :mod:`advisor.weekly`; nothing here derives a number of its own.
+
+A source that can sample (the store, :class:`~collector.report.sources.StoreSource`)
+is asked for each week's :class:`~advisor.WindowSample` instead (whole time blocks, at
+most about ``max_windows_per_engine`` windows per engine: the analyses fit on it) and
+for the usage sums per engine and day (``usage_days``, DuckDB over every window), so
+memory stays bounded however large the fleet; a fleet small enough is read whole and
+analysed exactly as from frames.
 """
 
 from __future__ import annotations
@@ -16,10 +23,11 @@ from typing import Any, Protocol
 
 import pandas as pd
 
-from advisor import FrameSource, Report, analyze
+from advisor import FrameSource, Report, WindowSample, analyze
 from advisor._frames import frame_of
+from advisor.analyze import MAX_WINDOWS_PER_ENGINE, analyze_sample
 from advisor.sources import Source
-from advisor.usage import weekly_usage
+from advisor.usage import Usage, usage_from_days, weekly_usage
 from advisor.weekly import CONFIG_FIELDS, compare_weeks, config_as_of
 from collector.report.model import WeeklyReport
 
@@ -54,9 +62,12 @@ class ReportSource(Source, Protocol):
 def build_weekly_report(source: ReportSource, since: float, until: float, *,
                         pool: str | None = None, source_label: str = "",
                         progress: Progress | None = None,
+                        max_windows_per_engine: int | None = MAX_WINDOWS_PER_ENGINE,
                         **analyze_kw: Any) -> WeeklyReport:
     """Read, analyse and compare (see the module docstring). ``analyze_kw`` go to
-    :func:`advisor.analyze` for both weeks (SLOs, ``cap_fraction``...)."""
+    :func:`advisor.analyze` for both weeks (SLOs, ``cap_fraction``...);
+    ``max_windows_per_engine`` bounds a sampling source's read (``None``: read every
+    window into memory, from any source)."""
     bar = progress or _Silent()
     length = until - since
     prev_since = since - length
@@ -71,15 +82,27 @@ def build_weekly_report(source: ReportSource, since: float, until: float, *,
         configs = configs[configs["engine_id"].isin(
             set(engines.loc[engines["pool"] == pool, "engine_id"]))]
     bar.update(1)
-    step("reading two weeks of 1-second windows")
-    windows = source.windows(prev_since, until, pool=pool)
-    bar.update(1)
-    step("reading finished requests")
-    requests = source.requests(prev_since, until, pool=pool)
-    bar.update(1)
-    step("reading KV-cache events")
-    kv_events = source.kv_events(prev_since, until, pool=pool)
-    bar.update(1)
+    sampler = getattr(source, "window_sample", None)
+    samples: dict[str, WindowSample] = {}
+    if sampler is not None and max_windows_per_engine:
+        for name, start, end in (("current", since, until), ("previous", prev_since, since)):
+            step(f"reading {'this week' if name == 'current' else 'the week before'}: "
+                 "windows, requests, KV-cache events")
+            samples[name] = sampler(start, end, pool=pool,
+                                    max_windows_per_engine=max_windows_per_engine)
+            bar.update(1)
+        bar.update(1)
+        windows = requests = kv_events = pd.DataFrame()
+    else:
+        step("reading two weeks of 1-second windows")
+        windows = source.windows(prev_since, until, pool=pool)
+        bar.update(1)
+        step("reading finished requests")
+        requests = source.requests(prev_since, until, pool=pool)
+        bar.update(1)
+        step("reading KV-cache events")
+        kv_events = source.kv_events(prev_since, until, pool=pool)
+        bar.update(1)
 
     week_configs: dict[str, dict[str, dict[str, Any]]] = {}
 
@@ -88,8 +111,20 @@ def build_weekly_report(source: ReportSource, since: float, until: float, *,
         week_configs[name] = {
             str(r["engine_id"]): {f: r.get(f) for f in CONFIG_FIELDS if f in r}
             for r in (as_of.to_dict("records") if "engine_id" in as_of else [])}
+        if name in samples:
+            return analyze_sample(as_of, samples[name], since=start, until=end, pool=pool,
+                                  **analyze_kw)
         frames = FrameSource(as_of, windows, requests, kv_events)
         return analyze(frames, start, end, pool, **analyze_kw)
+
+    def week_usage(report: Report, start: float, end: float) -> Usage:
+        sums = getattr(source, "usage_days", None)
+        if sums is None or not samples:
+            return weekly_usage(windows, requests, report, start, end)
+        knees = pd.DataFrame({"engine_id": [v.engine_id for v in report.engines],
+                              "knee": [v.knee_concurrency if v.saturated else None
+                                       for v in report.engines]}, dtype=object)
+        return usage_from_days(sums(knees, start, end), report, start, end)
 
     step("analysing this week")
     current = week("current", since, until)
@@ -98,8 +133,8 @@ def build_weekly_report(source: ReportSource, since: float, until: float, *,
     previous = week("previous", prev_since, since)
     bar.update(1)
     step("usage per day")
-    usage = weekly_usage(windows, requests, current, since, until)
-    previous_usage = weekly_usage(windows, requests, previous, prev_since, since)
+    usage = week_usage(current, since, until)
+    previous_usage = week_usage(previous, prev_since, since)
     bar.update(1)
     step("comparing the weeks")
     comparison = compare_weeks(current, previous, configs, usage=usage)

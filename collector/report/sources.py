@@ -10,6 +10,9 @@ Both sources answer the advisor's :class:`~advisor.sources.Source` questions plu
   DuckDB lets one process write a file, and no other process open it meanwhile, not
   even to read: with a collector running on the file, :func:`open_store` fails with
   :class:`StoreLockedError`, whose message says to use ``--collector`` instead.
+  It also answers ``window_sample`` (the advisor's input in whole time blocks, bounded
+  per engine) and ``usage_days`` (per-day sums in SQL), so a week of a large fleet is
+  never read into memory whole.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
-from advisor.sources import CollectorSource
+from advisor.sources import CollectorSource, WindowSample
 from collector._ddl import STORE_SCHEMA_VERSION, StoreVersionError
 from collector.store import Store
 
@@ -116,6 +119,21 @@ class StoreSource:
 
     def engine_configs(self) -> pd.DataFrame:
         return self.store.engine_configs()
+
+    def window_sample(self, since: float | None = None, until: float | None = None, *,
+                      pool: str | None = None,
+                      max_windows_per_engine: int) -> WindowSample:
+        """Whole 5-minute blocks, about ``max_windows_per_engine`` windows per engine,
+        read in SQL; the true counts beside them (see :class:`~advisor.WindowSample`)."""
+        s = self.store.window_sample(max_windows_per_engine, pool, since, until)
+        return WindowSample(windows=s["windows"], requests=s["requests"],
+                            kv_events=s["kv_events"] if "kv_event_windows" in self.store.tables
+                            else pd.DataFrame(), counts=s["counts"])
+
+    def usage_days(self, knees: pd.DataFrame, since: float, until: float) -> pd.DataFrame:
+        """Per engine and UTC day: the sums :func:`advisor.usage.usage_from_days` takes,
+        computed by DuckDB over every window of the range."""
+        return self.store.usage_days(knees, since, until)
 
     def close(self) -> None:
         self.store.close()
