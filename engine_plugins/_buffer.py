@@ -46,6 +46,14 @@ class EngineBuffer:
         self.pending_batches = self.pending_steps = self.pending_requests = 0
         self.batches_built = self.batches_sent = self.dropped_batches = 0
         self.send_failures = self.hellos_sent = 0
+        # Dropped batches by reason (each also counts in dropped_batches, except the
+        # spool's drops of earlier boots' batches, which count only in dropped_full).
+        self.dropped_full = self.dropped_rejected = self.dropped_exit = 0
+        # The on-disk spool: this boot's batches in it now, and cumulative counts.
+        self.spool_batches = self.spool_steps = self.spool_requests = 0
+        self.spooled_batches = 0
+        self.spool_corrupt_records = 0
+        """Process-wide count, carried by the process's first engine only."""
 
     def set_hello(self, hello: dict[str, Any]) -> None:
         """Replace the hello (identity and configuration); it is sent again."""
@@ -82,4 +90,8 @@ class EngineBuffer:
             "dropped_batches": self.dropped_batches,
             "send_failures": self.send_failures,
             "record_errors": self.record_errors,
+            "dropped_batches_full": self.dropped_full,
+            "dropped_batches_rejected": self.dropped_rejected,
+            "spooled_batches": self.spooled_batches,
+            "spool_corrupt_records": self.spool_corrupt_records,
         }

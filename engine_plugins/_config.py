@@ -21,6 +21,11 @@ KVSCOPE_BUFFER_REQUESTS        60000       request rows buffered per engine
 KVSCOPE_MAX_PENDING_BATCHES    120         encoded batches kept while the collector is away
 KVSCOPE_TIMEOUT_S              2.0         hard timeout of one HTTP request
 KVSCOPE_SHUTDOWN_TIMEOUT_S     2.0         longest the exit flush may block
+KVSCOPE_SPOOL_DIR              (unset)     directory of the on-disk spool (off when unset);
+                                           each server uses ``<dir>/<host>_<port>``
+KVSCOPE_SPOOL_MAX_BYTES        268435456   size cap of the spool; oldest segments dropped
+KVSCOPE_STATS_FILE             (unset)     write the exporter's counters (JSON) there
+                                           after every cycle, for operators and tests
 =============================  ==========  ==================================================
 """
 
@@ -43,6 +48,7 @@ DEFAULT_BUFFER_REQUESTS = 60_000
 DEFAULT_MAX_PENDING_BATCHES = 120
 DEFAULT_TIMEOUT_S = 2.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 2.0
+DEFAULT_SPOOL_MAX_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,17 @@ class Settings:
     max_pending_batches: int = DEFAULT_MAX_PENDING_BATCHES
     timeout_s: float = DEFAULT_TIMEOUT_S
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    spool_dir: str | None = None
+    """Base directory of the on-disk spool; None keeps undeliverable batches in memory only."""
+    spool_max_bytes: int = DEFAULT_SPOOL_MAX_BYTES
+    stats_file: str | None = None
+    """Where the exporter writes its counters (JSON) after every cycle; None for nowhere."""
+
+    @property
+    def spool_key(self) -> str:
+        """This server's spool subdirectory name: its engine id override, else host_port."""
+        raw = self.engine_id_override or f"{self.host}_{self.port}"
+        return "".join(c if c.isalnum() or c in "._-" else "_" for c in raw)[:120]
 
     @property
     def enabled(self) -> bool:
@@ -208,4 +225,9 @@ def load_settings(
         shutdown_timeout_s=_float(
             env, "KVSCOPE_SHUTDOWN_TIMEOUT_S", DEFAULT_SHUTDOWN_TIMEOUT_S, 0.0, 120.0
         ),
+        spool_dir=_text(env, "KVSCOPE_SPOOL_DIR", None, 4096),
+        spool_max_bytes=_int(
+            env, "KVSCOPE_SPOOL_MAX_BYTES", DEFAULT_SPOOL_MAX_BYTES, 4096, 1 << 44
+        ),
+        stats_file=_text(env, "KVSCOPE_STATS_FILE", None, 4096),
     )

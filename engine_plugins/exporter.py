@@ -29,6 +29,17 @@ the plugin changes it (e.g. ``num_gpu_blocks`` known after start-up), after any
 failed delivery (the collector may have restarted), and when a response says
 ``{"need_hello": true}``. A queued batch sent while the hello is due gets it added.
 
+Spool (``KVSCOPE_SPOOL_DIR``, off by default; :mod:`engine_plugins._spool`): while
+deliveries fail, every queued batch is moved, in order, to segment files on disk
+(written and fsynced by this thread, once per cycle); batches beyond
+``max_pending_batches`` go there instead of being dropped, and so does whatever is
+undelivered at exit. The spool is sent first (oldest first) once the collector
+answers again, in a process that starts later on the same host and port too, with
+each batch's original idempotency key, so the collector stores it once. Beyond
+``KVSCOPE_SPOOL_MAX_BYTES`` the oldest segments are deleted and their batches
+counted as dropped (``dropped_batches_full``); a torn or corrupt record is skipped
+and counted (``spool_corrupt_records``).
+
 Exit: an ``atexit`` hook flushes everything (no hold-back) and returns within
 ``shutdown_timeout_s`` however the collector behaves. After ``fork`` the child
 starts with no exporter; the next logger created there (or an existing one, on its
@@ -39,6 +50,9 @@ Accounting, per engine and in total (:meth:`Exporter.stats`), exact whenever no
 
     steps_produced    == steps_sent + steps_merged + steps_dropped + steps_buffered
     requests_produced == requests_sent + requests_dropped + requests_buffered
+
+where ``buffered`` includes this boot's rows in the spool. ``KVSCOPE_STATS_FILE``
+makes the thread write these counters as JSON after every cycle.
 """
 
 from __future__ import annotations
@@ -61,6 +75,7 @@ from engine_plugins._config import Settings
 from engine_plugins._http import OK, RETRY, IngestClient, Response, classify
 from engine_plugins._logging import ERRORS, LOGGER
 from engine_plugins._rows import ColumnBuilder
+from engine_plugins._spool import Spool, SpoolBusy, SpoolEntry
 from engine_plugins.schema import SCHEMA_VERSION
 
 #: Most rows of one kind in one batch (the schema allows more; smaller is kinder).
@@ -72,6 +87,10 @@ HEARTBEAT_S = 15.0
 #: First and largest backoff delay after a failed delivery.
 INITIAL_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
+#: Longest one cycle spends replaying the spool (as a share of the flush interval).
+SPOOL_REPLAY_SHARE = 0.8
+#: Share of the exit deadline kept for writing undelivered batches to the spool.
+SPOOL_EXIT_RESERVE = 0.25
 #: Ticks run this long after a wall-clock boundary.
 TICK_OFFSET_S = 0.05
 _GZIP_LEVEL = 5
@@ -134,6 +153,10 @@ class Exporter:
         self._failures = 0  # consecutive failed delivery attempts
         self._next_attempt_mono_s = 0.0
         self.exporter_errors = 0
+        self._spool: Spool | None = None
+        self._spool_tried = False
+        self.replayed_batches = 0
+        """Batches of earlier boots delivered from the spool."""
 
     # -- engines ---------------------------------------------------------------------
 
@@ -195,14 +218,34 @@ class Exporter:
                               deadline_mono_s)  # fmt: skip
 
     def _tick_locked(self, now_unix_s: float, final: bool, deadline_mono_s: float | None) -> None:
+        if not self._spool_tried and self.settings.spool_dir:
+            self._open_spool()
         with self._lock:
             for eng in list(self._engines.values()):
                 self._build(eng, now_unix_s, final)
-        self._send_pending(final, deadline_mono_s)
-        if final:
-            with self._lock:
-                while self._pending:
-                    self._drop(self._pending.popleft())
+        spool = self._spool
+        try:
+            if spool is not None:
+                self._spill(everything=self._failures > 0)
+                send_deadline = deadline_mono_s
+                if final and deadline_mono_s is not None:
+                    send_deadline = deadline_mono_s - SPOOL_EXIT_RESERVE * max(
+                        deadline_mono_s - time.monotonic(), 0.0)
+                if self._send_spooled(final, send_deadline):
+                    self._send_pending(final, send_deadline)
+            else:
+                self._send_pending(final, deadline_mono_s)
+            if final:
+                if spool is not None:
+                    self._spill(everything=True)
+                with self._lock:
+                    while self._pending:
+                        self._drop(self._pending.popleft(), "exit")
+        finally:
+            if spool is not None:
+                self._sync_spool(close=final)
+            if self.settings.stats_file:
+                self._write_stats()
 
     def _drain(
         self, eng: EngineBuffer, now_unix_s: float, final: bool
@@ -264,15 +307,24 @@ class Exporter:
             eng.pending_requests += batch.n_requests
             self._pending.append(batch)
             self._pending_bytes += len(batch.body)
-            while len(self._pending) > 1 and (
-                len(self._pending) > self.settings.max_pending_batches
-                or self._pending_bytes > MAX_PENDING_BYTES
-            ):
-                self._drop(self._pending.popleft())
+            while self._spool is None and self._over_cap():
+                self._drop(self._pending.popleft(), "full")
 
-    def _drop(self, batch: _Batch) -> None:
+    def _over_cap(self) -> bool:
+        return len(self._pending) > 1 and (
+            len(self._pending) > self.settings.max_pending_batches
+            or self._pending_bytes > MAX_PENDING_BYTES
+        )
+
+    def _drop(self, batch: _Batch, reason: str) -> None:
         eng = batch.eng
         eng.dropped_batches += 1
+        if reason == "full":
+            eng.dropped_full += 1
+        elif reason == "rejected":
+            eng.dropped_rejected += 1
+        else:
+            eng.dropped_exit += 1
         eng.batch_dropped_steps += batch.n_steps
         eng.batch_dropped_requests += batch.n_requests
         self._unqueue(batch)
@@ -321,7 +373,7 @@ class Exporter:
                 resp, error = None, exc
             with self._lock:
                 if resp is None:
-                    self._failed(batch, None, error)
+                    self._failed(batch.eng, None, error)
                     return
                 if not self._handle(batch, resp):
                     return
@@ -348,14 +400,14 @@ class Exporter:
                 self._failures = 0
             return True
         if verdict == RETRY:
-            self._failed(batch, resp, None)
+            self._failed(batch.eng, resp, None)
             return False
         eng.send_failures += 1
         if need_hello and eng.hello is not None and batch.hello_version != eng.hello_version:
             eng.hello_acked_version = 0  # resent at once, now with the hello
             return True
         self._pending.popleft()
-        self._drop(batch)
+        self._drop(batch, "rejected")
         ERRORS.warning(
             f"http:{resp.status}",
             "kvscope: the collector refused batch %d of %s with HTTP %d (%s); dropped it "
@@ -365,8 +417,10 @@ class Exporter:
         )  # fmt: skip
         return True
 
-    def _failed(self, batch: _Batch, resp: Response | None, error: BaseException | None) -> None:
-        batch.eng.send_failures += 1
+    def _failed(self, eng: EngineBuffer | None, resp: Response | None,
+                error: BaseException | None) -> None:  # fmt: skip
+        if eng is not None:
+            eng.send_failures += 1
         self._failures += 1
         for eng in self._engines.values():
             eng.hello_acked_version = 0  # the collector may come back without our hello
@@ -381,8 +435,187 @@ class Exporter:
             "http:retry",
             "kvscope: cannot deliver to the collector at %s (%s); retrying in %.1f s, "
             "%d batch(es) waiting",
-            self.settings.collector_url, what, delay_s, len(self._pending),
+            self.settings.collector_url, what, delay_s,
+            len(self._pending) + (len(self._spool) if self._spool is not None else 0),
         )  # fmt: skip
+
+    # -- spool -----------------------------------------------------------------------
+
+    def _open_spool(self) -> None:
+        self._spool_tried = True
+        assert self.settings.spool_dir is not None
+        path = os.path.join(self.settings.spool_dir, self.settings.spool_key)
+        try:
+            spool = Spool(path, self.settings.spool_max_bytes)
+        except SpoolBusy as exc:
+            ERRORS.warning("spool:busy", "kvscope: %s; this process keeps undeliverable "
+                           "batches in memory only", exc)  # fmt: skip
+            return
+        except OSError as exc:
+            ERRORS.warning("spool:open", "kvscope: cannot open the spool %s (%s); this process "
+                           "keeps undeliverable batches in memory only", path, exc)  # fmt: skip
+            return
+        with self._lock:
+            self._spool = spool
+        if len(spool) or spool.corrupt_records:
+            LOGGER.info("kvscope: spool %s holds %d batch(es) (%d bytes) to replay; %d torn or "
+                        "corrupt record(s) skipped", path, len(spool), spool.size_bytes,
+                        spool.corrupt_records)  # fmt: skip
+
+    def _engine_for(self, entry: SpoolEntry) -> tuple[EngineBuffer | None, bool]:
+        """The engine buffer a spooled batch belongs to (or, for an earlier boot, the
+        same engine id's, else the first engine's) and whether it is of this boot."""
+        eng = self._engines.get(str(entry.meta.get("engine_id")))
+        this_boot = eng is not None and entry.meta.get("boot_id") == self.boot_id
+        if eng is None and self._engines:
+            eng = next(iter(self._engines.values()))
+        return eng, this_boot
+
+    def _spill(self, *, everything: bool) -> None:
+        """Move queued batches to the spool: all of them, or those beyond the caps."""
+        spool = self._spool
+        assert spool is not None
+        with self._lock:
+            while self._pending and (everything or self._over_cap()):
+                batch = self._pending.popleft()
+                eng = batch.eng
+                body = batch.body
+                if batch.hello_version == 0 and eng.hello is not None:
+                    payload = json.loads(gzip.decompress(body))
+                    payload["hello"] = eng.hello  # a later process cannot add it
+                    body = _encode(payload)
+                meta = {"engine_id": eng.engine_id, "boot_id": eng.boot_id, "seq": batch.seq,
+                        "n_steps": batch.n_steps, "n_requests": batch.n_requests}  # fmt: skip
+                try:
+                    dropped = spool.append(meta, body)
+                except OSError as exc:
+                    self._pending.appendleft(batch)
+                    ERRORS.warning("spool:write", "kvscope: cannot write to the spool (%s); "
+                                   "batches stay in memory", exc)  # fmt: skip
+                    while self._over_cap():
+                        self._drop(self._pending.popleft(), "full")
+                    return
+                self._unqueue(batch)
+                eng.spooled_batches += 1
+                eng.spool_batches += 1
+                eng.spool_steps += batch.n_steps
+                eng.spool_requests += batch.n_requests
+                for entry in dropped:
+                    self._spool_dropped(entry)
+
+    def _spool_dropped(self, entry: SpoolEntry) -> None:
+        eng, this_boot = self._engine_for(entry)
+        if eng is None:
+            return
+        eng.dropped_full += 1
+        if this_boot:
+            n_steps, n_requests = int(entry.meta["n_steps"]), int(entry.meta["n_requests"])
+            eng.spool_batches -= 1
+            eng.spool_steps -= n_steps
+            eng.spool_requests -= n_requests
+            eng.dropped_batches += 1
+            eng.batch_dropped_steps += n_steps
+            eng.batch_dropped_requests += n_requests
+
+    def _spool_done(self, entry: SpoolEntry, sent: bool) -> None:
+        """Account for a spooled batch delivered (``sent``) or refused by the collector."""
+        eng, this_boot = self._engine_for(entry)
+        if not this_boot:
+            if sent:
+                self.replayed_batches += 1
+            elif eng is not None:
+                eng.dropped_rejected += 1
+            return
+        assert eng is not None
+        n_steps, n_requests = int(entry.meta["n_steps"]), int(entry.meta["n_requests"])
+        eng.spool_batches -= 1
+        eng.spool_steps -= n_steps
+        eng.spool_requests -= n_requests
+        if sent:
+            eng.batches_sent += 1
+            eng.steps_sent += n_steps
+            eng.requests_sent += n_requests
+        else:
+            eng.dropped_batches += 1
+            eng.dropped_rejected += 1
+            eng.batch_dropped_steps += n_steps
+            eng.batch_dropped_requests += n_requests
+
+    def _send_spooled(self, final: bool, deadline_mono_s: float | None) -> bool:
+        """Send spooled batches, oldest first; return whether the spool is now empty."""
+        spool = self._spool
+        assert spool is not None
+        budget_end = time.monotonic() + SPOOL_REPLAY_SHARE * self.settings.flush_interval_s
+        while True:
+            if not final and (time.monotonic() < self._next_attempt_mono_s
+                              or time.monotonic() > budget_end):  # fmt: skip
+                return not len(spool)
+            got = spool.peek()
+            if got is None:
+                return True
+            entry, body = got
+            timeout_s = self.settings.timeout_s
+            if deadline_mono_s is not None:
+                remaining_s = deadline_mono_s - time.monotonic()
+                if remaining_s < 0.01:
+                    return False
+                timeout_s = min(timeout_s, remaining_s)
+            try:
+                resp: Response | None = self._client.post(body, timeout_s)
+                error: BaseException | None = None
+            except Exception as exc:
+                resp, error = None, exc
+            with self._lock:
+                eng, _ = self._engine_for(entry)
+                if resp is None or classify(resp.status) == RETRY:
+                    self._failed(eng, resp, error)
+                    return False
+                spool.pop()
+                if classify(resp.status) == OK:
+                    self._spool_done(entry, sent=True)
+                    if self._failures:
+                        LOGGER.info("kvscope: delivery to the collector resumed after %d "
+                                    "failed attempt(s)", self._failures)  # fmt: skip
+                        self._failures = 0
+                else:
+                    self._spool_done(entry, sent=False)
+                    if eng is not None:
+                        eng.send_failures += 1
+                    ERRORS.warning(
+                        f"http:{resp.status}",
+                        "kvscope: the collector refused spooled batch %s of %s with HTTP %d "
+                        "(%s); dropped it", entry.meta.get("seq"), entry.meta.get("engine_id"),
+                        resp.status, resp.message(),
+                    )  # fmt: skip
+
+    def _sync_spool(self, *, close: bool) -> None:
+        spool = self._spool
+        assert spool is not None
+        try:
+            spool.sync()
+        except OSError as exc:
+            ERRORS.warning("spool:sync", "kvscope: cannot fsync the spool (%s)", exc)
+        with self._lock:
+            if self._engines:
+                next(iter(self._engines.values())).spool_corrupt_records = spool.corrupt_records
+            if close:
+                spool.close()
+
+    def _write_stats(self) -> None:
+        path = self.settings.stats_file
+        assert path is not None
+        data: dict[str, Any] = {"pid": self.pid, "boot_id": self.boot_id,
+                                "written_unix_s": time.time(), "total": self.stats(),
+                                "engines": {}}  # fmt: skip
+        for engine_id in list(self._engines):
+            data["engines"][engine_id] = self.stats(engine_id)
+        tmp = f"{path}.{self.pid}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(data, fh)
+            os.replace(tmp, path)
+        except OSError as exc:
+            ERRORS.warning("stats:write", "kvscope: cannot write KVSCOPE_STATS_FILE (%s)", exc)
 
     # -- shutdown --------------------------------------------------------------------
 
@@ -426,6 +659,8 @@ class Exporter:
             "requests_produced", "requests_sent", "requests_dropped", "requests_buffered",
             "batches_built", "batches_sent", "batches_dropped", "batches_pending",
             "send_failures", "hellos_sent", "record_errors",
+            "batches_dropped_full", "batches_dropped_rejected", "batches_dropped_exit",
+            "batches_spooled", "batches_in_spool",
         )  # fmt: skip
         out = dict.fromkeys(keys, 0)
         with self._lock:
@@ -439,18 +674,27 @@ class Exporter:
                 values = (
                     steps_produced, e.steps_sent, e.folder.merged_rows,
                     e.buffer_dropped_steps + e.batch_dropped_steps,
-                    in_steps + len(e.held_steps) + e.folder.carry_rows + e.pending_steps,
+                    in_steps + len(e.held_steps) + e.folder.carry_rows + e.pending_steps
+                    + e.spool_steps,
                     requests_produced, e.requests_sent,
                     e.buffer_dropped_requests + e.batch_dropped_requests,
-                    in_requests + e.pending_requests,
+                    in_requests + e.pending_requests + e.spool_requests,
                     e.batches_built, e.batches_sent, e.dropped_batches, e.pending_batches,
                     e.send_failures, e.hellos_sent, e.record_errors,
+                    e.dropped_full, e.dropped_rejected, e.dropped_exit,
+                    e.spooled_batches, e.spool_batches,
                 )  # fmt: skip
                 for key, value in zip(keys, values, strict=True):
                     out[key] += value
             out["engines"] = len(engines)
             out["invalid_values"] = self._columns.invalid_values
             out["exporter_errors"] = self.exporter_errors
+            out["pending_bytes"] = self._pending_bytes
+            spool = self._spool
+            out["spool_records"] = len(spool) if spool is not None else 0
+            out["spool_bytes"] = spool.size_bytes if spool is not None else 0
+            out["spool_corrupt_records"] = spool.corrupt_records if spool is not None else 0
+            out["replayed_batches"] = self.replayed_batches
         return out
 
 

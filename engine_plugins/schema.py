@@ -147,6 +147,18 @@ EXPORTER_FIELDS: tuple[Field, ...] = (
     Field("dropped_batches", INT, "batches given up on"),
     Field("send_failures", INT, "failed delivery attempts (retried or not)"),
     Field("record_errors", INT, "exceptions caught inside record()"),
+    # Added after release (optional): dropped batches by reason, and the on-disk spool.
+    Field("dropped_batches_full", INT,
+          "batches dropped because the pending queue (memory, or the spool's size cap) was "
+          "full", nullable=True, optional=True),
+    Field("dropped_batches_rejected", INT,
+          "batches the collector refused with a status that is not retried",
+          nullable=True, optional=True),
+    Field("spooled_batches", INT, "batches written to the on-disk spool",
+          nullable=True, optional=True),
+    Field("spool_corrupt_records", INT,
+          "torn or corrupt spool records skipped (e.g. after a kill mid-write)",
+          nullable=True, optional=True),
 )
 
 ENVELOPE_KEYS = frozenset(
