@@ -208,50 +208,65 @@ def window_counts(cur: Any, pool: str | None = None, since: float | None = None,
                [*args, *rargs])
 
 
-def _keep(block_expr: str) -> str:
-    return f"(hash({block_expr}) % {_PPM}) < k.keep_ppm"
+ANALYSIS_COLUMNS: tuple[str, ...] = (
+    "engine_id", "ts_s", "n_steps", "first_step_unix_s", "last_step_unix_s", "batch_sum",
+    "batch_mean", "batch_min", "batch_max", "batch_p50", "batch_p90", "kv_usage_mean",
+    "kv_usage_max", "waiting_mean", "deferred_mean", "preemptions", "prompt_tokens",
+    "generation_tokens", "prefix_queries", "prefix_hits")
+"""The ``windows_1s`` columns the advisor's analyses read (a sample reads only these)."""
+
+
+def _keep(keep: pd.DataFrame, block_expr: str, alias: str) -> tuple[str, list[Any]]:
+    """A condition keeping the blocks of ``keep``'s engines (one constant threshold per
+    distinct share: the scan filters on ``ts_s`` alone, without a join)."""
+    parts: list[str] = []
+    args: list[Any] = []
+    groups = keep.groupby("keep_ppm", sort=True)["engine_id"].apply(list)
+    for ppm, ids in groups.items():
+        cond = "" if int(ppm) >= _PPM else f"(hash({block_expr}) % {_PPM}) < {int(ppm)}"
+        if len(groups) > 1 or not len(ids):
+            marks = ", ".join("?" for _ in ids)
+            cond = f"{alias}.engine_id IN ({marks})" + (f" AND {cond}" if cond else "")
+            args.extend(str(i) for i in ids)
+        parts.append(f"({cond})" if cond else "TRUE")
+    return (" OR ".join(parts) if parts else "FALSE"), args
+
+
+def _and(where: str, cond: str) -> str:
+    return f"{where} AND ({cond})" if where else f" WHERE ({cond})"
 
 
 def window_sample(cur: Any, keep: pd.DataFrame, pool: str | None = None,
                   since: float | None = None, until: float | None = None,
                   block_s: int = SAMPLE_BLOCK_S) -> dict[str, pd.DataFrame]:
-    """Windows, finished requests and KV-event windows of whole time blocks.
+    """Windows (:data:`ANALYSIS_COLUMNS`, pool and model), finished requests and
+    KV-event windows of whole time blocks.
 
     ``keep`` has engine_id and keep_ppm: the share of ``block_s``-second blocks kept per
-    engine, in millionths. A block is kept when a hash of its index falls below that
-    share, so engines with the same share keep the same blocks (a pool's replicas are
-    seen at the same moments) and a larger share keeps a superset. A request belongs to
-    the block it finished in. Returns frames ``windows``, ``requests``, ``kv_events``
-    with the columns of :func:`windows`, :func:`requests`, :func:`kv_event_windows`.
+    engine, in millionths; engines not in ``keep`` are left out. A block is kept when a
+    hash of its index falls below that share, so engines with the same share keep the
+    same blocks (a pool's replicas are seen at the same moments) and a larger share
+    keeps a superset. A request belongs to the block it finished in.
     """
-    _keep_rows = keep[["engine_id", "keep_ppm"]].astype({"keep_ppm": "int64"})
-    cur.register("_keep_rows", _keep_rows)
-    try:
-        where, args = _where(None, pool, "ts_s", since, until, alias="w")
-        wk = _keep(f"w.ts_s // {int(block_s)}")
-        windows_df = _df(cur, "SELECT w.*, e.pool, e.model FROM windows_1s w "
-                              "JOIN _keep_rows k ON k.engine_id = w.engine_id "
-                              "LEFT JOIN engines e ON e.engine_id = w.engine_id"
-                              f"{where}{' AND ' if where else ' WHERE '}{wk} "
-                              "ORDER BY w.ts_s, w.engine_id", args)
-        where, args = _where(None, pool, "finished_unix_s", since, until, alias="r")
-        rk = _keep(f"CAST(floor(r.finished_unix_s / {int(block_s)}) AS BIGINT)")
-        requests_df = _df(cur, "SELECT r.* FROM requests r "
-                               "JOIN _keep_rows k ON k.engine_id = r.engine_id"
-                               f"{where}{' AND ' if where else ' WHERE '}{rk} "
-                               "ORDER BY r.finished_unix_s, r.engine_id", args)
-        kv_df = pd.DataFrame()
-        if cur.execute("SELECT count(*) FROM information_schema.tables "
-                       "WHERE table_name = 'kv_event_windows'").fetchone()[0]:
-            where, args = _where(None, pool, "ts_s", since, until, alias="x")
-            xk = _keep(f"x.ts_s // {int(block_s)}")
-            kv_df = _df(cur, "SELECT x.*, e.pool FROM kv_event_windows x "
-                             "JOIN _keep_rows k ON k.engine_id = x.engine_id "
-                             "LEFT JOIN engines e ON e.engine_id = x.engine_id"
-                             f"{where}{' AND ' if where else ' WHERE '}{xk} "
-                             "ORDER BY x.ts_s, x.engine_id", args)
-    finally:
-        cur.unregister("_keep_rows")
+    keep = keep[["engine_id", "keep_ppm"]]
+    cols = ", ".join(f"w.{c}" for c in ANALYSIS_COLUMNS)
+    where, args = _where(None, pool, "ts_s", since, until, alias="w")
+    cond, cargs = _keep(keep, f"w.ts_s // {int(block_s)}", "w")
+    windows_df = _df(cur, f"SELECT {cols}, e.pool, e.model FROM windows_1s w "
+                          f"LEFT JOIN engines e ON e.engine_id = w.engine_id{_and(where, cond)} "
+                          "ORDER BY w.ts_s, w.engine_id", [*args, *cargs])
+    where, args = _where(None, pool, "finished_unix_s", since, until, alias="r")
+    cond, cargs = _keep(keep, f"CAST(floor(r.finished_unix_s / {int(block_s)}) AS BIGINT)", "r")
+    requests_df = _df(cur, f"SELECT r.* FROM requests r{_and(where, cond)} "
+                           "ORDER BY r.finished_unix_s, r.engine_id", [*args, *cargs])
+    kv_df = pd.DataFrame()
+    if cur.execute("SELECT count(*) FROM information_schema.tables "
+                   "WHERE table_name = 'kv_event_windows'").fetchone()[0]:
+        where, args = _where(None, pool, "ts_s", since, until, alias="x")
+        cond, cargs = _keep(keep, f"x.ts_s // {int(block_s)}", "x")
+        kv_df = _df(cur, "SELECT x.*, e.pool FROM kv_event_windows x "
+                         f"LEFT JOIN engines e ON e.engine_id = x.engine_id{_and(where, cond)} "
+                         "ORDER BY x.ts_s, x.engine_id", [*args, *cargs])
     return {"windows": windows_df, "requests": requests_df, "kv_events": kv_df}
 
 

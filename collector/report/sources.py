@@ -29,6 +29,8 @@ from collector._ddl import STORE_SCHEMA_VERSION, StoreVersionError
 from collector.store import Store
 
 _NEEDED_TABLES = ("engines", "engine_configs", "windows_1s", "requests")
+READ_MEMORY_LIMIT = "1536MB"
+"""DuckDB's memory limit on a read-only store connection."""
 
 
 class StoreOpenError(RuntimeError):
@@ -47,6 +49,9 @@ class ReadOnlyStore(Store):
     def __init__(self, path: str) -> None:  # no Store.__init__: that one opens for writing
         self.path = path
         self._con = duckdb.connect(path, read_only=True)
+        # Scanned pages stay cached up to DuckDB's limit (80% of RAM by default): a week
+        # of a large fleet would fill it. The reads here sort a bounded sample at most.
+        self._con.execute(f"SET memory_limit = '{READ_MEMORY_LIMIT}'")
         self._write_lock = threading.Lock()
         self._read_root = self._con.cursor()
         self._cursor_lock = threading.Lock()
