@@ -51,6 +51,11 @@ class PreparedBatch:
     n_requests: int = 0
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the column arrays (what the batch holds while it waits for the writer)."""
+        return sum(a.nbytes for cols in (self.steps, self.requests) for a in cols.values())
+
+    @property
     def key(self) -> BatchKey:
         """The idempotency key."""
         return (self.engine_id, self.boot_id, self.seq)

@@ -17,6 +17,7 @@ from aiohttp import web
 from collector._guards import Lease, Overbudget
 
 CHUNK_BYTES = 64 * 1024
+CHUNK_OUT_BYTES = 1024 * 1024
 GZIP_ENCODINGS = frozenset({"gzip", "x-gzip"})
 IDENTITY_ENCODINGS = frozenset({"", "identity"})
 
@@ -50,7 +51,9 @@ class _Inflater:
             if self._d.eof:
                 raise BodyError(400, "bad_encoding", "body: data after the end of the gzip stream")
             try:
-                out = self._d.decompress(data, self._max - self._n + 1)
+                # At most 1 MiB per call: zlib's output buffer is never much
+                # larger than what is kept, so memory stays near the limit.
+                out = self._d.decompress(data, min(self._max - self._n + 1, CHUNK_OUT_BYTES))
             except zlib.error as exc:
                 raise BodyError(400, "bad_encoding", f"body: invalid gzip data ({exc})") from None
             self._take(out)

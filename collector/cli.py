@@ -93,6 +93,8 @@ def collector_settings(args: argparse.Namespace) -> Any:
         otlp_endpoint=args.otlp_endpoint,
         otlp_interval_s=args.otlp_interval,
         otlp_headers=tuple(args.otlp_header),
+        body_timeout_s=args.body_timeout_s,
+        store_memory_limit_mib=args.store_memory_mib,
     )
 
 
@@ -229,6 +231,9 @@ def _add_collector(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-inflight-mib", type=_positive, default=256.0, metavar="MIB",
                    help="ingest bodies held at once (decompressed); past it ingest answers "
                         "503 with Retry-After (default: 256)")
+    p.add_argument("--store-memory-mib", type=int, default=2048, metavar="MIB",
+                   help="memory limit of the store (DuckDB); larger queries spill to disk "
+                        "(default: 2048)")
     p.add_argument("--max-exported-engines", type=int, default=2000, metavar="N",
                    help="engines with per-engine series on /metrics, the most recently "
                         "seen (default: 2000); the rest are counted in "
@@ -237,6 +242,8 @@ def _add_collector(sub: argparse._SubParsersAction) -> None:
                    help="new engine ids accepted per minute; beyond, 429 (default: 600)")
     p.add_argument("--header-timeout-s", type=_positive, default=10.0, metavar="S",
                    help="close connections whose request headers take longer (default: 10)")
+    p.add_argument("--body-timeout-s", type=_positive, default=30.0, metavar="S",
+                   help="answer 408 to an ingest whose body takes longer (default: 30)")
     p.add_argument("--raw-retention-s", type=float, default=24 * 3600,
                    help="seconds of raw per-step rows to keep; 1-second windows and "
                         "requests are kept (default: 86400; 0 keeps them forever)")

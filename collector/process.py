@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -41,7 +42,7 @@ class CollectorProcess:
     def __init__(self, store_path: str | Path, *, host: str = "127.0.0.1",
                  port: int | None = None, token: str | None = None,
                  log_path: str | Path | None = None, extra_args: list[str] | None = None,
-                 startup_timeout_s: float = 30.0) -> None:
+                 startup_timeout_s: float = 30.0, ca_file: str | Path | None = None) -> None:
         self.store_path = Path(store_path)
         self.host = host
         self.port = port or free_port(host)
@@ -50,10 +51,13 @@ class CollectorProcess:
         self.extra_args = list(extra_args or [])
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
+        self.tls = "--tls-cert" in self.extra_args
+        """Served over HTTPS (``--tls-cert`` given); verified against ``ca_file``."""
+        self._ssl = ssl.create_default_context(cafile=ca_file) if self.tls else None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     def start(self) -> CollectorProcess:
         cmd = [sys.executable, "-m", "collector.cli", "collector", "--host", self.host,
@@ -107,7 +111,7 @@ class CollectorProcess:
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=timeout_s, context=self._ssl) as resp:
                 return int(resp.status), resp.read()
         except urllib.error.HTTPError as e:
             return int(e.code), e.read()

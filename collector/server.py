@@ -55,7 +55,7 @@ import pandas as pd
 from aiohttp import web
 
 from collector._batch import PreparedBatch, parse_body
-from collector._guards import ByteBudget, GuardedRunner, Lease, NewEngineGate
+from collector._guards import ByteBudget, GuardedRunner, Lease, NewEngineGate, Overbudget
 from collector._http_body import BodyError, read_body
 from collector._params import ParamError, Query, parse_query
 from collector._writer import GroupCommitWriter, Overloaded, WriterClosed
@@ -164,6 +164,11 @@ async def _ingest_body(request: web.Request, ctx: Context, reject: Callable[...,
     except SchemaError as exc:
         msg = str(exc)
         return reject(400, "bad_json" if msg.startswith("body:") else "schema", msg)
+    try:
+        lease.take(batch.nbytes)  # the arrays are held too until the commit
+    except Overbudget as exc:
+        return reject(503, "overloaded", f"collector overloaded: {exc}; retry later",
+                      **{"Retry-After": "1"})
     if ctx.new_engines is not None and not ctx.new_engines.admit(batch.engine_id):
         return reject(429, "engine_limit",
                       f"more than {s.max_new_engines_per_minute} new engine ids in the last "
@@ -273,6 +278,7 @@ async def _kv_events(request: web.Request) -> web.Response:
     if "engine_id" in params:
         alias = params.pop("engine_id")
         if params.setdefault("engine", alias) != alias:
+            context(request.app).state.record_read_rejection("bad_params")
             return _error(400, "engine_id and engine name different engines")
     return await _read(request, _RANGE, "1h", _range_reader("kv_event_windows"), params)
 
@@ -342,7 +348,8 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
         state = FleetState(max_exported_engines=settings.max_exported_engines)
         try:
             if store is None:
-                store = await loop.run_in_executor(executor, Store, settings.store_path)
+                store = await loop.run_in_executor(executor, Store, settings.store_path,
+                                                   settings.store_memory_limit_mib)
             await loop.run_in_executor(executor, state.rebuild, store)
         except BaseException:
             if store is not None and given is None:
@@ -383,6 +390,9 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
         state.extra["kvscope_collector_inflight_ingest_bytes"] = (
             "gauge", "Ingest bytes (decompressed) held: being read, parsed or waiting for the "
             "writer.", lambda: ctx.inflight.used)
+        state.extra["kvscope_collector_store_memory_bytes"] = (
+            "gauge", "Memory held by the store's buffer manager (DuckDB).",
+            store.memory_bytes)
         state.extra["kvscope_collector_inflight_ingest_bytes_limit"] = (
             "gauge", "The limit on in-flight ingest bytes; past it ingest answers 503.",
             lambda: ctx.inflight.limit)

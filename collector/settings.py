@@ -55,6 +55,9 @@ class Settings:
     """Ingest bodies (decompressed) being read, parsed or waiting for the writer, summed;
     a request that would go past it is answered 503 with ``Retry-After`` (reason
     ``overloaded``). This bounds the memory the ingest path holds under overload."""
+    store_memory_limit_mib: int = 2_048
+    """DuckDB's memory limit (its buffer manager: cached table data, query state); larger
+    queries spill to a temporary directory beside the store file."""
     header_timeout_s: float = 10.0
     """A connection must complete a request's head (request line and headers) within this
     many seconds of its first byte (or of connecting); otherwise it is closed (slow clients)."""
@@ -125,7 +128,7 @@ class Settings:
         positive = ("max_body_bytes", "max_decompressed_bytes", "max_group_batches",
                     "max_pending_batches", "read_row_limit", "max_inflight_bytes",
                     "header_timeout_s", "body_timeout_s", "max_exported_engines",
-                    "max_new_engines_per_minute")
+                    "max_new_engines_per_minute", "store_memory_limit_mib")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")

@@ -68,9 +68,11 @@ RECENT_BOOTS_S = 3600.0
 class Store:
     """A DuckDB-backed store; safe to read from many threads while one thread writes."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, memory_limit_mib: int | None = None) -> None:
         self.path = path
-        self._con = duckdb.connect(path)
+        config: dict[str, str | bool | int | float | list[str]] = (
+            {} if memory_limit_mib is None else {"memory_limit": f"{memory_limit_mib}MiB"})
+        self._con = duckdb.connect(path, config=config)
         try:
             ensure_schema(self._con)
         except BaseException:
@@ -317,6 +319,11 @@ class Store:
     def exporter_stats(self, engine_id: str | None = None) -> pd.DataFrame:
         """Columns: engine_id, boot_id, the EXPORTER_FIELDS, updated_unix_s."""
         return _reads.exporter_stats(self._cursor(), engine_id)
+
+    def memory_bytes(self) -> int:
+        """Memory DuckDB's buffer manager holds now (bounded by ``memory_limit_mib``)."""
+        row = self._cursor().execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()
+        return int(row[0] or 0) if row else 0
 
     def table_counts(self) -> dict[str, int]:
         """Rows per table (for health checks and tests)."""
