@@ -168,6 +168,14 @@ class OtlpExport:
                  "($OTEL_METRIC_EXPORT_INTERVAL, default 60000)")
         return self
 
+    def flush(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
+        """Collect and export now, on the calling thread; True when it succeeded."""
+        if self._provider is None:
+            raise RuntimeError("the OTLP export has not started")
+        before = self.exports["success"]
+        self._provider.force_flush(timeout_millis=timeout_s * 1000)
+        return self.exports["success"] > before
+
     def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Collect and export once more, then stop; returns within about ``timeout_s``."""
         provider, self._provider = self._provider, None

@@ -221,6 +221,7 @@ def test_export_equals_metrics_and_survives_a_failing_receiver(
         resource, otlp, otlp_kinds, hists = _decode(req)
 
         assert headers.get("authorization") == "Bearer otlp-secret"
+        assert headers.get("content-encoding") == "gzip"  # kvscope's default
         assert resource["service.name"] == "kvscope-collector"
         assert resource["service.instance.id"].endswith(f":{c.port}")
         assert resource["deployment.environment"] == "otlp-test"
