@@ -25,7 +25,8 @@ configuration as labels, and ``kvscope_engine_max_num_seqs``,
 ``..._kv_block_size_tokens`` carry its numbers as values (for PromQL, which cannot
 compare a sample with a label). The collector's own: ``kvscope_collector_*``. The
 advisor's verdicts (``kvscope_advisor_*``, see :mod:`collector.verdicts`) are a
-section added at startup.
+section added at startup. :meth:`FleetState.snapshot` gives the per-engine families as
+labelled values, for pushing them elsewhere (:mod:`collector.otlp`).
 
 Across collector restarts: step/token/preemption/prefix counters are rebuilt from the
 store's windows, finished requests from the requests table, exporter counters from

@@ -169,7 +169,8 @@ class OtlpExport:
         return self
 
     def flush(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
-        """Collect and export now, on the calling thread; True when it succeeded."""
+        """Collect and export now, on the calling thread; True when an export succeeded
+        meanwhile (this one, or a periodic one that ran at the same moment)."""
         if self._provider is None:
             raise RuntimeError("the OTLP export has not started")
         before = self.exports["success"]
