@@ -91,7 +91,12 @@ class NewEngineGate:
 
 
 class _GuardedHandler(RequestHandler):
-    """Closes a connection whose request head does not arrive in time."""
+    """Closes a connection whose request head does not arrive in time.
+
+    It reads three attributes of aiohttp's handler (``_request_count``, ``_messages``,
+    ``_request_in_progress``, present since aiohttp 3.9); should a version lack them,
+    the deadline is never armed and aiohttp's own keep-alive timeout is all there is.
+    """
 
     _kvs_deadline: asyncio.TimerHandle | None = None
 
@@ -104,15 +109,21 @@ class _GuardedHandler(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        before = self._request_count
+        before = getattr(self, "_request_count", None)
         super().data_received(data)
+        if before is None:
+            return
         if self._request_count > before:
             self._kvs_disarm()  # a head is complete
-        elif data and not self._request_in_progress and not self._messages:
+        elif data and not self._busy():
             self._kvs_arm()  # bytes of a head that is not complete yet
 
+    def _busy(self) -> bool:
+        """A request is being handled or queued (its head arrived)."""
+        return bool(getattr(self, "_request_in_progress", True) or getattr(self, "_messages", 1))
+
     def _kvs_arm(self) -> None:
-        if self._kvs_deadline is None:
+        if self._kvs_deadline is None and hasattr(self, "_request_count"):
             server: Any = self._manager
             self._kvs_deadline = self._loop.call_later(server.kvscope_header_timeout_s,
                                                        self._kvs_expire)
@@ -124,7 +135,7 @@ class _GuardedHandler(RequestHandler):
 
     def _kvs_expire(self) -> None:
         self._kvs_deadline = None
-        if self._request_in_progress or self._messages:
+        if self._busy():
             return
         server: Any = self._manager
         server.kvscope_slow_closed += 1

@@ -152,7 +152,8 @@ async def _ingest_body(request: web.Request, ctx: Context, reject: Callable[...,
         extra = {"Retry-After": "1"} if exc.status == 503 else {}
         return reject(exc.status, exc.reason, exc.message, **extra)
     except TimeoutError:
-        return reject(408, "timeout", f"body: not received within {s.body_timeout_s:g} s")
+        return reject(408, "timeout", f"body: not received within {s.body_timeout_s:g} s",
+                      **{"Retry-After": "1"})
     received = time.time()
     try:
         if len(body) > s.inline_parse_bytes:
