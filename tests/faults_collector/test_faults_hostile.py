@@ -249,6 +249,19 @@ def test_slow_clients_are_cut_off_and_do_not_hold_the_server(hostile: CollectorP
         time.sleep(0.1)
     for s in slow:
         s.close()
+    # A kept-alive connection idle between requests longer than the header timeout is
+    # not cut (only a started, unfinished request head is): the plugin reuses its connection.
+    import http.client
+
+    keep = http.client.HTTPConnection(host, port, timeout=5)
+    keep.request("GET", "/healthz")
+    assert keep.getresponse().read() and keep.sock is not None
+    first_sock = keep.sock
+    time.sleep(HEADER_TIMEOUT_S * 1.5)
+    keep.request("GET", "/healthz")
+    resp = keep.getresponse()
+    assert resp.status == 200 and resp.read() and keep.sock is first_sock
+    keep.close()
     # A body dribbled slower than the body timeout gets 408.
     sock = socket.create_connection((host, port))
     sock.sendall(b"POST /v1/ingest HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
