@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from collector._ddl import KV_EVENT_FIELDS, KV_EVENT_LAST
@@ -232,6 +233,16 @@ def _keep(keep: pd.DataFrame, block_expr: str, alias: str) -> tuple[str, list[An
     return (" OR ".join(parts) if parts else "FALSE"), args
 
 
+def _sorted(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows ordered by (ts_s, engine_id), as :func:`windows` returns them; sorted in
+    numpy (a DuckDB ORDER BY of millions of rows holds them all in its memory)."""
+    if not len(df):
+        return df
+    codes, _ = pd.factorize(df["engine_id"], sort=True)
+    order = np.lexsort((codes, df["ts_s"].to_numpy()))
+    return df.take(order).reset_index(drop=True)
+
+
 def _and(where: str, cond: str) -> str:
     return f"{where} AND ({cond})" if where else f" WHERE ({cond})"
 
@@ -252,9 +263,12 @@ def window_sample(cur: Any, keep: pd.DataFrame, pool: str | None = None,
     cols = ", ".join(f"w.{c}" for c in ANALYSIS_COLUMNS)
     where, args = _where(None, pool, "ts_s", since, until, alias="w")
     cond, cargs = _keep(keep, f"w.ts_s // {int(block_s)}", "w")
-    windows_df = _df(cur, f"SELECT {cols}, e.pool, e.model FROM windows_1s w "
-                          f"LEFT JOIN engines e ON e.engine_id = w.engine_id{_and(where, cond)} "
-                          "ORDER BY w.ts_s, w.engine_id", [*args, *cargs])
+    windows_df = _sorted(_df(cur, f"SELECT {cols} FROM windows_1s w{_and(where, cond)}",
+                             [*args, *cargs]))
+    # pool and model from the engines table, joined here rather than once per row in SQL
+    names = _df(cur, "SELECT engine_id, pool, model FROM engines").set_index("engine_id")
+    windows_df["pool"] = windows_df["engine_id"].map(names["pool"])
+    windows_df["model"] = windows_df["engine_id"].map(names["model"])
     where, args = _where(None, pool, "finished_unix_s", since, until, alias="r")
     cond, cargs = _keep(keep, f"CAST(floor(r.finished_unix_s / {int(block_s)}) AS BIGINT)", "r")
     requests_df = _df(cur, f"SELECT r.* FROM requests r{_and(where, cond)} "
