@@ -1,7 +1,8 @@
 """A minimal client of the Prometheus HTTP API (``/api/v1/...``), standard library only.
 
 Works against Prometheus and the Prometheus-compatible query APIs (VictoriaMetrics,
-Thanos, Mimir). Errors become :class:`~advisor.sources.SourceError` carrying the
+Thanos, Mimir), with the credentials and TLS options of a
+:class:`~advisor._promauth.PromAuth`. Errors become :class:`~advisor.sources.SourceError` carrying the
 server's own message (Prometheus answers ``{"status": "error", "errorType": ...,
 "error": ...}`` with a 4xx/5xx status).
 """
@@ -10,11 +11,13 @@ from __future__ import annotations
 
 import json
 import math
+import ssl
 import urllib.error
 import urllib.parse
 import urllib.request
 from typing import Any
 
+from advisor._promauth import PromAuth
 from advisor.sources import SourceError
 
 __all__ = ["MAX_POINTS", "PromClient", "Series"]
@@ -36,6 +39,17 @@ def _error_text(body: str) -> str:
     return body.strip()[:300]
 
 
+def _auth_hint(kind: str, code: int) -> str:
+    """What to check after a 401/403, by what was sent (never the secret itself)."""
+    if kind == "none":
+        return ("the server wants credentials: give --prometheus-bearer-token-file, or "
+                "--prometheus-user with --prometheus-password-file")
+    sent = {"bearer": "the bearer token", "basic": "the basic-auth user and password",
+            "headers": "the extra headers"}[kind]
+    return f"{sent} sent {'were' if kind != 'bearer' else 'was'} " + (
+        "refused" if code == 401 else "not allowed to read this")
+
+
 def _float(v: Any) -> float:
     try:
         return float(v)
@@ -44,13 +58,19 @@ def _float(v: Any) -> float:
 
 
 class PromClient:
-    """Reads one Prometheus-compatible server (``url`` is its base URL, no ``/api``)."""
+    """Reads one Prometheus-compatible server (``url`` is its base URL, no ``/api``).
+
+    ``auth`` authenticates every request and sets the TLS options; ``headers`` are
+    added to them. Header values never appear in an error.
+    """
 
     def __init__(self, url: str, *, timeout_s: float = 30.0,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, auth: PromAuth | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
-        self.headers = dict(headers or {})
+        self.auth = auth or PromAuth()
+        self.headers = {**self.auth.request_headers(), **(headers or {})}
+        self._ssl = self.auth.ssl_context()
         self.requests_made = 0
 
     def _call(self, path: str, params: list[tuple[str, str]], *, post: bool) -> Any:
@@ -65,16 +85,22 @@ class PromClient:
             req.add_header(k, v)
         self.requests_made += 1
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout_s, context=self._ssl) as resp:
                 raw = resp.read().decode(errors="replace")
         except urllib.error.HTTPError as e:
             detail = _error_text(e.read().decode(errors="replace"))
             if e.code == 404:
                 detail += f" (is {self.url} a Prometheus base URL, without a path?)"
+            elif e.code in (401, 403):
+                detail += f" ({_auth_hint(self.auth.kind, e.code)})"
             raise SourceError(f"Prometheus at {self.url} answered {e.code} on {path}: {detail}",
                               url=self.url, path=path, status=e.code, reason=detail) from e
         except (urllib.error.URLError, OSError, ValueError) as e:
-            reason = str(getattr(e, "reason", None) or e)
+            cause = getattr(e, "reason", None) or e
+            reason = str(cause)
+            if isinstance(cause, ssl.SSLError):
+                reason += (" (trust its certificate with --prometheus-ca-file, or skip the "
+                           "check with --prometheus-insecure-skip-verify)")
             raise SourceError(f"cannot reach Prometheus at {self.url}: {reason}",
                               url=self.url, path=path, reason=reason) from e
         try:

@@ -80,6 +80,7 @@ from typing import Any
 import pandas as pd
 
 from advisor._promapi import PromClient
+from advisor._promauth import PromAuth
 from advisor._promframes import confidence_factor
 from advisor._promql import matchers_of_selector, with_matchers
 from advisor._promread import KV_PREFIX, KV_PROBE, Fetch, Reader, num
@@ -96,7 +97,7 @@ class PrometheusSource:
 
     ``selector`` (``{namespace="prod"}``) is added to every query; ``pool_label`` names
     the label that groups replicas into pools; ``step`` forces the resolution in
-    seconds; ``lookback_s`` is how far back :meth:`engines` looks when no time range
+    seconds; ``auth`` holds credentials and TLS options; ``lookback_s`` is how far back :meth:`engines` looks when no time range
     was read yet; ``default_range_s`` the range when ``since`` is None.
     """
 
@@ -104,7 +105,7 @@ class PrometheusSource:
                  step: float | None = None, *, timeout_s: float = 30.0,
                  lookback_s: float = 7 * 86400.0, default_range_s: float = 1800.0,
                  series: str = "auto", max_windows: int = 20_000, max_requests: int = 200_000,
-                 headers: dict[str, str] | None = None,
+                 headers: dict[str, str] | None = None, auth: PromAuth | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         if series not in ("auto", "vllm", "kvscope"):
             raise ValueError(f"series must be auto, vllm or kvscope, not {series!r}")
@@ -121,7 +122,7 @@ class PrometheusSource:
         self.max_windows = max_windows
         self.max_requests = max_requests
         self.clock = clock
-        self.client = PromClient(self.url, timeout_s=timeout_s, headers=headers)
+        self.client = PromClient(self.url, timeout_s=timeout_s, headers=headers, auth=auth)
         self.reader = Reader(self.client, self.inner, pool_label, max_requests)
         self._fetches: dict[tuple[float | None, float | None], Fetch] = {}
         self.last_fetch: Fetch | None = None

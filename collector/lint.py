@@ -272,7 +272,8 @@ def exposure_of_target(target: str, timeout_s: float = 10.0) -> Exposure:
 
 
 def exposure_of_prometheus(url: str, wanted: Iterable[str], *, selector: str | None = None,
-                           since_s: float = 3600.0, timeout_s: float = 30.0) -> Exposure:
+                           since_s: float = 3600.0, timeout_s: float = 30.0,
+                           auth: Any = None) -> Exposure:
     """Names stored in a Prometheus over the last ``since_s``, with the label names of the
     ``wanted`` ones (those a file references) and the families' types (metadata API)."""
     from advisor._promapi import PromClient
@@ -283,7 +284,7 @@ def exposure_of_prometheus(url: str, wanted: Iterable[str], *, selector: str | N
         inner = matchers_of_selector(selector)
     except PromQLError as e:
         raise LintError(str(e)) from e
-    client = PromClient(url, timeout_s=timeout_s)
+    client = PromClient(url, timeout_s=timeout_s, auth=auth)
     now = time.time()
     try:
         names = client.label_values("__name__", with_matchers("", inner, '__name__=~".+"'),
@@ -435,10 +436,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--against", metavar="URL_OR_FILE",
                        help="a live /metrics URL (http://host:8000/metrics) or a saved exposition")
-    where.add_argument("--prometheus", metavar="URL",
-                       help="a Prometheus (or compatible) base URL: the names stored there")
-    p.add_argument("--selector", default=None,
-                   help='with --prometheus: only series matching it, e.g. {namespace="prod"}')
+    from collector._promargs import add_prometheus_arguments
+
+    add_prometheus_arguments(p, url_group=where, analysis=False)
     p.add_argument("--since", type=float, default=3600.0, metavar="S",
                    help="with --prometheus: seconds of history to look at (default 3600)")
     p.add_argument("--extra-labels", default="", metavar="A,B",
@@ -457,10 +457,18 @@ def run(args: argparse.Namespace) -> int:
     try:
         loaded = [(f, *load_queries(f)) for f in args.files]
         if args.prometheus:
+            from collector._promargs import PromArgError, prometheus_target
+
+            try:
+                target = prometheus_target(args)
+            except PromArgError as e:
+                raise LintError(str(e)) from None
+            assert target is not None
             names = {s.name for _, qs, _ in loaded for q in qs
                      for s in _safe_selectors(q.expr) if s.name}
-            exp = exposure_of_prometheus(args.prometheus, names, selector=args.selector,
-                                         since_s=args.since, timeout_s=args.timeout)
+            exp = exposure_of_prometheus(target.url, names, selector=target.selector,
+                                         since_s=args.since, timeout_s=args.timeout,
+                                         auth=target.auth)
         else:
             exp = exposure_of_target(args.against, args.timeout)
     except LintError as e:

@@ -1,7 +1,7 @@
 """``kvscope advise --prometheus URL``: the advisor over vLLM's own series in Prometheus.
 
-The arguments are those of ``kvscope advise`` (see :mod:`collector.cli`) plus
-``--prometheus``, ``--selector``, ``--pool-label`` and ``--step``; the output is the
+The arguments are those of ``kvscope advise`` (see :mod:`collector.cli`) plus the
+Prometheus options of :mod:`collector._promargs`; the output is the
 same report (text, ``--json``, ``--out``), with the ``scrape_resolution`` finding and
 confidences scaled to the resolution (:mod:`advisor.prometheus`).
 
@@ -16,55 +16,40 @@ import math
 import sys
 import time
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "no_data_message", "run", "source_error_text"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The Prometheus options of ``kvscope advise``."""
-    p.add_argument("--prometheus", metavar="URL", default=None,
-                   help="read vLLM's own /metrics series from this Prometheus-compatible "
-                        "server (Prometheus, Thanos, Mimir, VictoriaMetrics) instead of a "
-                        "collector: nothing to install in the engines")
-    p.add_argument("--selector", default=None, metavar="'{...}'",
-                   help='with --prometheus: label matchers added to every query, e.g. '
-                        '\'{namespace="prod"}\'')
-    p.add_argument("--pool-label", default=None, metavar="LABEL",
-                   help="with --prometheus: the label that groups replicas into pools "
-                        "(default: model_name; kvscope's own series use pool)")
-    p.add_argument("--step", type=float, default=None, metavar="S",
-                   help="with --prometheus: window length in seconds (default: the scrape "
-                        "interval)")
+    """The Prometheus options of ``kvscope advise`` (shared with report, dashboard, lint)."""
+    from collector._promargs import add_prometheus_arguments
+
+    add_prometheus_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from advisor._promql import PromQLError
-    from advisor.prometheus import PrometheusSource, analyze_prometheus
+    from advisor.prometheus import analyze_prometheus
     from advisor.render import render_report, window_text
     from advisor.sources import SourceError
     from collector._params import ParamError
+    from collector._promargs import PromArgError, prometheus_target
     from collector.cli import advise_window
 
     def fail(message: str, code: int) -> int:
         print(f"kvscope advise: {message}", file=sys.stderr)
         return code
 
-    url = args.prometheus if "://" in args.prometheus else f"http://{args.prometheus}"
-    url = url.rstrip("/")
     now = time.time()
     try:
         since, until = advise_window(args, now)
-    except ParamError as exc:
+        target = prometheus_target(args)
+        assert target is not None
+        source = target.source(timeout_s=args.timeout,
+                               lookback_s=max(7 * 86400.0, now - (since or now)))
+    except (ParamError, PromArgError) as exc:
         return fail(str(exc), 2)
-    if args.step is not None and args.step < 1:
-        return fail("--step must be at least 1 (seconds)", 2)
-    try:
-        source = PrometheusSource(url, selector=args.selector, pool_label=args.pool_label,
-                                  step=args.step, timeout_s=args.timeout,
-                                  lookback_s=max(7 * 86400.0, now - (since or now)))
-    except PromQLError as exc:
-        return fail(f"--selector: {exc}", 2)
+    url = target.url
     try:
         report = analyze_prometheus(source, since, until, args.pool,
                                     slo_ttft_p99_s=args.slo_ttft_p99,
@@ -73,10 +58,7 @@ def run(args: argparse.Namespace) -> int:
                                     min_routing_loss=args.min_routing_loss,
                                     imbalance_threshold=args.imbalance_threshold)
     except SourceError as exc:
-        if exc.status is None:
-            return fail(f"cannot reach Prometheus at {url} ({exc.reason}): check the base URL "
-                        "(e.g. http://prometheus:9090, no /api path)", 2)
-        return fail(str(exc), 2)
+        return fail(source_error_text(exc, url), 2)
     if args.out:
         try:
             with open(args.out, "w", encoding="utf-8") as f:
@@ -92,6 +74,16 @@ def run(args: argparse.Namespace) -> int:
     if not report.has_data:
         return fail(no_data_message(source, report, url, window), 3)
     return 0
+
+
+def source_error_text(exc: Exception, url: str) -> str:
+    """A failed Prometheus read, said for the command line."""
+    from advisor.sources import SourceError
+
+    if isinstance(exc, SourceError) and exc.status is None:
+        return (f"cannot reach Prometheus at {url} ({exc.reason}): check the base URL "
+                "(e.g. http://prometheus:9090, no /api path)")
+    return str(exc)
 
 
 def no_data_message(source: object, report: object, url: str, window: str) -> str:

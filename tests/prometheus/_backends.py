@@ -1,13 +1,17 @@
 """Real PromQL backends for the tests: Prometheus and VictoriaMetrics (Debian packages),
 each in a child process with a temporary config, data directory and free port.
+:class:`SecuredPrometheusServer` is Prometheus behind its own ``--web.config.file``:
+HTTPS with a self-signed certificate and basic auth (a bcrypt hash).
 
 Used by ``tests/prometheus`` and ``tests/integration/test_prometheus_source.py``.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -64,8 +68,14 @@ class Backend:
         self.config_path.write_text(yaml.safe_dump(self.config))
         self.proc: subprocess.Popen[bytes] | None = None
 
+    auth: Any = None
+    """The :class:`~advisor._promauth.PromAuth` a client needs (None: none)."""
+
     def command(self) -> list[str]:
         raise NotImplementedError
+
+    def _ready_request(self) -> tuple[urllib.request.Request, ssl.SSLContext | None]:
+        return urllib.request.Request(self.url + self.ready_path()), None
 
     def ready_path(self) -> str:
         return "/-/ready"
@@ -79,8 +89,9 @@ class Backend:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n"
                                    f"{self.log_tail()}")
+            req, ctx = self._ready_request()
             try:
-                with urllib.request.urlopen(self.url + self.ready_path(), timeout=1) as r:
+                with urllib.request.urlopen(req, timeout=1, context=ctx) as r:
                     if r.status == 200:
                         return self
             except OSError:
@@ -119,6 +130,47 @@ class PrometheusServer(Backend):
                 f"--storage.tsdb.path={self.workdir / 'tsdb'}",
                 f"--web.listen-address=127.0.0.1:{self.port}",
                 "--storage.tsdb.retention.time=1d", "--log.level=warn"]
+
+
+class SecuredPrometheusServer(PrometheusServer):
+    """Prometheus serving HTTPS (a self-signed certificate for 127.0.0.1, made with
+    ``openssl``; :attr:`ca_file` trusts it) and asking basic auth of ``user`` with
+    ``password`` (stored as a bcrypt hash in the web config, as Prometheus wants)."""
+
+    name = "prometheus-secured"
+
+    def __init__(self, workdir: Path, targets: list[str], *, user: str = "kvscope",
+                 password: str = "s3cret-Pa55", **kw: Any) -> None:
+        import bcrypt
+
+        from advisor._promauth import PromAuth
+
+        super().__init__(workdir, targets, **kw)
+        self.url = f"https://127.0.0.1:{self.port}"
+        self.user, self.password = user, password
+        self.ca_file = self.workdir / "cert.pem"
+        key = self.workdir / "key.pem"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                        "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
+                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", str(key), "-out", str(self.ca_file)],
+                       check=True, capture_output=True, timeout=60)
+        # Cost 4, the lowest bcrypt allows: Prometheus checks the hash on every request.
+        hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
+        self.web_config_path = self.workdir / "web.yml"
+        self.web_config_path.write_text(yaml.safe_dump({
+            "tls_server_config": {"cert_file": str(self.ca_file), "key_file": str(key)},
+            "basic_auth_users": {user: hashed}}))
+        self.auth = PromAuth(username=user, password=password, ca_file=str(self.ca_file))
+
+    def command(self) -> list[str]:
+        return [*super().command(), f"--web.config.file={self.web_config_path}"]
+
+    def _ready_request(self) -> tuple[urllib.request.Request, ssl.SSLContext | None]:
+        pair = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
+        req = urllib.request.Request(self.url + self.ready_path(),
+                                     headers={"Authorization": f"Basic {pair}"})
+        return req, ssl.create_default_context(cafile=str(self.ca_file))
 
 
 class VictoriaMetricsServer(Backend):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from _backends import Backend
 from _vllm_replay import VllmReplay
@@ -49,8 +50,8 @@ class PacedFeed:
         self.thread.join(10)
 
 
-def wait_scraped(url: str, n_targets: int, timeout_s: float = 30.0) -> None:
-    client = PromClient(url, timeout_s=5)
+def wait_scraped(url: str, n_targets: int, timeout_s: float = 30.0, auth: Any = None) -> None:
+    client = PromClient(url, timeout_s=5, auth=auth)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

@@ -11,7 +11,8 @@ its recorded pace:
 * ``kvscope``: a kvscope collector process receiving the plugin's recorded batches at
   their pace (engine ``demo-host:8000:0``, pool ``demo``), its ``/metrics`` scraped too.
 
-Both backends scrape all three every second. The recording itself is the expected
+The backends (Prometheus, VictoriaMetrics, and a Prometheus behind HTTPS and basic
+auth) scrape all three every second. The recording itself is the expected
 answer: the plugin path's verdict on it is what ``tests/advisor/test_recordings.py``
 checks.
 """
@@ -27,7 +28,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _backends import Backend, PrometheusServer, VictoriaMetricsServer
+from _backends import Backend, PrometheusServer, SecuredPrometheusServer, VictoriaMetricsServer
 from _promfleet import SCRAPE_S, Fleet, PacedFeed, wait_scraped
 from _vllm_replay import VllmReplay
 
@@ -48,10 +49,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     try:
         collector.start()
         targets = [new.target, old.target, collector.url.split("://", 1)[1]]
-        for cls in (PrometheusServer, VictoriaMetricsServer):
+        for cls in (PrometheusServer, VictoriaMetricsServer, SecuredPrometheusServer):
             started.append(cls(workdir, targets, scrape_interval_s=SCRAPE_S).start())
         for b in started:  # every target scraped twice before the run starts
-            wait_scraped(b.url, len(targets))
+            wait_scraped(b.url, len(targets), auth=b.auth)
         new.begin()
         old.t0_wall = new.t0_wall
         assert new.t0_wall is not None
