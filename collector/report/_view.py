@@ -122,6 +122,12 @@ def finding(findings: list[Finding], kind: str, engine_id: str | None,
                  and (engine_id is not None or f.scope.pool == pool)), None)
 
 
+def resolution_note(wr: WeeklyReport) -> str | None:
+    """What the source's resolution allows (read from Prometheus), else None."""
+    f = finding(wr.current.findings, "scrape_resolution", None)
+    return f.summary if f is not None else None
+
+
 def pool_findings(wr: WeeklyReport, pool: str | None) -> list[Finding]:
     """This week's pool-level prefix, routing and balance findings."""
     kinds = ("prefix_cache", "prefix_routing", "kv_events_missing", "load_imbalance")

@@ -15,13 +15,15 @@ The week before is the window of the same length that ends where --since starts.
 
 exit codes:
   0  report written
-  2  bad arguments, the collector or store could not be read (unreachable, 401,
+  2  bad arguments, the collector, store or Prometheus could not be read (unreachable, 401,
      store locked by a running collector), or --out could not be written
   3  no data in the window (the message says where the data is and what to try)
 
 examples:
   kvscope report --collector http://collector:8844 --since 7d --out weekly/
   kvscope report --store kvscope.duckdb --since 7d --out weekly/   # collector stopped
+  kvscope report --prometheus http://prometheus:9090 --selector '{namespace="prod"}' \
+      --prometheus-bearer-token-file /var/run/secrets/prom-token --out weekly/
 """
 
 
@@ -32,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction, validators: dict[str, Any]) -> N
         "report",
         help="the weekly tuning report: HTML with plots, Markdown and JSON",
         description=(
-            "Analyse a week of a collector's data and the week before it, and write\n"
+            "Analyse a week of a collector's data (or of vLLM's series in Prometheus) and\n"
+            "the week before it, and write\n"
             "report.html (self-contained: plots inline, opens offline), report.md and\n"
             "report.json: per pool and engine the traffic per day, time spent past the\n"
             "knee, knee and cap, bottleneck, preemptions, prefix reuse, the\n"
@@ -49,6 +52,9 @@ def add_parser(sub: argparse._SubParsersAction, validators: dict[str, Any]) -> N
     where.add_argument("--store", metavar="PATH", default=None,
                        help="read a store file offline instead (read-only; not while a "
                             "collector has it open)")
+    from collector._promargs import add_prometheus_arguments
+
+    add_prometheus_arguments(p, url_group=where)
     p.add_argument("--token", default=os.environ.get("KVSCOPE_TOKEN"),
                    help="the collector's bearer token (default: $KVSCOPE_TOKEN)")
     p.add_argument("--since", default="7d", help="start of the week (default: 7d)")
@@ -69,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction, validators: dict[str, Any]) -> N
     p.add_argument("--imbalance-threshold", type=validators["ratio"], default=1.25,
                    metavar="R", help="busiest / mean load flagged (default: 1.25)")
     p.add_argument("--timeout", type=validators["positive"], default=60.0, metavar="S",
-                   help="seconds per HTTP request to the collector (default: 60)")
+                   help="seconds per HTTP request to the collector or Prometheus (default: 60)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -83,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     from advisor.render import no_data_message, source_error_message, window_text
     from collector._ddl import StoreVersionError
     from collector._params import ParamError, parse_time
+    from collector._promargs import PromArgError, prometheus_target
+    from collector.prom_advise import no_data_message as prom_no_data
+    from collector.prom_advise import source_error_text
+    from collector.report._promsource import PromReportSource, annotate_weeks
     from collector.report.build import (
         BUILD_STEPS,
         WRITE_STEPS,
@@ -103,9 +113,21 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc), 2)
     if since >= until:
         return fail(f"--since ({args.since}) must be before --until ({args.until or 'now'})", 2)
-    url = args.collector or (None if args.store else os.environ.get("KVSCOPE_COLLECTOR_URL"))
-    source: HttpSource | StoreSource
-    if args.store:
+    url = args.collector or (None if args.store or args.prometheus
+                             else os.environ.get("KVSCOPE_COLLECTOR_URL"))
+    source: HttpSource | StoreSource | PromReportSource
+    prom: PromReportSource | None = None
+    if args.prometheus:
+        try:
+            target = prometheus_target(args)
+            assert target is not None
+            prom = source = PromReportSource(target.source(
+                timeout_s=args.timeout, lookback_s=max(7 * 86400.0, 2 * (until - since))))
+        except PromArgError as exc:
+            return fail(str(exc), 2)
+        url = target.url
+        label = f"Prometheus {url}"
+    elif args.store:
         try:
             source = StoreSource(open_store(args.store))
         except (StoreOpenError, StoreVersionError) as exc:
@@ -116,25 +138,35 @@ def run(args: argparse.Namespace) -> int:
         source = HttpSource(url, token=args.token, timeout_s=args.timeout)
         label = f"collector {url}"
     else:
-        return fail("give --collector URL (or set KVSCOPE_COLLECTOR_URL), or --store PATH", 2)
+        return fail("give --collector URL (or set KVSCOPE_COLLECTOR_URL), --store PATH or "
+                    "--prometheus URL", 2)
     bar = tqdm(total=BUILD_STEPS + WRITE_STEPS, desc="kvscope report", unit="step",
                file=sys.stderr, disable=args.no_progress, leave=False)
     try:
+        if prom is not None:
+            bar.set_description("reading two weeks from Prometheus")
+            prom.read(since - (until - since), until)
         report = build_weekly_report(
             source, since, until, pool=args.pool, source_label=label, progress=bar,
             slo_ttft_p99_s=args.slo_ttft_p99, slo_e2e_p99_s=args.slo_e2e_p99,
             cap_fraction=args.cap_fraction, min_routing_loss=args.min_routing_loss,
             imbalance_threshold=args.imbalance_threshold)
+        if prom is not None:
+            annotate_weeks(report, prom)
         if not report.current.has_data:
             bar.close()
             window = window_text(since, None if args.until is None else until, args.since,
                                  args.until)
+            if prom is not None:
+                return fail(prom_no_data(prom.source, report.current, str(url), window), 3)
             return fail(no_data_message(report.current, url or str(args.store), window, now), 3)
         try:
             paths = write_report_files(report, args.out, progress=bar)
         except OSError as exc:
             return fail(f"cannot write --out {args.out}: {exc}", 2)
     except SourceError as exc:
+        if prom is not None:
+            return fail(source_error_text(exc, str(url)), 2)
         return fail(source_error_message(exc, url or ""), 2)
     finally:
         bar.close()

@@ -127,9 +127,14 @@ def _header(wr: WeeklyReport) -> str:
             f'<p class="sub"><b>This week:</b> {_e(v.window_text(wr))}</p>'
             f'<p class="sub"><b>Compared with:</b> {_e(v.previous_window_text(wr))}</p>'
             f'<p class="sub">Source: {_e(wr.source)} · generated {_e(v.utc(wr.generated_unix_s))}'
-            f"</p></header>"
+            f"</p>{_resolution(wr)}</header>"
             f'<section id="glance"><div class="glance">{figs}</div>'
             f'<ul class="verdicts">{"".join(lines)}</ul></section>')
+
+
+def _resolution(wr: WeeklyReport) -> str:
+    note = v.resolution_note(wr)
+    return f'<p class="sub"><b>Resolution:</b> {_e(note)}</p>' if note else ""
 
 
 def _changes(wr: WeeklyReport) -> str:

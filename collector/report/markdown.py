@@ -47,6 +47,9 @@ def render_markdown(wr: WeeklyReport) -> str:
            f"- **This week:** {v.window_text(wr)}",
            f"- **Compared with:** {v.previous_window_text(wr)}",
            f"- Source: {wr.source}; generated {v.utc(wr.generated_unix_s)}", ""]
+    note = v.resolution_note(wr)
+    if note:
+        out[-1:] = [f"- Resolution: {note}", ""]
     out += _table(["at a glance", "this week", ""], [list(x) for x in v.glance(wr)])
     for p in wr.current.pools:
         kinds = ", ".join(f"{k} ×{n}" for k, n in sorted(p.bottlenecks.items(),
