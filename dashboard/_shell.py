@@ -40,13 +40,13 @@ def settings() -> DashboardSettings:
     return s
 
 
-@st.cache_data(ttl=3600, max_entries=16, show_spinner="Reading the collector...")
-def _cached_snapshot(url: str, token: str | None, timeout_s: float, since: str,
-                     pool: str | None, tick: int) -> Snapshot:
-    # ``tick`` changes every refresh period: a new key, a new read.
-    del tick
-    s = DashboardSettings(collector_url=url, token=token, timeout_s=timeout_s)
-    return load_snapshot(s, since, pool)
+@st.cache_data(ttl=3600, max_entries=16, show_spinner="Reading the data...")
+def _cached_snapshot(_settings: DashboardSettings, key: str, since: str, pool: str | None,
+                     tick: int) -> Snapshot:
+    # ``key`` stands for the settings (secrets digested); ``tick`` changes
+    # every refresh period: a new key, a new read.
+    del key, tick
+    return load_snapshot(_settings, since, pool)
 
 
 def window() -> str:
@@ -79,16 +79,15 @@ def snapshot() -> Snapshot:
     """The current read of the collector (one per read period, shared by all pages and
     sessions)."""
     s = settings()
-    return _cached_snapshot(s.collector_url, s.token, s.timeout_s, window(), s.pool,
-                            int(time.time() // read_period_s()))
+    return _cached_snapshot(s, s.cache_key(), window(), s.pool, int(time.time() // read_period_s()))
 
 
 def sidebar() -> None:
     """Collector, window and refresh controls."""
     s = settings()
     with st.sidebar:
-        st.markdown(f"**Collector** `{s.collector_url}`" + (f"  \npool `{s.pool}`"
-                                                           if s.pool else ""))
+        kind = "Prometheus" if s.prometheus is not None else "Collector"
+        st.markdown(f"**{kind}** `{s.source_url}`" + (f"  \npool `{s.pool}`" if s.pool else ""))
         choices = list(WINDOW_CHOICES)
         if s.since not in choices:
             choices.insert(0, s.since)
@@ -99,7 +98,9 @@ def sidebar() -> None:
         if st.button("Refresh now", icon=":material/refresh:"):
             _cached_snapshot.clear()
         st.caption("Verdicts, findings and recommendations are the advisor's "
-                   "(`kvscope advise`); charts plot the collector's rows.")
+                   "(`kvscope advise`); charts plot the "
+                   + ("windows read from Prometheus (one per scrape interval)."
+                      if s.prometheus is not None else "collector's rows."))
 
 
 def _utc(t: float) -> str:
@@ -108,6 +109,9 @@ def _utc(t: float) -> str:
 
 def show_problem(snap: Snapshot) -> bool:
     """Show why there is nothing to render, with what to do; True when there was."""
+    if snap.error is not None and snap.from_prometheus:
+        _prometheus_problem(snap)
+        return True
     if snap.error is not None:
         if snap.error_status is None:
             st.error(f"**Collector unreachable.** {snap.error}.")
@@ -127,6 +131,18 @@ def show_problem(snap: Snapshot) -> bool:
     return False
 
 
+def _prometheus_problem(snap: Snapshot) -> None:
+    if snap.error_status is None:
+        st.error(f"**Prometheus unreachable.** {snap.error}.")
+    elif snap.error_status in (401, 403):
+        st.error(f"**Prometheus refused the credentials ({snap.error_status}).** {snap.error}.")
+        st.info("Restart the dashboard with `--prometheus-bearer-token-file FILE`, or "
+                "`--prometheus-user U --prometheus-password-file FILE` (or the "
+                "`KVSCOPE_PROMETHEUS_*` variables).")
+    else:
+        st.error(f"**Prometheus answered {snap.error_status}.** {snap.error}.")
+
+
 def run_page(render: Callable[[Snapshot], None], title: str) -> None:
     """Render a page from the current snapshot, refreshed every ``refresh_s`` seconds."""
     st.title(title)
@@ -138,11 +154,16 @@ def run_page(render: Callable[[Snapshot], None], title: str) -> None:
         period = read_period_s()
         again = (f"; read again every {period:.0f} s" if refresh_s() is not None
                  else "; automatic refresh off")
+        kind = (f"{snap.window_s:g}-second windows (Prometheus, confidences scaled by "
+                f"{cov.get('confidence_factor') or 1:.2f})" if snap.from_prometheus
+                else "one-second windows")
         st.caption(f"read {_utc(snap.fetched_unix_s)} from {snap.collector_url} in "
                    f"{snap.read_s:.1f} s{again}; {snap.window}"
                    + (f"; {cov.get('n_engines_analyzed', 0)} engine(s), "
-                      f"{cov.get('n_windows', 0):,} one-second windows, "
-                      f"{cov.get('n_requests', 0):,} finished requests" if cov else ""))
+                      f"{cov.get('n_windows', 0):,} {kind}, "
+                      f"{cov.get('n_requests', 0):,} finished requests"
+                      + (" (estimated from histograms)" if snap.from_prometheus else "")
+                      if cov else ""))
         if show_problem(snap):
             return
         render(snap)

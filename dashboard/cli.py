@@ -1,9 +1,10 @@
-"""``kvscope dashboard``: run the Streamlit app against a collector, or on the demo data.
+"""``kvscope dashboard``: run the Streamlit app against a collector, a Prometheus, or on
+the demo data.
 
 The app runs as ``python -m streamlit run dashboard/app.py`` in a child process,
 headless, bound to 127.0.0.1 unless ``--host`` says otherwise, usage statistics off.
 The collector's token reaches it through the environment (``KVSCOPE_TOKEN``), not
-the command line. ``--demo`` first starts a collector on a temporary store and
+the command line; so do Prometheus credentials (``KVSCOPE_PROMETHEUS_*``). ``--demo`` first starts a collector on a temporary store and
 replays the bundled real vLLM recordings into it (:mod:`dashboard.demo`).
 """
 
@@ -48,6 +49,8 @@ examples:
   kvscope dashboard --collector http://collector:8844
   kvscope dashboard --collector http://collector:8844 --token "$TOKEN" --since 2h --port 8600
   kvscope dashboard --demo      # a local collector fed the bundled real vLLM recordings
+  kvscope dashboard --prometheus http://prometheus:9090 --selector '{namespace="prod"}' \
+      --prometheus-user grafana --prometheus-password-file /etc/kvscope/prom-password
 """
 
 
@@ -57,7 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "dashboard",
         help="the web dashboard (Streamlit): fleet, engines, plateau, recommendations, routing",
         description=(
-            "Serve the kvscope dashboard: it reads a collector's HTTP API, runs the advisor\n"
+            "Serve the kvscope dashboard: it reads a collector's HTTP API (or vLLM's series\n"
+            "in a Prometheus-compatible server), runs the advisor\n"
             "on every refresh and shows the fleet (status, batch, KV occupancy, prefix hit\n"
             "rate, preemptions, throughput, verdict), each engine's time series, the\n"
             "plateau with knee and cap, the ranked recommendations with the change to copy,\n"
@@ -87,6 +91,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--demo-dir", default=None, metavar="DIR",
                    help="with --demo: keep the store and the collector's log here "
                         "(default: a temporary folder, removed on exit)")
+    from collector._promargs import add_prometheus_arguments
+
+    add_prometheus_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -111,18 +118,24 @@ def _loopback(host: str) -> bool:
 
 def serve(settings: DashboardSettings, host: str, port: int) -> int:
     """Run the app in the foreground until it exits or Ctrl-C."""
+    from collector._promargs import ENV_BEARER, ENV_HEADERS, ENV_PASSWORD, ENV_USER
+
     env = dict(os.environ)
-    env.pop("KVSCOPE_TOKEN", None)
+    for name in ("KVSCOPE_TOKEN", ENV_BEARER, ENV_HEADERS, ENV_PASSWORD, ENV_USER):
+        env.pop(name, None)
     if settings.token:
         env["KVSCOPE_TOKEN"] = settings.token
+    if settings.prometheus is not None:
+        env.update(settings.prometheus.environ())
     env.setdefault("PYTHONUNBUFFERED", "1")
-    print(f"kvscope dashboard: http://{host}:{port}/ reading {settings.collector_url}"
+    print(f"kvscope dashboard: http://{host}:{port}/ reading {settings.source_label}"
           f" (window {settings.since}, refresh "
           f"{f'every {settings.refresh_s:g} s' if settings.refresh_s else 'off'}); Ctrl-C stops",
           flush=True)
     if not _loopback(host):
         print(f"kvscope dashboard: listening on {host}: the dashboard has no login; anyone "
-              "who reaches it sees what the collector holds", file=sys.stderr)
+              f"who reaches it sees what the {settings.source_label.split()[0]} holds",
+              file=sys.stderr)
     proc = subprocess.Popen(streamlit_command(to_argv(settings), host, port), env=env)
     try:
         return proc.wait()
@@ -172,11 +185,20 @@ def _run(args: argparse.Namespace) -> int:
         print(f"kvscope dashboard: {message}", file=sys.stderr)
         return 2
 
+    from collector._promargs import PromArgError, prometheus_target
+
     if args.demo and args.collector and args.collector != os.environ.get("KVSCOPE_COLLECTOR_URL"):
         return fail("--demo starts its own collector; leave out --collector")
-    if not args.demo and not args.collector:
-        return fail("pass --collector URL (or set KVSCOPE_COLLECTOR_URL), or --demo to look "
-                    "at the bundled recordings")
+    if args.prometheus and (args.demo or (args.collector and args.collector != os.environ.get(
+            "KVSCOPE_COLLECTOR_URL"))):
+        return fail("--prometheus reads Prometheus; leave out --collector and --demo")
+    if not args.demo and not args.collector and not args.prometheus:
+        return fail("pass --collector URL (or set KVSCOPE_COLLECTOR_URL), --prometheus URL, "
+                    "or --demo to look at the bundled recordings")
+    try:
+        prom = prometheus_target(args)
+    except PromArgError as exc:
+        return fail(str(exc))
     if args.refresh < 0 or args.timeout <= 0:
         return fail("--refresh must be >= 0 and --timeout > 0")
     if not 0 < args.port < 65536:
@@ -185,6 +207,10 @@ def _run(args: argparse.Namespace) -> int:
         since = check_since(args.since or ("3h" if args.demo else "30m"))
     except SettingsError as exc:
         return fail(str(exc))
+    if prom is not None:
+        return serve(DashboardSettings(since=since, refresh_s=args.refresh,
+                                       timeout_s=args.timeout, pool=args.pool, prometheus=prom),
+                     args.host, args.port)
     if not args.demo:
         return serve(DashboardSettings(collector_url=normalize_url(args.collector),
                                        token=args.token, since=since, refresh_s=args.refresh,

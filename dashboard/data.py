@@ -1,11 +1,15 @@
-"""What one refresh of the dashboard reads from the collector, and nothing else.
+"""What one refresh of the dashboard reads from its source, and nothing else.
 
-:func:`load_snapshot` reads engines, 1-second windows and finished requests through
-:class:`advisor.CollectorSource` (the collector's ``/v1`` read API), runs
-:func:`advisor.analyze` once on those same frames and keeps all of it in a
-:class:`Snapshot`: the pages present the report's verdicts, findings and
-recommendations and plot the raw frames; they never recompute a finding.
-:func:`recent_steps` reads the per-step rows of one engine (``/v1/steps``).
+:func:`load_snapshot` reads engines, windows and finished requests through the source
+the settings name: :class:`advisor.CollectorSource` (the collector's ``/v1`` read API,
+1-second windows) or :class:`advisor.prometheus.PrometheusSource` (vLLM's own series in
+a Prometheus-compatible server, windows one scrape interval long, requests estimated
+from histograms). It runs :func:`advisor.analyze` once on those same frames (annotated
+with the scrape resolution for Prometheus, as ``kvscope advise --prometheus`` does) and
+keeps all of it in a :class:`Snapshot`: the pages present the report's verdicts,
+findings and recommendations and plot the raw frames; they never recompute a finding.
+:func:`recent_steps` reads the per-step rows of one engine (``/v1/steps``); only a
+collector has them (:attr:`Snapshot.has_steps`).
 
 No Streamlit here: the app caches these calls; the tests call them directly.
 """
@@ -21,13 +25,14 @@ import pandas as pd
 
 from advisor import CollectorSource, Report, SourceError, analyze
 from advisor.render import no_data_message, source_error_message, window_text
+from advisor.sources import Source
 from dashboard.settings import DashboardSettings
 
 
 class _KeepingSource:
-    """A source that hands the advisor the collector's frames and keeps them."""
+    """A source that hands the advisor the source's frames and keeps them."""
 
-    def __init__(self, source: CollectorSource) -> None:
+    def __init__(self, source: Source) -> None:
         self.source = source
         self.frames: dict[str, pd.DataFrame] = {}
 
@@ -81,10 +86,29 @@ class Snapshot:
     error: str | None = None
     error_status: int | None = None
     read_s: float = 0.0
+    prom_no_data: str | None = None
 
     @property
     def collector_url(self) -> str:
-        return self.settings.collector_url
+        """The base URL read (the collector's, or Prometheus')."""
+        return self.settings.source_url
+
+    @property
+    def from_prometheus(self) -> bool:
+        return self.settings.prometheus is not None
+
+    @property
+    def has_steps(self) -> bool:
+        """Whether per-step rows can be read (a collector keeps them; Prometheus has one
+        sample per scrape)."""
+        return not self.from_prometheus
+
+    @property
+    def window_s(self) -> float:
+        """Length of one window in seconds (1 from a collector; the resolution read from
+        Prometheus)."""
+        res = self.report.coverage.get("resolution_s") if self.report is not None else None
+        return float(res) if self.from_prometheus and res else 1.0
 
     @property
     def window(self) -> str:
@@ -100,8 +124,11 @@ class Snapshot:
         """Why there is nothing to show and what to do (empty when there is data)."""
         if self.report is None or self.report.has_data:
             return ""
-        text = no_data_message(self.report, self.collector_url, self.window,
-                               self.fetched_unix_s)
+        if self.prom_no_data is not None:
+            text = self.prom_no_data
+        else:
+            text = no_data_message(self.report, self.collector_url, self.window,
+                                   self.fetched_unix_s)
         if self.report.coverage.get("n_engines_known"):
             text += "; or pick a longer window in the sidebar"
         return text
@@ -157,6 +184,8 @@ def load_snapshot(settings: DashboardSettings, since_text: str | None = None,
     since = resolve_since(since_text, now)
     snap = Snapshot(settings=settings, since_text=since_text,
                     since_unix_s=since, until_unix_s=None, fetched_unix_s=now)
+    if settings.prometheus is not None:
+        return _load_prometheus(snap, settings, since, pool, now)
     source = _KeepingSource(CollectorSource(settings.collector_url, token=settings.token,
                                             timeout_s=settings.timeout_s))
     t0 = time.monotonic()
@@ -168,6 +197,41 @@ def load_snapshot(settings: DashboardSettings, since_text: str | None = None,
         return snap
     finally:
         snap.read_s = time.monotonic() - t0
+    snap.engines = source.frames.get("engines", pd.DataFrame())
+    snap.windows = source.frames.get("windows", pd.DataFrame())
+    snap.requests = source.frames.get("requests", pd.DataFrame())
+    return snap
+
+
+def _load_prometheus(snap: Snapshot, settings: DashboardSettings, since: float | None,
+                     pool: str | None, now: float) -> Snapshot:
+    """:func:`load_snapshot` over Prometheus: one range read, analysed and annotated."""
+    from advisor.prometheus import annotate_report
+    from collector._promargs import PromArgError
+    from collector.prom_advise import no_data_message as prom_no_data
+    from collector.prom_advise import source_error_text
+
+    assert settings.prometheus is not None
+    t0 = time.monotonic()
+    try:
+        prom = settings.prometheus.source(
+            timeout_s=settings.timeout_s, clock=lambda: now,
+            lookback_s=max(7 * 86400.0, now - (since if since is not None else now)))
+        f = prom.prefetch(since, None)
+        source = _KeepingSource(prom)
+        snap.report = annotate_report(analyze(source, f.since, f.until, pool), prom)
+        if not snap.report.has_data:
+            snap.prom_no_data = prom_no_data(prom, snap.report, prom.url, snap.window)
+    except PromArgError as exc:
+        snap.error, snap.error_status = str(exc), 400
+        return snap
+    except SourceError as exc:
+        snap.error = source_error_text(exc, settings.prometheus.url)
+        snap.error_status = exc.status
+        return snap
+    finally:
+        snap.read_s = time.monotonic() - t0
+    snap.since_unix_s = f.since
     snap.engines = source.frames.get("engines", pd.DataFrame())
     snap.windows = source.frames.get("windows", pd.DataFrame())
     snap.requests = source.frames.get("requests", pd.DataFrame())

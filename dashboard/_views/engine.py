@@ -85,6 +85,11 @@ def render(snap: Snapshot) -> None:
         st.caption("No finished requests of this engine in the window.")
 
     st.subheader("Recent engine steps")
+    if not snap.has_steps:
+        st.info("Per-step series need kvscope's plugin and a collector: Prometheus holds one "
+                f"sample per scrape ({snap.window_s:g} s here), not every engine step. Point "
+                "`kvscope dashboard --collector URL` at a collector to see them.")
+        return
     last = cfg.get("last_step_unix_s") or r.end_unix_s
     if last is None:
         return
