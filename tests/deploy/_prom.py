@@ -10,7 +10,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -23,13 +22,12 @@ from typing import Any
 import pytest
 import yaml
 
-from collector.process import free_port
+from tests.prometheus._backends import PrometheusServer
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvscope.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "kvscope-alerts.yml"
 ALERT_TESTS = ROOT / "deploy" / "prometheus" / "kvscope-alerts.test.yml"
-PROMETHEUS = "/usr/bin/prometheus"
 PROMTOOL = "/usr/bin/promtool"
 
 #: Alerts a KV-starved engine driven past its knee must raise.
@@ -132,67 +130,24 @@ class PrometheusError(RuntimeError):
     """Prometheus did not start, or answered a query with an error."""
 
 
-class Prometheus:
-    """A real Prometheus server in a child process (stopped by :meth:`stop`)."""
+class Prometheus(PrometheusServer):
+    """A real Prometheus server in a child process (stopped by :meth:`stop`), scraping
+    ``targets`` as job ``kvscope`` and evaluating ``rule_files``: the tests' one
+    Prometheus starter (``tests/prometheus/_backends.py``) plus query helpers."""
 
     def __init__(self, workdir: Path, *, targets: list[str] | None = None,
                  scrape_interval_s: float = 1.0, rule_files: list[Path] | None = None,
                  evaluation_interval_s: float = 1.0) -> None:
-        self.workdir = workdir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / "prometheus.log"
-        config: dict[str, Any] = {
-            "global": {"scrape_interval": f"{scrape_interval_s:g}s",
-                       "scrape_timeout": f"{min(scrape_interval_s, 10):g}s",
-                       "evaluation_interval": f"{evaluation_interval_s:g}s"},
-            "rule_files": [str(p) for p in rule_files or []],
-            "scrape_configs": [],
-        }
-        if targets:
-            config["scrape_configs"].append(
-                {"job_name": "kvscope", "static_configs": [{"targets": targets}]})
-        self.config_path = workdir / "prometheus.yml"
-        self.config_path.write_text(yaml.safe_dump(config))
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(workdir, list(targets or []), job="kvscope",
+                         scrape_interval_s=scrape_interval_s, rule_files=rule_files,
+                         evaluation_interval_s=evaluation_interval_s)
 
     def start(self, timeout_s: float = 30.0) -> Prometheus:
-        cmd = [require(PROMETHEUS), f"--config.file={self.config_path}",
-               f"--storage.tsdb.path={self.workdir / 'tsdb'}",
-               f"--web.listen-address=127.0.0.1:{self.port}",
-               "--storage.tsdb.retention.time=1d", "--log.level=warn"]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise PrometheusError(f"prometheus exited with code {self.proc.returncode}:\n"
-                                      f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/-/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise PrometheusError(f"prometheus was not ready in {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-    def log_tail(self, n: int = 40) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+            super().start(timeout_s)
+        except RuntimeError as e:
+            raise PrometheusError(str(e)) from e
+        return self
 
     def api(self, path: str, **params: Any) -> Any:
         """GET an API path; the ``data`` of a success, else :class:`PrometheusError`."""

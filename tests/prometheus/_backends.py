@@ -3,7 +3,9 @@ each in a child process with a temporary config, data directory and free port.
 :class:`SecuredPrometheusServer` is Prometheus behind its own ``--web.config.file``:
 HTTPS with a self-signed certificate and basic auth (a bcrypt hash).
 
-Used by ``tests/prometheus`` and ``tests/integration/test_prometheus_source.py``.
+Used by ``tests/prometheus``, ``tests/integration/test_prometheus_source.py`` and, through
+``tests/deploy/_prom.py`` (which adds rules and query helpers), by ``tests/deploy`` and
+``tests/integration/test_grafana_prometheus.py``: the one place that starts them.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ def _dur(seconds: float) -> str:
 
 
 class Backend:
-    """A PromQL server in a child process scraping ``targets`` every ``scrape_interval_s``."""
+    """A PromQL server in a child process scraping ``targets`` every ``scrape_interval_s``
+    (none: no scrape job)."""
 
     name = "backend"
 
@@ -62,7 +65,7 @@ class Backend:
             "global": {"scrape_interval": _dur(scrape_interval_s),
                        "scrape_timeout": _dur(min(scrape_interval_s, 10))},
             "scrape_configs": [{"job_name": job, "metrics_path": metrics_path,
-                                "static_configs": [sc]}],
+                                "static_configs": [sc]}] if targets else [],
         }
         self.config_path = self.workdir / "scrape.yml"
         self.config_path.write_text(yaml.safe_dump(self.config))
@@ -123,7 +126,17 @@ class Backend:
 
 
 class PrometheusServer(Backend):
+    """Prometheus; ``rule_files`` are evaluated every ``evaluation_interval_s``."""
+
     name = "prometheus"
+
+    def __init__(self, workdir: Path, targets: list[str], *,
+                 rule_files: list[Path] | None = None, evaluation_interval_s: float = 1.0,
+                 **kw: Any) -> None:
+        super().__init__(workdir, targets, **kw)
+        self.config["global"]["evaluation_interval"] = _dur(evaluation_interval_s)
+        self.config["rule_files"] = [str(p) for p in rule_files or []]
+        self.config_path.write_text(yaml.safe_dump(self.config))
 
     def command(self) -> list[str]:
         return [require(PROMETHEUS, "prometheus"), f"--config.file={self.config_path}",

@@ -64,7 +64,8 @@ def test_same_verdicts_as_from_the_store(reports: dict[str, tuple[Path, dict[str
         # within a factor of 2 of the store's (the load levels double).
         assert s["knee_concurrency"] / 2 <= v["knee_concurrency"] <= s["knee_concurrency"] * 2
         assert v["plateau_tokens_per_s"] == pytest.approx(s["plateau_tokens_per_s"], rel=0.2)
-        assert v["confidence"] <= s["confidence"], eid  # scaled by the resolution
+        if eid != KVSCOPE_ENGINE:  # vLLM's gauges at 1 s: scaled by 0.9
+            assert 0 < v["confidence"] <= 0.9, eid
     pools = {p["pool"] for p in reports["prometheus"][1]["current"]["pools"]}
     assert pools == {"demo", "kvscope-demo", "old-model"}
 
