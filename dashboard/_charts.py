@@ -33,8 +33,11 @@ def bucket_seconds(span_s: float, max_points: int = MAX_POINTS) -> int:
     return 3600
 
 
-def engine_series(windows: pd.DataFrame, num_gpu_blocks: float | None) -> pd.DataFrame:
-    """Per-second (or bucketed) series of one engine's windows.
+def engine_series(windows: pd.DataFrame, num_gpu_blocks: float | None,
+                  window_s: float = 1.0) -> pd.DataFrame:
+    """Per-second (or bucketed) series of one engine's windows, each ``window_s`` seconds
+    long (1 from a collector; from Prometheus the resolution, its counts per-second
+    rates). Buckets are whole multiples of ``window_s``.
 
     Columns: ``time`` (UTC datetime), gauge means, maxima, and rates per second
     (``preemptions_per_s``, ``gen_tokens_per_s``, ``prompt_tokens_per_s``,
@@ -46,8 +49,12 @@ def engine_series(windows: pd.DataFrame, num_gpu_blocks: float | None) -> pd.Dat
     w = windows.copy()
     for c in (*_GAUGES, *_MAXES, *_SUMS, "ts_s"):
         w[c] = pd.to_numeric(w[c], errors="coerce") if c in w else np.nan
-    span = float(w["ts_s"].max() - w["ts_s"].min() + 1)
-    b = bucket_seconds(span)
+    step = max(1, round(window_s))
+    if step > 1:  # per-second rates over the window: back to counts
+        for c in _SUMS:
+            w[c] = w[c] * step
+    span = float(w["ts_s"].max() - w["ts_s"].min() + step)
+    b = -(-bucket_seconds(span) // step) * step
     w["bucket"] = (w["ts_s"] // b) * b
     g = w.groupby("bucket")
     out = pd.DataFrame({c: g[c].mean() for c in _GAUGES})
@@ -57,7 +64,7 @@ def engine_series(windows: pd.DataFrame, num_gpu_blocks: float | None) -> pd.Dat
         out[c] = g[c].sum()
     out = out.reset_index()
     # Rates over the bucket's seconds; the last bucket may be shorter.
-    end = float(w["ts_s"].max()) + 1
+    end = float(w["ts_s"].max()) + step
     secs = np.minimum(float(b), end - out["bucket"])
     out["preemptions_per_s"] = out["preemptions"] / secs
     out["gen_tokens_per_s"] = out["generation_tokens"] / secs

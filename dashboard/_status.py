@@ -126,22 +126,27 @@ class Recent:
     end_unix_s: float | None
 
 
-def recent(windows: pd.DataFrame, seconds: int = RECENT_S) -> Recent:
+def recent(windows: pd.DataFrame, seconds: int = RECENT_S, window_s: float = 1.0) -> Recent:
     """Means (batch, KV usage, waiting) and rates (preemptions, generated tokens) over
     the engine's last ``seconds`` seconds with windows; seconds without a window
-    count as idle (zero tokens, zero preemptions)."""
+    count as idle (zero tokens, zero preemptions). ``window_s`` is the windows' length
+    (1 from a collector; the resolution read from Prometheus, whose windows hold
+    per-second rates)."""
     if not len(windows) or "ts_s" not in windows:
         return Recent(0, None, None, None, None, None, None)
     ts = pd.to_numeric(windows["ts_s"], errors="coerce")
     end = float(ts.max())
-    w = windows[ts > end - seconds]
-    span = int(min(seconds, end - float(pd.to_numeric(w["ts_s"]).min()) + 1))
+    w = windows[ts > end - max(seconds, window_s)]
+    span = int(min(max(seconds, window_s), end - float(pd.to_numeric(w["ts_s"]).min())
+                   + window_s))
 
     def mean(col: str) -> float | None:
         return float(pd.to_numeric(w[col], errors="coerce").mean()) if col in w else None
 
     def rate(col: str) -> float | None:
-        return float(pd.to_numeric(w[col], errors="coerce").sum()) / span if col in w else None
+        if col not in w:
+            return None
+        return float(pd.to_numeric(w[col], errors="coerce").sum()) * window_s / span
 
     return Recent(span, mean("batch_mean"), mean("kv_usage_mean"), rate("preemptions"),
-                  rate("generation_tokens"), mean("waiting_mean"), end + 1.0)
+                  rate("generation_tokens"), mean("waiting_mean"), end + window_s)

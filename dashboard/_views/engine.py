@@ -35,7 +35,7 @@ def render(snap: Snapshot) -> None:
     cfg = snap.engine_config(v.engine_id)
     st.markdown(f"pool **{v.pool}**; {engine_status(cfg.get('last_step_unix_s'), snap.fetched_unix_s)}"
                 f"  \n{_config_line(cfg)}")
-    r = recent(snap.engine_windows(v.engine_id))
+    r = recent(snap.engine_windows(v.engine_id), window_s=snap.window_s)
     verdict_headline(v)
     c = st.columns(6)
     c[0].metric("batch (last 60 s)", num(r.batch_mean),
@@ -47,7 +47,8 @@ def render(snap: Snapshot) -> None:
     c[5].metric("recommended cap", str(v.recommended_concurrency_cap)
                 if v.recommended_concurrency_cap is not None else NONE)
 
-    s = engine_series(snap.engine_windows(v.engine_id), cfg.get("num_gpu_blocks"))
+    s = engine_series(snap.engine_windows(v.engine_id), cfg.get("num_gpu_blocks"),
+                      snap.window_s)
     if not len(s):
         st.info("No 1-second windows of this engine in the window.")
         return

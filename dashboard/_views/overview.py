@@ -67,7 +67,7 @@ def _engine_table(snap: Snapshot) -> pd.DataFrame:
     rows = []
     for v in engines_by_attention(snap.report):
         cfg = snap.engine_config(v.engine_id)
-        r = recent(snap.engine_windows(v.engine_id))
+        r = recent(snap.engine_windows(v.engine_id), window_s=snap.window_s)
         seqs = cfg.get("max_num_seqs")
         rows.append({
             "engine": v.engine_id, "pool": str(v.pool),
@@ -97,7 +97,8 @@ def render(snap: Snapshot) -> None:
     c = st.columns(4)
     c[0].metric("engines analyzed", f"{len(report.engines)}",
                 help=f"{live} live (a step in the last 15 s); "
-                     f"{report.coverage.get('n_engines_known', 0)} known to the collector")
+                     f"{report.coverage.get('n_engines_known', 0)} known to the "
+                     f"{'Prometheus' if snap.from_prometheus else 'collector'}")
     c[1].metric("saturated", f"{saturated} of {len(report.engines)}")
     c[2].metric("pools needing attention", f"{sum(a.score > 0 for _, a in ranked)} of "
                                            f"{len(ranked)}")

@@ -228,6 +228,27 @@ def test_engine_series_bucket_long_windows_and_keep_rates_per_second() -> None:
     assert s["batch_max"].max() == 6
 
 
+def test_windows_longer_than_a_second_hold_rates_per_second() -> None:
+    """Windows read from Prometheus at 15 s resolution carry per-second rates: the series
+    and the last minute keep them per second instead of dividing by the window again."""
+    n = 40  # 10 minutes of 15-second windows
+    w = pd.DataFrame({"ts_s": [1000.0 + 15 * i for i in range(n)],
+                      "batch_mean": [4.0] * n, "kv_usage_mean": [0.5] * n,
+                      "waiting_mean": [1.0] * n, "preemptions": [2.0] * n,
+                      "generation_tokens": [100.0 + (i % 2) * 20 for i in range(n)],
+                      "prompt_tokens": [50.0] * n, "prefix_queries": [40.0] * n,
+                      "prefix_hits": [10.0] * n})
+    s = engine_series(w, num_gpu_blocks=48, window_s=15)
+    assert set(s["bucket_s"]) == {15} and len(s) == n
+    assert s["gen_tokens_per_s"].mean() == pytest.approx(110.0)
+    assert s["preemptions_per_s"].tolist() == pytest.approx([2.0] * n)
+    r = recent(w, seconds=60, window_s=15)
+    assert r.seconds == 60  # four windows of 15 s
+    assert r.gen_tokens_per_s == pytest.approx(110.0)
+    assert r.preemptions_per_s == pytest.approx(2.0)
+    assert r.end_unix_s == 1000.0 + 15 * n
+
+
 def test_latency_series_are_percentiles_per_bucket() -> None:
     r = pd.DataFrame({"finished_unix_s": [0.5 + i * 0.01 for i in range(100)],
                       "ttft_s": [i / 100 for i in range(100)],
