@@ -74,9 +74,24 @@ def add_parser(sub: argparse._SubParsersAction, validators: dict[str, Any]) -> N
                                      "(default: 0.05)")
     p.add_argument("--imbalance-threshold", type=validators["ratio"], default=1.25,
                    metavar="R", help="busiest / mean load flagged (default: 1.25)")
+    p.add_argument("--max-windows-per-engine", type=_count, default=None, metavar="N",
+                   help="with --store: the advisor's fits read at most about N 1-second "
+                        "windows per engine, in whole 5-minute blocks (default: 30000; 0 "
+                        "reads every window into memory); usage per day always counts "
+                        "every window")
     p.add_argument("--timeout", type=validators["positive"], default=60.0, metavar="S",
                    help="seconds per HTTP request to the collector or Prometheus (default: 60)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,8 +161,11 @@ def run(args: argparse.Namespace) -> int:
         if prom is not None:
             bar.set_description("reading two weeks from Prometheus")
             prom.read(since - (until - since), until)
+        sample_kw = ({} if args.max_windows_per_engine is None else
+                     {"max_windows_per_engine": args.max_windows_per_engine or None})
         report = build_weekly_report(
             source, since, until, pool=args.pool, source_label=label, progress=bar,
+            **sample_kw,
             slo_ttft_p99_s=args.slo_ttft_p99, slo_e2e_p99_s=args.slo_e2e_p99,
             cap_fraction=args.cap_fraction, min_routing_loss=args.min_routing_loss,
             imbalance_threshold=args.imbalance_threshold)

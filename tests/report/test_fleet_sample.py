@@ -4,6 +4,10 @@ recordings (:mod:`collector.fleetgen`, one engine per recording, half a day each
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,11 +25,19 @@ BUDGET = 4000
 """Windows per engine the sampled analysis reads: under a tenth of the 43,200."""
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
 @pytest.fixture(scope="module")
-def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreSource]:
+def store_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = Path(tmp_path_factory.mktemp("fleet")) / "fleet.duckdb"
     generate_fleet_store(path, SPEC)
-    src = StoreSource(open_store(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def source(store_path: Path) -> Iterator[StoreSource]:
+    src = StoreSource(open_store(store_path))
     yield src
     src.close()
 
@@ -84,3 +96,20 @@ def test_usage_summed_in_sql_equals_usage_from_frames(source: StoreSource,
     sql = usage_from_days(source.usage_days(knees, since, UNTIL), report, since, UNTIL)
     assert sql.to_dict() == frames.to_dict()
     assert sum(sql.engines["saturated_s"]) > 0 and sum(sql.engines["requests"]) > 0
+
+
+def test_report_cli_bounds_the_read_and_reads_everything_with_0(store_path: Path,
+                                                                tmp_path: Path) -> None:
+    covs = {}
+    for n in ("2000", "0"):
+        p = subprocess.run(
+            [sys.executable, "-m", "collector.cli", "report", "--store", str(store_path),
+             "--since", str(int(SINCE)), "--until", str(int(UNTIL)), "--no-progress",
+             "--max-windows-per-engine", n, "--out", str(tmp_path / n)],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert p.returncode == 0, p.stderr
+        covs[n] = json.loads((tmp_path / n / "report.json").read_text())["current"]["coverage"]
+    assert covs["2000"]["window_sample_share"] < 0.1
+    assert "window_sample_share" not in covs["0"]
+    assert covs["2000"]["n_windows"] == covs["0"]["n_windows"] > 3 * 40000
