@@ -23,7 +23,7 @@ from _fp_helpers import ENGINE_ID, check_accounting, fp_exporter, metric, push, 
 
 from collector.process import CollectorProcess, free_port
 from engine_plugins import exporter as exporter_mod
-from engine_plugins._spool import Spool, read_records
+from engine_plugins._spool import Spool, SpoolBusy, read_records
 from engine_plugins.exporter import Exporter
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -275,3 +275,37 @@ def test_spool_io_runs_only_in_the_exporter_thread(tmp_path: Path) -> None:
     print(f"\nspool calls made from threads {sorted(threads)}; {s['batches_spooled']} spooled")
     assert s["batches_spooled"] >= 5
     assert threads == {"kvscope-exporter"}
+
+
+def test_flipped_byte_skips_the_rest_of_its_segment_only(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "s", max_bytes=1 << 20, segment_bytes=2_000)
+    for seq in range(30):
+        spool.append({"engine_id": "e", "boot_id": "b", "seq": seq, "n_steps": 1,
+                      "n_requests": 0}, os.urandom(200))  # fmt: skip
+    spool.close()
+    segments = sorted((tmp_path / "s").glob("*.seg"), key=lambda p: int(p.stem))
+    assert len(segments) >= 3
+    first = [m["seq"] for _, _, m, _ in read_records(segments[0].read_bytes())[0]]
+    # Flip one byte inside the body of the first segment's second record.
+    data = bytearray(segments[0].read_bytes())
+    offset, size, _, _ = read_records(bytes(data))[0][1]
+    data[offset + size - 10] ^= 0xFF
+    segments[0].write_bytes(bytes(data))
+    reopened = Spool(tmp_path / "s", max_bytes=1 << 20, segment_bytes=2_000)
+    seqs = []
+    while (got := reopened.peek()) is not None:
+        seqs.append(got[0].meta["seq"])
+        reopened.pop()
+    print(f"\n30 records in {len(segments)} segments, byte flipped in record "
+          f"{first[1]}: read back {len(seqs)}, corrupt {reopened.corrupt_records}")
+    assert reopened.corrupt_records == 1
+    assert seqs == [first[0], *range(len(first), 30)]
+    reopened.close()
+
+
+def test_a_second_owner_of_the_spool_is_refused(tmp_path: Path) -> None:
+    first = Spool(tmp_path / "s", max_bytes=1 << 20)
+    with pytest.raises(SpoolBusy, match="another process"):
+        Spool(tmp_path / "s", max_bytes=1 << 20)
+    first.close()
+    Spool(tmp_path / "s", max_bytes=1 << 20).close()  # free again once closed
