@@ -61,7 +61,8 @@ class PromClient:
     """Reads one Prometheus-compatible server (``url`` is its base URL, no ``/api``).
 
     ``auth`` authenticates every request and sets the TLS options; ``headers`` are
-    added to them. Header values never appear in an error.
+    added to them. Header values never appear in an error, and ``Authorization`` is
+    not sent on after a redirect (urllib would send it to wherever the redirect points).
     """
 
     def __init__(self, url: str, *, timeout_s: float = 30.0,
@@ -82,7 +83,10 @@ class PromClient:
             req = urllib.request.Request(f"{self.url}{path}?{body}" if body else
                                          f"{self.url}{path}")
         for k, v in self.headers.items():
-            req.add_header(k, v)
+            if k.lower() == "authorization":  # never follows a redirect to another server
+                req.add_unredirected_header(k, v)
+            else:
+                req.add_header(k, v)
         self.requests_made += 1
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s, context=self._ssl) as resp:

@@ -104,3 +104,64 @@ def test_dashboard_settings_round_trip_without_secrets(tmp_path: Path) -> None:
     assert again == s
     other = parse_settings(argv, {ENV_PASSWORD: "other"})
     assert other.cache_key() != s.cache_key()
+
+
+def test_authorization_does_not_follow_a_redirect() -> None:
+    """A server redirecting elsewhere does not get the credentials sent on; the client
+    reports the other server's answer without them."""
+    import http.server
+    import threading
+
+    from advisor._promapi import PromClient
+    from advisor.sources import SourceError
+
+    seen: list[str | None] = []
+
+    class Capture(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *a: object) -> None:
+            return None
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Capture)
+    target = f"http://127.0.0.1:{other.server_address[1]}"
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append("first:" + str(self.headers.get("Authorization")))
+            self.send_response(302)
+            self.send_header("Location", target + self.path)
+            self.end_headers()
+
+        def log_message(self, *a: object) -> None:
+            return None
+
+    first = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    for srv in (other, first):
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        client = PromClient(f"http://127.0.0.1:{first.server_address[1]}", timeout_s=5,
+                            auth=PromAuth(bearer_token="s3cr3t-token"))
+        with pytest.raises(SourceError, match="answered 401") as e:
+            client.metadata()
+        assert "s3cr3t-token" not in str(e.value)
+        assert seen == ["first:Bearer s3cr3t-token", None]
+    finally:
+        for srv in (other, first):
+            srv.shutdown()
+            srv.server_close()
+
+
+def test_dashboard_refuses_prometheus_with_a_collector_or_the_demo(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from dashboard import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_parser(p.add_subparsers())
+    for extra in (["--demo"], ["--collector", "http://c:8844"]):
+        args = p.parse_args(["dashboard", "--prometheus", "http://p:9090", *extra])
+        assert cli._run(args) == 2
+        assert "leave out --collector and --demo" in capsys.readouterr().err
