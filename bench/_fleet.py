@@ -120,7 +120,6 @@ class WorkerSpec:
     seed: int
     cores: tuple[int, ...] = ()
     pool_size: int = 50
-    start_at_unix_s: float = 0.0
 
 
 @dataclass
@@ -136,7 +135,7 @@ def engine_id(i: int) -> str:
     return f"sim-{i:05d}.fleet:8000:0"
 
 
-def _worker(spec: WorkerSpec, out: Any) -> None:
+def _worker(spec: WorkerSpec, out: Any, ready: Any, go: Any) -> None:
     from engine_plugins.exporter import Exporter
 
     if spec.cores:
@@ -154,8 +153,8 @@ def _worker(spec: WorkerSpec, out: Any) -> None:
                  "pool": f"fleet-{i // spec.pool_size:03d}", "started_unix_s": time.time()}
         buf = exporter.register(engine_id(i), hello)
         engines.append([exporter, buf, trace, rng.randrange(len(trace.steps)), 0])
-    while time.time() < spec.start_at_unix_s:
-        time.sleep(0.01)
+    ready.put(os.getpid())
+    go.wait()
     for e in engines:
         e[0].start()
     t_start = time.monotonic()
@@ -217,18 +216,21 @@ def run_workers(url: str, n_engines: int, duration_s: float, *, steps_per_s: flo
                 seed: int = 0, id_offset: int = 0) -> FleetRun:  # fmt: skip
     """Run ``n_engines`` simulated engines for ``duration_s`` in worker processes."""
     ctx = mp.get_context("fork")
-    q = ctx.Queue()
+    q, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     n_workers = max(1, -(-n_engines // engines_per_worker))
-    start_at = time.time() + 1.0 + 0.002 * n_engines
     procs = []
     for w in range(n_workers):
         first = w * n_engines // n_workers
         last = (w + 1) * n_engines // n_workers
         spec = WorkerSpec(url, id_offset + first, last - first, duration_s, steps_per_s,
-                          seed * 1000 + w, cores, start_at_unix_s=start_at)  # fmt: skip
-        p = ctx.Process(target=_worker, args=(spec, q), daemon=True)
+                          seed * 1000 + w, cores)  # fmt: skip
+        p = ctx.Process(target=_worker, args=(spec, q, ready, go), daemon=True)
         p.start()
         procs.append(p)
+    for _ in procs:  # every engine built before any starts: one start time for the fleet
+        ready.get(timeout=300.0)
+    start_at = time.time()
+    go.set()
     results: list[WorkerResult] = [q.get(timeout=duration_s + 120.0) for _ in procs]
     for p in procs:
         p.join(10.0)
