@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -267,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                      "for the load generators")
     loadgen_cores = tuple(c for c in cores if c != args.collector_core)
     warn_if_engine_running()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the collector
 
     tmp = tempfile.TemporaryDirectory(prefix="kvscope-ingest-")
     store = Path(args.store) if args.store else Path(tmp.name) / "fleet.duckdb"
