@@ -37,6 +37,8 @@ class EngineBuffer:
         self.folder = StepFolder()
         self.held_steps: list[tuple[Any, ...]] = []
         self.next_seq = 0
+        self.last_counters: dict[str, int] = {}
+        """The counters carried by the latest batch built."""
         self.last_built_mono_s = -math.inf
         self.hello_acked_version = 0
         self.steps_taken = self.requests_taken = 0

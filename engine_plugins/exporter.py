@@ -94,6 +94,9 @@ SPOOL_EXIT_RESERVE = 0.25
 #: Ticks run this long after a wall-clock boundary.
 TICK_OFFSET_S = 0.05
 _GZIP_LEVEL = 5
+#: Counters whose change makes an idle engine send a batch without waiting a heartbeat.
+_LOSS_COUNTERS = ("dropped_steps", "dropped_requests", "dropped_batches",
+                  "spool_corrupt_records")  # fmt: skip
 
 __all__ = ["EngineBuffer", "Exporter", "current_exporter", "get_exporter"]
 
@@ -276,7 +279,12 @@ class Exporter:
     def _build(self, eng: EngineBuffer, now_unix_s: float, final: bool) -> None:
         steps, reqs = self._drain(eng, now_unix_s, final)
         now_mono = time.monotonic()
-        idle_due = eng.hello_due or now_mono - eng.last_built_mono_s >= HEARTBEAT_S
+        counters = eng.counters()
+        # An idle engine sends an empty batch for its hello, as a heartbeat, and when it
+        # dropped something since the last batch was built (e.g. to make room for it).
+        last = eng.last_counters
+        idle_due = (eng.hello_due or now_mono - eng.last_built_mono_s >= HEARTBEAT_S
+                    or any(counters[k] != last.get(k, 0) for k in _LOSS_COUNTERS))  # fmt: skip
         if not (steps or reqs or (idle_due and eng.pending_batches == 0)):
             return
         eng.last_built_mono_s = now_mono
@@ -296,8 +304,9 @@ class Exporter:
                 "hello": eng.hello if hello_version else None,
                 "steps": self._columns.steps(step_chunk, num_gpu_blocks),
                 "requests": self._columns.requests(req_chunk),
-                "exporter": eng.counters(),
+                "exporter": counters,
             }
+            eng.last_counters = counters
             batch = _Batch(eng, eng.next_seq, _encode(payload), len(step_chunk),
                            len(req_chunk), hello_version)  # fmt: skip
             eng.next_seq += 1

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import statistics
 import threading
 import time
@@ -79,9 +81,10 @@ def wait_for(pred: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.5)
 
 
-def sweep(server: VllmServer, model: str, levels: int, concurrency: int = 4) -> list[float]:
+def sweep(server: VllmServer, model: str, levels: int, concurrency: int = 4,
+          duration_s: float = LEVEL_S) -> list[float]:  # fmt: skip
     result = run_sweep(SweepConfig(
-        url=server.url, model=model, concurrency=[concurrency] * levels, duration_s=LEVEL_S,
+        url=server.url, model=model, concurrency=[concurrency] * levels, duration_s=duration_s,
         warmup_s=1.0, cooldown_s=0.2, prompt_words=(8, 24), output_tokens=(64, 64), seed=3,
         progress=False,
     ))  # fmt: skip
@@ -165,6 +168,17 @@ def test_collector_away_for_a_minute_under_load(
                               engine_id)  # fmt: skip
         fp_engines["a"] = {"engine_id": engine_id, "stored": stored_per_engine(fp_collector)[
             engine_id], "port": server.port}  # fmt: skip
+        # vLLM's exit with the collector frozen (a blackhole: connections are accepted,
+        # nothing answers) and batches waiting: the plugin's flush keeps its 2 s deadline.
+        assert fp_collector.proc is not None
+        os.kill(fp_collector.proc.pid, signal.SIGSTOP)
+        try:
+            sweep(server, "fp-a", 1, duration_s=3.0)
+            started = time.monotonic()
+            server.stop()
+            fp_engines["a"]["stop_s"] = time.monotonic() - started
+        finally:
+            os.kill(fp_collector.proc.pid, signal.SIGCONT)
     # Baseline: the levels with the collector up, before and after the outage.
     baseline = statistics.median(before + after)
     ratio = statistics.median(during) / baseline
@@ -213,6 +227,16 @@ def test_two_engines_in_one_server_and_two_servers_keep_their_series(
     fp_tiny_model: Path, fp_collector: CollectorProcess, fp_engines: dict[str, Any],
     tmp_path: Path,
 ) -> None:  # fmt: skip
+    a = fp_engines.get("a")
+    if a is not None:  # server A is gone: its stored totals, once settled
+        before: dict[str, float] | None = None
+        for _ in range(20):
+            now = stored_per_engine(fp_collector).get(a["engine_id"])
+            if now == before:
+                break
+            before = now
+            time.sleep(1.0)
+        a["stored"] = before
     server = VllmServer(
         fp_tiny_model, served_model_name="fp-b", num_gpu_blocks=128, max_num_seqs=8,
         extra_args=["--data-parallel-size", "2"], startup_timeout_s=400,
@@ -235,7 +259,9 @@ def test_two_engines_in_one_server_and_two_servers_keep_their_series(
         vllm = vllm_per_engine(server)
         stored = stored_per_engine(fp_collector)
         engines = collector_engines(fp_collector)
-    a = fp_engines.get("a")
+        started = time.monotonic()
+        server.stop()  # the collector up
+        b_stop_s = time.monotonic() - started
     print(f"\nserver B, --data-parallel-size 2, started in {startup_s:.0f} s; engine ids {ids}")
     for k in sorted(vllm):
         eid = f"{host_port}:{k}"
@@ -243,6 +269,10 @@ def test_two_engines_in_one_server_and_two_servers_keep_their_series(
     if a is not None:
         print(f"  server A {a['engine_id']}: stored before B {a['stored']}, after "
               f"{stored.get(a['engine_id'])}")
+        print(f"  server stop (SIGTERM to gone): A with the collector frozen "
+              f"{a['stop_s']:.1f} s; B with the collector up {b_stop_s:.1f} s")
+        # The plugin's exit flush adds at most its deadline (2 s) to vLLM's own exit.
+        assert a["stop_s"] <= b_stop_s + 2.0 + 3.0
     assert ids == [f"{host_port}:0", f"{host_port}:1"]
     assert sorted(vllm) == ["0", "1"]
     for k, counters in vllm.items():

@@ -167,3 +167,29 @@ def test_exit_keeps_its_deadline_with_an_unreachable_collector(server: ScriptedS
     assert delays["blackhole, deadline 0"] <= 0.5
     assert delays["collector up"] <= deadline_s + 0.5
     assert server.batches(), "the flush with the collector up delivered nothing"
+
+
+def test_drops_reach_the_collector_without_waiting_for_new_rows(
+    server: ScriptedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(exporter_mod, "INITIAL_BACKOFF_S", 0.001)
+    monkeypatch.setattr(exporter_mod, "MAX_BACKOFF_S", 0.002)
+    server.default = (503, {})
+    exp, eng = fp_exporter(server.url, max_pending_batches=2)
+    now = time.time()
+    for i in range(5):  # the collector is overloaded: the queue fills, the oldest go
+        push(eng, 10, now - 20.0 + i)
+        time.sleep(0.005)
+        exp.tick(now_unix_s=now + i * 0.1)
+    server.default = (200, {})
+    for i in range(3):  # it recovers; no more rows arrive
+        time.sleep(0.005)
+        exp.tick(now_unix_s=now + 1.0 + i * 0.1)
+    s = check_accounting(exp)
+    ok = server.batches(status=200)
+    print(f"\nqueue cap 2, 5 batches: dropped {s['batches_dropped_full']}; the last of "
+          f"{len(ok)} delivered batches carries dropped_batches_full="
+          f"{ok[-1]['exporter']['dropped_batches_full']}")  # fmt: skip
+    assert s["batches_dropped_full"] == 3 and s["batches_pending"] == 0
+    assert ok[-1]["exporter"]["dropped_batches_full"] == 3
+    assert ok[-1]["exporter"]["dropped_steps"] == s["steps_dropped"] == 30
