@@ -23,6 +23,9 @@ the collector's message logged). At most ``max_pending_batches`` batches (and
 ``MAX_PENDING_BYTES``) wait; beyond that the oldest is dropped and counted
 (``dropped_batches`` plus its rows in ``dropped_steps`` / ``dropped_requests``).
 
+An idle engine still sends an empty batch: for its hello, every ``HEARTBEAT_S``, and
+in the cycle after it dropped something, so that the counters of the drops arrive.
+
 Hello (engine identity and configuration): carried by every batch built while
 the collector has not acknowledged the current hello. It becomes due again when
 the plugin changes it (e.g. ``num_gpu_blocks`` known after start-up), after any
