@@ -129,6 +129,8 @@ class WorkerResult:
     stats: dict[str, int] = field(default_factory=dict)
     samples: list[bytes] = field(default_factory=list)
     cpu_s: float = 0.0
+    wall_s: float = 0.0
+    """From the fleet's start to the end of the exit flush."""
 
 
 def engine_id(i: int) -> str:
@@ -195,7 +197,8 @@ def _worker(spec: WorkerSpec, out: Any, ready: Any, go: Any) -> None:
         for k, v in e[0].stats().items():
             stats[k] = stats.get(k, 0) + v
     out.put(WorkerResult(posts=posts, stats=stats, samples=samples,
-                         cpu_s=time.process_time() - cpu0))  # fmt: skip
+                         cpu_s=time.process_time() - cpu0,
+                         wall_s=time.monotonic() - t_start))  # fmt: skip
 
 
 @dataclass
@@ -209,6 +212,7 @@ class FleetRun:
     samples: list[bytes]
     loadgen_cpu_s: float
     started_unix_s: float
+    loadgen_wall_s: float
 
 
 def run_workers(url: str, n_engines: int, duration_s: float, *, steps_per_s: float = 50.0,
@@ -241,7 +245,8 @@ def run_workers(url: str, n_engines: int, duration_s: float, *, steps_per_s: flo
             stats[k] = stats.get(k, 0) + v
     samples = [s for r in results for s in r.samples]
     return FleetRun(n_engines, duration_s, posts, stats, samples,
-                    sum(r.cpu_s for r in results), start_at)  # fmt: skip
+                    sum(r.cpu_s for r in results), start_at,
+                    max(r.wall_s for r in results))  # fmt: skip
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -139,6 +139,9 @@ class Level:
     ack_p99_s: float
     ack_max_s: float
     failed_posts: int
+    warmup_failed_posts: int
+    failed_statuses: list[int]
+    """HTTP statuses of failed POSTs (0: timeout or connection error)."""
     steps_produced: int
     steps_delivered_ratio: float
     dropped_steps: int
@@ -158,7 +161,11 @@ def measure_level(fleet: FleetRun, mon: Monitor, warmup_s: float, steps_per_s: f
     t1 = fleet.started_unix_s + fleet.duration_s
     window = [p for p in fleet.posts if t0 <= p[0] <= t1]
     acks = [p[1] for p in window if p[2] == 200]
-    failed = sum(1 for p in fleet.posts if p[2] != 200)
+    # POSTs refused or timed out, answered within the measured seconds; those of the
+    # warm-up (a whole fleet registering at once, each hello an upsert) are counted apart.
+    failed = sum(1 for p in fleet.posts if p[2] != 200 and t0 <= p[0] <= t1)
+    warmup_failed = sum(1 for p in fleet.posts if p[2] != 200 and p[0] < t0)
+    statuses = sorted({p[2] for p in fleet.posts if p[2] != 200})
     cores, rss, waited = mon.between(t0, t1)
     st = fleet.stats
     produced = st.get("steps_produced", 0)
@@ -174,10 +181,11 @@ def measure_level(fleet: FleetRun, mon: Monitor, warmup_s: float, steps_per_s: f
     return Level(
         engines=fleet.n_engines, posts=len(fleet.posts),
         ack_p50_s=percentile(acks, 0.5), ack_p99_s=p99, ack_max_s=max(acks, default=float("nan")),
-        failed_posts=failed, steps_produced=produced, steps_delivered_ratio=ratio,
+        failed_posts=failed, warmup_failed_posts=warmup_failed, failed_statuses=statuses,
+        steps_produced=produced, steps_delivered_ratio=ratio,
         dropped_steps=dropped, collector_cores=cores, collector_rss_mib=rss / 2**20,
         collector_cpu_wait=waited,
-        loadgen_cores=fleet.loadgen_cpu_s / fleet.duration_s,
+        loadgen_cores=fleet.loadgen_cpu_s / max(fleet.loadgen_wall_s, fleet.duration_s),
         collector_cpu_ms_per_batch=1000 * cores / batches_per_s if batches_per_s else float("nan"),
         wire_bytes_per_step=wire, sustained=sustained,
     )  # fmt: skip
@@ -313,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
             acked_requests += fleet.stats.get("requests_sent", 0)
             tqdm.write(f"{n:>6} engines: ack P99 {level.ack_p99_s:.3f} s, collector "
                        f"{level.collector_cores:.2f} cores, "
-                       f"{'sustained' if level.sustained else 'NOT sustained'}",
+                       f"{'sustained' if level.sustained else 'NOT sustained'}"
+                       + (f" (failed POSTs with status {level.failed_statuses}; 0 = timeout)"
+                          if level.failed_statuses else ""),
                        file=sys.stderr)  # fmt: skip
             if not level.sustained and not args.keep_going:
                 break
@@ -330,14 +340,15 @@ def main(argv: list[str] | None = None) -> int:
 
     print()
     header = (f"{'engines':>7} {'batches/s':>9} {'ack p50':>8} {'ack p99':>8} {'ack max':>8} "
-              f"{'failed':>6} {'deliv':>6} {'coll. cores':>11} {'RSS MiB':>8} "
+              f"{'failed':>6} {'warmup':>6} {'deliv':>6} {'coll. cores':>11} {'RSS MiB':>8} "
               f"{'ms/batch':>8} {'x decode':>8} {'eng/core':>8} {'loadgen cores':>13}  sustained")  # fmt: skip
     print(header)
     print("-" * len(header))
     for lv in levels:
         bps = lv.collector_cores / (lv.collector_cpu_ms_per_batch / 1000)
         print(f"{lv.engines:>7} {bps:>9.0f} {lv.ack_p50_s:>8.3f} {lv.ack_p99_s:>8.3f} "
-              f"{lv.ack_max_s:>8.3f} {lv.failed_posts:>6} {lv.steps_delivered_ratio:>6.1%} "
+              f"{lv.ack_max_s:>8.3f} {lv.failed_posts:>6} {lv.warmup_failed_posts:>6} "
+              f"{lv.steps_delivered_ratio:>6.1%} "
               f"{lv.collector_cores:>11.2f} {lv.collector_cpu_wait:>8.2f} "
               f"{lv.collector_rss_mib:>8.0f} "
               f"{lv.collector_cpu_ms_per_batch:>8.2f} "
