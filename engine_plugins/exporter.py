@@ -56,78 +56,48 @@ Accounting, per engine and in total (:meth:`Exporter.stats`), exact whenever no
 
 where ``buffered`` includes this boot's rows in the spool. ``KVSCOPE_STATS_FILE``
 makes the thread write these counters as JSON after every cycle.
+
+Layout: :class:`Exporter` (this module: the thread, the cycle, exit and the
+process-wide instance) combines one part per concern: batch building
+(:mod:`engine_plugins._batching`), delivery with retry and backoff
+(:mod:`engine_plugins._delivery`), the spool's spill and replay
+(:mod:`engine_plugins._spool_replay`), and the accounting
+(:mod:`engine_plugins._exp_stats`), over their shared state and pending queue
+(:mod:`engine_plugins._exp_state`).
 """
 
 from __future__ import annotations
 
 import atexit
-import gzip
-import json
-import math
 import os
-import random
 import threading
 import time
-import uuid
-from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
+from engine_plugins._batching import HEARTBEAT_S, MAX_ROWS_PER_BATCH, BatchBuilding
 from engine_plugins._buffer import EngineBuffer
 from engine_plugins._config import Settings
-from engine_plugins._http import OK, RETRY, IngestClient, Response, classify
-from engine_plugins._logging import ERRORS, LOGGER
-from engine_plugins._rows import ColumnBuilder
-from engine_plugins._spool import Spool, SpoolBusy, SpoolEntry
-from engine_plugins.schema import SCHEMA_VERSION
+from engine_plugins._delivery import INITIAL_BACKOFF_S, MAX_BACKOFF_S
+from engine_plugins._exp_state import MAX_PENDING_BYTES
+from engine_plugins._exp_stats import Accounting
+from engine_plugins._http import IngestClient
+from engine_plugins._logging import ERRORS
+from engine_plugins._spool_replay import SPOOL_REPLAY_SHARE, SpoolReplay
 
-#: Most rows of one kind in one batch (the schema allows more; smaller is kinder).
-MAX_ROWS_PER_BATCH = 50_000
-#: Most bytes of encoded batches kept waiting (besides ``max_pending_batches``).
-MAX_PENDING_BYTES = 64 * 1024 * 1024
-#: An idle engine still sends an (empty) batch this often, as a sign of life.
-HEARTBEAT_S = 15.0
-#: First and largest backoff delay after a failed delivery.
-INITIAL_BACKOFF_S = 0.5
-MAX_BACKOFF_S = 30.0
-#: Longest one cycle spends replaying the spool (as a share of the flush interval).
-SPOOL_REPLAY_SHARE = 0.8
 #: Share of the exit deadline kept for writing undelivered batches to the spool.
 SPOOL_EXIT_RESERVE = 0.25
 #: Ticks run this long after a wall-clock boundary.
 TICK_OFFSET_S = 0.05
-_GZIP_LEVEL = 5
-#: Counters whose change makes an idle engine send a batch without waiting a heartbeat.
-_LOSS_COUNTERS = ("dropped_steps", "dropped_requests", "dropped_batches",
-                  "spool_corrupt_records")  # fmt: skip
 
-__all__ = ["EngineBuffer", "Exporter", "current_exporter", "get_exporter"]
-
-
-@dataclass
-class _Batch:
-    eng: EngineBuffer
-    seq: int
-    body: bytes
-    n_steps: int
-    n_requests: int
-    hello_version: int
-    """Version of the hello inside, 0 for none."""
+# The tunables are re-exported for reading; each is used (and patched) in its own module.
+__all__ = [
+    "HEARTBEAT_S", "INITIAL_BACKOFF_S", "MAX_BACKOFF_S", "MAX_PENDING_BYTES",
+    "MAX_ROWS_PER_BATCH", "SPOOL_EXIT_RESERVE", "SPOOL_REPLAY_SHARE", "TICK_OFFSET_S",
+    "EngineBuffer", "Exporter", "current_exporter", "get_exporter",
+]  # fmt: skip
 
 
-def _encode(payload: dict[str, Any]) -> bytes:
-    data = json.dumps(payload, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    return gzip.compress(data, compresslevel=_GZIP_LEVEL, mtime=0)
-
-
-def _is_ready(row: tuple[Any, ...], cutoff_unix_s: float) -> bool:
-    """Whether a step row may go now: not of the current second (nor the next one,
-    allowing for clock steps); a row stamped further ahead is not held back."""
-    ts = row[0]
-    return not (isinstance(ts, (int, float)) and cutoff_unix_s <= ts < cutoff_unix_s + 2.0)
-
-
-class Exporter:
+class Exporter(BatchBuilding, SpoolReplay, Accounting):
     """Turns the buffers of all engines of this process into delivered batches."""
 
     def __init__(
@@ -141,28 +111,7 @@ class Exporter:
             if settings.collector_url is None:
                 raise ValueError("an Exporter needs settings.collector_url")
             client = IngestClient(settings.collector_url, settings.token, settings.ca_file)
-        self.settings = settings
-        self.boot_id = boot_id or uuid.uuid4().hex
-        self.pid = os.getpid()
-        self._client = client
-        self._engines: dict[str, EngineBuffer] = {}
-        self._pending: deque[_Batch] = deque()
-        self._pending_bytes = 0
-        self._lock = threading.Lock()  # exporter state; held briefly, never during I/O
-        self._tick_lock = threading.Lock()  # one tick at a time; held during I/O
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._final_deadline_mono_s: float | None = None
-        self._closed = False
-        self._columns = ColumnBuilder()
-        self._rng = random.Random()
-        self._failures = 0  # consecutive failed delivery attempts
-        self._next_attempt_mono_s = 0.0
-        self.exporter_errors = 0
-        self._spool: Spool | None = None
-        self._spool_tried = False
-        self.replayed_batches = 0
-        """Batches of earlier boots delivered from the spool."""
+        super().__init__(settings, client, boot_id)
 
     # -- engines ---------------------------------------------------------------------
 
@@ -253,382 +202,6 @@ class Exporter:
             if self.settings.stats_file:
                 self._write_stats()
 
-    def _drain(
-        self, eng: EngineBuffer, now_unix_s: float, final: bool
-    ) -> tuple[list[Any], list[Any]]:
-        steps, n = eng.steps, len(eng.steps)
-        eng.steps_taken += n
-        folder, held = eng.folder, eng.held_steps
-        for _ in range(n):
-            row = folder.feed(steps.popleft())
-            if row is not None:
-                held.append(row)
-        carry = folder.take_carry(now_unix_s, final=final)
-        if carry is not None:
-            held.append(carry)
-        requests, n = eng.requests, len(eng.requests)
-        eng.requests_taken += n
-        req_rows = [requests.popleft() for _ in range(n)]
-        if final:
-            ready, eng.held_steps = held, []
-            return ready, req_rows
-        cutoff = math.floor(now_unix_s)
-        ready = [r for r in held if _is_ready(r, cutoff)]
-        eng.held_steps = (
-            [] if len(ready) == len(held) else [r for r in held if not _is_ready(r, cutoff)]
-        )
-        return ready, req_rows
-
-    def _build(self, eng: EngineBuffer, now_unix_s: float, final: bool) -> None:
-        steps, reqs = self._drain(eng, now_unix_s, final)
-        now_mono = time.monotonic()
-        counters = eng.counters()
-        # An idle engine sends an empty batch for its hello, as a heartbeat, and when it
-        # dropped something since the last batch was built (e.g. to make room for it).
-        last = eng.last_counters
-        idle_due = (eng.hello_due or now_mono - eng.last_built_mono_s >= HEARTBEAT_S
-                    or any(counters[k] != last.get(k, 0) for k in _LOSS_COUNTERS))  # fmt: skip
-        if not (steps or reqs or (idle_due and eng.pending_batches == 0)):
-            return
-        eng.last_built_mono_s = now_mono
-        hello = eng.hello
-        blocks = hello.get("num_gpu_blocks") if hello else None
-        num_gpu_blocks = blocks if isinstance(blocks, int) else None
-        for start in range(0, max(len(steps), len(reqs), 1), MAX_ROWS_PER_BATCH):
-            step_chunk = steps[start : start + MAX_ROWS_PER_BATCH]
-            req_chunk = reqs[start : start + MAX_ROWS_PER_BATCH]
-            hello_version = eng.hello_version if eng.hello_due else 0
-            payload = {
-                "schema_version": SCHEMA_VERSION,
-                "engine_id": eng.engine_id,
-                "boot_id": eng.boot_id,
-                "seq": eng.next_seq,
-                "sent_unix_s": now_unix_s,
-                "hello": eng.hello if hello_version else None,
-                "steps": self._columns.steps(step_chunk, num_gpu_blocks),
-                "requests": self._columns.requests(req_chunk),
-                "exporter": counters,
-            }
-            eng.last_counters = counters
-            batch = _Batch(eng, eng.next_seq, _encode(payload), len(step_chunk),
-                           len(req_chunk), hello_version)  # fmt: skip
-            eng.next_seq += 1
-            eng.batches_built += 1
-            eng.pending_batches += 1
-            eng.pending_steps += batch.n_steps
-            eng.pending_requests += batch.n_requests
-            self._pending.append(batch)
-            self._pending_bytes += len(batch.body)
-            while self._spool is None and self._over_cap():
-                self._drop(self._pending.popleft(), "full")
-
-    def _over_cap(self) -> bool:
-        return len(self._pending) > 1 and (
-            len(self._pending) > self.settings.max_pending_batches
-            or self._pending_bytes > MAX_PENDING_BYTES
-        )
-
-    def _drop(self, batch: _Batch, reason: str) -> None:
-        eng = batch.eng
-        eng.dropped_batches += 1
-        if reason == "full":
-            eng.dropped_full += 1
-        elif reason == "rejected":
-            eng.dropped_rejected += 1
-        else:
-            eng.dropped_exit += 1
-        eng.batch_dropped_steps += batch.n_steps
-        eng.batch_dropped_requests += batch.n_requests
-        self._unqueue(batch)
-
-    def _unqueue(self, batch: _Batch) -> None:
-        self._pending_bytes -= len(batch.body)
-        eng = batch.eng
-        eng.pending_batches -= 1
-        eng.pending_steps -= batch.n_steps
-        eng.pending_requests -= batch.n_requests
-
-    # -- delivery --------------------------------------------------------------------
-
-    def _body(self, batch: _Batch) -> bytes:
-        """The batch's body, with the current hello added if it is due and missing."""
-        eng = batch.eng
-        version = eng.hello_version
-        if eng.hello_due and batch.hello_version != version:
-            payload = json.loads(gzip.decompress(batch.body))
-            payload["hello"] = eng.hello
-            body = _encode(payload)
-            self._pending_bytes += len(body) - len(batch.body)
-            batch.body = body
-            batch.hello_version = version
-        return batch.body
-
-    def _send_pending(self, final: bool, deadline_mono_s: float | None) -> None:
-        while True:
-            with self._lock:
-                if not self._pending:
-                    return
-                if not final and time.monotonic() < self._next_attempt_mono_s:
-                    return
-                batch = self._pending[0]
-                body = self._body(batch)
-            timeout_s = self.settings.timeout_s
-            if deadline_mono_s is not None:
-                remaining_s = deadline_mono_s - time.monotonic()
-                if remaining_s < 0.01:
-                    return
-                timeout_s = min(timeout_s, remaining_s)
-            try:
-                resp: Response | None = self._client.post(body, timeout_s)
-                error: BaseException | None = None
-            except Exception as exc:  # connection refused, timeout, reset, DNS, ...
-                resp, error = None, exc
-            with self._lock:
-                if resp is None:
-                    self._failed(batch.eng, None, error)
-                    return
-                if not self._handle(batch, resp):
-                    return
-
-    def _handle(self, batch: _Batch, resp: Response) -> bool:
-        """Account for a response to ``batch`` (the queue head); return whether to go on."""
-        eng = batch.eng
-        verdict = classify(resp.status)
-        need_hello = resp.need_hello()
-        if verdict == OK:
-            self._pending.popleft()
-            self._unqueue(batch)
-            eng.batches_sent += 1
-            eng.steps_sent += batch.n_steps
-            eng.requests_sent += batch.n_requests
-            if batch.hello_version:
-                eng.hellos_sent += 1
-                eng.hello_acked_version = batch.hello_version
-            if need_hello:
-                eng.hello_acked_version = 0
-            if self._failures:
-                LOGGER.info("kvscope: delivery to the collector resumed after %d failed "
-                            "attempt(s)", self._failures)  # fmt: skip
-                self._failures = 0
-            return True
-        if verdict == RETRY:
-            self._failed(batch.eng, resp, None)
-            return False
-        eng.send_failures += 1
-        if need_hello and eng.hello is not None and batch.hello_version != eng.hello_version:
-            eng.hello_acked_version = 0  # resent at once, now with the hello
-            return True
-        self._pending.popleft()
-        self._drop(batch, "rejected")
-        ERRORS.warning(
-            f"http:{resp.status}",
-            "kvscope: the collector refused batch %d of %s with HTTP %d (%s); dropped it "
-            "(%d steps, %d requests)",
-            batch.seq, eng.engine_id, resp.status, resp.message(), batch.n_steps,
-            batch.n_requests,
-        )  # fmt: skip
-        return True
-
-    def _failed(self, eng: EngineBuffer | None, resp: Response | None,
-                error: BaseException | None) -> None:  # fmt: skip
-        if eng is not None:
-            eng.send_failures += 1
-        self._failures += 1
-        for eng in self._engines.values():
-            eng.hello_acked_version = 0  # the collector may come back without our hello
-        if resp is not None and resp.retry_after_s is not None:
-            delay_s = resp.retry_after_s * self._rng.uniform(1.0, 1.1)
-        else:
-            base_s = min(MAX_BACKOFF_S, INITIAL_BACKOFF_S * 2 ** min(self._failures - 1, 30))
-            delay_s = base_s * self._rng.uniform(0.5, 1.0)
-        self._next_attempt_mono_s = time.monotonic() + delay_s
-        what = f"HTTP {resp.status}" if resp is not None else f"{type(error).__name__}: {error}"
-        ERRORS.warning(
-            "http:retry",
-            "kvscope: cannot deliver to the collector at %s (%s); retrying in %.1f s, "
-            "%d batch(es) waiting",
-            self.settings.collector_url, what, delay_s,
-            len(self._pending) + (len(self._spool) if self._spool is not None else 0),
-        )  # fmt: skip
-
-    # -- spool -----------------------------------------------------------------------
-
-    def _open_spool(self) -> None:
-        self._spool_tried = True
-        assert self.settings.spool_dir is not None
-        path = os.path.join(self.settings.spool_dir, self.settings.spool_key)
-        try:
-            spool = Spool(path, self.settings.spool_max_bytes)
-        except SpoolBusy as exc:
-            ERRORS.warning("spool:busy", "kvscope: %s; this process keeps undeliverable "
-                           "batches in memory only", exc)  # fmt: skip
-            return
-        except OSError as exc:
-            ERRORS.warning("spool:open", "kvscope: cannot open the spool %s (%s); this process "
-                           "keeps undeliverable batches in memory only", path, exc)  # fmt: skip
-            return
-        with self._lock:
-            self._spool = spool
-        if len(spool) or spool.corrupt_records:
-            LOGGER.info("kvscope: spool %s holds %d batch(es) (%d bytes) to replay; %d torn or "
-                        "corrupt record(s) skipped", path, len(spool), spool.size_bytes,
-                        spool.corrupt_records)  # fmt: skip
-
-    def _engine_for(self, entry: SpoolEntry) -> tuple[EngineBuffer | None, bool]:
-        """The engine buffer a spooled batch belongs to (or, for an earlier boot, the
-        same engine id's, else the first engine's) and whether it is of this boot."""
-        eng = self._engines.get(str(entry.meta.get("engine_id")))
-        this_boot = eng is not None and entry.meta.get("boot_id") == self.boot_id
-        if eng is None and self._engines:
-            eng = next(iter(self._engines.values()))
-        return eng, this_boot
-
-    def _spill(self, *, everything: bool) -> None:
-        """Move queued batches to the spool: all of them, or those beyond the caps."""
-        spool = self._spool
-        assert spool is not None
-        with self._lock:
-            while self._pending and (everything or self._over_cap()):
-                batch = self._pending.popleft()
-                eng = batch.eng
-                body = batch.body
-                if batch.hello_version == 0 and eng.hello is not None:
-                    payload = json.loads(gzip.decompress(body))
-                    payload["hello"] = eng.hello  # a later process cannot add it
-                    body = _encode(payload)
-                meta = {"engine_id": eng.engine_id, "boot_id": eng.boot_id, "seq": batch.seq,
-                        "n_steps": batch.n_steps, "n_requests": batch.n_requests}  # fmt: skip
-                try:
-                    dropped = spool.append(meta, body)
-                except OSError as exc:
-                    self._pending.appendleft(batch)
-                    ERRORS.warning("spool:write", "kvscope: cannot write to the spool (%s); "
-                                   "batches stay in memory", exc)  # fmt: skip
-                    while self._over_cap():
-                        self._drop(self._pending.popleft(), "full")
-                    return
-                self._unqueue(batch)
-                eng.spooled_batches += 1
-                eng.spool_batches += 1
-                eng.spool_steps += batch.n_steps
-                eng.spool_requests += batch.n_requests
-                for entry in dropped:
-                    self._spool_dropped(entry)
-
-    def _spool_dropped(self, entry: SpoolEntry) -> None:
-        eng, this_boot = self._engine_for(entry)
-        if eng is None:
-            return
-        eng.dropped_full += 1
-        if this_boot:
-            n_steps, n_requests = int(entry.meta["n_steps"]), int(entry.meta["n_requests"])
-            eng.spool_batches -= 1
-            eng.spool_steps -= n_steps
-            eng.spool_requests -= n_requests
-            eng.dropped_batches += 1
-            eng.batch_dropped_steps += n_steps
-            eng.batch_dropped_requests += n_requests
-
-    def _spool_done(self, entry: SpoolEntry, sent: bool) -> None:
-        """Account for a spooled batch delivered (``sent``) or refused by the collector."""
-        eng, this_boot = self._engine_for(entry)
-        if not this_boot:
-            if sent:
-                self.replayed_batches += 1
-            elif eng is not None:
-                eng.dropped_rejected += 1
-            return
-        assert eng is not None
-        n_steps, n_requests = int(entry.meta["n_steps"]), int(entry.meta["n_requests"])
-        eng.spool_batches -= 1
-        eng.spool_steps -= n_steps
-        eng.spool_requests -= n_requests
-        if sent:
-            eng.batches_sent += 1
-            eng.steps_sent += n_steps
-            eng.requests_sent += n_requests
-        else:
-            eng.dropped_batches += 1
-            eng.dropped_rejected += 1
-            eng.batch_dropped_steps += n_steps
-            eng.batch_dropped_requests += n_requests
-
-    def _send_spooled(self, final: bool, deadline_mono_s: float | None) -> bool:
-        """Send spooled batches, oldest first; return whether the spool is now empty."""
-        spool = self._spool
-        assert spool is not None
-        budget_end = time.monotonic() + SPOOL_REPLAY_SHARE * self.settings.flush_interval_s
-        while True:
-            if not final and (time.monotonic() < self._next_attempt_mono_s
-                              or time.monotonic() > budget_end):  # fmt: skip
-                return not len(spool)
-            got = spool.peek()
-            if got is None:
-                return True
-            entry, body = got
-            timeout_s = self.settings.timeout_s
-            if deadline_mono_s is not None:
-                remaining_s = deadline_mono_s - time.monotonic()
-                if remaining_s < 0.01:
-                    return False
-                timeout_s = min(timeout_s, remaining_s)
-            try:
-                resp: Response | None = self._client.post(body, timeout_s)
-                error: BaseException | None = None
-            except Exception as exc:
-                resp, error = None, exc
-            with self._lock:
-                eng, _ = self._engine_for(entry)
-                if resp is None or classify(resp.status) == RETRY:
-                    self._failed(eng, resp, error)
-                    return False
-                spool.pop()
-                if classify(resp.status) == OK:
-                    self._spool_done(entry, sent=True)
-                    if self._failures:
-                        LOGGER.info("kvscope: delivery to the collector resumed after %d "
-                                    "failed attempt(s)", self._failures)  # fmt: skip
-                        self._failures = 0
-                else:
-                    self._spool_done(entry, sent=False)
-                    if eng is not None:
-                        eng.send_failures += 1
-                    ERRORS.warning(
-                        f"http:{resp.status}",
-                        "kvscope: the collector refused spooled batch %s of %s with HTTP %d "
-                        "(%s); dropped it", entry.meta.get("seq"), entry.meta.get("engine_id"),
-                        resp.status, resp.message(),
-                    )  # fmt: skip
-
-    def _sync_spool(self, *, close: bool) -> None:
-        spool = self._spool
-        assert spool is not None
-        try:
-            spool.sync()
-        except OSError as exc:
-            ERRORS.warning("spool:sync", "kvscope: cannot fsync the spool (%s)", exc)
-        with self._lock:
-            if self._engines:
-                next(iter(self._engines.values())).spool_corrupt_records = spool.corrupt_records
-            if close:
-                spool.close()
-
-    def _write_stats(self) -> None:
-        path = self.settings.stats_file
-        assert path is not None
-        data: dict[str, Any] = {"pid": self.pid, "boot_id": self.boot_id,
-                                "written_unix_s": time.time(), "total": self.stats(),
-                                "engines": {}}  # fmt: skip
-        for engine_id in list(self._engines):
-            data["engines"][engine_id] = self.stats(engine_id)
-        tmp = f"{path}.{self.pid}.tmp"
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                json.dump(data, fh)
-            os.replace(tmp, path)
-        except OSError as exc:
-            ERRORS.warning("stats:write", "kvscope: cannot write KVSCOPE_STATS_FILE (%s)", exc)
-
     # -- shutdown --------------------------------------------------------------------
 
     def shutdown(self, timeout_s: float | None = None) -> bool:
@@ -663,51 +236,6 @@ class Exporter:
         return done
 
     # -- introspection -----------------------------------------------------------------
-
-    def stats(self, engine_id: str | None = None) -> dict[str, int]:
-        """A snapshot of the exporter's counters, for one engine or summed over all."""
-        keys = (
-            "steps_produced", "steps_sent", "steps_merged", "steps_dropped", "steps_buffered",
-            "requests_produced", "requests_sent", "requests_dropped", "requests_buffered",
-            "batches_built", "batches_sent", "batches_dropped", "batches_pending",
-            "send_failures", "hellos_sent", "record_errors",
-            "batches_dropped_full", "batches_dropped_rejected", "batches_dropped_exit",
-            "batches_spooled", "batches_in_spool",
-        )  # fmt: skip
-        out = dict.fromkeys(keys, 0)
-        with self._lock:
-            engines = list(self._engines.values())
-            if engine_id is not None:
-                engines = [e for e in engines if e.engine_id == engine_id]
-            for e in engines:
-                steps_produced, requests_produced = e.steps_produced, e.requests_produced
-                in_steps = e.refresh_buffer_drops()
-                in_requests = len(e.requests)
-                values = (
-                    steps_produced, e.steps_sent, e.folder.merged_rows,
-                    e.buffer_dropped_steps + e.batch_dropped_steps,
-                    in_steps + len(e.held_steps) + e.folder.carry_rows + e.pending_steps
-                    + e.spool_steps,
-                    requests_produced, e.requests_sent,
-                    e.buffer_dropped_requests + e.batch_dropped_requests,
-                    in_requests + e.pending_requests + e.spool_requests,
-                    e.batches_built, e.batches_sent, e.dropped_batches, e.pending_batches,
-                    e.send_failures, e.hellos_sent, e.record_errors,
-                    e.dropped_full, e.dropped_rejected, e.dropped_exit,
-                    e.spooled_batches, e.spool_batches,
-                )  # fmt: skip
-                for key, value in zip(keys, values, strict=True):
-                    out[key] += value
-            out["engines"] = len(engines)
-            out["invalid_values"] = self._columns.invalid_values
-            out["exporter_errors"] = self.exporter_errors
-            out["pending_bytes"] = self._pending_bytes
-            spool = self._spool
-            out["spool_records"] = len(spool) if spool is not None else 0
-            out["spool_bytes"] = spool.size_bytes if spool is not None else 0
-            out["spool_corrupt_records"] = spool.corrupt_records if spool is not None else 0
-            out["replayed_batches"] = self.replayed_batches
-        return out
 
 
 # -- the process-wide exporter ---------------------------------------------------------

@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 from _ep_helpers import Blackhole, FakeCollector, make_settings, push_steps, refused_url
 
+from engine_plugins import _batching as batching_mod
+from engine_plugins import _delivery as delivery_mod
+from engine_plugins import _exp_state as state_mod
 from engine_plugins import exporter as exporter_mod
 from engine_plugins import schema
 from engine_plugins.exporter import EngineBuffer, Exporter
@@ -166,8 +169,8 @@ def test_4xx_asking_for_hello_is_resent_with_it(collector: FakeCollector) -> Non
 def test_collector_away_drops_oldest_batches_and_accounts_exactly(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(exporter_mod, "INITIAL_BACKOFF_S", 0.001)
-    monkeypatch.setattr(exporter_mod, "MAX_BACKOFF_S", 0.002)
+    monkeypatch.setattr(delivery_mod, "INITIAL_BACKOFF_S", 0.001)
+    monkeypatch.setattr(delivery_mod, "MAX_BACKOFF_S", 0.002)
     url = refused_url()
     exp, eng = new_exporter(url, max_pending_batches=3)
     for i in range(6):
@@ -198,7 +201,7 @@ def test_collector_away_drops_oldest_batches_and_accounts_exactly(
 
 
 def test_pending_batches_are_bounded_in_bytes_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(exporter_mod, "MAX_PENDING_BYTES", 1)
+    monkeypatch.setattr(state_mod, "MAX_PENDING_BYTES", 1)
     exp, eng = new_exporter(refused_url(), max_pending_batches=100)
     for i in range(4):
         push_steps(eng, 10, T0 + i + 0.5)
@@ -252,7 +255,7 @@ def test_idle_engine_sends_hello_then_heartbeats(
     batches = collector.batches()
     assert len(batches) == 1 and batches[0]["hello"] is not None
     schema.validate_batch(batches[0])
-    monkeypatch.setattr(exporter_mod, "HEARTBEAT_S", 0.0)
+    monkeypatch.setattr(batching_mod, "HEARTBEAT_S", 0.0)
     exp.tick(now_unix_s=T0 + 2)
     assert len(collector.batches()) == 2 and collector.batches()[1]["hello"] is None
 

@@ -23,6 +23,7 @@ import pytest
 from _fp_helpers import ScriptedServer, check_accounting, fp_exporter, push
 
 from collector.process import free_port
+from engine_plugins import _delivery as delivery_mod
 from engine_plugins import exporter as exporter_mod
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,8 +173,8 @@ def test_exit_keeps_its_deadline_with_an_unreachable_collector(server: ScriptedS
 def test_drops_reach_the_collector_without_waiting_for_new_rows(
     server: ScriptedServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(exporter_mod, "INITIAL_BACKOFF_S", 0.001)
-    monkeypatch.setattr(exporter_mod, "MAX_BACKOFF_S", 0.002)
+    monkeypatch.setattr(delivery_mod, "INITIAL_BACKOFF_S", 0.001)
+    monkeypatch.setattr(delivery_mod, "MAX_BACKOFF_S", 0.002)
     server.default = (503, {})
     exp, eng = fp_exporter(server.url, max_pending_batches=2)
     now = time.time()

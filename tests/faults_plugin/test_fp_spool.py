@@ -22,7 +22,7 @@ import pytest
 from _fp_helpers import ENGINE_ID, check_accounting, fp_exporter, metric, push, stored_counts
 
 from collector.process import CollectorProcess, free_port
-from engine_plugins import exporter as exporter_mod
+from engine_plugins import _delivery as delivery_mod
 from engine_plugins._spool import Spool, SpoolBusy, read_records
 from engine_plugins.exporter import Exporter
 
@@ -33,8 +33,8 @@ STEPS_PER_S, REQUESTS_PER_S = 20, 2
 @pytest.fixture(autouse=True)
 def _quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     # Simulated seconds pass in milliseconds: retry at once instead of after 0.5-30 s.
-    monkeypatch.setattr(exporter_mod, "INITIAL_BACKOFF_S", 0.001)
-    monkeypatch.setattr(exporter_mod, "MAX_BACKOFF_S", 0.002)
+    monkeypatch.setattr(delivery_mod, "INITIAL_BACKOFF_S", 0.001)
+    monkeypatch.setattr(delivery_mod, "MAX_BACKOFF_S", 0.002)
 
 
 @pytest.fixture
