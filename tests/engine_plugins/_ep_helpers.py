@@ -1,15 +1,9 @@
-"""Helpers for the engine-plugin tests: a real local collector and real vLLM stats."""
+"""Helpers for the engine-plugin tests: unreachable collectors and real vLLM stats
+(the recording HTTP server and the settings are in tests/_plugin_testkit.py)."""
 
 from __future__ import annotations
 
-import gzip
-import json
 import socket
-import threading
-import time
-from collections import deque
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from vllm.v1.engine import FinishReason
@@ -21,96 +15,6 @@ from vllm.v1.metrics.stats import (
     SchedulerIterationDetails,
     SchedulerStats,
 )
-
-from engine_plugins._config import Settings
-
-
-@dataclass
-class Received:
-    """One request the collector received, and the status it answered."""
-
-    path: str
-    headers: dict[str, str]
-    raw: bytes
-    batch: Any
-    status: int
-
-
-class FakeCollector:
-    """A real HTTP/1.1 server on 127.0.0.1 that records batches and answers as scripted.
-
-    ``script`` holds (status, headers, body) answers used in order; once empty, every
-    request gets 200 ``{"ok": true}``.
-    """
-
-    def __init__(self, port: int = 0) -> None:
-        self.received: list[Received] = []
-        self.script: deque[tuple[int, dict[str, str], bytes]] = deque()
-        self._lock = threading.Lock()
-        collector = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self) -> None:
-                raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                try:
-                    data = raw
-                    if self.headers.get("Content-Encoding") == "gzip":
-                        data = gzip.decompress(raw)
-                    batch = json.loads(data)
-                except Exception:
-                    batch = None
-                with collector._lock:
-                    if collector.script:
-                        status, headers, body = collector.script.popleft()
-                    else:
-                        status, headers, body = 200, {}, b'{"ok": true}'
-                    collector.received.append(
-                        Received(self.path, dict(self.headers.items()), raw, batch, status)
-                    )
-                self.send_response(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._thread = threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
-        )
-        self._thread.start()
-
-    def answer(self, status: int, body: Any = None, headers: dict[str, str] | None = None) -> None:
-        """Queue one scripted answer."""
-        payload = json.dumps(body if body is not None else {}).encode()
-        self.script.append((status, headers or {}, payload))
-
-    def batches(self, *, acknowledged: bool = True) -> list[dict[str, Any]]:
-        """Decoded batches received (only those answered 2xx by default)."""
-        with self._lock:
-            return [r.batch for r in self.received if not acknowledged or 200 <= r.status < 300]
-
-    def wait_for(self, n: int, timeout_s: float = 5.0) -> bool:
-        """Wait until ``n`` requests were received."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if len(self.received) >= n:
-                return True
-            time.sleep(0.01)
-        return False
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def refused_url() -> str:
@@ -132,17 +36,6 @@ class Blackhole:
 
     def close(self) -> None:
         self.sock.close()
-
-
-def make_settings(url: str, **kw: Any) -> Settings:
-    """Settings for tests: small buffers and timeouts unless overridden."""
-    base: dict[str, Any] = dict(
-        collector_url=url, host="testhost", port=8123, flush_interval_s=0.1,
-        buffer_steps=1_000, buffer_requests=1_000, max_pending_batches=10,
-        timeout_s=1.0, shutdown_timeout_s=1.0,
-    )  # fmt: skip
-    base.update(kw)
-    return Settings(**base)
 
 
 # -- real vLLM stats -------------------------------------------------------------------

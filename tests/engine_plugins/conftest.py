@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _ep_helpers import Blackhole, FakeCollector, make_settings
+from _ep_helpers import Blackhole
+from _plugin_testkit import RecordingServer, make_settings
 
 from engine_plugins import exporter as exporter_mod
 from engine_plugins._logging import ERRORS, LOGGER, ONCE
@@ -45,8 +46,8 @@ def log_records() -> Iterator[list[logging.LogRecord]]:
 
 
 @pytest.fixture
-def collector() -> Iterator[FakeCollector]:
-    c = FakeCollector()
+def collector() -> Iterator[RecordingServer]:
+    c = RecordingServer()
     yield c
     c.close()
 
@@ -60,7 +61,7 @@ def blackhole() -> Iterator[Blackhole]:
 
 @pytest.fixture
 def installed_exporter(
-    monkeypatch: pytest.MonkeyPatch, collector: FakeCollector
+    monkeypatch: pytest.MonkeyPatch, collector: RecordingServer
 ) -> Iterator[Exporter]:
     """A not-started exporter installed as the process's exporter, aimed at ``collector``.
 

@@ -10,7 +10,8 @@ import time
 from typing import Any
 
 import pytest
-from _ep_helpers import Blackhole, FakeCollector, make_settings, push_steps, refused_url
+from _ep_helpers import Blackhole, push_steps, refused_url
+from _plugin_testkit import RecordingServer, assert_accounting, make_settings
 
 from engine_plugins import _batching as batching_mod
 from engine_plugins import _delivery as delivery_mod
@@ -36,18 +37,7 @@ def new_exporter(url: str, **kw: Any) -> tuple[Exporter, EngineBuffer]:
     return exp, exp.register("testhost:8123:0", {**HELLO, "engine_id": "x", "boot_id": "y"})
 
 
-def assert_accounting(exp: Exporter) -> dict[str, int]:
-    s = exp.stats()
-    assert s["steps_produced"] == (
-        s["steps_sent"] + s["steps_merged"] + s["steps_dropped"] + s["steps_buffered"]
-    ), s
-    assert s["requests_produced"] == (
-        s["requests_sent"] + s["requests_dropped"] + s["requests_buffered"]
-    ), s
-    return s
-
-
-def test_batches_follow_the_schema_gzip_and_auth(collector: FakeCollector) -> None:
+def test_batches_follow_the_schema_gzip_and_auth(collector: RecordingServer) -> None:
     exp, eng = new_exporter(collector.url, token="s3cret")
     push_steps(eng, 5, T0 + 0.2)
     eng.requests.append((T0 + 0.3, 2.0, 0.1, 0.2, 1.7, None, 30, 16, 8, 0, "length"))
@@ -76,7 +66,7 @@ def test_batches_follow_the_schema_gzip_and_auth(collector: FakeCollector) -> No
     assert (s["steps_sent"], s["requests_sent"], s["batches_sent"]) == (8, 1, 2)
 
 
-def test_steps_of_the_current_second_are_held_back(collector: FakeCollector) -> None:
+def test_steps_of_the_current_second_are_held_back(collector: RecordingServer) -> None:
     exp, eng = new_exporter(collector.url)
     push_steps(eng, 4, T0 + 0.5)
     push_steps(eng, 2, T0 + 1.2)
@@ -94,7 +84,7 @@ def test_steps_of_the_current_second_are_held_back(collector: FakeCollector) -> 
 
 
 def test_503_with_retry_after_is_retried_with_the_same_seq_and_a_hello(
-    collector: FakeCollector,
+    collector: RecordingServer,
 ) -> None:
     exp, eng = new_exporter(collector.url)
     push_steps(eng, 2, T0)
@@ -120,7 +110,7 @@ def test_503_with_retry_after_is_retried_with_the_same_seq_and_a_hello(
 
 
 def test_400_is_not_retried_and_is_counted(
-    collector: FakeCollector, log_records: list[Any]
+    collector: RecordingServer, log_records: list[Any]
 ) -> None:
     exp, eng = new_exporter(collector.url)
     collector.answer(400, {"error": "steps.batch_size[0]: must be >= 0"})
@@ -141,7 +131,7 @@ def test_400_is_not_retried_and_is_counted(
     assert any("must be >= 0" in r.getMessage() for r in log_records)
 
 
-def test_need_hello_in_a_response_brings_the_hello_back(collector: FakeCollector) -> None:
+def test_need_hello_in_a_response_brings_the_hello_back(collector: RecordingServer) -> None:
     exp, eng = new_exporter(collector.url)
     push_steps(eng, 1, T0)
     exp.tick(now_unix_s=T0 + 1.05)
@@ -153,7 +143,7 @@ def test_need_hello_in_a_response_brings_the_hello_back(collector: FakeCollector
     assert [b["hello"] is not None for b in collector.batches()] == [True, False, True]
 
 
-def test_4xx_asking_for_hello_is_resent_with_it(collector: FakeCollector) -> None:
+def test_4xx_asking_for_hello_is_resent_with_it(collector: RecordingServer) -> None:
     exp, eng = new_exporter(collector.url)
     push_steps(eng, 1, T0)
     exp.tick(now_unix_s=T0 + 1.05)
@@ -186,7 +176,7 @@ def test_collector_away_drops_oldest_batches_and_accounts_exactly(
     assert s["send_failures"] >= 3 and s["steps_sent"] == 0
     # The collector comes back on the same address: the oldest kept batch goes first.
     port = int(url.rsplit(":", 1)[1])
-    collector = FakeCollector(port)
+    collector = RecordingServer(port)
     try:
         time.sleep(0.01)
         exp.tick(now_unix_s=T0 + 7.05)
@@ -210,7 +200,7 @@ def test_pending_batches_are_bounded_in_bytes_too(monkeypatch: pytest.MonkeyPatc
     assert (s["batches_pending"], s["batches_dropped"], s["steps_dropped"]) == (1, 3, 30)
 
 
-def test_full_buffer_drops_oldest_rows_and_counts_them(collector: FakeCollector) -> None:
+def test_full_buffer_drops_oldest_rows_and_counts_them(collector: RecordingServer) -> None:
     exp, eng = new_exporter(collector.url, buffer_steps=100)
     for i in range(250):
         eng.steps.append((T0, i + 1, 1, 0, 0, 0.1, 0, 0, 0, 0, 1, None))
@@ -224,7 +214,7 @@ def test_full_buffer_drops_oldest_rows_and_counts_them(collector: FakeCollector)
     assert assert_accounting(exp)["steps_sent"] == 100
 
 
-def test_token_only_calls_are_folded_and_totals_kept(collector: FakeCollector) -> None:
+def test_token_only_calls_are_folded_and_totals_kept(collector: RecordingServer) -> None:
     exp, eng = new_exporter(collector.url)
     rows = [
         (T0 + 0.1, 1, 3, 0, 0, 0.2, 5, 1, 0, 10, 3, None),
@@ -247,7 +237,7 @@ def test_token_only_calls_are_folded_and_totals_kept(collector: FakeCollector) -
 
 
 def test_idle_engine_sends_hello_then_heartbeats(
-    collector: FakeCollector, monkeypatch: pytest.MonkeyPatch
+    collector: RecordingServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     exp, _eng = new_exporter(collector.url)
     exp.tick(now_unix_s=T0)
@@ -260,7 +250,7 @@ def test_idle_engine_sends_hello_then_heartbeats(
     assert len(collector.batches()) == 2 and collector.batches()[1]["hello"] is None
 
 
-def test_thread_exports_on_its_own_and_stops_on_shutdown(collector: FakeCollector) -> None:
+def test_thread_exports_on_its_own_and_stops_on_shutdown(collector: RecordingServer) -> None:
     exp, eng = new_exporter(collector.url, flush_interval_s=0.1)
     exp.start()
     assert exp._thread is not None
@@ -297,7 +287,7 @@ def test_shutdown_without_thread_flushes_in_caller(blackhole: Blackhole) -> None
 
 
 def test_retried_body_is_recompressed_not_reused_when_hello_added(
-    collector: FakeCollector,
+    collector: RecordingServer,
 ) -> None:
     exp, eng = new_exporter(collector.url)
     push_steps(eng, 1, T0)
@@ -313,7 +303,7 @@ def test_retried_body_is_recompressed_not_reused_when_hello_added(
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_child_after_fork_gets_a_new_exporter(collector: FakeCollector) -> None:
+def test_child_after_fork_gets_a_new_exporter(collector: RecordingServer) -> None:
     parent = exporter_mod.get_exporter(make_settings(collector.url))
     try:
         r, w = os.pipe()
@@ -338,7 +328,7 @@ def test_child_after_fork_gets_a_new_exporter(collector: FakeCollector) -> None:
 
 
 def test_record_threads_and_exporter_thread_keep_exact_totals(
-    collector: FakeCollector,
+    collector: RecordingServer,
 ) -> None:
     exp, eng = new_exporter(collector.url, flush_interval_s=0.05, buffer_steps=500)
     exp.start()

@@ -6,7 +6,8 @@ import logging
 from typing import Any
 
 import pytest
-from _ep_helpers import FakeCollector, column_sum, iter_stats, sched_stats
+from _ep_helpers import column_sum, iter_stats, sched_stats
+from _plugin_testkit import RecordingServer
 from prometheus_client import REGISTRY
 
 from engine_plugins import schema
@@ -49,7 +50,7 @@ def test_hello_reads_the_vllm_config(installed_exporter: Exporter, light_vllm_co
 
 
 def test_num_gpu_blocks_known_after_init_sends_a_fresh_hello(
-    installed_exporter: Exporter, collector: FakeCollector, light_vllm_config: Any
+    installed_exporter: Exporter, collector: RecordingServer, light_vllm_config: Any
 ) -> None:
     light_vllm_config.cache_config.num_gpu_blocks = None
     lg = KvscopeStatLogger(light_vllm_config, 0)
@@ -111,7 +112,7 @@ def test_broken_config_does_not_break_vllm(
 
 
 def test_totals_equal_vllm_prometheus_counters(
-    installed_exporter: Exporter, collector: FakeCollector, full_vllm_config: Any
+    installed_exporter: Exporter, collector: RecordingServer, full_vllm_config: Any
 ) -> None:
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 

@@ -1,16 +1,12 @@
-"""Helpers for the plugin fault tests: a scripted HTTP server that timestamps every
-request, step rows the way ``record()`` appends them, and reads of a real collector."""
+"""Helpers for the plugin fault tests: step rows the way ``record()`` appends them, and
+reads of a real collector (the scripted HTTP server is in tests/_plugin_testkit.py)."""
 
 from __future__ import annotations
 
-import gzip
-import json
 import re
-import threading
-import time
-from collections import deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from _plugin_testkit import make_settings
 
 from collector.process import CollectorProcess
 from engine_plugins._config import Settings
@@ -28,14 +24,11 @@ ENGINE_ID = "fphost:9100:0"
 
 
 def fp_settings(url: str, **kw: Any) -> Settings:
-    """Settings for these tests: small caps and timeouts unless overridden."""
-    base: dict[str, Any] = dict(
-        collector_url=url, host="fphost", port=9100, flush_interval_s=0.1,
-        buffer_steps=5_000, buffer_requests=5_000, max_pending_batches=10,
-        timeout_s=1.0, shutdown_timeout_s=1.0,
-    )  # fmt: skip
-    base.update(kw)
-    return Settings(**base)
+    """Settings for these tests: this host and port, larger buffers, else as
+    :func:`make_settings`."""
+    base: dict[str, Any] = dict(host="fphost", port=9100, buffer_steps=5_000,
+                                buffer_requests=5_000)  # fmt: skip
+    return make_settings(url, **{**base, **kw})
 
 
 def fp_exporter(url: str, **kw: Any) -> tuple[Exporter, EngineBuffer]:
@@ -51,86 +44,6 @@ def push(eng: EngineBuffer, n_steps: int, ts_unix_s: float, n_requests: int = 0)
     for _ in range(n_requests):
         eng.requests.append((ts_unix_s, 1.0, 0.0, 0.1, 0.9, None, 10, 5, 0, 0, "stop"))
         eng.requests_produced += 1
-
-
-def check_accounting(exp: Exporter) -> dict[str, int]:
-    s = exp.stats()
-    assert s["steps_produced"] == (
-        s["steps_sent"] + s["steps_merged"] + s["steps_dropped"] + s["steps_buffered"]
-    ), s
-    assert s["requests_produced"] == (
-        s["requests_sent"] + s["requests_dropped"] + s["requests_buffered"]
-    ), s
-    return s
-
-
-class ScriptedServer:
-    """A real HTTP/1.1 server on 127.0.0.1 answering POSTs as scripted.
-
-    ``answer(status, headers)`` is used for every request until changed. Each request
-    is kept with its arrival time (monotonic) and decoded batch.
-    """
-
-    def __init__(self) -> None:
-        self.arrivals: list[tuple[float, int, dict[str, Any] | None]] = []
-        self.script: deque[tuple[int, dict[str, str]]] = deque()
-        self.default: tuple[int, dict[str, str]] = (200, {})
-        self._lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_POST(self) -> None:
-                now = time.monotonic()
-                raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                try:
-                    batch = json.loads(gzip.decompress(raw))
-                except Exception:
-                    batch = None
-                with server._lock:
-                    status, headers = server.script.popleft() if server.script else server.default
-                    server.arrivals.append((now, status, batch))
-                body = json.dumps({"status": "stored", "need_hello": False} if status < 300
-                                  else {"error": f"scripted {status}"}).encode()  # fmt: skip
-                self.send_response(status)
-                for k, v in headers.items():
-                    self.send_header(k, v)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self._thread.start()
-
-    def times(self) -> list[float]:
-        with self._lock:
-            return [t for t, _, _ in self.arrivals]
-
-    def batches(self, status: int | None = None) -> list[dict[str, Any]]:
-        with self._lock:
-            return [b for _, s, b in self.arrivals
-                    if b is not None and (status is None or s == status)]  # fmt: skip
-
-    def wait_for(self, n: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                if len(self.arrivals) >= n:
-                    return True
-            time.sleep(0.01)
-        return False
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
 
 
 def stored_counts(collector: CollectorProcess) -> tuple[dict[str, int], dict[str, int]]:

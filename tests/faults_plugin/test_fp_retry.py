@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _fp_helpers import ScriptedServer, check_accounting, fp_exporter, push
+from _fp_helpers import fp_exporter, push
+from _plugin_testkit import RecordingServer, assert_accounting
 
 from collector.process import free_port
 from engine_plugins import _delivery as delivery_mod
@@ -30,16 +31,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def server() -> Iterator[ScriptedServer]:
-    s = ScriptedServer()
+def server() -> Iterator[RecordingServer]:
+    s = RecordingServer()
     yield s
     s.close()
 
 
 @pytest.mark.parametrize(("status", "retry_after_s"), [(429, 1.0), (503, 2.0)])
-def test_retry_after_is_honoured(server: ScriptedServer, status: int,
+def test_retry_after_is_honoured(server: RecordingServer, status: int,
                                  retry_after_s: float) -> None:  # fmt: skip
-    server.script.append((status, {"Retry-After": f"{retry_after_s:g}"}))
+    server.answer(status, headers={"Retry-After": f"{retry_after_s:g}"})
     exp, eng = fp_exporter(server.url)
     push(eng, 20, time.time() - 5.0, n_requests=2)
     exp.start()
@@ -49,31 +50,31 @@ def test_retry_after_is_honoured(server: ScriptedServer, status: int,
         exp.shutdown()
     t = server.times()
     gap = t[1] - t[0]
-    first, second = server.batches()[:2]
+    first, second = server.batches(acknowledged=False)[:2]
     print(f"\n{status} Retry-After {retry_after_s:g} s: resent after {gap:.3f} s "
           f"(allowed {retry_after_s:g}-{retry_after_s * 1.1 + 0.25:.2f} s)")  # fmt: skip
     # The wait is Retry-After times a jitter of 1.0-1.1, checked at the next 0.1 s tick.
     assert retry_after_s <= gap <= retry_after_s * 1.1 + 0.25
     assert (second["engine_id"], second["boot_id"], second["seq"]) == (
         first["engine_id"], first["boot_id"], first["seq"])  # fmt: skip
-    s = check_accounting(exp)
+    s = assert_accounting(exp)
     assert s["steps_sent"] == 20 and s["send_failures"] == 1 and s["batches_dropped"] == 0
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 422])
-def test_other_4xx_is_not_retried_and_is_counted_by_reason(server: ScriptedServer,
+def test_other_4xx_is_not_retried_and_is_counted_by_reason(server: RecordingServer,
                                                            status: int) -> None:  # fmt: skip
-    server.script.append((status, {}))
+    server.answer(status)
     exp, eng = fp_exporter(server.url)
     now = time.time()
     push(eng, 10, now - 5.0, n_requests=1)
     exp.tick(now_unix_s=now)
     push(eng, 7, now - 4.0)
     exp.tick(now_unix_s=now + 0.2)
-    sent = server.batches()
+    sent = server.batches(acknowledged=False)
     print(f"\nHTTP {status}: {len(sent)} requests, seqs {[b['seq'] for b in sent]}")
     assert [b["seq"] for b in sent] == [0, 1]  # batch 0 was not resent
-    s = check_accounting(exp)
+    s = assert_accounting(exp)
     assert (s["batches_dropped"], s["batches_dropped_rejected"], s["batches_dropped_full"]) == (
         1, 1, 0)  # fmt: skip
     assert (s["steps_dropped"], s["requests_dropped"], s["steps_sent"]) == (10, 1, 7)
@@ -83,7 +84,7 @@ def test_other_4xx_is_not_retried_and_is_counted_by_reason(server: ScriptedServe
     assert counters["dropped_steps"] == 10 and counters["dropped_batches_full"] == 0
 
 
-def test_backoff_is_exponential_with_jitter(server: ScriptedServer) -> None:
+def test_backoff_is_exponential_with_jitter(server: RecordingServer) -> None:
     server.default = (503, {})
     exp, eng = fp_exporter(server.url)
     push(eng, 5, time.time() - 5.0)
@@ -107,7 +108,7 @@ def test_backoff_is_exponential_with_jitter(server: ScriptedServer) -> None:
     assert statistics.median(ratios) > 1.3, ratios
     # Jitter: the fractions of the nominal delay are not all the same.
     assert max(fractions[1:]) - min(fractions[1:]) > 0.02, fractions
-    assert all(b["seq"] == 0 for b in server.batches())
+    assert all(b["seq"] == 0 for b in server.batches(acknowledged=False))
 
 
 _EXIT_SCRIPT = textwrap.dedent("""
@@ -142,7 +143,7 @@ def _exit_delay(url: str, shutdown_timeout_s: float) -> float:
     return ended - float(marks[0].split()[1])
 
 
-def test_exit_keeps_its_deadline_with_an_unreachable_collector(server: ScriptedServer) -> None:
+def test_exit_keeps_its_deadline_with_an_unreachable_collector(server: RecordingServer) -> None:
     blackhole = socket.socket()
     blackhole.bind(("127.0.0.1", 0))
     blackhole.listen(16)  # accepts connections in the kernel, never answers
@@ -167,11 +168,11 @@ def test_exit_keeps_its_deadline_with_an_unreachable_collector(server: ScriptedS
     assert delays["closed port"] <= deadline_s + 0.5
     assert delays["blackhole, deadline 0"] <= 0.5
     assert delays["collector up"] <= deadline_s + 0.5
-    assert server.batches(), "the flush with the collector up delivered nothing"
+    assert server.batches(acknowledged=False), "the flush with the collector up delivered nothing"
 
 
 def test_drops_reach_the_collector_without_waiting_for_new_rows(
-    server: ScriptedServer, monkeypatch: pytest.MonkeyPatch
+    server: RecordingServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(delivery_mod, "INITIAL_BACKOFF_S", 0.001)
     monkeypatch.setattr(delivery_mod, "MAX_BACKOFF_S", 0.002)
@@ -186,7 +187,7 @@ def test_drops_reach_the_collector_without_waiting_for_new_rows(
     for i in range(3):  # it recovers; no more rows arrive
         time.sleep(0.005)
         exp.tick(now_unix_s=now + 1.0 + i * 0.1)
-    s = check_accounting(exp)
+    s = assert_accounting(exp)
     ok = server.batches(status=200)
     print(f"\nqueue cap 2, 5 batches: dropped {s['batches_dropped_full']}; the last of "
           f"{len(ok)} delivered batches carries dropped_batches_full="

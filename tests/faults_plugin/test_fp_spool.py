@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _fp_helpers import ENGINE_ID, check_accounting, fp_exporter, metric, push, stored_counts
+from _fp_helpers import ENGINE_ID, fp_exporter, metric, push, stored_counts
+from _plugin_testkit import assert_accounting
 
 from collector.process import CollectorProcess, free_port
 from engine_plugins import _delivery as delivery_mod
@@ -86,17 +87,17 @@ def test_ten_minutes_without_collector_lose_nothing_and_store_no_duplicate(
     # First boot: 400 s without a collector, then the engine process exits.
     exp1, _ = fp_exporter(url, **kw)
     run_seconds(exp1, t0, 0, 400, per_batch=5)
-    s1 = check_accounting(exp1)
+    s1 = assert_accounting(exp1)
     assert s1["steps_sent"] == 0 and s1["steps_dropped"] == 0
     assert exp1.shutdown(timeout_s=2.0)
-    s1 = check_accounting(exp1)
+    s1 = assert_accounting(exp1)
     # Every batch built is on disk (the final cycle adds one, empty, with the hello).
     assert s1["steps_buffered"] == 400 * STEPS_PER_S
     assert s1["batches_in_spool"] == s1["batches_spooled"] == s1["batches_built"] >= 80
     # Second boot on the same host and port: 200 s more without a collector.
     exp2, _ = fp_exporter(url, **kw)
     run_seconds(exp2, t0, 400, 200, per_batch=5)
-    s2 = check_accounting(exp2)
+    s2 = assert_accounting(exp2)
     n_spooled = s1["batches_built"] + s2["batches_built"]
     assert s2["spool_records"] == n_spooled and s2["batches_pending"] == 0
     spool_bytes = s2["spool_bytes"]
@@ -107,7 +108,7 @@ def test_ten_minutes_without_collector_lose_nothing_and_store_no_duplicate(
     started = time.monotonic()
     drain(exp2, t0, 600)
     drain_s = time.monotonic() - started
-    s2 = check_accounting(exp2)
+    s2 = assert_accounting(exp2)
     produced_steps = 600 * STEPS_PER_S
     produced_requests = 600 * REQUESTS_PER_S
     steps, reqs = stored_counts(collector)
@@ -147,7 +148,7 @@ def test_size_cap_drops_oldest_segments_and_counts_them(
     exp, eng = fp_exporter(url, spool_dir=str(tmp_path / "spool"), spool_max_bytes=cap,
                            max_pending_batches=5, flush_interval_s=1.0)  # fmt: skip
     run_seconds(exp, t0, 0, 400)
-    s = check_accounting(exp)
+    s = assert_accounting(exp)
     segment_bytes = exp._spool.segment_bytes if exp._spool else 0
     print(f"\nspool cap {cap} bytes (segments of {segment_bytes}): holds {s['spool_bytes']} "
           f"bytes, {s['spool_records']} of 400 batches; dropped {s['batches_dropped_full']} "
@@ -163,7 +164,7 @@ def test_size_cap_drops_oldest_segments_and_counts_them(
     end = drain(exp, t0, 400)
     push(eng, 1, t0 + end + 0.5)  # a fresh batch carries the final counters
     drain(exp, t0, end)
-    s = check_accounting(exp)
+    s = assert_accounting(exp)
     steps, reqs = stored_counts(collector)
     assert steps[ENGINE_ID] == s["steps_sent"] == s["steps_produced"] - s["steps_dropped"]
     assert reqs[ENGINE_ID] == s["requests_sent"]
@@ -233,7 +234,7 @@ def test_torn_segment_after_kill_is_skipped_and_counted(
     end = drain(exp, t0, 0)
     push(eng, 1, t0 + end + 0.5)  # a fresh batch carries the counters
     drain(exp, t0, end)
-    s = check_accounting(exp)
+    s = assert_accounting(exp)
     steps, _ = stored_counts(collector)
     stored_from_spool = steps[ENGINE_ID] - s["steps_sent"]
     corrupt = metric(collector, "kvscope_exporter_spool_corrupt_records_total", engine=ENGINE_ID)
@@ -271,7 +272,7 @@ def test_spool_io_runs_only_in_the_exporter_thread(tmp_path: Path) -> None:
         assert exp.shutdown(timeout_s=2.0)
     finally:
         mp.undo()
-    s = check_accounting(exp)
+    s = assert_accounting(exp)
     print(f"\nspool calls made from threads {sorted(threads)}; {s['batches_spooled']} spooled")
     assert s["batches_spooled"] >= 5
     assert threads == {"kvscope-exporter"}
