@@ -4,8 +4,10 @@ several engines and servers reporting to one collector.
 One collector process serves the module. Server A (mid-size model, one engine)
 runs steady load while the collector is stopped for a minute and restarted on the
 same port and store. Server B (tiny model, ``--data-parallel-size 2``: two engines
-behind one API server) runs after A is stopped (one engine at a time on these
-machines). The exporter's counters are read from ``KVSCOPE_STATS_FILE``.
+behind one API server) then starts on the same host while A still runs, and both
+serve load at the same time (several servers on one host, three engines reporting to
+one collector); A then exits with the collector frozen, B with it up. The exporter's
+counters are read from ``KVSCOPE_STATS_FILE``.
 """
 
 from __future__ import annotations
@@ -113,72 +115,75 @@ def fp_tiny_model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def fp_engines() -> dict[str, Any]:
-    """What the first test leaves for the second: server A's identity and totals."""
-    return {}
-
-
-def test_collector_away_for_a_minute_under_load(
-    fp_mid_model: Path, fp_collector: CollectorProcess, fp_engines: dict[str, Any],
-    tmp_path: Path,
-) -> None:  # fmt: skip
-    stats_file = tmp_path / "stats.json"
+def fp_server_a(fp_mid_model: Path, fp_collector: CollectorProcess,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """Server A (not started): the first test starts it, the second stops it."""
+    workdir = tmp_path_factory.mktemp("fp_server_a")
     server = VllmServer(
         fp_mid_model, served_model_name="fp-a", num_gpu_blocks=512, max_num_seqs=16,
         env={"KVSCOPE_COLLECTOR_URL": fp_collector.url, "KVSCOPE_FLUSH_INTERVAL_S": str(FLUSH_S),
              "KVSCOPE_MAX_PENDING_BATCHES": str(MAX_PENDING), "KVSCOPE_TIMEOUT_S": "1",
-             "KVSCOPE_STATS_FILE": str(stats_file)},
-        log_path=tmp_path / "vllm-a.log",
+             "KVSCOPE_STATS_FILE": str(workdir / "stats.json")},
+        log_path=workdir / "vllm-a.log",
     )  # fmt: skip
-    with server:  # started here
-        before = sweep(server, "fp-a", 3)
-        (engine_id,) = read_stats(stats_file)["engines"]
-        # The collector goes away; load goes on; the plugin's state is sampled each second.
-        fp_collector.stop()
-        samples: list[dict[str, Any]] = []
-        stop = threading.Event()
+    try:
+        yield server
+    finally:
+        server.stop()
 
-        def sample() -> None:
-            while not stop.wait(1.0):
-                with contextlib.suppress(AssertionError):
-                    samples.append(read_stats(stats_file)["total"])
 
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        outage_started = time.monotonic()
-        during = sweep(server, "fp-a", round(OUTAGE_S / (LEVEL_S + 1.2)))
-        outage_s = time.monotonic() - outage_started
-        stop.set()
-        sampler.join()
-        at_end = read_stats(stats_file)["total"]
-        # It comes back on the same port and store.
-        fp_collector.start()
-        recovered = time.monotonic()
-        after = sweep(server, "fp-a", 2)
-        # Load stopped: everything drains, and the counters settle.
-        wait_for(lambda: read_stats(stats_file)["total"]["batches_pending"] == 0, 30.0,
-                 "the backlog to drain")  # fmt: skip
-        drained_s = time.monotonic() - recovered
-        time.sleep(3 * FLUSH_S)
-        final = read_stats(stats_file)["engines"][engine_id]
-        wait_for(lambda: stored_per_engine(fp_collector)[engine_id]["steps"]
-                 == final["steps_sent"], 20.0, "the store to hold every step sent")  # fmt: skip
-        dropped_metric = _metric(fp_collector, "kvscope_exporter_dropped_steps_total", engine_id)
-        full_metric = _metric(fp_collector, "kvscope_exporter_dropped_batches_full_total",
-                              engine_id)  # fmt: skip
-        fp_engines["a"] = {"engine_id": engine_id, "stored": stored_per_engine(fp_collector)[
-            engine_id], "port": server.port}  # fmt: skip
-        # vLLM's exit with the collector frozen (a blackhole: connections are accepted,
-        # nothing answers) and batches waiting: the plugin's flush keeps its 2 s deadline.
-        assert fp_collector.proc is not None
-        os.kill(fp_collector.proc.pid, signal.SIGSTOP)
-        try:
-            sweep(server, "fp-a", 1, duration_s=3.0)
-            started = time.monotonic()
-            server.stop()
-            fp_engines["a"]["stop_s"] = time.monotonic() - started
-        finally:
-            os.kill(fp_collector.proc.pid, signal.SIGCONT)
+def a_stats(server: VllmServer) -> dict[str, Any]:
+    return read_stats(Path(server.extra_env["KVSCOPE_STATS_FILE"]))
+
+
+@pytest.fixture(scope="module")
+def fp_engines() -> dict[str, Any]:
+    """What the first test leaves for the second: server A's engine id."""
+    return {}
+
+
+def test_collector_away_for_a_minute_under_load(
+    fp_server_a: VllmServer, fp_collector: CollectorProcess, fp_engines: dict[str, Any],
+) -> None:  # fmt: skip
+    server = fp_server_a
+    stats_file = Path(server.extra_env["KVSCOPE_STATS_FILE"])
+    server.start()
+    before = sweep(server, "fp-a", 3)
+    (engine_id,) = read_stats(stats_file)["engines"]
+    # The collector goes away; load goes on; the plugin's state is sampled each second.
+    fp_collector.stop()
+    samples: list[dict[str, Any]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(1.0):
+            with contextlib.suppress(AssertionError):
+                samples.append(read_stats(stats_file)["total"])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    outage_started = time.monotonic()
+    during = sweep(server, "fp-a", round(OUTAGE_S / (LEVEL_S + 1.2)))
+    outage_s = time.monotonic() - outage_started
+    stop.set()
+    sampler.join()
+    at_end = read_stats(stats_file)["total"]
+    # It comes back on the same port and store.
+    fp_collector.start()
+    recovered = time.monotonic()
+    after = sweep(server, "fp-a", 2)
+    # Load stopped: everything drains, and the counters settle.
+    wait_for(lambda: read_stats(stats_file)["total"]["batches_pending"] == 0, 30.0,
+             "the backlog to drain")  # fmt: skip
+    drained_s = time.monotonic() - recovered
+    time.sleep(3 * FLUSH_S)
+    final = read_stats(stats_file)["engines"][engine_id]
+    wait_for(lambda: stored_per_engine(fp_collector)[engine_id]["steps"]
+             == final["steps_sent"], 20.0, "the store to hold every step sent")  # fmt: skip
+    dropped_metric = _metric(fp_collector, "kvscope_exporter_dropped_steps_total", engine_id)
+    full_metric = _metric(fp_collector, "kvscope_exporter_dropped_batches_full_total",
+                          engine_id)  # fmt: skip
+    fp_engines["a"] = {"engine_id": engine_id}
     # Baseline: the levels with the collector up, before and after the outage.
     baseline = statistics.median(before + after)
     ratio = statistics.median(during) / baseline
@@ -223,70 +228,112 @@ def _metric(collector: CollectorProcess, name: str, engine_id: str) -> float:
     raise AssertionError(f"{name} for {engine_id} not on the collector's /metrics")
 
 
-def test_two_engines_in_one_server_and_two_servers_keep_their_series(
-    fp_tiny_model: Path, fp_collector: CollectorProcess, fp_engines: dict[str, Any],
-    tmp_path: Path,
+def test_two_servers_on_one_host_at_once_keep_their_series(
+    fp_tiny_model: Path, fp_server_a: VllmServer, fp_collector: CollectorProcess,
+    fp_engines: dict[str, Any], tmp_path: Path,
 ) -> None:  # fmt: skip
-    a = fp_engines.get("a")
-    if a is not None:  # server A is gone: its stored totals, once settled
-        before: dict[str, float] | None = None
-        for _ in range(20):
-            now = stored_per_engine(fp_collector).get(a["engine_id"])
-            if now == before:
-                break
-            before = now
-            time.sleep(1.0)
-        a["stored"] = before
-    server = VllmServer(
+    a = fp_server_a
+    if a.pid is None:  # the first test did not run
+        a.start()
+    (a_id,) = a_stats(a)["engines"]
+    assert fp_engines.get("a", {"engine_id": a_id})["engine_id"] == a_id
+    # A is idle: what vLLM counted and the store holds so far (the outage lost some).
+    wait_for(lambda: a_stats(a)["total"]["batches_pending"] == 0, 30.0, "A's backlog to drain")
+    a_vllm0 = vllm_per_engine(a)["0"]
+    a_stored0 = settled_stored(fp_collector, a_id)
+    b = VllmServer(
         fp_tiny_model, served_model_name="fp-b", num_gpu_blocks=128, max_num_seqs=8,
-        extra_args=["--data-parallel-size", "2"], startup_timeout_s=400,
+        extra_args=["--data-parallel-size", "2"], startup_timeout_s=240,
+        # vLLM binds every engine to core 0 by default: B's two (in lockstep, as
+        # data-parallel engines are) go to core 1, as the second engine of a pool does in
+        # bench/prefix_routing.py; A keeps core 0.
         env={"KVSCOPE_COLLECTOR_URL": fp_collector.url, "KVSCOPE_FLUSH_INTERVAL_S": "0.5",
-             "KVSCOPE_STATS_FILE": str(tmp_path / "stats.json")},
+             "KVSCOPE_STATS_FILE": str(tmp_path / "stats.json"),
+             "VLLM_CPU_OMP_THREADS_BIND": "1|1"},
         log_path=tmp_path / "vllm-b.log",
     )  # fmt: skip
-    with server:  # started here
-        startup_s = server.startup_s
-        sweep(server, "fp-b", 1, concurrency=8)
-        ids = sorted(read_stats(tmp_path / "stats.json")["engines"])
-        host_port = ids[0].rsplit(":", 1)[0]
+    with b:  # started here, next to A
+        b_startup_s = b.startup_s
+        # Both servers under load at the same time.
+        a_tps: list[float] = []
+        a_load = threading.Thread(target=lambda: a_tps.extend(sweep(a, "fp-a", 1)))
+        a_load.start()
+        b_tps = sweep(b, "fp-b", 1, concurrency=8)
+        a_load.join()
+        assert len(a_tps) == 1, "the load on server A failed (its error is printed above)"
+        b_ids = sorted(read_stats(tmp_path / "stats.json")["engines"])
+        b_host_port = b_ids[0].rsplit(":", 1)[0]
+
+        def expected() -> dict[str, dict[str, float]]:
+            out = {f"{b_host_port}:{k}": row for k, row in vllm_per_engine(b).items()}
+            out[a_id] = {k: a_stored0[k] + v - a_vllm0[k]
+                         for k, v in vllm_per_engine(a)["0"].items()}  # fmt: skip
+            return out
 
         def settled() -> bool:
-            vllm, stored = vllm_per_engine(server), stored_per_engine(fp_collector)
-            return all(stored.get(f"{host_port}:{k}", {}).get(name) == value
-                       for k, row in vllm.items() for name, value in row.items())  # fmt: skip
+            stored = stored_per_engine(fp_collector)
+            return all(stored.get(eid, {}).get(name) == value
+                       for eid, row in expected().items() for name, value in row.items())  # fmt: skip
 
-        wait_for(settled, 30.0, "the store to equal vLLM's counters")
-        vllm = vllm_per_engine(server)
-        stored = stored_per_engine(fp_collector)
+        with contextlib.suppress(AssertionError):  # the checks below say what differs
+            wait_for(settled, 30.0, "the store to equal each server's vLLM counters")
+        want, stored = expected(), stored_per_engine(fp_collector)
+        a_vllm, b_vllm = vllm_per_engine(a), vllm_per_engine(b)
         engines = collector_engines(fp_collector)
+        ids_after = (sorted(a_stats(a)["engines"]),
+                     sorted(read_stats(tmp_path / "stats.json")["engines"]))  # fmt: skip
+        # A exits with the collector frozen (a blackhole: connections are accepted,
+        # nothing answers) and batches waiting: the plugin's flush keeps its 2 s deadline.
+        assert fp_collector.proc is not None
+        os.kill(fp_collector.proc.pid, signal.SIGSTOP)
+        try:
+            sweep(a, "fp-a", 1, duration_s=3.0)
+            started = time.monotonic()
+            a.stop()
+            a_stop_s = time.monotonic() - started
+        finally:
+            os.kill(fp_collector.proc.pid, signal.SIGCONT)
         started = time.monotonic()
-        server.stop()  # the collector up
+        b.stop()  # the collector up
         b_stop_s = time.monotonic() - started
-    print(f"\nserver B, --data-parallel-size 2, started in {startup_s:.0f} s; engine ids {ids}")
-    for k in sorted(vllm):
-        eid = f"{host_port}:{k}"
-        print(f"  {eid}: vLLM {vllm[k]} | stored {stored.get(eid)}")
-    if a is not None:
-        print(f"  server A {a['engine_id']}: stored before B {a['stored']}, after "
-              f"{stored.get(a['engine_id'])}")
-        print(f"  server stop (SIGTERM to gone): A with the collector frozen "
-              f"{a['stop_s']:.1f} s; B with the collector up {b_stop_s:.1f} s")
-        # The plugin's exit flush adds at most its deadline (2 s) to vLLM's own exit.
-        assert a["stop_s"] <= b_stop_s + 2.0 + 3.0
-    assert ids == [f"{host_port}:0", f"{host_port}:1"]
-    assert sorted(vllm) == ["0", "1"]
-    for k, counters in vllm.items():
-        row = stored[f"{host_port}:{k}"]
+    print(f"\nserver B (--data-parallel-size 2) started in {b_startup_s:.0f} s next to server A; "
+          f"both under load at once: A {a_tps[0]:.0f} tok/s (4 clients), B {b_tps[0]:.0f} "
+          f"tok/s (8 clients); engine ids A {a_id}, B {b_ids}")
+    for eid in sorted(want):
+        print(f"  {eid}: expected {want[eid]} | stored {stored.get(eid)}")
+    print(f"  server stop (SIGTERM to gone): A with the collector frozen {a_stop_s:.1f} s; "
+          f"B with the collector up {b_stop_s:.1f} s")
+    # Distinct, stable engine ids: one per engine, the same before and after the load.
+    assert b_ids == [f"{b_host_port}:0", f"{b_host_port}:1"] and a_id not in b_ids
+    assert ids_after == ([a_id], b_ids)
+    assert sorted(b_vllm) == ["0", "1"] and sorted(a_vllm) == ["0"]
+    # No mixed-up or duplicated series: the store holds exactly these engines, each
+    # with its own server's counters (A's: what it held before plus what vLLM counted
+    # since).
+    assert set(stored) == {a_id, *b_ids}
+    for eid, counters in want.items():
         for name, value in counters.items():
-            assert row.get(name, 0.0) == value, (k, name, row, counters)
-        assert counters["generation_tokens"] > 0
-    # One boot per engine id, and server A's series untouched by B.
+            assert stored[eid].get(name, 0.0) == value, (eid, name, stored[eid], counters)
+    assert all(b_vllm[k]["generation_tokens"] > 0 for k in b_vllm)
+    assert a_vllm["0"]["generation_tokens"] > a_vllm0["generation_tokens"]
+    # One boot per engine id; B's two engines share a process, hence a boot.
     boots = {e["engine_id"]: e["boot_id"] for e in engines}
-    assert {f"{host_port}:0", f"{host_port}:1"} <= set(boots)
-    assert boots[f"{host_port}:0"] == boots[f"{host_port}:1"]  # one process, one boot
-    if a is not None:
-        assert a["engine_id"] not in ids
-        assert stored[a["engine_id"]] == a["stored"]
+    assert len(boots) == len(engines) == 3
+    assert boots[b_ids[0]] == boots[b_ids[1]] != boots[a_id]
+    # The plugin's exit flush adds at most its deadline (2 s) to vLLM's own exit.
+    assert a_stop_s <= b_stop_s + 2.0 + 3.0
+
+
+def settled_stored(collector: CollectorProcess, engine_id: str) -> dict[str, float]:
+    """The stored totals of an idle engine, once two reads a second apart agree."""
+    before: dict[str, float] | None = None
+    for _ in range(20):
+        now = stored_per_engine(collector).get(engine_id)
+        if now is not None and now == before:
+            return now
+        before = now
+        time.sleep(1.0)
+    raise AssertionError(f"the stored totals of {engine_id} did not settle")
 
 
 def collector_engines(collector: CollectorProcess) -> list[dict[str, Any]]:
