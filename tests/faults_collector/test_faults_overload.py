@@ -139,7 +139,9 @@ def test_ten_times_expected_rate_sheds_and_recovers(tmp_path: Path) -> None:
     assert share(normal, 200) == 1.0
     # The burst is shed, not failed: only 200 and 503, every 503 with Retry-After.
     assert set(statuses) <= {200, 503}, f"unexpected answers under overload: {statuses}"
-    assert share(burst, 503) > 0.2, "the burst did not overload the collector: test proves nothing"
+    # Some of the burst must be shed, or the test proves nothing; how much depends on how
+    # fast the machine stores (18-73% seen), so the bar is low.
+    assert share(burst, 503) > 0.05, "the burst did not overload the collector: test proves nothing"
     assert all(ra is not None and float(ra) > 0 for s, ra, _ in burst if s == 503)
     assert share(burst, 200) > 0, "nothing was accepted during the burst"
     assert counter(metrics, "kvscope_collector_rejected_batches_total", reason="overloaded")
