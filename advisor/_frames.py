@@ -35,11 +35,36 @@ def prepare_windows(windows: pd.DataFrame) -> pd.DataFrame:
 
 def active_windows(w: pd.DataFrame, *, min_steps: int, min_load: float,
                    min_busy_ratio: float) -> pd.DataFrame:
-    """Windows the engine worked through: enough steps, some load, busy most of the second."""
+    """Windows the engine worked through: enough steps, some load, busy most of the second.
+
+    Where the busy share is unknown (windows read from scraped series carry no step
+    times) it is estimated from the step count: see :func:`step_count_busy_ratio`."""
     keep = (w["n_steps"] >= min_steps) & (w["load"] >= min_load)
     busy = w["busy_ratio"]
+    if busy.isna().any():
+        busy = busy.fillna(step_count_busy_ratio(w[keep]).reindex(w.index))
     keep &= busy.isna() | (busy >= min_busy_ratio)
     return w[keep]
+
+
+def step_count_busy_ratio(w: pd.DataFrame, *, per_doubling: int = 2, quantile: float = 0.75,
+                          min_peers: int = 3) -> pd.Series:
+    """The busy share of each window estimated from its step count: the steps it holds
+    over what its peers (windows of about the same batch: ``per_doubling`` groups per
+    factor of two) hold at their ``quantile``, capped at 1.
+
+    An engine running a given batch steps at about the same rate; a window with far
+    fewer steps than its peers was idle part of the time (the load ramping up or
+    draining away within it), and its per-step means overstate the load it held. NaN
+    where fewer than ``min_peers`` windows share the group."""
+    steps = w["n_steps"].astype(float)
+    batch = w["batch_mean"].astype(float)
+    ok = (steps > 0) & (batch > 0)
+    group = np.floor(np.log2(batch.where(ok)) * per_doubling)
+    keys = [w["engine_id"], group] if "engine_id" in w else [group]
+    by = steps.where(ok).groupby(keys, dropna=True)
+    ref = by.transform(lambda s: s.quantile(quantile) if s.count() >= min_peers else np.nan)
+    return (steps / ref).clip(upper=1.0).where(ok)
 
 
 def load_bins(load: np.ndarray, *, bins_per_doubling: int, min_count: int) -> np.ndarray:

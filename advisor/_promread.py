@@ -328,7 +328,9 @@ class Reader:
             ("prompt_tokens", "prompt_tokens_total"),
             ("generation_tokens", "generation_tokens_total"),
             ("prefix_queries", "prefix_cache_query_tokens_total"),
-            ("prefix_hits", "prefix_cache_hit_tokens_total"))}
+            ("prefix_hits", "prefix_cache_hit_tokens_total"),
+            ("waiting:sum", "waiting_request_steps_total"),
+            ("deferred:sum", "deferred_request_steps_total"))}
         ids: dict[str, dict[str, str]] = {}
         # A collector's counters move once per plugin batch (about a second): at steps that
         # short a window holds zero or two batches. Counting each window's increase as the
@@ -348,14 +350,18 @@ class Reader:
             with np.errstate(invalid="ignore", divide="ignore"):
                 batch = c["batch:sum"] / c["batch:count"]
                 kv = c.get("kv:sum", nan) / c.get("kv:count", nan)
+                # The queue per step over the window, as the batch; the latest step's
+                # gauge from a collector that does not export the sums.
+                queue = {k: np.where(np.isfinite(m := c.get(f"{k}:sum", nan) / c["batch:count"]),
+                                     m, c.get(f"{k}_mean", np.zeros(n)))
+                         for k in ("waiting", "deferred")}
             w = pd.DataFrame({
                 "ts_s": (grid - step).astype("int64"), "batch_mean": batch, "batch_p50": batch,
                 "batch_p90": (bucket_quantile(*batch_b[eid], 0.9) if eid in batch_b else nan),
                 "batch_max": (bucket_quantile(*batch_b[eid], 1.0) if eid in batch_b else nan),
                 "kv_usage_mean": kv,
                 "kv_usage_max": (bucket_quantile(*kv_b[eid], 0.99) if eid in kv_b else nan),
-                "waiting_mean": c.get("waiting_mean", np.zeros(n)),
-                "deferred_mean": c.get("deferred_mean", np.zeros(n)),
+                "waiting_mean": queue["waiting"], "deferred_mean": queue["deferred"],
                 **{k: c.get(k, nan) / step for k in (
                     "n_steps", "preemptions", "prompt_tokens", "generation_tokens",
                     "prefix_queries", "prefix_hits")},

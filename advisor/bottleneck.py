@@ -16,7 +16,12 @@ preemption rate, and applies the rules in this order:
    never called KV-bound.
 2. ``kv_cache_bound``: median KV usage at least ``kv_full`` while the batch stays
    below ``seq_cap_ratio`` x ``max_num_seqs`` (or preemptions happen at all). The
-   waiting queue and the preemption rate are its supporting evidence.
+   waiting queue and the preemption rate are its supporting evidence. Also without
+   the usage: requests queue, the batch stays below the cap and preemptions run at
+   ``kv_preemptions_per_s`` or more. vLLM preempts only when a running request finds
+   no free block, so this is the cache filling up between samples; it matters for
+   usage read from a gauge sampled once per scrape (vLLM's own series), which reads
+   the cache between steps and often lower than the per-step mean.
 3. ``max_num_seqs_bound``: median batch at least ``seq_cap_ratio`` x ``max_num_seqs``
    with KV usage below ``kv_full``: the scheduler's sequence cap, not memory.
 4. ``compute_bound``: none of the above. Its evidence is the step rate: steps per
@@ -37,6 +42,8 @@ seq_cap_ratio : batch / max_num_seqs ratio that counts as pinned at the cap (0.9
 budget_fill : tokens per step / max_num_batched_tokens that counts as a full step (0.7).
 thrash_drop : relative fall of throughput past the peak that counts as thrash (0.1).
 thrash_min_preemptions_per_s : preemption rate needed for thrash (1.0).
+kv_preemptions_per_s : preemption rate (with a queue, below the sequence cap) that
+    shows a full KV cache whatever the sampled usage (1.0).
 min_windows : plateau windows for full confidence (10).
 """
 
@@ -74,13 +81,15 @@ class BottleneckClassifier:
 
     def __init__(self, *, kv_full: float = 0.9, seq_cap_ratio: float = 0.9,
                  budget_fill: float = 0.7, thrash_drop: float = 0.1,
-                 thrash_min_preemptions_per_s: float = 1.0, min_windows: int = 10) -> None:
+                 thrash_min_preemptions_per_s: float = 1.0, min_windows: int = 10,
+                 kv_preemptions_per_s: float = 1.0) -> None:
         self.kv_full = kv_full
         self.seq_cap_ratio = seq_cap_ratio
         self.budget_fill = budget_fill
         self.thrash_drop = thrash_drop
         self.thrash_min_preemptions_per_s = thrash_min_preemptions_per_s
         self.min_windows = min_windows
+        self.kv_preemptions_per_s = kv_preemptions_per_s
 
     def fit(self, curve: ThroughputCurve, config: dict[str, Any]) -> BottleneckClassifier:
         """Classify from a fitted curve (its kept windows) and the engine's configuration."""
@@ -114,15 +123,20 @@ class BottleneckClassifier:
         kv_full = ev["kv_usage_median"] >= self.kv_full
         pinned = math.isfinite(cap) and ev["batch_median"] >= self.seq_cap_ratio * cap
         budget_full = math.isfinite(budget) and ev["budget_fill_median"] >= self.budget_fill
+        preempting = (ev["preemptions_per_s"] >= self.kv_preemptions_per_s
+                      and ev["waiting_median"] > 0)
+        pre = region["preemptions"].astype(float) > 0
         shares: dict[str, float] = {
             "token_budget_bound": float((fill >= self.budget_fill).mean()),
-            "kv_cache_bound": float((kv >= self.kv_full).mean()),
+            "kv_cache_bound": float(((kv >= self.kv_full) | (pre if preempting else False))
+                                    .mean()),
             "max_num_seqs_bound": float((batch >= self.seq_cap_ratio * cap).mean())
             if math.isfinite(cap) else 0.0,
         }
         if budget_full and not kv_full:
             label = "token_budget_bound"
-        elif kv_full and (not pinned or ev["preemptions_per_s"] > 0):
+        elif (kv_full and (not pinned or ev["preemptions_per_s"] > 0)) or (preempting
+                                                                          and not pinned):
             label = "kv_cache_bound"
         elif pinned:
             label = "max_num_seqs_bound"

@@ -13,7 +13,9 @@ Algorithm
 2. **Windows kept**: at least ``min_steps`` steps, load at least ``min_load``, and
    steps spread over at least ``min_busy_ratio`` of the second (a second in which
    the engine started or went idle has a step-averaged load that overstates the
-   time-averaged one, and a throughput that understates it).
+   time-averaged one, and a throughput that understates it). Windows read from
+   scraped series have no step times: there the busy share is the window's step count
+   over that of windows of about the same batch (their upper quartile).
 3. **Bins**: log-spaced in load, ``bins_per_doubling`` per factor of two, bins with
    fewer than ``min_count`` windows merged into a neighbour; per bin the median load,
    median generation tokens/s and median total (prompt + generation) tokens/s.

@@ -39,11 +39,14 @@ would exceed ``max_windows`` windows per engine. Window ``k`` covers
   and counters ``rate`` over ``step`` plus one scrape interval;
 * ``n_steps`` is the rate of ``vllm:iteration_tokens_total_count`` (one observation
   per engine step); ``busy_ratio`` is unknown (the first/last step times are not
-  exported); ``waiting_mean`` is ``vllm:num_requests_waiting`` (which includes the
+  exported: the throughput curve estimates it from the step count, see
+  :func:`advisor._frames.step_count_busy_ratio`); ``waiting_mean`` is ``vllm:num_requests_waiting`` (which includes the
   deferred requests) and ``deferred_mean`` 0.
 
-From kvscope's series the batch and KV usage are exact means over every step in the
-window (``rate(_sum) / rate(_count)`` of the per-step histograms).
+From kvscope's series the batch, KV usage and queue are exact means over every step
+in the window (``rate(_sum) / rate(_count)`` of the per-step histograms, and
+``kvscope_engine_waiting_request_steps_total`` over ``kvscope_engine_steps_total``; a
+collector without that counter gives the latest step's queue).
 
 Requests from histograms
 ------------------------

@@ -18,7 +18,10 @@ from engine_plugins.schema import EXPORTER_KEYS
 _PCTS = ((50, 0.5), (90, 0.9), (99, 0.99))
 GROUP_BY = ("engine", "pool", "all")
 TOTAL_COLUMNS = ("n_steps", "preemptions", "prompt_tokens", "generation_tokens",
-                 "prefix_queries", "prefix_hits")
+                 "prefix_queries", "prefix_hits", "waiting_steps", "deferred_steps")
+#: Column of ``steps`` / ``windows_1s`` summed into each total (beside n_steps).
+_TOTAL_OF = {"steps": {"waiting_steps": "waiting", "deferred_steps": "deferred"},
+             "windows": {"waiting_steps": "waiting_sum", "deferred_steps": "deferred_sum"}}
 
 
 def _where(engine_id: str | None, pool: str | None, ts_col: str,
@@ -153,16 +156,15 @@ def totals(cur: Any, source: str = "windows", engine_id: str | None = None) -> p
     """Per-engine sums from ``steps`` (raw, subject to retention) or ``windows_1s``.
 
     Columns: engine_id, n_steps, preemptions, prompt_tokens, generation_tokens,
-    prefix_queries, prefix_hits.
+    prefix_queries, prefix_hits, waiting_steps and deferred_steps (the waiting and
+    deferred requests summed over the steps).
     """
-    if source == "steps":
-        aggs = ["count(*)", *(f"sum({c})" for c in TOTAL_COLUMNS[1:])]
-        table = "steps"
-    elif source == "windows":
-        aggs = [f"sum({c})" for c in TOTAL_COLUMNS]
-        table = "windows_1s"
-    else:
+    if source not in _TOTAL_OF:
         raise ValueError(f"source: expected 'steps' or 'windows', got {source!r}")
+    of = _TOTAL_OF[source]
+    table = "steps" if source == "steps" else "windows_1s"
+    aggs = ["count(*)" if source == "steps" else "sum(n_steps)",
+            *(f"sum({of.get(c, c)})" for c in TOTAL_COLUMNS[1:])]
     sel = ", ".join(f"CAST(coalesce({a}, 0) AS BIGINT) AS {c}" for a, c in zip(aggs, TOTAL_COLUMNS, strict=True))
     where, args = _where(engine_id, None, "", None, None)
     return _df(cur, f"SELECT engine_id, {sel} FROM {table}{where} "

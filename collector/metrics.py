@@ -17,7 +17,10 @@ second) that had prefix-cache queries; ``kvscope_engine_last_step_timestamp_seco
 Counters: ``kvscope_engine_steps_total``, ``..._prompt_tokens_total``,
 ``..._generation_tokens_total``, ``..._preemptions_total``,
 ``..._prefix_cache_query_tokens_total``, ``..._prefix_cache_hit_tokens_total``,
-``..._finished_requests_total`` and the plugin's own ``kvscope_exporter_<field>_total``.
+``..._finished_requests_total``, ``..._waiting_request_steps_total`` and
+``..._deferred_request_steps_total`` (the queue summed over steps: over the steps'
+increase, the mean queue per step, where the gauges are only the latest step) and the
+plugin's own ``kvscope_exporter_<field>_total``.
 Histograms of per-step observations: ``kvscope_engine_step_batch_size`` and
 ``kvscope_engine_step_kv_usage_ratio``. ``kvscope_engine_info`` carries the
 configuration as labels, and ``kvscope_engine_max_num_seqs``,
@@ -112,6 +115,11 @@ _COUNTERS = (  # (metric, attribute, help)
     ("kvscope_engine_prefix_cache_hit_tokens_total", "prefix_hits",
      "Prefix-cache hits, in tokens."),
     ("kvscope_engine_finished_requests_total", "finished_requests", "Requests finished."),
+    ("kvscope_engine_waiting_request_steps_total", "waiting_steps",
+     "Waiting requests summed over the engine's steps; its increase over the increase of "
+     "kvscope_engine_steps_total is the mean queue per step."),
+    ("kvscope_engine_deferred_request_steps_total", "deferred_steps",
+     "Deferred waiting requests summed over the engine's steps (as waiting_request_steps)."),
 )
 _CONFIG_GAUGES = (  # (metric, hello field, help)
     ("kvscope_engine_max_num_seqs", "max_num_seqs",
@@ -124,7 +132,9 @@ _CONFIG_GAUGES = (  # (metric, hello field, help)
      "Tokens per KV-cache block (from its latest hello)."),
 )
 _STEP_SUMS = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_queries",
-              "prefix_hits")
+              "prefix_hits", "waiting_steps", "deferred_steps")
+#: Step column summed into each _STEP_SUMS attribute (the same name unless listed).
+_STEP_COLUMN = {"waiting_steps": "waiting", "deferred_steps": "deferred"}
 _BATCH_HIST_HELP = "Running requests per engine step (one observation per step)."
 _KV_HIST_HELP = "KV-cache usage per engine step (one observation per step)."
 _INFO_HELP = "Engine identity and configuration from its latest hello (value 1)."
@@ -165,12 +175,13 @@ class _Engine:
     """Metric values of one engine."""
 
     __slots__ = ("attrs", "batch_hist", "batch_size", "batch_sum", "config", "deferred",
-                 "engine_id", "exporter",
+                 "deferred_steps", "engine_id", "exporter",
                  "finished_requests", "gauge_boot_id", "generation_tokens", "hello_started",
                  "info", "info_attrs",
                  "kv_blocks_used", "kv_hist", "kv_sum", "kv_usage_ratio", "labels",
                  "last_seen_unix_s", "last_step_unix_s", "preemptions", "prefix_hit_ratio",
-                 "prefix_hits", "prefix_queries", "prompt_tokens", "steps", "waiting")
+                 "prefix_hits", "prefix_queries", "prompt_tokens", "steps", "waiting",
+                 "waiting_steps")
 
     def __init__(self, engine_id: str) -> None:
         self.engine_id = engine_id
@@ -191,6 +202,7 @@ class _Engine:
         self.gauge_boot_id: str | None = None
         self.steps = self.prompt_tokens = self.generation_tokens = self.preemptions = 0
         self.prefix_queries = self.prefix_hits = self.finished_requests = 0
+        self.waiting_steps = self.deferred_steps = 0
         self.batch_hist = np.zeros(len(_BATCH_LES), dtype=np.int64)
         self.kv_hist = np.zeros(len(_KV_LES), dtype=np.int64)
         self.batch_sum = 0.0
@@ -278,7 +290,7 @@ class FleetState:
         s = b.steps
         e.steps += n
         for a in _STEP_SUMS:
-            setattr(e, a, getattr(e, a) + int(s[a].sum()))
+            setattr(e, a, getattr(e, a) + int(s[_STEP_COLUMN.get(a, a)].sum()))
         ts = s["ts_unix_s"]
         i = int(ts.argmax())
         # The latest step by step time sets the gauges; a new boot takes over even if

@@ -38,6 +38,25 @@ def test_prefill_bound_queue_at_low_kv_is_not_called_kv_bound() -> None:
     assert rep.engines[0].bottleneck == "token_budget_bound"
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_preempting_below_the_cap_is_kv_bound_whatever_the_sampled_usage(seed: int) -> None:
+    """A gauge sampled once per scrape can read the cache below "full" while the engine
+    preempts between samples: with a queue, the batch below the cap and preemptions
+    running, the verdict stays KV-bound. Without the preemptions it is compute-bound."""
+    s = make_engine("kv_cache_bound", seed=seed)
+    w = s.windows.copy()
+    w["kv_usage_mean"] = w["kv_usage_mean"].clip(upper=0.85)  # as a low-reading gauge
+    w["kv_usage_max"] = w["kv_usage_mean"]
+    rep = analyze(FrameSource(s.engines, w, s.requests))
+    ev = rep.findings_of("bottleneck")[0].evidence
+    assert ev["kv_usage_median"] < 0.9 and ev["preemptions_per_s"] >= 1.0, ev
+    assert ev["waiting_median"] > 0 and ev["batch_median"] < 0.9 * ev["max_num_seqs"], ev
+    assert rep.engines[0].bottleneck == "kv_cache_bound"
+    assert rep.findings_of("bottleneck")[0].confidence > 0.5
+    calm = analyze(FrameSource(s.engines, w.assign(preemptions=0.0), s.requests))
+    assert calm.engines[0].bottleneck == "compute_bound"
+
+
 def test_kv_model_predicts_the_kv_bound_plateau() -> None:
     s = make_engine("kv_cache_bound", seed=4)
     kv = analyze(FrameSource(s.engines, s.windows, s.requests)).findings_of("kv_capacity")[0]

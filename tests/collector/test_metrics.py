@@ -40,7 +40,9 @@ def _send(url: str) -> dict[str, Any]:
               exporter={"dropped_steps": 7, "dropped_requests": 1, "dropped_batches": 2,
                         "send_failures": 3, "record_errors": 0})
     b["steps"] = steps([T0 + i / 40 for i in range(n)], batch=rng.integers(0, 300, n).tolist(),
-                       kv_usage_ratio=np.round(rng.uniform(0, 1, n), 3).tolist())
+                       kv_usage_ratio=np.round(rng.uniform(0, 1, n), 3).tolist(),
+                       waiting=rng.integers(0, 50, n).tolist(),
+                       deferred=rng.integers(0, 3, n).tolist())
     assert post_batch(url, b)[0] == 200
     return b
 
@@ -62,6 +64,9 @@ def test_values_match_ingested_data(collector: Any) -> None:
     assert m[("kvscope_engine_prefix_hit_ratio", L)] == pytest.approx(
         sum(st["prefix_hits"]) / sum(st["prefix_queries"]))
     assert m[("kvscope_engine_finished_requests_total", L)] == 3
+    # The queue summed over steps: over the steps, the mean queue the gauge cannot give.
+    assert m[("kvscope_engine_waiting_request_steps_total", L)] == sum(st["waiting"])
+    assert m[("kvscope_engine_deferred_request_steps_total", L)] == sum(st["deferred"]) > 0
     assert m[("kvscope_exporter_dropped_steps_total", L)] == 7
     assert m[("kvscope_exporter_send_failures_total", L)] == 3
     # Histograms: cumulative bucket counts against numpy.

@@ -8,11 +8,11 @@ sweeps it again from 1 to 32 clients; then the same time range is analysed throu
 collector (the plugin's every step) and through each backend (vLLM's series at 1 s).
 
 Tolerances: the bottleneck and saturation must be equal. The knee is interpolated
-between the sweep's load levels, which double (1, 2, ... 32); a few percent of
-throughput moves the 90%-of-plateau crossing from one level interval to the next, and
-the Prometheus windows are not aligned with the collector's seconds (their queue depth
-is a scrape-time snapshot), so the knee must be within a factor of two (one level) of
-the store's, as must the cap. The plateau must be within 15%: both count the same
+between the sweep's load levels (1, 2, 4, 8, 12, 16, 32); a few percent of throughput
+moves the 90%-of-plateau crossing from one level interval to the next, and the
+Prometheus windows are not aligned with the collector's seconds (vLLM's queue depth is
+a scrape-time snapshot), so the knee must be within a factor of two of the store's,
+as must the cap. The plateau must be within 15%: both count the same
 generated tokens (vLLM's counter and the plugin's steps), binned differently. Finished
 requests are counted from vLLM's e2e histogram: within 2% of the store's.
 """
@@ -55,7 +55,7 @@ def scraped_sweep(overload_run: OverloadRun, tmp_path_factory: pytest.TempPathFa
             wait_scraped(b.url, len(targets))
         since = time.time()
         sweep = run_sweep(SweepConfig(
-            url=overload_run.server.url, model=MODEL_NAME, concurrency=[1, 2, 4, 8, 16, 32],
+            url=overload_run.server.url, model=MODEL_NAME, concurrency=[1, 2, 4, 8, 12, 16, 32],
             duration_s=5.0, warmup_s=1.0, cooldown_s=0.5, prompt_words=(8, 40),
             output_tokens=(96, 128), shared_prefix_words=64, prefix_groups=4, seed=11,
             progress=False))
@@ -85,10 +85,13 @@ def _text(v: Any) -> str:
             f"max_load={v.max_load_seen} ({v.headroom})")
 
 
-KNEE_LOG2_TOLERANCE = 1.25
-"""Knee and cap from scraped series within a factor 2**1.25 (2.4x) of the store's: the
-sweep's levels double, a scrape sees the queue as one snapshot per second, and the
-knee falls between two levels; runs have landed up to 2.1x apart."""
+KNEE_LOG2_TOLERANCE = 1.0
+"""Knee and cap from scraped series within a factor 2 of the store's: a scrape sees
+vLLM's queue as one snapshot per second and the knee is interpolated between load
+levels. The sweep has a level at 12 as well as 8 and 16, where this engine's
+throughput bends (its KV cache holds about 12 sequences), so the 90%-of-plateau
+crossing is pinned between measured levels on every path; three runs landed within
+1.25x of each other on all four paths."""
 
 
 def _agree(store: Any, other: Any, where: str) -> None:

@@ -107,3 +107,35 @@ def test_confidence_factor_falls_with_resolution() -> None:
     assert confidence_factor(4, per_step_means=False) == 0.45
     assert confidence_factor(15, per_step_means=False) == pytest.approx(0.305, abs=2e-3)
     assert confidence_factor(86400, per_step_means=False) == 0.2
+
+
+def _scraped_windows(steps: list[float], batch: list[float], gen: list[float]) -> pd.DataFrame:
+    n = len(steps)
+    return pd.DataFrame({"engine_id": "e", "ts_s": np.arange(n), "n_steps": steps,
+                         "batch_mean": batch, "waiting_mean": 0.0, "generation_tokens": gen,
+                         "prompt_tokens": 0.0, "first_step_unix_s": math.nan,
+                         "last_step_unix_s": math.nan})
+
+
+def test_busy_share_from_the_step_count_drops_draining_windows() -> None:
+    """Scraped windows have no step times: a window with far fewer steps than its peers
+    at the same batch was idle part of the time and is left out of the curve."""
+    from advisor import ThroughputCurve
+    from advisor._frames import prepare_windows, step_count_busy_ratio
+    levels = [(1, 240), (2, 230), (4, 200), (8, 155), (12, 118)]
+    steps, batch = [], []
+    for b, s in levels:
+        steps += [s, s - 3, s + 2, s - 1, s + 1, s]
+        batch += [b] * 6
+    steps += [21.0, 40.0]  # the load draining away within these seconds
+    batch += [12.0, 12.2]
+    gen = [s * b for s, b in zip(steps, batch, strict=True)]
+    w = prepare_windows(_scraped_windows(steps, batch, gen))
+    busy = step_count_busy_ratio(w)
+    assert busy.iloc[-2] == pytest.approx(21 / 118.75, rel=0.02)
+    assert (busy.iloc[:-2] > 0.95).all()
+    kept = ThroughputCurve().fit(w).windows_
+    assert len(kept) == len(w) - 2 and kept["ts_s"].max() == len(w) - 3
+    # Too few peers: unknown, kept.
+    lone = step_count_busy_ratio(prepare_windows(_scraped_windows([50, 100], [3, 3], [1, 1])))
+    assert lone.isna().all()

@@ -116,6 +116,24 @@ def test_counters_add_up_to_the_recording(analysed: tuple[str, PrometheusSource,
         assert (counts.fillna(0) >= 0).all().all()  # resets never read as negative
 
 
+def test_collector_series_carry_the_queue_per_step(analysed: tuple[str, PrometheusSource, Any],
+                                                  fleet: Fleet) -> None:
+    """From a collector's series the queue is a per-step mean (its per-step sums over the
+    steps), as in the store, not the latest step's gauge: weighted by the windows' steps,
+    it adds up to the recording's queue summed over its steps."""
+    name, source, _ = analysed
+    w = source.windows(fleet.since, fleet.until)
+    mine = w[w["engine_id"] == KVSCOPE_ENGINE]
+    steps = [b["steps"] for b in fleet.recording.batches if b.get("steps")]
+    want = float(sum(sum(s["waiting"]) for s in steps))
+    assert want > 1_000  # the recording queues
+    got = float((mine["waiting_mean"] * mine["n_steps"]).sum())  # 1 s windows
+    assert got == pytest.approx(want, rel=0.02), name
+    # Not integers as a gauge's sample would be.
+    queued = mine["waiting_mean"][mine["waiting_mean"] > 0].to_numpy(float)
+    assert (np.abs(queued - np.round(queued)) > 1e-6).mean() > 0.5, name
+
+
 def test_engine_configuration_from_the_info_series(analysed: tuple[str, PrometheusSource, Any],
                                                    fleet: Fleet) -> None:
     _, source, _ = analysed
