@@ -37,7 +37,7 @@ __all__ = ["no_data_message", "render_report", "source_error_message", "window_t
 MAX_PLOTS = 4
 """Engines plotted at most (the JSON report carries every engine's frame)."""
 
-_EFFECT_LABELS = {
+EFFECT_LABELS = {
     "throughput_fraction": "throughput", "p99_e2e_s": "e2e P99",
     "p99_e2e_s_uncapped": "e2e P99 uncapped", "p99_ttft_s": "TTFT P99",
     "p99_ttft_s_uncapped": "TTFT P99 uncapped", "plateau_tokens_per_s": "plateau",
@@ -309,7 +309,7 @@ def _recommendation(i: int, r: Recommendation) -> Table:
     scope = r.scope.engine_id or (f"pool {r.scope.pool}" if r.scope.pool else "fleet")
     head.append(f"  [{scope}; confidence {r.confidence:.2f}]", style="dim")
     parts: list[Any] = [head]
-    effect = _facts(r.expected_effect, _EFFECT_LABELS)
+    effect = _facts(r.expected_effect, EFFECT_LABELS)
     if effect:
         parts.append(Text(f"expected: {effect}"))
     if r.tradeoff:

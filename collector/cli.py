@@ -111,6 +111,43 @@ def advise_window(args: argparse.Namespace, now: float) -> tuple[float | None, f
     return since, until
 
 
+def advise_fail(message: str, code: int) -> int:
+    """Say why ``kvscope advise`` stops, on stderr; the exit code."""
+    print(f"kvscope advise: {message}", file=sys.stderr)
+    return code
+
+
+def analysis_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The advisor's tuning options of ``kvscope advise`` as keyword arguments."""
+    return {"slo_ttft_p99_s": args.slo_ttft_p99, "slo_e2e_p99_s": args.slo_e2e_p99,
+            "cap_fraction": args.cap_fraction, "min_routing_loss": args.min_routing_loss,
+            "imbalance_threshold": args.imbalance_threshold}
+
+
+def write_advice(args: argparse.Namespace, report: Any, since: float | None,
+                 until: float | None, source: str, no_data: Callable[[str], str]) -> int:
+    """The report to ``--out`` and to stdout (``--json`` or text); exit 3 with no data,
+    saying ``no_data(window)``."""
+    from rich.console import Console
+
+    from advisor.render import render_report, window_text
+
+    if args.out:
+        try:
+            with open(args.out, "w", encoding="utf-8") as f:
+                f.write(report.to_json(indent=2) + "\n")
+        except OSError as exc:
+            return advise_fail(f"cannot write --out {args.out}: {exc}", 2)
+    window = window_text(since, until, args.since, args.until)
+    if args.json:
+        sys.stdout.write(report.to_json(indent=2) + "\n")
+    elif report.has_data:
+        render_report(report, Console(highlight=False), source=source, window=window)
+    if not report.has_data:
+        return advise_fail(no_data(window), 3)
+    return 0
+
+
 def _cmd_advise(args: argparse.Namespace) -> int:
     _require("advise", "collector", also=("rich",))
     if args.prometheus:
@@ -123,20 +160,9 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         return 2
     import time
 
-    from rich.console import Console
-
     from advisor import CollectorSource, SourceError, analyze
-    from advisor.render import (
-        no_data_message,
-        render_report,
-        source_error_message,
-        window_text,
-    )
+    from advisor.render import no_data_message, source_error_message
     from collector._params import ParamError
-
-    def fail(message: str, code: int) -> int:
-        print(f"kvscope advise: {message}", file=sys.stderr)
-        return code
 
     url = args.collector if "://" in args.collector else f"http://{args.collector}"
     url = url.rstrip("/")
@@ -144,29 +170,14 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     try:
         since, until = advise_window(args, now)
     except ParamError as exc:
-        return fail(str(exc), 2)
+        return advise_fail(str(exc), 2)
     source = CollectorSource(url, token=args.token, timeout_s=args.timeout)
     try:
-        report = analyze(source, since, until, args.pool, slo_ttft_p99_s=args.slo_ttft_p99,
-                         slo_e2e_p99_s=args.slo_e2e_p99, cap_fraction=args.cap_fraction,
-                         min_routing_loss=args.min_routing_loss,
-                         imbalance_threshold=args.imbalance_threshold)
+        report = analyze(source, since, until, args.pool, **analysis_options(args))
     except SourceError as exc:
-        return fail(source_error_message(exc, url), 2)
-    if args.out:
-        try:
-            with open(args.out, "w", encoding="utf-8") as f:
-                f.write(report.to_json(indent=2) + "\n")
-        except OSError as exc:
-            return fail(f"cannot write --out {args.out}: {exc}", 2)
-    window = window_text(since, until, args.since, args.until)
-    if args.json:
-        sys.stdout.write(report.to_json(indent=2) + "\n")
-    elif report.has_data:
-        render_report(report, Console(highlight=False), source=url, window=window)
-    if not report.has_data:
-        return fail(no_data_message(report, url, window, now), 3)
-    return 0
+        return advise_fail(source_error_message(exc, url), 2)
+    return write_advice(args, report, since, until, url,
+                        lambda window: no_data_message(report, url, window, now))
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

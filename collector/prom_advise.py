@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 
 __all__ = ["add_arguments", "no_data_message", "run", "source_error_text"]
@@ -27,18 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from advisor.prometheus import analyze_prometheus
-    from advisor.render import render_report, window_text
     from advisor.sources import SourceError
     from collector._params import ParamError
     from collector._promargs import PromArgError, prometheus_target
-    from collector.cli import advise_window
-
-    def fail(message: str, code: int) -> int:
-        print(f"kvscope advise: {message}", file=sys.stderr)
-        return code
+    from collector.cli import advise_fail, advise_window, analysis_options, write_advice
 
     now = time.time()
     try:
@@ -48,32 +40,14 @@ def run(args: argparse.Namespace) -> int:
         source = target.source(timeout_s=args.timeout,
                                lookback_s=max(7 * 86400.0, now - (since or now)))
     except (ParamError, PromArgError) as exc:
-        return fail(str(exc), 2)
+        return advise_fail(str(exc), 2)
     url = target.url
     try:
-        report = analyze_prometheus(source, since, until, args.pool,
-                                    slo_ttft_p99_s=args.slo_ttft_p99,
-                                    slo_e2e_p99_s=args.slo_e2e_p99,
-                                    cap_fraction=args.cap_fraction,
-                                    min_routing_loss=args.min_routing_loss,
-                                    imbalance_threshold=args.imbalance_threshold)
+        report = analyze_prometheus(source, since, until, args.pool, **analysis_options(args))
     except SourceError as exc:
-        return fail(source_error_text(exc, url), 2)
-    if args.out:
-        try:
-            with open(args.out, "w", encoding="utf-8") as f:
-                f.write(report.to_json(indent=2) + "\n")
-        except OSError as exc:
-            return fail(f"cannot write --out {args.out}: {exc}", 2)
-    window = window_text(since, until, args.since, args.until)
-    if args.json:
-        sys.stdout.write(report.to_json(indent=2) + "\n")
-    elif report.has_data:
-        render_report(report, Console(highlight=False), source=f"Prometheus {url}",
-                      window=window)
-    if not report.has_data:
-        return fail(no_data_message(source, report, url, window), 3)
-    return 0
+        return advise_fail(source_error_text(exc, url), 2)
+    return write_advice(args, report, since, until, f"Prometheus {url}",
+                        lambda window: no_data_message(source, report, url, window))
 
 
 def source_error_text(exc: Exception, url: str) -> str:

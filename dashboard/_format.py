@@ -11,19 +11,11 @@ import math
 import re
 from typing import Any
 
-EFFECT_LABELS = {
-    "throughput_fraction": "throughput (share of peak)", "p99_e2e_s": "e2e P99",
-    "p99_e2e_s_uncapped": "e2e P99 uncapped", "p99_ttft_s": "TTFT P99",
-    "p99_ttft_s_uncapped": "TTFT P99 uncapped", "plateau_tokens_per_s": "plateau",
-    "gain_ratio": "gain", "kv_batch": "KV room (sequences)",
-    "effective_batch": "batch", "step_ms": "step time",
-    "tokens_per_step_now": "tokens/step now", "hit_rate": "hit rate now",
-    "predicted_hit_rate": "predicted hit rate", "predicted_hit_rate_max": "at most",
-    "mean_ttft_change_s": "mean TTFT change", "mean_ttft_s": "mean TTFT now",
-    "tokens_saved_per_request": "prompt tokens saved per request",
-    "busiest_load": "busiest replica in flight", "balanced_load": "balanced in flight",
-    "busiest_latency_reduction_ratio": "busiest replica's latency reduced by",
-}
+from advisor import render
+
+EFFECT_LABELS = {**render.EFFECT_LABELS, "throughput_fraction": "throughput (share of peak)",
+                 "step_ms": "step time"}
+"""The terminal view's labels of expected effects, two of them spelled out."""
 
 
 NONE = "–"

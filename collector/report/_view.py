@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from advisor.findings import EngineVerdict, Finding, PoolVerdict, Recommendation
-from advisor.render import _EFFECT_LABELS, _change_rows, _facts
+from advisor.render import EFFECT_LABELS, _change_rows, _facts
 from advisor.usage import Usage
 from advisor.weekly import CONFIG_FIELDS, Change
 from collector.report._svg import duration, short_number
@@ -340,7 +340,7 @@ def glance(wr: WeeklyReport) -> list[tuple[str, str, str]]:
 
 
 def effect_text(r: Recommendation) -> str:
-    return _facts(r.expected_effect, _EFFECT_LABELS)
+    return _facts(r.expected_effect, EFFECT_LABELS)
 
 
 def evidence_text(r: Recommendation) -> str:
