@@ -25,7 +25,11 @@ requests wait rather than being preempted) and ``--max-num-queued-reqs C + Q``, 
 vLLM's admission limit counts every unfinished request (running and waiting) in the
 API server and rejects the rest with 503 at once, for the gateway or client to retry
 on another replica, instead of letting them queue. Also a gateway cap (nginx
-``limit_conn``, Gateway API / llm-d ``maxConcurrency``) of ``C`` per replica.
+``limit_conn``, Gateway API / llm-d ``maxConcurrency``) of ``C`` per replica. The
+predicted P99 is the gateway cap's (load ``C``): with the flags alone the queue of
+``Q`` stays full under overload and every admitted request waits in it for a slot; on
+the real KV-starved engine that doubled the admitted requests' P99 against a client
+cap (0.54-0.64x of the uncapped P99 instead of 0.25-0.36x), the tradeoff text says so.
 
 Parameters
 ----------
@@ -106,7 +110,9 @@ class ConcurrencyCap:
         slo = " (lowered to meet the SLO)" if self.slo_limited_ and self.feasible_ else ""
         bad = "; the SLO cannot be met on this engine at any load" if not self.feasible_ else ""
         return (f"cap {self.cap_}: {self.throughput_fraction_:.0%} of peak throughput{lat}"
-                f"{slo}{bad}; requests beyond the cap wait at the gateway or are rejected")
+                f"{slo}{bad}; requests beyond the cap wait at the gateway or are rejected "
+                "(with only the vLLM flags, admitted requests also queue in vLLM, adding "
+                "up to about one request's duration to the P99)")
 
     def recommendation(self, scope: Scope, config: dict[str, Any],
                        evidence: dict[str, Any] | None = None, *,
