@@ -125,6 +125,7 @@ class BottleneckClassifier:
         budget_full = math.isfinite(budget) and ev["budget_fill_median"] >= self.budget_fill
         preempting = (ev["preemptions_per_s"] >= self.kv_preemptions_per_s
                       and ev["waiting_median"] > 0)
+        ev["kv_full_from_preemptions"] = False
         pre = region["preemptions"].astype(float) > 0
         shares: dict[str, float] = {
             "token_budget_bound": float((fill >= self.budget_fill).mean()),
@@ -135,9 +136,11 @@ class BottleneckClassifier:
         }
         if budget_full and not kv_full:
             label = "token_budget_bound"
-        elif (kv_full and (not pinned or ev["preemptions_per_s"] > 0)) or (preempting
-                                                                          and not pinned):
+        elif kv_full and (not pinned or ev["preemptions_per_s"] > 0):
             label = "kv_cache_bound"
+        elif preempting and not pinned:
+            label = "kv_cache_bound"
+            ev["kv_full_from_preemptions"] = True
         elif pinned:
             label = "max_num_seqs_bound"
         else:
@@ -167,6 +170,8 @@ class BottleneckClassifier:
         pre = ""
         if ev["preemptions_per_s"] > 0:
             pre = f" and {ev['preemptions_per_s']:.1f} preemptions/s"
+        if ev.get("kv_full_from_preemptions"):
+            pre += ", full between the sampled usage readings"
         text = _TEXT[self.label_].format(
             pre=pre, cap=_fmt_int(ev["max_num_seqs"]), budget=_fmt_int(ev["max_num_batched_tokens"]))
         facts = (f"KV usage {ev['kv_usage_median']:.0%}, batch {ev['batch_median']:.1f} of "

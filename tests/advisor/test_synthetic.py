@@ -52,7 +52,9 @@ def test_preempting_below_the_cap_is_kv_bound_whatever_the_sampled_usage(seed: i
     assert ev["kv_usage_median"] < 0.9 and ev["preemptions_per_s"] >= 1.0, ev
     assert ev["waiting_median"] > 0 and ev["batch_median"] < 0.9 * ev["max_num_seqs"], ev
     assert rep.engines[0].bottleneck == "kv_cache_bound"
-    assert rep.findings_of("bottleneck")[0].confidence > 0.5
+    found = rep.findings_of("bottleneck")[0]
+    assert found.confidence > 0.5 and found.evidence["kv_full_from_preemptions"] is True
+    assert "full between the sampled usage readings" in found.summary
     calm = analyze(FrameSource(s.engines, w.assign(preemptions=0.0), s.requests))
     assert calm.engines[0].bottleneck == "compute_bound"
 
