@@ -29,7 +29,7 @@ on another replica, instead of letting them queue. Also a gateway cap (nginx
 predicted P99 is the gateway cap's (load ``C``): with the flags alone the queue of
 ``Q`` stays full under overload and every admitted request waits in it for a slot; on
 the real KV-starved engine that doubled the admitted requests' P99 against a client
-cap (0.48-0.64x of the uncapped P99 instead of 0.24-0.36x, six runs), the tradeoff text says so.
+cap (0.48-0.69x of the uncapped P99 instead of 0.24-0.36x, seven runs), the tradeoff text says so.
 
 Parameters
 ----------

@@ -35,14 +35,18 @@ MAX_P99_RATIO = 0.6
 level's, at most. vLLM's own latency (arrival at the engine to finish, queueing
 included) rather than the load generator's: on these machines the API server now and
 then delivers a whole response a second or more late, which is no effect of the cap."""
-MAX_P99_RATIO_FLAGS = 0.75
-"""The same for the admitted requests under the recommendation's vLLM flags, at most.
-Every admitted request passes through vLLM's queue (``--max-num-queued-reqs`` C + Q is
-full all the time with 32 clients), waiting there for a slot, and the API server
-answers the rest with a stream of 503s on the same two cores: the admitted requests'
-P99 has come out at 0.48-0.64 of the uncapped one over six runs, about twice the
-client cap's 0.24-0.36, so the bound is looser than ``MAX_P99_RATIO`` while still
-asking for the tail to fall by a quarter or more."""
+MAX_P99_RATIO_FLAGS = 0.8
+"""The same for the admitted requests under the recommendation's vLLM flags, at most:
+the tail falls by a fifth or more. Every admitted request passes through vLLM's queue
+(``--max-num-queued-reqs`` C + Q is full all the time with 32 clients), waiting there
+for a slot, so its P99 is about the client cap's plus one request's duration: 0.48-0.69
+of the uncapped one over seven runs (caps 8-11), about twice the client cap's
+0.24-0.36. How much more than the client cap it costs is ``MAX_FLAGS_OVER_PREDICTED``."""
+MAX_FLAGS_OVER_PREDICTED = 2.5
+"""The admitted requests' P99 under the vLLM flags over the advisor's predicted P99 at
+the cap (the gateway cap's), at most: the cap's trade-off text says the flags alone add
+up to about one request's duration, i.e. about doubling it. Measured 1.67-2.13x over
+five runs."""
 MAX_PREEMPTION_RATIO = 0.5
 """Preemptions per second with ``--max-num-seqs cap`` over the uncapped overload's, at
 most. They do not vanish: the cap (chosen for throughput) admits more sequences than
@@ -171,3 +175,8 @@ def test_cap_as_vllm_flags_keeps_throughput_and_cuts_the_tail(
     assert cap.p99_ratio is not None and cap.p99_ratio < MAX_P99_RATIO_FLAGS, (
         f"admitted requests' vLLM e2e P99 {lv.engine_e2e_p99_s} s vs "
         f"{top.engine_e2e_p99_s} s uncapped (ratio {cap.p99_ratio})")
+    predicted = run.verdict.predicted_p99_e2e_s_at_cap
+    assert predicted and lv.engine_e2e_p99_s is not None
+    assert lv.engine_e2e_p99_s <= MAX_FLAGS_OVER_PREDICTED * predicted, (
+        f"admitted requests' vLLM e2e P99 {lv.engine_e2e_p99_s:.2f} s vs {predicted:.2f} s "
+        f"predicted at the cap ({lv.engine_e2e_p99_s / predicted:.2f}x)")
