@@ -78,6 +78,16 @@ otherwise the front end stalled and the level is run again."""
 MAX_ATTEMPTS = 3
 """Runs of a level the closed loop reads (the overload level, the capped runs); other
 sweep levels from a quarter of the top concurrency up get 2, lower ones 1."""
+ROUNDS = 3
+"""Runs of each setting a closed-loop comparison makes, interleaved (cap, uncapped, cap,
+uncapped, ...): both sides see the same drift of the machine, and each is judged on
+its median."""
+MAX_ROUNDS = 5
+"""Rounds at most: while a setting's runs spread more than ``MAX_SPREAD``, another round."""
+MAX_SPREAD = 0.15
+"""Largest run-to-run spread of a setting's client throughput ((max - min) / median over
+its runs) that is judged. Quiet runs of these engines spread 2-8%; a setting still
+above this after ``MAX_ROUNDS`` rounds is reported as not judged, not compared."""
 
 
 @dataclass(frozen=True)
@@ -224,16 +234,68 @@ class RegimeRun:
 
 
 @dataclass
+class Repeated:
+    """One setting's runs of a closed-loop comparison, judged on their medians."""
+
+    label: str
+    runs: list[LevelMeasure]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Median client throughput over the runs."""
+        return _median([lv.client_tokens_per_s for lv in self.runs])
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the runs' client throughput (0 for one run)."""
+        tps = [lv.client_tokens_per_s for lv in self.runs]
+        med = _median(tps)
+        return (max(tps) - min(tps)) / med if len(tps) > 1 and med > 0 else 0.0
+
+    @property
+    def engine_e2e_p99_s(self) -> float | None:
+        """Median over the runs of vLLM's e2e P99."""
+        ps = [lv.engine_e2e_p99_s for lv in self.runs if lv.engine_e2e_p99_s is not None]
+        return _median(ps) if ps else None
+
+    @property
+    def typical(self) -> LevelMeasure:
+        """The run whose throughput is the median (the lower middle one for an even count)."""
+        ordered = sorted(self.runs, key=lambda lv: lv.client_tokens_per_s)
+        return ordered[(len(ordered) - 1) // 2]
+
+    def describe(self) -> str:
+        return (f"{self.label}: median {self.tokens_per_s:,.0f} tok/s over "
+                f"{len(self.runs)} runs ({', '.join(f'{lv.client_tokens_per_s:,.0f}' for lv in self.runs)}), "
+                f"spread {self.spread:.0%}")
+
+
+def _median(xs: list[float]) -> float:
+    ordered = sorted(xs)
+    n = len(ordered)
+    if not n:
+        return math.nan
+    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+@dataclass
 class CapRun:
-    """One load level against a capped setting, set against the uncapped sweep."""
+    """A capped setting against the uncapped overload, both run several times.
+
+    ``capped`` and ``reference`` are the two settings' runs: for the cap as client
+    concurrency, interleaved on the same engine; for the vLLM flags, the capped engine's
+    runs against the uncapped engine's overload runs made before it and on a restart
+    after it (engine starts differ, so the reference brackets the capped start).
+    Throughput and P99 are compared on medians.
+    """
 
     how: str
     """``client`` (client concurrency = cap) or ``engine`` (the recommendation's vLLM flags:
     ``--max-num-seqs`` = cap and ``--max-num-queued-reqs``, on a restarted engine)."""
     cap: int
-    level: LevelMeasure
+    capped: Repeated
+    reference: Repeated
     peak_tokens_per_s: float
-    uncapped: LevelMeasure
     predicted_throughput_fraction: float | None = None
     plateau_tokens_per_s: float | None = None
     """The uncapped sweep's measured plateau: mean client throughput of its saturated
@@ -244,35 +306,62 @@ class CapRun:
     flags: list[str] | None = None
     """The vLLM flags the engine was restarted with (``engine`` runs)."""
 
+    reference_starts: tuple[float, ...] = ()
+    """Median overload throughput of each uncapped engine start in ``reference`` (flags)."""
+
+    @property
+    def level(self) -> LevelMeasure:
+        """The capped run with the median throughput."""
+        return self.capped.typical
+
+    @property
+    def uncapped(self) -> LevelMeasure:
+        """The uncapped overload run with the median throughput."""
+        return self.reference.typical
+
+    @property
+    def judged(self) -> bool:
+        """Whether both settings' runs spread at most ``MAX_SPREAD``."""
+        return max(self.capped.spread, self.reference.spread) <= MAX_SPREAD
+
+    def noise(self) -> str:
+        """The runs behind the comparison, for an assertion message."""
+        starts = ""
+        if len(self.reference_starts) > 1:
+            starts = ("; uncapped engine starts: "
+                      + ", ".join(f"{t:,.0f}" for t in self.reference_starts) + " tok/s")
+        return f"{self.capped.describe()}; {self.reference.describe()}{starts}"
+
     @property
     def rejected_share(self) -> float:
         """Requests rejected (HTTP 503 from admission control) over requests sent."""
-        n = self.level.completed + self.level.errors
-        return self.level.errors / n if n else 0.0
+        done = sum(lv.completed for lv in self.capped.runs)
+        errors = sum(lv.errors for lv in self.capped.runs)
+        return errors / (done + errors) if done + errors else 0.0
 
     @property
     def throughput_fraction(self) -> float:
-        return self.level.client_tokens_per_s / self.peak_tokens_per_s
+        """Median capped throughput over the uncapped sweep's peak level."""
+        return self.capped.tokens_per_s / self.peak_tokens_per_s
 
     @property
     def plateau_fraction(self) -> float:
-        """Throughput under the cap over the uncapped sweep's measured plateau (the peak
-        level when no plateau was measured). The plateau is what the cap promises a share
-        of; the peak level is one noisy sample, the highest of several."""
-        ref = self.plateau_tokens_per_s or self.peak_tokens_per_s
-        return self.level.client_tokens_per_s / ref
+        """Median capped throughput over the median uncapped overload throughput, both
+        measured in the same stretch of time (what the cap keeps of the plateau)."""
+        return self.capped.tokens_per_s / self.reference.tokens_per_s
 
     @property
     def p99_ratio(self) -> float | None:
-        """Engine-side e2e P99 under the cap over the uncapped overload level's."""
-        a, b = self.level.engine_e2e_p99_s, self.uncapped.engine_e2e_p99_s
+        """Median engine-side e2e P99 under the cap over the uncapped overload's."""
+        a, b = self.capped.engine_e2e_p99_s, self.reference.engine_e2e_p99_s
         return None if a is None or not b else a / b
 
     @property
     def client_p99_ratio(self) -> float | None:
         """The same with the load generator's e2e P99 (front-end delays included)."""
-        a, b = self.level.e2e_p99_s, self.uncapped.e2e_p99_s
-        return None if a is None or not b else a / b
+        a = _median([lv.e2e_p99_s for lv in self.capped.runs if lv.e2e_p99_s is not None])
+        b = _median([lv.e2e_p99_s for lv in self.reference.runs if lv.e2e_p99_s is not None])
+        return None if not math.isfinite(a) or not b or not math.isfinite(b) else a / b
 
 
 Log = Callable[[str], None]
@@ -438,6 +527,27 @@ class AdvisorLab:
                       f"{'; running the level again' if attempt < attempts else ''}")
         return level, sweep
 
+    def _repeated(self, server: VllmServer, engine_id: str,
+                  settings: list[tuple[str, int, int | None]], seed: int,
+                  rounds: int = ROUNDS) -> list[Repeated]:
+        """Run each setting ``(label, clients, admit_limit)`` once per round, the settings
+        interleaved, for ``rounds`` rounds; then one more round at a time (up to
+        ``MAX_ROUNDS``) while a setting's runs spread more than ``MAX_SPREAD``."""
+        out = [Repeated(label, []) for label, _, _ in settings]
+        for r in range(MAX_ROUNDS):
+            if r >= rounds and all(rep.spread <= MAX_SPREAD for rep in out):
+                break
+            for i, ((_, clients, admit), rep) in enumerate(zip(settings, out, strict=True)):
+                level, _ = self._level(server, engine_id, clients, self.cap_duration_s,
+                                       self.cap_warmup_s, seed + 10 * r + i,
+                                       admit_limit=admit)
+                rep.runs.append(level)
+            self._say("round " + str(r + 1) + ": " + "; ".join(
+                f"{rep.label} {rep.runs[-1].client_tokens_per_s:,.0f} tok/s" for rep in out))
+        for rep in out:
+            self._say(rep.describe())
+        return out
+
     def run_regime(self, scenario: Scenario, *, cap_by_client: bool = False) -> RegimeRun:
         """Start the regime's engine, sweep it, let the advisor judge; with
         ``cap_by_client``, then load the same engine at the recommended cap."""
@@ -480,14 +590,16 @@ class AdvisorLab:
             if cap_by_client:
                 cap = v.recommended_concurrency_cap
                 if cap is None:
-                    raise RuntimeError(f"{scenario.pool}: the advisor recommended no cap")
-                self._say(f"{scenario.pool}: closed loop (a), {cap} clients for "
-                          f"{self.cap_duration_s:g} s")
-                level, _ = self._level(server, engine_id, cap, self.cap_duration_s,
-                                       self.cap_warmup_s, self.seed + 50)
+                    raise RuntimeError(f"{scenario.pool}: the advisor recommended no cap\n"
+                                       + levels_table(run))
+                self._say(f"{scenario.pool}: closed loop (a), {cap} clients against {top}, "
+                          f"interleaved, {self.cap_duration_s:g} s each")
+                capped, reference = self._repeated(
+                    server, engine_id, [(f"cap {cap}", cap, None), (f"{top} clients", top, None)],
+                    self.seed + 50)
                 run.client_cap = CapRun(
-                    how="client", cap=cap, level=level,
-                    peak_tokens_per_s=run.peak.client_tokens_per_s, uncapped=run.top,
+                    how="client", cap=cap, capped=capped, reference=reference,
+                    peak_tokens_per_s=run.peak.client_tokens_per_s,
                     predicted_throughput_fraction=v.predicted_throughput_fraction_at_cap,
                     plateau_tokens_per_s=run.measured_plateau_tokens_per_s,
                     predicted_p99_e2e_s=v.predicted_p99_e2e_s_at_cap, engine_id=engine_id)
@@ -515,16 +627,30 @@ class AdvisorLab:
                          extra_args=extra) as server:
             self._warm(server)
             engine_id = self._engine_id(pool)
+            startup_s = server.startup_s
             self._say(f"{pool}: closed loop (b), {top} clients against {' '.join(flags)} "
-                      f"for {self.cap_duration_s:g} s")
-            level, _ = self._level(server, engine_id, top, self.cap_duration_s,
-                                   self.cap_warmup_s, self.seed + 60,
-                                   admit_limit=queued)
-            return CapRun(how="engine", cap=cap, level=level,
-                          peak_tokens_per_s=uncapped.peak.client_tokens_per_s,
-                          plateau_tokens_per_s=uncapped.measured_plateau_tokens_per_s,
-                          uncapped=uncapped.top, startup_s=server.startup_s,
-                          engine_id=engine_id, flags=flags)
+                      f"for {self.cap_duration_s:g} s, {ROUNDS} runs")
+            (capped,) = self._repeated(server, engine_id,
+                                       [(" ".join(flags), top, queued)], self.seed + 60)
+        # Engine starts differ by up to 10% here: the uncapped overload is measured again
+        # on a restarted engine, so the reference brackets the capped start.
+        before = (uncapped.client_cap.reference.runs if uncapped.client_cap is not None
+                  else [uncapped.top])
+        again_pool = f"{sc.pool}-again"
+        with self.engine(again_pool, num_gpu_blocks=sc.num_gpu_blocks,
+                         max_num_seqs=sc.max_num_seqs) as server:
+            self._warm(server)
+            again_id = self._engine_id(again_pool)
+            self._say(f"{again_pool}: uncapped again, {top} clients, {ROUNDS} runs")
+            (after,) = self._repeated(server, again_id, [(f"{top} clients", top, None)],
+                                      self.seed + 70)
+        reference = Repeated(f"{top} clients uncapped", [*before, *after.runs])
+        return CapRun(how="engine", cap=cap, capped=capped, reference=reference,
+                      peak_tokens_per_s=uncapped.peak.client_tokens_per_s,
+                      plateau_tokens_per_s=uncapped.measured_plateau_tokens_per_s,
+                      startup_s=startup_s, engine_id=engine_id, flags=flags,
+                      reference_starts=(Repeated("", before).tokens_per_s,
+                                        after.tokens_per_s))
 
 
 def measure_level(lv: LevelResult, windows: pd.DataFrame,
@@ -623,47 +749,44 @@ def levels_table(run: RegimeRun) -> str:
 
 
 def closed_loop_table(run: RegimeRun, engine_cap: CapRun | None) -> str:
-    """The uncapped sweep's peak and overload against the two ways of applying the cap."""
+    """The two ways of applying the cap, each against the uncapped overload measured in the
+    same stretch of time, on medians of repeated runs."""
     v = run.verdict
-    head = (f"{'setting':<44} {'clients':>7} {'in flight':>9} {'tok/s':>7} {'of peak':>7} "
-            f"{'of plat.':>8} {'e2e p99 engine':>14} {'client':>8} {'preempt/s':>9} {'runs':>4}")
+    head = (f"{'setting':<46} {'runs':>4} {'tok/s':>7} {'spread':>6} {'of uncapped':>11} "
+            f"{'in flight':>9} {'e2e p99 engine':>14} {'client':>7} {'preempt/s':>9}")
     lines = [f"closed loop on {run.scenario.name}: advisor cap {v.recommended_concurrency_cap} "
              f"(predicted {_num(v.predicted_throughput_fraction_at_cap, '.0%')} of its plateau, "
              f"e2e P99 {_num(v.predicted_p99_e2e_s_at_cap)} s vs "
              f"{_num(v.p99_e2e_s_at_max_load)} s uncapped)", head, "-" * len(head)]
-    peak, top = run.peak, run.top
 
-    def ratio(a: float | None, b: float | None) -> str:
-        return "" if a is None or not b else f" ({a / b:.2f})"
+    def row(name: str, rep: Repeated, ref: Repeated | None) -> str:
+        lv = rep.typical
+        frac = f"{rep.tokens_per_s / ref.tokens_per_s:.0%}" if ref else ""
+        p99 = rep.engine_e2e_p99_s
+        ratio = "" if ref is None or p99 is None or not ref.engine_e2e_p99_s else (
+            f" ({p99 / ref.engine_e2e_p99_s:.2f})")
+        return (f"{name:<46} {len(rep.runs):>4} {rep.tokens_per_s:>7,.0f} {rep.spread:>6.0%} "
+                f"{frac:>11} {_num(lv.load_mean, '.1f'):>9} {_num(p99) + 's' + ratio:>14} "
+                f"{_num(lv.e2e_p99_s):>6}s {_num(lv.preemptions_per_s, '.1f'):>9}")
 
-    plateau = run.measured_plateau_tokens_per_s
-
-    def plat(lv: LevelMeasure) -> str:
-        return f"{lv.client_tokens_per_s / plateau:.0%}" if plateau else "-"
-
-    def row(name: str, lv: LevelMeasure) -> str:
-        eng = f"{_num(lv.engine_e2e_p99_s)}s{ratio(lv.engine_e2e_p99_s, top.engine_e2e_p99_s)}"
-        cli = f"{_num(lv.e2e_p99_s)}s{ratio(lv.e2e_p99_s, top.e2e_p99_s)}"
-        return (f"{name:<44} {lv.concurrency:>7} {_num(lv.load_mean, '.1f'):>9} "
-                f"{lv.client_tokens_per_s:>7,.0f} "
-                f"{lv.client_tokens_per_s / peak.client_tokens_per_s:>7.0%} "
-                f"{plat(lv):>8} {eng:>14} {cli:>13} {_num(lv.preemptions_per_s, '.1f'):>9} {_runs(lv):>4}")
-
-    lines.append(row("uncapped sweep, peak level", peak))
-    lines.append(row("uncapped sweep, highest level", top))
-    if run.client_cap is not None:
-        c = run.client_cap
-        lines.append(row(f"(a) cap as client concurrency {c.cap}", c.level))
+    lines.append(row("uncapped sweep, peak level", Repeated("", [run.peak]), None))
+    for label, cap in (("(a) client concurrency", run.client_cap), ("(b)", engine_cap)):
+        if cap is None:
+            continue
+        what = f"{label} {cap.cap}" if cap.how == "client" else f"{label} {' '.join(cap.flags or [])}"
+        lines.append(row(what, cap.capped, cap.reference))
+        starts = "" if len(cap.reference_starts) < 2 else f", {len(cap.reference_starts)} starts"
+        lines.append(row(f"    vs {cap.uncapped.concurrency} clients uncapped{starts}",
+                         cap.reference, None))
+        if not cap.judged:
+            lines.append(f"    NOT JUDGED: runs spread above {MAX_SPREAD:.0%}")
     if engine_cap is not None:
-        lines.append(row(f"(b) {' '.join(engine_cap.flags or [])}", engine_cap.level))
-        lines.append(f"(b): {engine_cap.level.errors} of "
-                     f"{engine_cap.level.errors + engine_cap.level.completed} requests rejected "
-                     f"with 503 by admission control ({engine_cap.rejected_share:.0%})")
-    lines.append("in flight: requests at the engine (running + waiting), mean over its windows; "
-                 "e2e p99: vLLM's own (engine) and the load generator's, in brackets over the "
-                 "uncapped highest level's; of plat.: over the sweep's measured plateau (mean of "
-                 "its saturated levels); runs: measurements made until the engine saw the "
-                 "offered load, * where it never did (the front end stalled in every run)")
+        lines.append(f"(b): {engine_cap.rejected_share:.0%} of the requests rejected with 503 by "
+                     "admission control")
+    lines.append("runs interleaved (a) or bracketing the capped engine start (b); tok/s: median "
+                 "client output tok/s; spread: (max - min) / median over the runs; of uncapped: "
+                 "median over median; in flight, client e2e p99 and preempt/s: the median run's; "
+                 "e2e p99 engine: median of vLLM's own, in brackets over the uncapped median")
     return "\n".join(lines)
 
 
@@ -685,13 +808,19 @@ def summary(runs: list[RegimeRun], engine_cap: CapRun | None) -> dict[str, Any]:
             if cap is None:
                 continue
             out["closed_loop"][f"{r.scenario.name}/{cap.how}"] = {
-                "cap": cap.cap, "level": asdict(cap.level),
+                "cap": cap.cap, "judged": cap.judged, "max_spread": MAX_SPREAD,
+                "capped_runs": [asdict(lv) for lv in cap.capped.runs],
+                "capped_tokens_per_s": cap.capped.tokens_per_s,
+                "capped_spread": cap.capped.spread,
+                "reference_runs": [asdict(lv) for lv in cap.reference.runs],
+                "reference_tokens_per_s": cap.reference.tokens_per_s,
+                "reference_spread": cap.reference.spread,
+                "reference_starts_tokens_per_s": list(cap.reference_starts),
                 "peak_tokens_per_s": cap.peak_tokens_per_s,
                 "throughput_fraction": cap.throughput_fraction,
                 "plateau_tokens_per_s": cap.plateau_tokens_per_s,
                 "plateau_fraction": cap.plateau_fraction,
-                "uncapped_top_level": asdict(cap.uncapped), "p99_ratio_engine": cap.p99_ratio,
-                "p99_ratio_client": cap.client_p99_ratio,
+                "p99_ratio_engine": cap.p99_ratio, "p99_ratio_client": cap.client_p99_ratio,
                 "predicted_throughput_fraction": cap.predicted_throughput_fraction,
                 "predicted_p99_e2e_s": cap.predicted_p99_e2e_s, "startup_s": cap.startup_s,
                 "flags": cap.flags, "rejected_share": cap.rejected_share}

@@ -11,15 +11,44 @@ import pytest
 
 from collector.process import CollectorProcess
 from collector.recording import load_recording, replay
+from tests._resources import (
+    guard_engine_starts,
+    note_positions,
+    order_items,
+    release_after_last_use,
+    release_unused,
+)
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the tests that start the real vLLM engine last.
+    """Run the tests that start the real vLLM engine last, the modules that share one
+    engine together (``tests/_resources.py``).
 
     The engine busy-polls a core while it runs; keeping it out of the way lets the
     fast tests (some of which drive small local servers) run on a quiet machine.
     """
-    items.sort(key=lambda item: item.get_closest_marker("engine") is not None)
+    order_items(items)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    note_positions(session.items)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    try:
+        return (yield)
+    finally:
+        release_unused(item)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_engine_at_a_time() -> Iterator[None]:
+    """Every vLLM engine of the session starts alone (``tests/_resources.py``)."""
+    with pytest.MonkeyPatch.context() as mp:
+        guard_engine_starts(mp)
+        yield
 
 
 RECORDINGS = Path(__file__).resolve().parents[1] / "collector" / "recordings"
@@ -41,11 +70,13 @@ class Replayed:
 
 
 @pytest.fixture(scope="session")
-def kv_starved_collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replayed]:
+def kv_starved_collector(tmp_path_factory: pytest.TempPathFactory,
+                         request: pytest.FixtureRequest) -> Iterator[Replayed]:
     """A collector (advisor every 2 s over 15 min) fed the real KV-starved vLLM run."""
     c = CollectorProcess(tmp_path_factory.mktemp("kv_starved") / "kvscope.duckdb",
                          extra_args=["--raw-retention-s", "0", "--advise-interval-s", "2",
                                      "--advise-window-s", "900"]).start()
+    release_after_last_use(request, c.stop)
     try:
         end = time.time() - KV_STARVED_ENDED_AGO_S
         replay(load_recording(RECORDINGS / "overload_kv_starved.jsonl.gz"), c.url,

@@ -1,8 +1,8 @@
 """Tests of the sweep: trace formats, workloads, statistics, and the load generator
 against a small local server that speaks the OpenAI streaming completion protocol.
 
-The real trace files are read from ``$KVSCOPE_TRACES_DIR`` (default: the shared
-``traces`` folder beside the repository).
+The real trace files are the slices of public traces in the repository's ``traces/``
+folder (the first 1,000 rows of each; see ``traces/README.md``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -40,17 +39,15 @@ from collector.sweep.routing import Router
 from collector.sweep.stats import RequestRecord
 from collector.sweep.traces import MOONCAKE_BLOCK_TOKENS
 
-TRACES = Path(
-    os.environ.get("KVSCOPE_TRACES_DIR", Path(__file__).resolve().parents[2] / "shared" / "traces")
-)
+TRACES = Path(__file__).resolve().parents[1] / "traces"
 
 
 @pytest.fixture
 def traces_dir() -> Path:
-    """The public traces; their absence is a failure, not a skip."""
+    """The public trace slices; their absence is a failure, not a skip."""
     assert TRACES.is_dir(), (
-        f"trace folder {TRACES} not found: these tests read the public traces beside the "
-        "repository (../shared/traces) or from $KVSCOPE_TRACES_DIR"
+        f"trace folder {TRACES} not found: these tests read the public trace slices "
+        "in the repository's traces/ folder"
     )
     return TRACES
 
@@ -65,12 +62,12 @@ needs_traces = pytest.mark.usefixtures("traces_dir")
 @pytest.mark.parametrize(
     ("name", "rows", "first"),
     [
-        ("mooncake_conversation_trace.jsonl", 12_031, (6758, 500)),
-        ("mooncake_synthetic_trace.jsonl", 3_993, (40160, 6)),
-        ("AzureLLMInferenceTrace_code.csv", 8_819, (4808, 10)),
-        ("AzureLLMInferenceTrace_conv.csv", 19_366, (374, 44)),
-        ("sharegpt_8k_filtered_stats_llama2_tokenizer.csv", 30_731, (74, 918)),
-        ("arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv", 28_257, (3772, 54)),
+        ("mooncake_conversation_trace.jsonl", 1_000, (6758, 500)),
+        ("mooncake_synthetic_trace.jsonl", 1_000, (40160, 6)),
+        ("AzureLLMInferenceTrace_code.csv", 1_000, (4808, 10)),
+        ("AzureLLMInferenceTrace_conv.csv", 1_000, (374, 44)),
+        ("sharegpt_8k_filtered_stats_llama2_tokenizer.csv", 1_000, (74, 918)),
+        ("arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv", 1_000, (3772, 54)),
     ],
 )
 def test_real_trace_files_parse(name: str, rows: int, first: tuple[int, int]) -> None:

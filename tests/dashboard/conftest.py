@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CollectorProcess]:
+def demo_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CollectorProcess]:
     """A collector process fed the demo fleet over HTTP, as ``kvscope dashboard --demo``
     feeds it."""
     with demo_collector(tmp_path_factory.mktemp("dashboard_fleet"), progress=False) as c:
@@ -29,8 +29,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CollectorProcess
 
 
 @pytest.fixture(scope="session")
-def expected(fleet: CollectorProcess) -> Report:
-    report = expected_report(fleet.url)
+def expected(demo_fleet: CollectorProcess) -> Report:
+    report = expected_report(demo_fleet.url)
     # The fixture data must show what the pages are tested on.
     assert report.engine(KV_STARVED).bottleneck == "kv_cache_bound"
     assert report.engine(KV_STARVED).recommended_concurrency_cap is not None

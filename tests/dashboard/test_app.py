@@ -79,8 +79,8 @@ def pct(v: float | None) -> str:
 
 
 def test_overview_ranks_the_kv_starved_pool_first_with_the_advisors_numbers(
-        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess, expected: Report) -> None:
-    at = run_app(monkeypatch, fleet.url)
+        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report) -> None:
+    at = run_app(monkeypatch, demo_fleet.url)
     no_problem_shown(at)
     assert at.title[0].value == "Fleet overview"
     m = metrics(at)
@@ -112,7 +112,7 @@ def test_overview_ranks_the_kv_starved_pool_first_with_the_advisors_numbers(
         assert row["cap"] == (str(v.recommended_concurrency_cap)
                               if v.recommended_concurrency_cap is not None else "–")
         # The replay is over: live until LIVE_S after its last step, silent after.
-        last = next(r["last_step_unix_s"] for r in fleet.get_json("/v1/engines")["rows"]
+        last = next(r["last_step_unix_s"] for r in demo_fleet.get_json("/v1/engines")["rows"]
                     if r["engine_id"] == eid)
         age = time.time() - float(last)
         if age > LIVE_S + 3:
@@ -124,10 +124,10 @@ def test_overview_ranks_the_kv_starved_pool_first_with_the_advisors_numbers(
 
 
 def test_overview_last_minute_columns_match_the_collectors_windows(
-        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess) -> None:
-    at = run_app(monkeypatch, fleet.url)
+        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess) -> None:
+    at = run_app(monkeypatch, demo_fleet.url)
     engines = at.table[1].value
-    w = pd.DataFrame(fleet.get_json("/v1/windows", params={
+    w = pd.DataFrame(demo_fleet.get_json("/v1/windows", params={
         "engine": KV_STARVED, "since": "0", "format": "columns"})["columns"])
     last = w[w["ts_s"] > w["ts_s"].max() - 60]
     span = int(last["ts_s"].max() - last["ts_s"].min() + 1)
@@ -139,8 +139,8 @@ def test_overview_last_minute_columns_match_the_collectors_windows(
 
 
 def test_sidebar_window_changes_what_is_read(monkeypatch: pytest.MonkeyPatch,
-                                            fleet: CollectorProcess) -> None:
-    at = run_app(monkeypatch, fleet.url)
+                                            demo_fleet: CollectorProcess) -> None:
+    at = run_app(monkeypatch, demo_fleet.url)
     assert "(--since 30m)" in at.caption[0].value
     assert at.sidebar.selectbox[0].value == "30m"
     at.sidebar.selectbox[0].set_value("5m").run()
@@ -152,8 +152,8 @@ def test_sidebar_window_changes_what_is_read(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_engine_detail_shows_the_kv_starved_engine_against_its_limits(
-        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess, expected: Report) -> None:
-    at = run_app(monkeypatch, fleet.url, page="pages/engine.py")
+        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report) -> None:
+    at = run_app(monkeypatch, demo_fleet.url, page="pages/engine.py")
     no_problem_shown(at)
     assert at.selectbox[0].value == KV_STARVED  # the engine needing attention most
     body = texts(at)
@@ -183,8 +183,8 @@ def test_engine_detail_shows_the_kv_starved_engine_against_its_limits(
 
 
 def test_engine_detail_switches_to_the_sequence_capped_engine(
-        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess, expected: Report) -> None:
-    at = run_app(monkeypatch, fleet.url, page="pages/engine.py")
+        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report) -> None:
+    at = run_app(monkeypatch, demo_fleet.url, page="pages/engine.py")
     at.selectbox[0].set_value(SEQ_CAPPED).run()
     assert not at.exception
     assert "max_num_seqs 6," in texts(at)
@@ -199,8 +199,8 @@ def test_engine_detail_switches_to_the_sequence_capped_engine(
 
 
 def test_plateau_presents_the_advisors_curve_knee_and_cap(
-        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess, expected: Report) -> None:
-    at = run_app(monkeypatch, fleet.url, page="pages/plateau.py")
+        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report) -> None:
+    at = run_app(monkeypatch, demo_fleet.url, page="pages/plateau.py")
     no_problem_shown(at)
     kv = expected.engine(KV_STARVED)
     m = metrics(at)
@@ -237,8 +237,8 @@ def test_plateau_presents_the_advisors_curve_knee_and_cap(
 
 
 def test_plateau_of_an_engine_with_headroom_has_no_cap(
-        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess, expected: Report) -> None:
-    at = run_app(monkeypatch, fleet.url, page="pages/plateau.py")
+        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report) -> None:
+    at = run_app(monkeypatch, demo_fleet.url, page="pages/plateau.py")
     at.selectbox[0].set_value(AMPLE).run()
     assert not at.exception
     v = expected.engine(AMPLE)
@@ -251,8 +251,8 @@ def test_plateau_of_an_engine_with_headroom_has_no_cap(
 
 
 def test_recommendations_are_ranked_with_the_change_to_copy(
-        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess, expected: Report) -> None:
-    at = run_app(monkeypatch, fleet.url, page="pages/recommendations.py")
+        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report) -> None:
+    at = run_app(monkeypatch, demo_fleet.url, page="pages/recommendations.py")
     no_problem_shown(at)
     heads = [m.value for m in at.markdown if m.value.startswith("#### ")]
     assert heads == [f"#### {i}. {r.summary}"
@@ -277,8 +277,8 @@ def test_recommendations_are_ranked_with_the_change_to_copy(
 
 
 def test_prefix_page_shows_hit_rates_per_replica_and_the_missing_kv_events(
-        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess, expected: Report) -> None:
-    at = run_app(monkeypatch, fleet.url, page="pages/prefix.py")
+        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report) -> None:
+    at = run_app(monkeypatch, demo_fleet.url, page="pages/prefix.py")
     no_problem_shown(at)
     by_pool = {p.pool: p for p in expected.pools}
     assert metric_list(at, "prefix-cache hit rate") == [
@@ -369,8 +369,8 @@ def test_token_from_the_environment_reaches_an_empty_collector(
 
 
 def test_no_data_in_the_window_names_a_window_that_has_it(
-        monkeypatch: pytest.MonkeyPatch, fleet: CollectorProcess) -> None:
-    at = run_app(monkeypatch, fleet.url, "--since", "5s", page="pages/plateau.py")
+        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess) -> None:
+    at = run_app(monkeypatch, demo_fleet.url, "--since", "5s", page="pages/plateau.py")
     assert not at.error
     text = at.warning[0].value
     assert text.startswith("**No data.** no data in the window")
@@ -389,9 +389,9 @@ def test_bad_arguments_stop_the_app_with_a_message(monkeypatch: pytest.MonkeyPat
     assert "--since: expected unix seconds" in at.error[0].value
 
 
-def test_expected_report_is_stable_across_reads(fleet: CollectorProcess,
+def test_expected_report_is_stable_across_reads(demo_fleet: CollectorProcess,
                                                 expected: Report) -> None:
     # The pages are compared with a report made at another moment: that only holds
     # because the replayed data lies wholly inside the window.
-    again = expected_report(fleet.url)
+    again = expected_report(demo_fleet.url)
     assert [v.to_dict() for v in again.engines] == [v.to_dict() for v in expected.engines]

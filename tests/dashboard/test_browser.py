@@ -85,10 +85,10 @@ def reap(served: Served) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(fleet: CollectorProcess, tmp_path_factory: pytest.TempPathFactory
+def served(demo_fleet: CollectorProcess, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Served]:
     log = tmp_path_factory.mktemp("dashboard") / "dashboard.log"
-    s = start_dashboard(["--collector", fleet.url, "--refresh", "5"], log)
+    s = start_dashboard(["--collector", demo_fleet.url, "--refresh", "5"], log)
     try:
         yield s
     finally:
@@ -202,8 +202,8 @@ def test_listens_on_loopback_only(served: Served) -> None:
     assert _listeners(served.port) == ["0100007F"]  # 127.0.0.1, nothing on 0.0.0.0 or ::
 
 
-def test_sigterm_stops_the_app_process_too(fleet: CollectorProcess, tmp_path: Path) -> None:
-    s = start_dashboard(["--collector", fleet.url], tmp_path / "dashboard.log")
+def test_sigterm_stops_the_app_process_too(demo_fleet: CollectorProcess, tmp_path: Path) -> None:
+    s = start_dashboard(["--collector", demo_fleet.url], tmp_path / "dashboard.log")
     try:
         assert _listeners(s.port)
         assert stop(s, signal.SIGTERM) == 143

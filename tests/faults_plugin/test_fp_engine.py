@@ -28,6 +28,7 @@ import pytest
 from collector.lab import VllmServer, build_model, default_model_dir, parse_prometheus_text
 from collector.process import CollectorProcess
 from collector.sweep import SweepConfig, run_sweep
+from tests._resources import side_by_side
 
 pytestmark = pytest.mark.engine
 
@@ -252,7 +253,7 @@ def test_two_servers_on_one_host_at_once_keep_their_series(
              "VLLM_CPU_OMP_THREADS_BIND": "1|1"},
         log_path=tmp_path / "vllm-b.log",
     )  # fmt: skip
-    with b:  # started here, next to A
+    with side_by_side(2), b:  # started here, next to A, on purpose
         b_startup_s = b.startup_s
         # Both servers under load at the same time.
         a_tps: list[float] = []

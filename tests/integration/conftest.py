@@ -22,16 +22,29 @@ from typing import Any
 
 import pytest
 
-from bench.advisor_scenarios import SCENARIOS, AdvisorLab, CapRun, RegimeRun, format_all, summary
+from advisor import CollectorSource, analyze
+from bench.advisor_scenarios import (
+    SCENARIOS,
+    AdvisorLab,
+    CapRun,
+    RegimeRun,
+    format_all,
+    measure_level,
+    summary,
+)
 from collector.lab import VllmServer, build_model, default_model_dir, vllm_counter_totals
 from collector.process import CollectorProcess
 from collector.sweep import SweepConfig, SweepResult, run_sweep
+from tests._resources import release_after_last_use
 
 MAX_NUM_SEQS = 16
 NUM_GPU_BLOCKS = 48
 BLOCK_SIZE = 32
 POOL = "it-pool"
 MODEL_NAME = "kvscope-it"
+OVERLOAD_LEVELS = [1, 2, 4, 8, 16, 32]
+"""The overload run's sweep: enough levels below and past the knee (8-12 clients on this
+engine) for the advisor to see the plateau, not only its far end."""
 
 
 @dataclass
@@ -45,6 +58,30 @@ class OverloadRun:
 
     def kvscope_totals(self) -> dict[str, float]:
         return collector_totals(self.collector)
+
+    def diagnosis(self) -> str:
+        """The run's own data for a failure message: per sweep level the load generator's
+        throughput and the engine's windows (batch, waiting, KV, preemptions), and what
+        the advisor makes of the sweep."""
+        levels = self.sweep.levels
+        since = min(lv.window_start_unix_s for lv in levels) - 1
+        until = max(lv.window_end_unix_s for lv in levels) + 1
+        src = CollectorSource(self.collector.url)
+        w, r = src.windows(since, until), src.requests(since, until)
+        lines = ["clients  tok/s  in flight  batch  waiting  KV used  preempt/s"]
+        for lv in levels:
+            m = measure_level(lv, w, r)
+            lines.append(f"{m.concurrency:>7} {m.client_tokens_per_s:>6,.0f} {m.load_mean:>10.1f} "
+                         f"{m.batch_median:>6.1f} {m.waiting_median:>8.1f} "
+                         f"{m.kv_usage_median:>8.0%} {m.preemptions_per_s:>10.1f}")
+        try:
+            v = analyze(src, since, until).engines[0]
+            lines.append(f"advisor on the sweep: {v.bottleneck}, saturated {v.saturated}, knee "
+                         f"{v.knee_concurrency}, plateau {v.plateau_tokens_per_s}, cap "
+                         f"{v.recommended_concurrency_cap}")
+        except Exception as e:  # the diagnosis must not hide the failure it explains
+            lines.append(f"advisor on the sweep failed: {e!r}")
+        return "\n".join(lines)
 
     def settled_totals(self, timeout_s: float = 30.0) -> tuple[dict[str, float], dict[str, float]]:
         """vLLM's counters now and kvscope's stored totals, once they agree (or the
@@ -114,8 +151,10 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
-def overload_run(mid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OverloadRun]:
-    """A KV-starved engine (48 blocks of 32 tokens) driven past its plateau."""
+def overload_run(mid_model: Path, tmp_path_factory: pytest.TempPathFactory,
+                 request: pytest.FixtureRequest) -> Iterator[OverloadRun]:
+    """A KV-starved engine (48 blocks of 32 tokens) driven past its plateau; shared by the
+    modules that read it, stopped after the last of them (``tests/_resources.py``)."""
     workdir = tmp_path_factory.mktemp("overload")
     collector = CollectorProcess(workdir / "store.duckdb", log_path=workdir / "collector.log")
     collector.start()
@@ -134,12 +173,20 @@ def overload_run(mid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         log_path=workdir / "vllm.log",
     )
     run: OverloadRun | None = None
+
+    def stop() -> None:
+        server.stop()
+        collector.stop()
+        if run is not None and run.collector is not collector:
+            run.collector.stop()  # a test may have replaced it with a revived one
+
+    release_after_last_use(request, stop)
     try:
         server.start()
         before = vllm_totals(server.metrics_text())
         sweep = run_sweep(
             SweepConfig(
-                url=server.url, model=MODEL_NAME, concurrency=[2, 8, 32], duration_s=6.0,
+                url=server.url, model=MODEL_NAME, concurrency=OVERLOAD_LEVELS, duration_s=5.0,
                 warmup_s=1.0, cooldown_s=0.5, prompt_words=(8, 40), output_tokens=(96, 128),
                 shared_prefix_words=64, prefix_groups=4, seed=7, progress=False,
             )
@@ -151,10 +198,7 @@ def overload_run(mid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         run = OverloadRun(collector, server, sweep, before, after, workdir)
         yield run
     finally:
-        server.stop()
-        collector.stop()
-        if run is not None and run.collector is not collector:
-            run.collector.stop()  # a test may have replaced it with a revived one
+        stop()
 
 
 @dataclass

@@ -62,8 +62,9 @@ def _verdict_ready(run: OverloadRun) -> str:
             engines = run.collector.get_json("/v1/engines")["rows"]
             return str(engines[0]["engine_id"])
         assert time.monotonic() < deadline, (
-            "the collector's advisor gave no cap for the overloaded engine:\n"
-            + "\n".join(ln for ln in text.splitlines() if ln.startswith("kvscope_advisor")))
+            "the collector's advisor gave no cap for the overloaded engine; its series:\n"
+            + "\n".join(ln for ln in text.splitlines() if ln.startswith("kvscope_advisor"))
+            + "\nthe overload run:\n" + run.diagnosis())
         time.sleep(2)
 
 

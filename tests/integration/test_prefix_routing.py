@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from bench.prefix_routing import RoutingLab, RoutingResult, format_result
+from tests._resources import side_by_side
 
 pytestmark = pytest.mark.engine
 
@@ -31,7 +32,7 @@ MAX_PREDICTION_ERROR = 0.05
 def routing(mid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RoutingResult]:
     lab = RoutingLab(tmp_path_factory.mktemp("routing"), model_dir=mid_model,
                      log=lambda t: print(t, flush=True))
-    with lab:
+    with side_by_side(2), lab:  # a pool of two replicas, on purpose
         res = lab.scenario()
     print(format_result(res), flush=True)
     (tmp_path_factory.getbasetemp() / "prefix_routing.json").write_text(

@@ -23,6 +23,7 @@ from .conftest import (
     MAX_NUM_SEQS,
     MODEL_NAME,
     NUM_GPU_BLOCKS,
+    OVERLOAD_LEVELS,
     POOL,
     OverloadRun,
     collector_totals,
@@ -35,7 +36,7 @@ pytestmark = pytest.mark.engine
 
 def test_sweep_completed_every_level_without_errors(overload_run: OverloadRun):
     levels = overload_run.sweep.levels
-    assert [lv.concurrency for lv in levels] == [2, 8, 32]
+    assert [lv.concurrency for lv in levels] == OVERLOAD_LEVELS
     for lv in levels:
         assert lv.error_count == 0, lv
         assert lv.requests_completed > 0, lv

@@ -34,10 +34,14 @@ from _vllm_replay import VllmReplay
 
 from collector.process import CollectorProcess
 from collector.recording import BUNDLED_RECORDING, load_recording
+from tests._resources import release_after_last_use
 
 
 @pytest.fixture(scope="session")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory,
+          request: pytest.FixtureRequest) -> Iterator[Fleet]:
+    """Two replayed vLLM servers and a collector, scraped by Prometheus, VictoriaMetrics
+    and a Prometheus behind TLS and basic auth; all stopped after the last test using it."""
     workdir = tmp_path_factory.mktemp("prom-fleet")
     recording = load_recording(BUNDLED_RECORDING)
     new = VllmReplay(recording).start()
@@ -46,6 +50,22 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                                  extra_args=["--advise-interval-s", "0", "--kv-events", "off"])
     started: list[Backend] = []
     feed: PacedFeed | None = None
+
+    stopped: list[bool] = []
+
+    def stop() -> None:
+        if stopped:
+            return
+        stopped.append(True)
+        if feed is not None:
+            feed.stop()
+        for b in started:
+            b.stop()
+        collector.stop()
+        new.stop()
+        old.stop()
+
+    release_after_last_use(request, stop)
     try:
         collector.start()
         targets = [new.target, old.target, collector.url.split("://", 1)[1]]
@@ -63,10 +83,4 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         yield Fleet(recording, new, old, collector, {b.name: b for b in started},
                     since=since, until=time.time(), feed_errors=feed.errors)
     finally:
-        if feed is not None:
-            feed.stop()
-        for b in started:
-            b.stop()
-        collector.stop()
-        new.stop()
-        old.stop()
+        stop()
