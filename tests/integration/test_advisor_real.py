@@ -63,7 +63,8 @@ most. They do not vanish: the cap (chosen for throughput) admits more sequences 
 MAX_STEP_RATE_RATIO = 0.8
 """Engine steps per second at the ample-KV plateau over those at low load, at most: a
 step of 32 sequences takes at least a quarter longer than a step of one or two, i.e. the
-batch costs compute (measured 0.45-0.6; step rates at one load repeat within ~5%)."""
+batch costs compute (0.27 and 0.58 in two runs: the low-load step rate varies more
+than the plateau's, 276 and 120 steps/s)."""
 MAX_PLATEAU_ERROR = 0.2
 """The capacity model's predicted plateau within this share of the measured one."""
 
