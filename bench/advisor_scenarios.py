@@ -1,6 +1,6 @@
 """The advisor on the real vLLM engine: three regimes, the closed loop, the capacity model.
 
-One command (five to seven minutes on a 2-core machine, four engine starts included)::
+One command (about ten minutes on a 2-core machine, five engine starts included)::
 
     .venv/bin/python bench/advisor_scenarios.py [--duration 5] [--json out.json]
 
@@ -21,8 +21,15 @@ What it does
    --max-num-queued-reqs C+Q``: admission control, requests beyond ``C + Q`` in flight
    are rejected with 503 for the client or gateway to retry elsewhere), driven at the
    sweep's highest concurrency.
-   Each is set against the uncapped sweep: throughput against the sweep's peak
-   level, e2e P99 against the uncapped highest level, preemptions per second.
+   Each is compared on medians of repeated runs with the uncapped overload (the
+   sweep's highest concurrency) measured in the same stretch of time: (a) the cap and
+   the uncapped load alternate on the same engine, ``ROUNDS`` rounds; (b) the flags'
+   engine runs ``ROUNDS`` times and is set against the uncapped runs of (a) and of a
+   restarted uncapped engine after it (one engine start differs from the next by up to
+   10% here). While a setting's runs spread more than ``MAX_SPREAD`` another round is
+   run (up to ``MAX_ROUNDS``); past that the comparison is reported as not judged.
+   Throughput, e2e P99 (vLLM's own and the load generator's) and preemptions per
+   second are compared.
 3. **Capacity model**: the KV capacity model's predicted plateau against the
    measured plateau: the mean client throughput of the sweep levels at or past
    ``SATURATED_MARGIN`` x the knee (the levels where throughput no longer grows), or
