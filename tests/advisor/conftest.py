@@ -9,6 +9,7 @@ import pytest
 
 from collector.process import CollectorProcess
 from collector.recording import load_recording, replay
+from tests._resources import release_after_last_use
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDINGS = ROOT / "collector" / "recordings"
@@ -16,9 +17,12 @@ END_AT_UNIX_S = 1_800_000_000.0
 
 
 @pytest.fixture(scope="session")
-def replayed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, CollectorProcess]]:
-    """One collector process per bundled recording, each fed the recording over HTTP."""
+def replayed(tmp_path_factory: pytest.TempPathFactory,
+             request: pytest.FixtureRequest) -> Iterator[dict[str, CollectorProcess]]:
+    """One collector process per bundled recording, each fed the recording over HTTP;
+    stopped after the last test that reads them."""
     out: dict[str, CollectorProcess] = {}
+    release_after_last_use(request, lambda: [c.stop() for c in out.values()])
     try:
         for path in sorted(RECORDINGS.glob("*.jsonl.gz")):
             name = path.name.split(".")[0]

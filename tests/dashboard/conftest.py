@@ -16,15 +16,18 @@ from _fleet import KV_STARVED, expected_report
 from advisor import Report
 from collector.process import CollectorProcess
 from dashboard.demo import demo_collector
+from tests._resources import release_after_last_use
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
-def demo_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CollectorProcess]:
+def demo_fleet(tmp_path_factory: pytest.TempPathFactory,
+               request: pytest.FixtureRequest) -> Iterator[CollectorProcess]:
     """A collector process fed the demo fleet over HTTP, as ``kvscope dashboard --demo``
-    feeds it."""
+    feeds it; stopped after the last test that reads it."""
     with demo_collector(tmp_path_factory.mktemp("dashboard_fleet"), progress=False) as c:
+        release_after_last_use(request, c.stop)
         yield c
 
 
