@@ -85,6 +85,13 @@ otherwise the front end stalled and the level is run again."""
 MAX_ATTEMPTS = 3
 """Runs of a level the closed loop reads (the overload level, the capped runs); other
 sweep levels from a quarter of the top concurrency up get 2, lower ones 1."""
+REFUSED_BACKOFF_S = 1.0
+"""Seconds a client refused by admission control (HTTP 503) waits before its next request,
+as behind a gateway that sends a refused request to another replica (vLLM refuses with
+503 so that load balancers retry elsewhere). With the load generator's default 0.1 s,
+the 22 clients beyond an admission limit of 10 sent ~220 refused requests a second, and
+handling them took CPU the engine core shares on a 2-core machine: the flags' engine at
+cap 8 gave 1,024 tok/s where 8 clients on the uncapped engine gave 1,254, the same batch."""
 ROUNDS = 3
 """Runs of each setting a closed-loop comparison makes, interleaved (cap, uncapped, cap,
 uncapped, ...): both sides see the same drift of the machine, and each is judged on
@@ -461,11 +468,11 @@ class AdvisorLab:
     # -- load and measurement -----------------------------------------------------------
 
     def _sweep(self, server: VllmServer, concurrency: list[int], duration_s: float,
-               warmup_s: float, seed: int) -> SweepResult:
+               warmup_s: float, seed: int, error_backoff_s: float = 0.1) -> SweepResult:
         return run_sweep(SweepConfig(
             url=server.url, model=MODEL_NAME, concurrency=concurrency, duration_s=duration_s,
             warmup_s=warmup_s, cooldown_s=1.0, prompt_words=(8, 40), output_tokens=(128, 128),
-            seed=seed, progress=self.progress))
+            seed=seed, error_backoff_s=error_backoff_s, progress=self.progress))
 
     def _warm(self, server: VllmServer) -> None:
         """A few seconds of load the analysis leaves out (first requests run slower)."""
@@ -522,7 +529,8 @@ class AdvisorLab:
         did not see the clients' load: a stalled front end measures nothing of the engine."""
         for attempt in range(1, attempts + 1):
             sweep = self._sweep(server, [concurrency], duration_s, warmup_s,
-                                seed + 1000 * (attempt - 1))
+                                seed + 1000 * (attempt - 1),
+                                error_backoff_s=0.1 if admit_limit is None else REFUSED_BACKOFF_S)
             self._drain(server, engine_id)
             level = self._measure(engine_id, sweep.levels)[0]
             level.attempts = attempt

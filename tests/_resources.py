@@ -125,24 +125,27 @@ def engine_group(item: pytest.Item) -> str | None:
     return next((f for f in SHARED_ENGINE_FIXTURES if f in item.fixturenames), None)
 
 
+def _module(item: pytest.Item) -> str:
+    module = getattr(item, "module", None)
+    return module.__name__ if module is not None else item.nodeid
+
+
 def order_items(items: list[pytest.Item]) -> None:
     """Engine tests last; among them, the modules sharing an engine fixture together
     (at the place of the first), every other module in its collected order."""
-    module_group: dict[str, str] = {}
+    group: dict[str, str] = {}
     for item in items:
-        group = engine_group(item)
-        if group is not None:
-            module_group.setdefault(item.module.__name__ if item.module else "", group)
+        shared = engine_group(item)
+        if shared is not None:
+            group.setdefault(_module(item), shared)
     first: dict[str, int] = {}
     for i, item in enumerate(items):
-        key = module_group.get(item.module.__name__ if item.module else "", item.nodeid)
-        first.setdefault(key, i)
+        first.setdefault(group.get(_module(item), _module(item)), i)
 
     def key(pair: tuple[int, pytest.Item]) -> tuple[bool, int, int]:
         i, item = pair
-        mod = item.module.__name__ if item.module else ""
         return (item.get_closest_marker("engine") is not None,
-                first[module_group.get(mod, item.nodeid)], i)
+                first[group.get(_module(item), _module(item))], i)
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 

@@ -262,8 +262,9 @@ def test_arguments_fill_a_validated_config() -> None:
     cfg = config_from_args(parser.parse_args(
         ["--concurrency", "1,4", "--prompt-words", "10-20", "--output-tokens", "64",
          "--shared-prefix-words", "50", "--prefix-groups", "4", "--no-progress",
-         "--max-prompt-tokens", "1000", "--no-continuous-usage"]
+         "--max-prompt-tokens", "1000", "--no-continuous-usage", "--error-backoff", "0.5"]
     ))  # fmt: skip
+    assert cfg.error_backoff_s == 0.5
     assert (
         cfg.concurrency == [1, 4] and cfg.prompt_words == (10, 20) and cfg.output_tokens == (64, 64)
     )
@@ -383,6 +384,22 @@ def test_sweep_counts_chunks_without_usage_and_errors_by_kind() -> None:
     assert lv.requests_completed > 5
     assert 50 < lv.output_tokens_per_s < 210
     assert "errors by kind: http_503=" in format_table(result)
+
+
+def test_refused_clients_wait_the_error_backoff() -> None:
+    """Every request refused: a client sends one per backoff, about 1 / backoff a second."""
+    counts = {}
+    for backoff in (0.05, 0.5):
+        result = sweep_against(fake_openai_app(fail_every=1), concurrency=[2],
+                               error_backoff_s=backoff)
+        (lv,) = result.levels
+        assert lv.requests_completed == 0 and set(lv.errors) == {"http_503"}
+        counts[backoff] = lv.error_count
+    # 2 clients over the 1.2 s level: up to ~48 refusals at 0.05 s, ~5-6 at 0.5 s.
+    assert counts[0.5] <= 2 * (1.2 / 0.5 + 1), counts
+    assert counts[0.05] >= 4 * counts[0.5], counts
+    with pytest.raises(SweepError, match="error_backoff_s"):
+        SweepConfig(error_backoff_s=-1).validate()
 
 
 def test_sweep_cancels_in_flight_requests_at_the_window_end() -> None:

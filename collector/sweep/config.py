@@ -73,6 +73,11 @@ class SweepConfig:
     seed: int = 0
     request_timeout_s: float = 300.0
     """Total time limit of one request."""
+    error_backoff_s: float = 0.1
+    """A client whose request failed (a 503 from admission control, say) waits this long
+    before its next one. Raise it to model a gateway that sends a refused request to
+    another replica: with 0.1 s the clients beyond a server's admission limit send it
+    about ten refused requests per second each."""
     api_key: str | None = None
     """Sent as ``Authorization: Bearer ...`` when set."""
     out: str | None = None
@@ -106,6 +111,7 @@ class SweepConfig:
             (self.prefix_groups >= 1, "prefix_groups must be >= 1"),
             (self.tokens_per_word > 0, "tokens_per_word must be > 0"),
             (self.request_timeout_s > 0, "request_timeout_s must be > 0"),
+            (self.error_backoff_s >= 0, "error_backoff_s must be >= 0"),
             (self.routing in POLICIES, f"routing: one of {', '.join(POLICIES)}"),
             (self.affinity_words is None or self.affinity_words >= 1, "affinity_words >= 1"),
         ]
@@ -218,6 +224,14 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=d.request_timeout_s,
         metavar="S",
         help="time limit of one request in seconds (default: %(default)s)",
+    )
+    target.add_argument(
+        "--error-backoff",
+        type=float,
+        default=d.error_backoff_s,
+        metavar="S",
+        help="seconds a client waits after a failed request, e.g. a 503 from admission "
+        "control (default: %(default)s)",
     )
     target.add_argument(
         "--no-continuous-usage",
@@ -384,6 +398,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         temperature=args.temperature,
         seed=args.seed,
         request_timeout_s=args.request_timeout,
+        error_backoff_s=args.error_backoff,
         api_key=args.api_key,
         out=args.out,
         progress=not args.no_progress,

@@ -12,8 +12,8 @@ the window are counted, so throughput is not biased (:mod:`collector.sweep.stats
 A pause of ``cooldown_s`` lets the server drop the aborted requests before the
 next level.
 
-A client whose request failed waits 0.1 s before its next one, so a dead server
-does not turn into a hot loop of errors.
+A client whose request failed waits ``error_backoff_s`` (0.1 s by default) before its
+next one, so a dead server does not turn into a hot loop of errors.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from collector.sweep.result import SweepResult
 from collector.sweep.stats import LevelResult, RequestRecord, summarize_level
 from collector.sweep.workload import RequestSpec
 
-ERROR_BACKOFF_S = 0.1
 PROGRESS_INTERVAL_S = 0.25
 
 
@@ -129,7 +128,7 @@ async def _run_level(
             finally:
                 router.done(target)
             if record.error is not None:
-                await asyncio.sleep(ERROR_BACKOFF_S)
+                await asyncio.sleep(config.error_backoff_s)
 
     tasks = [asyncio.create_task(client(), name=f"sweep-client-{i}") for i in range(concurrency)]
     try:
