@@ -29,6 +29,7 @@ from bench.advisor_scenarios import (
     CapRun,
     RegimeRun,
     format_all,
+    levels_table,
     measure_level,
     summary,
 )
@@ -267,7 +268,10 @@ def kv_engine_cap_run(advisor_lab: AdvisorLab, kv_starved_run: RegimeRun,
     """The KV-starved engine restarted with ``--max-num-seqs`` = the advisor's cap,
     driven at the sweep's highest concurrency."""
     if kv_starved_run.verdict.recommended_concurrency_cap is None:
-        pytest.fail("the advisor recommended no cap for the KV-starved engine")
+        pytest.fail("the advisor recommended no cap for the KV-starved engine; its verdict "
+                    f"{kv_starved_run.verdict.bottleneck} (saturated "
+                    f"{kv_starved_run.verdict.saturated}) on this sweep:\n"
+                    + levels_table(kv_starved_run))
     cap = advisor_lab.run_engine_cap(kv_starved_run)
     _advisor_figures(pytestconfig).engine_cap = cap
     return cap
