@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -257,20 +258,20 @@ class Repeated:
     @property
     def tokens_per_s(self) -> float:
         """Median client throughput over the runs."""
-        return _median([lv.client_tokens_per_s for lv in self.runs])
+        return statistics.median(lv.client_tokens_per_s for lv in self.runs)
 
     @property
     def spread(self) -> float:
         """(max - min) / median of the runs' client throughput (0 for one run)."""
         tps = [lv.client_tokens_per_s for lv in self.runs]
-        med = _median(tps)
+        med = statistics.median(tps)
         return (max(tps) - min(tps)) / med if len(tps) > 1 and med > 0 else 0.0
 
     @property
     def engine_e2e_p99_s(self) -> float | None:
         """Median over the runs of vLLM's e2e P99."""
         ps = [lv.engine_e2e_p99_s for lv in self.runs if lv.engine_e2e_p99_s is not None]
-        return _median(ps) if ps else None
+        return statistics.median(ps) if ps else None
 
     @property
     def typical(self) -> LevelMeasure:
@@ -282,14 +283,6 @@ class Repeated:
         return (f"{self.label}: median {self.tokens_per_s:,.0f} tok/s over "
                 f"{len(self.runs)} runs ({', '.join(f'{lv.client_tokens_per_s:,.0f}' for lv in self.runs)}), "
                 f"spread {self.spread:.0%}")
-
-
-def _median(xs: list[float]) -> float:
-    ordered = sorted(xs)
-    n = len(ordered)
-    if not n:
-        return math.nan
-    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
 
 
 @dataclass
@@ -373,9 +366,11 @@ class CapRun:
     @property
     def client_p99_ratio(self) -> float | None:
         """The same with the load generator's e2e P99 (front-end delays included)."""
-        a = _median([lv.e2e_p99_s for lv in self.capped.runs if lv.e2e_p99_s is not None])
-        b = _median([lv.e2e_p99_s for lv in self.reference.runs if lv.e2e_p99_s is not None])
-        return None if not math.isfinite(a) or not b or not math.isfinite(b) else a / b
+        a = [lv.e2e_p99_s for lv in self.capped.runs if lv.e2e_p99_s is not None]
+        b = [lv.e2e_p99_s for lv in self.reference.runs if lv.e2e_p99_s is not None]
+        if not a or not b or not statistics.median(b):
+            return None
+        return statistics.median(a) / statistics.median(b)
 
 
 Log = Callable[[str], None]

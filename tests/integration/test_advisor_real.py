@@ -23,6 +23,8 @@ stalled) is run once more; the summary's "runs" column shows where that happened
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from bench.advisor_scenarios import MAX_SPREAD, CapRun, RegimeRun
@@ -139,12 +141,6 @@ def test_capacity_model_predicts_the_kv_bound_plateau(kv_starved_run: RegimeRun)
     assert kv["kv_limited"] and 8 <= kv["kv_batch"] <= 20, kv
 
 
-def _median(xs: list[float]) -> float:
-    ordered = sorted(xs)
-    n = len(ordered)
-    return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
-
-
 def _judged_and_delivered(cap: CapRun) -> None:
     """Every run reached the engine, and the runs agree well enough to be compared."""
     for lv in cap.capped.runs + cap.reference.runs:
@@ -188,8 +184,8 @@ def test_cap_as_vllm_flags_keeps_throughput_and_cuts_the_tail(
     assert cap.plateau_fraction >= MIN_THROUGHPUT_FRACTION_RESTARTED, (
         f"{' '.join(cap.flags)}: {cap.plateau_fraction:.0%} of the uncapped engine's "
         f"throughput; {cap.noise()}")
-    capped_pre = _median([lv.preemptions_per_s for lv in cap.capped.runs])
-    uncapped_pre = _median([lv.preemptions_per_s for lv in cap.reference.runs])
+    capped_pre = statistics.median(lv.preemptions_per_s for lv in cap.capped.runs)
+    uncapped_pre = statistics.median(lv.preemptions_per_s for lv in cap.reference.runs)
     assert capped_pre <= MAX_PREEMPTION_RATIO * uncapped_pre, (capped_pre, uncapped_pre)
     # The engine honours the cap and its queue bound; the excess was rejected.
     for lv in cap.capped.runs:
