@@ -6,13 +6,13 @@ end in ``_``); :func:`analyze` runs them all per engine and pool through a
 :class:`Source` and returns a versioned :class:`Report`.
 """
 
-from advisor.analyze import analyze, analyze_frames
-from advisor.balance import LoadBalance
-from advisor.bottleneck import BottleneckClassifier
-from advisor.cap import ConcurrencyCap
-from advisor.capacity import KvCapacityModel, WhatIf, replica_whatif
-from advisor.curve import NotEnoughData, ThroughputCurve
-from advisor.findings import (
+from kvscope.advisor.analyze import analyze, analyze_frames
+from kvscope.advisor.balance import LoadBalance
+from kvscope.advisor.bottleneck import BottleneckClassifier
+from kvscope.advisor.cap import ConcurrencyCap
+from kvscope.advisor.capacity import KvCapacityModel, WhatIf, replica_whatif
+from kvscope.advisor.curve import NotEnoughData, ThroughputCurve
+from kvscope.advisor.findings import (
     BOTTLENECKS,
     SCHEMA_VERSION,
     EngineVerdict,
@@ -23,12 +23,11 @@ from advisor.findings import (
     SchemaVersionError,
     Scope,
 )
-from advisor.latency import LatencyVsLoad
-from advisor.prefill import PrefillCost
-from advisor.prefix import KV_EVENT_COLUMNS, PrefixRouting
-from advisor.prometheus import PrometheusSource, analyze_prometheus
-from advisor.sources import CollectorSource, FrameSource, Source, SourceError, WindowSample
-from advisor.steptime import StepTimeModel
+from kvscope.advisor.latency import LatencyVsLoad
+from kvscope.advisor.prefill import PrefillCost
+from kvscope.advisor.prefix import KV_EVENT_COLUMNS, PrefixRouting
+from kvscope.advisor.sources import CollectorSource, FrameSource, Source, SourceError, WindowSample
+from kvscope.advisor.steptime import StepTimeModel
 
 __all__ = [
     "BOTTLENECKS",
@@ -47,7 +46,6 @@ __all__ = [
     "PoolVerdict",
     "PrefillCost",
     "PrefixRouting",
-    "PrometheusSource",
     "Recommendation",
     "Report",
     "SchemaVersionError",
@@ -60,6 +58,5 @@ __all__ = [
     "WindowSample",
     "analyze",
     "analyze_frames",
-    "analyze_prometheus",
     "replica_whatif",
 ]

@@ -1,12 +1,12 @@
 """Run every analysis per engine and per pool and assemble the :class:`Report`.
 
-:func:`analyze` reads through a :class:`~advisor.sources.Source` (the only I/O) and
+:func:`analyze` reads through a :class:`~kvscope.advisor.sources.Source` (the only I/O) and
 hands frames to the pure analyses; :func:`analyze_frames` is the pure part. Per
 engine: throughput curve, bottleneck, step-time and KV capacity models, latency vs
 load, concurrency cap, and the recommendations that follow from the bottleneck.
 Per pool: summed plateaus and caps, the one-more-replica what-if, prefix-cache reuse
-and routing (:mod:`advisor.prefix`, with vLLM's KV-cache events when the source has
-them) and the load balance across replicas (:mod:`advisor.balance`).
+and routing (:mod:`kvscope.advisor.prefix`, with vLLM's KV-cache events when the source has
+them) and the load balance across replicas (:mod:`kvscope.advisor.balance`).
 Recommendations are ranked by expected gain: relative throughput gain, or a relative
 latency reduction (P99 for a cap, mean TTFT for prefix-aware routing, the busiest
 replica's latency for least-loaded routing).
@@ -20,12 +20,12 @@ from typing import Any
 
 import pandas as pd
 
-from advisor.balance import LoadBalance, upstream
-from advisor.bottleneck import BottleneckClassifier
-from advisor.cap import ConcurrencyCap
-from advisor.capacity import KvCapacityModel, replica_whatif
-from advisor.curve import NotEnoughData, ThroughputCurve
-from advisor.findings import (
+from kvscope.advisor.balance import LoadBalance, upstream
+from kvscope.advisor.bottleneck import BottleneckClassifier
+from kvscope.advisor.cap import ConcurrencyCap
+from kvscope.advisor.capacity import KvCapacityModel, replica_whatif
+from kvscope.advisor.curve import NotEnoughData, ThroughputCurve
+from kvscope.advisor.findings import (
     EngineVerdict,
     Finding,
     PoolVerdict,
@@ -33,10 +33,10 @@ from advisor.findings import (
     Report,
     Scope,
 )
-from advisor.latency import LatencyVsLoad
-from advisor.prefix import PrefixRouting
-from advisor.sources import Source, WindowSample
-from advisor.steptime import StepTimeModel
+from kvscope.advisor.latency import LatencyVsLoad
+from kvscope.advisor.prefix import PrefixRouting
+from kvscope.advisor.sources import Source, WindowSample
+from kvscope.advisor.steptime import StepTimeModel
 
 MAX_WINDOWS_PER_ENGINE = 30_000
 """Windows per engine the analyses read at most from a source that can sample (about
@@ -74,7 +74,7 @@ def analyze(source: Source, since: float | None = None, until: float | None = No
 
 
 def analyze_sample(engines: pd.DataFrame, sample: WindowSample, **kw: Any) -> Report:
-    """:func:`analyze_frames` on a :class:`~advisor.sources.WindowSample`, with the
+    """:func:`analyze_frames` on a :class:`~kvscope.advisor.sources.WindowSample`, with the
     coverage counted from its true counts when it is not complete."""
     report = analyze_frames(engines, sample.windows, sample.requests, sample.kv_events, **kw)
     if not sample.complete:

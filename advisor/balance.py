@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from advisor._frames import prepare_windows
-from advisor.findings import Finding, Recommendation, Scope
+from kvscope.advisor.findings import Finding, Recommendation, Scope
+from kvscope.advisor.frames import prepare_windows
 
 
 def upstream(engine_id: str) -> str:

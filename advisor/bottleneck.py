@@ -3,7 +3,7 @@
 Algorithm
 ---------
 The classifier looks at the windows of the **plateau region**: those whose load is at
-or beyond the knee of a fitted :class:`~advisor.curve.ThroughputCurve` (when the
+or beyond the knee of a fitted :class:`~kvscope.advisor.curve.ThroughputCurve` (when the
 engine is not saturated, the windows of its highest load bin: what the engine is
 *approaching*). Over those windows it takes medians of KV usage, running batch,
 waiting queue, tokens per step (prompt + generated tokens / steps) and the mean
@@ -55,8 +55,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from advisor.curve import ThroughputCurve
-from advisor.findings import Finding, Scope
+from kvscope.advisor.curve import ThroughputCurve
+from kvscope.advisor.findings import Finding, Scope
 
 _TEXT = {
     "kv_cache_bound": "the KV cache is full: the batch cannot grow, requests queue{pre}",

@@ -11,7 +11,7 @@ Algorithm
    cap, below what the engine delivers at the peak, and the cap exists to keep the
    engine there. Without such a fall this is the curve's own fit.
 2. With an SLO (``slo_ttft_p99_s``, ``slo_e2e_p99_s``), the P99 at the cap
-   (:meth:`~advisor.latency.LatencyVsLoad.p99_at`) must meet it; if not, the cap is
+   (:meth:`~kvscope.advisor.latency.LatencyVsLoad.p99_at`) must meet it; if not, the cap is
    lowered to the largest whole load whose interpolated P99 meets every SLO, and the
    throughput share it keeps is reported lower. No such load: the SLO is
    infeasible on this engine (``feasible_`` false), and the finding says so.
@@ -45,10 +45,10 @@ from typing import Any
 
 import numpy as np
 
-from advisor._frames import isotonic_increasing
-from advisor.curve import ThroughputCurve
-from advisor.findings import Recommendation, Scope
-from advisor.latency import LatencyVsLoad
+from kvscope.advisor.curve import ThroughputCurve
+from kvscope.advisor.findings import Recommendation, Scope
+from kvscope.advisor.frames import isotonic_increasing
+from kvscope.advisor.latency import LatencyVsLoad
 
 
 class ConcurrencyCap:

@@ -16,11 +16,11 @@ Algorithm
 * **Effective batch** under a configuration: ``min(B_kv, max_num_seqs, L)`` where
   ``L`` is the highest load observed: nothing admits more sequences than are in
   flight. Predictions are therefore "at the load this engine already sees".
-* **Plateau** = the :class:`~advisor.steptime.StepTimeModel` throughput at the
+* **Plateau** = the :class:`~kvscope.advisor.steptime.StepTimeModel` throughput at the
   effective batch, with the prompt-to-generation ratio of the requests, less the
   share of time spent recomputing preempted requests at the observed preemption
   rate (only while the cache is the limit). This is set against the observed
-  plateau (:class:`~advisor.curve.ThroughputCurve`).
+  plateau (:class:`~kvscope.advisor.curve.ThroughputCurve`).
 * **What-ifs**, each a new block count fed through the same model:
   ``--kv-cache-dtype fp8`` (2x blocks, when the cache is 16-bit now);
   ``--gpu-memory-utilization`` raised to ``target_gpu_memory_utilization``
@@ -45,9 +45,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from advisor.curve import NotEnoughData
-from advisor.findings import Finding, Scope
-from advisor.steptime import StepTimeModel
+from kvscope.advisor.curve import NotEnoughData
+from kvscope.advisor.findings import Finding, Scope
+from kvscope.advisor.steptime import StepTimeModel
 
 _SIXTEEN_BIT = {"auto", "bfloat16", "bf16", "float16", "fp16", "half"}
 

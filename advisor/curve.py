@@ -31,7 +31,7 @@ Algorithm
    "beyond this load at most 10% more throughput is to be had", is stable when only
    a few load levels exist, and matches the concurrency cap's definition (the
    smallest load keeping 90% of the plateau; of the peak when throughput falls past
-   it, see :mod:`advisor.cap`). 0.9 rather than 0.95 because plateaus
+   it, see :mod:`kvscope.advisor.cap`). 0.9 rather than 0.95 because plateaus
    of real engines drift by a few percent (a plateau that creeps up 6% over a
    doubling of load would otherwise drag the knee far past where the batch stopped
    growing).
@@ -57,7 +57,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from advisor._frames import (
+from kvscope.advisor.findings import Finding, Scope
+from kvscope.advisor.frames import (
     active_windows,
     frame_of,
     interp_crossing,
@@ -65,7 +66,6 @@ from advisor._frames import (
     load_bins,
     prepare_windows,
 )
-from advisor.findings import Finding, Scope
 
 
 class NotEnoughData(ValueError):

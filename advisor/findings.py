@@ -164,8 +164,8 @@ class EngineVerdict:
 class PoolVerdict:
     """A pool (deployment) summed over its engines.
 
-    The prefix and routing fields come from :mod:`advisor.prefix` and
-    :mod:`advisor.balance`: ``prefix_hit_rate`` (hits / queries over the pool's
+    The prefix and routing fields come from :mod:`kvscope.advisor.prefix` and
+    :mod:`kvscope.advisor.balance`: ``prefix_hit_rate`` (hits / queries over the pool's
     engines), ``prefix_routing_loss`` (share of looked-up tokens recomputed while
     another replica held them; needs KV-cache events and two engines),
     ``predicted_prefix_hit_rate_affine`` (hit rate predicted under prefix-affine

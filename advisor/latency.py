@@ -7,7 +7,7 @@ arrived in (arrival = finished - e2e) to the second it finished in: the load it 
 decides how long it queued and how slowly it decoded. (The load of the arrival
 second alone is fragile: a request arriving in a one-second lull and then living
 through three seconds of overload would be filed under the lull.) The load comes
-from the windows a fitted :class:`~advisor.curve.ThroughputCurve` kept; seconds
+from the windows a fitted :class:`~kvscope.advisor.curve.ThroughputCurve` kept; seconds
 without such a window do not count, and requests with none are left out. Requests are grouped by the curve's load bins (nearest
 bin in log-load), and per bin the P50 and P99 of ``ttft_s``, ``queue_s`` and
 ``e2e_s`` are taken (bins with fewer than ``min_requests`` requests are dropped).
@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from advisor._frames import frame_of
-from advisor.curve import ThroughputCurve
-from advisor.findings import Finding, Scope
+from kvscope.advisor.curve import ThroughputCurve
+from kvscope.advisor.findings import Finding, Scope
+from kvscope.advisor.frames import frame_of
 
 _COLS = ("ttft_s", "queue_s", "e2e_s")
 

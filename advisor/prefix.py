@@ -45,7 +45,7 @@ keeps content longer, recovering part of ``E``. The upper bound is ``A``
 
 **TTFT gain**: the tokens saved per request, ``L x Q / n_requests`` (finished requests
 of the same engines and span), times the cost of a computed prompt token from
-:class:`~advisor.prefill.PrefillCost`, gives the mean TTFT change. The
+:class:`~kvscope.advisor.prefill.PrefillCost`, gives the mean TTFT change. The
 recommendation's ``expected_gain`` is that change relative to the mean TTFT (a
 relative latency reduction, the scale of a cap's relative P99 reduction). Without a
 usable fit it falls back to the share of the computed prompt tokens saved,
@@ -80,8 +80,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from advisor.findings import Finding, Recommendation, Scope
-from advisor.prefill import PrefillCost, request_ttft_s
+from kvscope.advisor.findings import Finding, Recommendation, Scope
+from kvscope.advisor.prefill import PrefillCost, request_ttft_s
 
 KV_EVENT_COLUMNS = ("engine_id", "ts_s", "stored_blocks", "dup_blocks", "reseen_blocks",
                     "orphan_blocks", "removed_blocks", "cleared_events", "missed_batches",

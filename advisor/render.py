@@ -1,4 +1,4 @@
-"""The terminal rendering of a :class:`~advisor.findings.Report` (``kvscope advise``).
+"""The terminal rendering of a :class:`~kvscope.advisor.findings.Report` (``kvscope advise``).
 
 Order: the verdict first (per pool, then per engine: bottleneck, knee, plateau,
 saturated or headroom, the recommended cap with its predicted share of peak and
@@ -28,9 +28,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from advisor._textplot import throughput_plot
-from advisor.findings import EngineVerdict, Finding, PoolVerdict, Recommendation, Report
-from advisor.sources import SourceError
+from kvscope.advisor.findings import EngineVerdict, Finding, PoolVerdict, Recommendation, Report
+from kvscope.advisor.sources import SourceError
+from kvscope.advisor.textplot import throughput_plot
 
 __all__ = ["no_data_message", "render_report", "source_error_message", "window_text"]
 

@@ -4,7 +4,7 @@ A :class:`Source` answers four questions with DataFrames whose columns follow th
 kvscope store (see the collector's read API): ``engines()`` (identity and
 configuration, one row per engine), ``windows(...)`` (1-second windows per engine),
 ``requests(...)`` (finished requests) and ``kv_events(...)`` (vLLM's KV-cache events
-counted per engine and second, columns :data:`advisor.prefix.KV_EVENT_COLUMNS`; an
+counted per engine and second, columns :data:`kvscope.advisor.prefix.KV_EVENT_COLUMNS`; an
 empty frame means KV events are not configured). Times are unix seconds, half-open
 ``since <= t < until``; ``None`` leaves a side open.
 
@@ -17,7 +17,7 @@ empty frame means KV events are not configured). Times are unix seconds, half-op
 A source may also offer ``window_sample(since, until, pool=..., max_windows_per_engine=N)``
 returning a :class:`WindowSample`: the windows (and the requests and KV events) of
 whole time blocks, about ``N`` windows per engine, with the true counts. A week of
-1-second windows of a large fleet does not fit in memory; :func:`advisor.analyze`
+1-second windows of a large fleet does not fit in memory; :func:`kvscope.advisor.analyze`
 then fits on the sample and reports the true counts (the collector's store offers it).
 
 The advisor never imports the collector's service code; this module is the only

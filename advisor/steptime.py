@@ -37,7 +37,7 @@ min_busy_ratio : windows used must have steps spread over this share of the seco
 idle_tolerance : explained time this far below 1 s marks a window as partly idle
     (default 0.08).
 n_iter : trimming rounds (default 3).
-min_windows : fewer usable windows raise :class:`~advisor.curve.NotEnoughData`
+min_windows : fewer usable windows raise :class:`~kvscope.advisor.curve.NotEnoughData`
     (default 8).
 """
 
@@ -46,8 +46,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from advisor._frames import prepare_windows
-from advisor.curve import NotEnoughData
+from kvscope.advisor.curve import NotEnoughData
+from kvscope.advisor.frames import prepare_windows
 
 
 class StepTimeModel:

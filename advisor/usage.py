@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from advisor._frames import frame_of, prepare_windows
-from advisor.findings import EngineVerdict, Frame, Report, _clean
+from kvscope.advisor.findings import EngineVerdict, Frame, Report, _clean
+from kvscope.advisor.frames import frame_of, prepare_windows
 
 DAY_S = 86400.0
 USAGE_SUMS = ("active_s", "saturated_s", "requests", "generation_tokens", "prompt_tokens",
@@ -67,7 +67,7 @@ DAY_COLUMNS = ("engine_id", "day_start_unix_s", "active_s", "saturated_s", "gene
 """Columns of the per (engine, UTC day) sums :func:`usage_from_days` assembles: the
 window sums of ``USAGE_SUMS``, finished requests, the busiest second's generated
 tokens, the highest load and the first and last window; a store computes them in SQL
-(``collector._reads.usage_days``), :func:`weekly_usage` from frames."""
+(``kvscope.collector._reads.usage_days``), :func:`weekly_usage` from frames."""
 
 
 def weekly_usage(windows: pd.DataFrame, requests: pd.DataFrame, report: Report,

@@ -1,8 +1,8 @@
 """Week over week: what changed between two weeks.
 
 Pure functions for the weekly tuning report; none re-derives a verdict, they take
-them from the two weeks' :class:`~advisor.findings.Report` objects (how each week
-was used is :mod:`advisor.usage`).
+them from the two weeks' :class:`~kvscope.advisor.findings.Report` objects (how each week
+was used is :mod:`kvscope.advisor.usage`).
 
 :func:`config_as_of` gives the engines frame with each engine's configuration as it
 was at a moment, from the configuration history (the collector's
@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from advisor.findings import EngineVerdict, Finding, Report, Scope, _clean
-from advisor.usage import Usage
+from kvscope.advisor.findings import EngineVerdict, Finding, Report, Scope, _clean
+from kvscope.advisor.usage import Usage
 
 #: Hello fields compared between two configurations of an engine.
 CONFIG_FIELDS = ("model", "num_gpu_blocks", "block_size", "max_num_seqs",

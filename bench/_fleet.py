@@ -1,15 +1,15 @@
 """A simulated fleet of engines for the collector benchmarks (shared by
 ``collector_ingest.py``, ``storage_growth.py`` and ``metrics_scrape.py``).
 
-Each simulated engine is one real :class:`engine_plugins.exporter.Exporter` (its own
+Each simulated engine is one real :class:`kvscope.engine_plugins.exporter.Exporter` (its own
 buffer, its own ``kvscope-exporter`` thread, its own keep-alive HTTP connection)
 whose buffer is fed exactly as the plugin's ``record()`` feeds it: raw step rows
 appended to the bounded deque, finished requests to the other. Batches are folded,
 held back, columnised, JSON-encoded, gzipped and POSTed by the plugin's own code.
 
-What is fed comes from the bundled real recordings (``collector/recordings``): every
+What is fed comes from the bundled real recordings (``lab/recordings``): every
 step and finished request the real vLLM engine reported, turned back into the raw
-row layouts of :mod:`engine_plugins._rows`. Each engine replays one recording from
+row layouts of :mod:`kvscope.engine_plugins._rows`. Each engine replays one recording from
 its own random offset, at ``steps_per_s`` steps a second, stamped with the current
 time; finished requests come with the steps they came with in the recording (about
 1.8 per second at 50 steps/s).
@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collector.recording import load_recording
-from engine_plugins._config import Settings as PluginSettings
-from engine_plugins._http import IngestClient, Response
+from kvscope.engine_plugins._config import Settings as PluginSettings
+from kvscope.engine_plugins._http import IngestClient, Response
+from kvscope.lab.recording import load_recording
 
-RECORDINGS_DIR = Path(__file__).resolve().parent.parent / "collector" / "recordings"
+RECORDINGS_DIR = Path(__file__).resolve().parent.parent / "lab" / "recordings"
 FEED_INTERVAL_S = 0.1
 BODY_SAMPLES_PER_WORKER = 40
 
@@ -51,7 +51,7 @@ class Trace:
 
 
 def load_traces() -> list[Trace]:
-    """Every bundled recording as a :class:`Trace` (raw layouts of ``engine_plugins._rows``)."""
+    """Every bundled recording as a :class:`Trace` (raw layouts of ``kvscope.engine_plugins._rows``)."""
     traces = []
     for path in sorted(RECORDINGS_DIR.glob("*.jsonl.gz")):
         rec = load_recording(path)
@@ -138,7 +138,7 @@ def engine_id(i: int) -> str:
 
 
 def _worker(spec: WorkerSpec, out: Any, ready: Any, go: Any) -> None:
-    from engine_plugins.exporter import Exporter
+    from kvscope.engine_plugins.exporter import Exporter
 
     if spec.cores:
         os.sched_setaffinity(0, set(spec.cores))

@@ -7,7 +7,7 @@ One command (the first run generates the store, about 6 minutes; later runs reus
 
 What it does
 ------------
-1. **The store** (:mod:`collector.fleetgen`): the bundled real vLLM recordings, each
+1. **The store** (:mod:`kvscope.lab.fleetgen`): the bundled real vLLM recordings, each
    ingested through the collector's own write path, replayed per engine in DuckDB SQL,
    re-timed (a random phase per engine) and jittered (a speed factor per engine, +-5%
    per window on the token counts): ``--engines`` engines in 4 pools, ``--days`` days of
@@ -23,7 +23,7 @@ What it does
    * **report**: ``kvscope report --store PATH --since S --until U`` end to end (the
      week analysed, usage per day, the three files written; the week before holds no
      data in the generated store, so it adds only its queries);
-   * **advise**: :func:`advisor.analyze` over the store for the whole fleet and week.
+   * **advise**: :func:`kvscope.advisor.analyze` over the store for the whole fleet and week.
 
    The floor runs ``--runs`` times (median), the others ``--runs`` times too.
 3. A table: median wall seconds, ratio against the floor, peak RSS, against the
@@ -78,8 +78,8 @@ print(len(rows))
 
 ADVISE = THREADS_PRELUDE + """
 import sys
-from collector.report.sources import StoreSource, open_store
-from advisor import analyze
+from kvscope.report.sources import StoreSource, open_store
+from kvscope.advisor import analyze
 src = StoreSource(open_store(sys.argv[1]))
 report = analyze(src, float(sys.argv[2]), float(sys.argv[3]))
 print(len(report.engines), sorted({v.bottleneck for v in report.engines}))
@@ -88,7 +88,7 @@ print(len(report.engines), sorted({v.bottleneck for v in report.engines}))
 
 REPORT = THREADS_PRELUDE + """
 import sys
-from collector.cli import main
+from kvscope.cli.main import main
 sys.exit(main(["report", *sys.argv[1:]]))
 """
 
@@ -114,7 +114,7 @@ def timed(cmd: list[str]) -> tuple[float, float, str]:
 def ensure_store(path: Path, engines: int, days: float) -> None:
     from tqdm import tqdm
 
-    from collector.fleetgen import FleetSpec, generate_fleet_store
+    from kvscope.lab.fleetgen import FleetSpec, generate_fleet_store
 
     if path.exists():
         print(f"store: {path} (reused; delete it to generate again)")
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [
         ("floor: one DuckDB GROUP BY engine scan of windows_1s",
          [py, "-c", floor_code, str(args.store), since, until]),
-        ("advisor.analyze, whole fleet, one week",
+        ("kvscope.advisor.analyze, whole fleet, one week",
          [py, "-c", ADVISE, str(args.store), since, until]),
         ("kvscope report --store, end to end (files written)",
          [py, "-c", REPORT, "--store", str(args.store), "--since", since,

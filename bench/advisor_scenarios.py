@@ -7,12 +7,12 @@ One command (about ten minutes on a 2-core machine, five engine starts included)
 What it does
 ------------
 1. A collector process on a fresh store. For each regime of :data:`SCENARIOS` (the
-   engine configurations of ``collector.demo.REGIMES``) it starts the real vLLM CPU
+   engine configurations of ``kvscope.lab.engine.REGIMES``) it starts the real vLLM CPU
    engine on the lab's "mid" model with the kvscope plugin pointed at the
    collector, warms it up, and runs a closed-loop sweep (concurrency 1 to 32, a few
    seconds per level; the overload level as long as the capped runs below). Once the
    collector holds every token and preemption vLLM's own ``/metrics`` counted,
-   :func:`advisor.analyze` reads the sweep's time range back over HTTP
+   :func:`kvscope.advisor.analyze` reads the sweep's time range back over HTTP
    (:class:`advisor.CollectorSource`) and gives the engine's verdict.
    Each engine is stopped before the next starts (an engine keeps a core busy).
 2. **Closed loop** on the KV-starved engine, with the advisor's recommended cap
@@ -68,11 +68,16 @@ from typing import Any
 
 import pandas as pd
 
-from advisor import CollectorSource, EngineVerdict, Report, analyze
-from collector.demo import REGIMES
-from collector.lab import VllmServer, build_model, default_model_dir, vllm_counter_totals
-from collector.process import CollectorProcess
-from collector.sweep import LevelResult, SweepConfig, SweepResult, run_sweep
+from kvscope.advisor import CollectorSource, EngineVerdict, Report, analyze
+from kvscope.collector.process import CollectorProcess
+from kvscope.lab.engine import (
+    REGIMES,
+    VllmServer,
+    build_model,
+    default_model_dir,
+    vllm_counter_totals,
+)
+from kvscope.lab.sweep import LevelResult, SweepConfig, SweepResult, run_sweep
 
 CONCURRENCY = (1, 2, 4, 8, 12, 16, 24, 32)
 SATURATED_MARGIN = 1.5

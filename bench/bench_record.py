@@ -161,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     import vllm
     from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 
-    from engine_plugins.exporter import current_exporter
-    from engine_plugins.plugin import KvscopeStatLogger
+    from kvscope.engine_plugins.exporter import current_exporter
+    from kvscope.engine_plugins.plugin import KvscopeStatLogger
 
     with tempfile.TemporaryDirectory() as tmp:
         cfg = make_vllm_config(Path(tmp))

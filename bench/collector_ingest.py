@@ -32,7 +32,7 @@ second), a figure less sensitive to that contention than the latency.
 
 Baseline, in the same run and on the collector's core: decoding and validating the
 same bodies alone (gunzip, JSON, the wire schema and the numpy columns:
-``collector._batch.parse_body``), no HTTP and no store. The table sets the
+``kvscope.collector.batch.parse_body``), no HTTP and no store. The table sets the
 collector's CPU per batch against it, so what HTTP, the store and ``/metrics`` state
 add is visible.
 
@@ -64,8 +64,8 @@ import psutil
 from _fleet import FleetRun, dump_json, percentile, run_workers
 from tqdm import tqdm
 
-from collector._batch import parse_body
-from collector.process import CollectorProcess
+from kvscope.collector.batch import parse_body
+from kvscope.collector.process import CollectorProcess
 
 P99_TARGET_S = 1.0
 DELIVERED_RATIO = 0.97

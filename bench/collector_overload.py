@@ -36,8 +36,8 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from collector.process import CollectorProcess
-from engine_plugins.schema import SCHEMA_VERSION
+from kvscope.collector.process import CollectorProcess
+from kvscope.engine_plugins.schema import SCHEMA_VERSION
 
 N_ENGINES = 10
 EXPECTED_PER_S = 10.0

@@ -7,7 +7,7 @@ One command (about five minutes with the defaults, four engine starts included):
 
 What it does
 ------------
-The real vLLM server (``collector.lab.VllmServer`` on the lab's "mid" model, ample
+The real vLLM server (``kvscope.lab.engine.VllmServer`` on the lab's "mid" model, ample
 KV cache: the compute-bound regime) is driven by the kvscope sweep's closed loop at
 ``--concurrency`` clients (past the knee on these machines: the engine is saturated)
 for ``--duration`` seconds per run, the same workload every run (prompts of 8-40
@@ -49,10 +49,9 @@ from pathlib import Path
 from _fleet import dump_json
 from tqdm import tqdm
 
-from collector.demo import REGIMES
-from collector.lab import VllmServer, build_model, default_model_dir
-from collector.process import CollectorProcess
-from collector.sweep import SweepConfig, run_sweep
+from kvscope.collector.process import CollectorProcess
+from kvscope.lab.engine import REGIMES, VllmServer, build_model, default_model_dir
+from kvscope.lab.sweep import SweepConfig, run_sweep
 
 TARGET = 0.01
 MODEL_NAME = "kvscope-ab"

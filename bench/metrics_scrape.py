@@ -40,7 +40,7 @@ from typing import Any
 from _fleet import dump_json, percentile, run_workers
 from tqdm import tqdm
 
-from collector.process import CollectorProcess
+from kvscope.collector.process import CollectorProcess
 
 TARGET_S = 0.25
 FLEET_ARGS = ["--max-new-engines-per-minute", "1000000", "--advise-interval-s", "0"]

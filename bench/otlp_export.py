@@ -4,7 +4,7 @@ One command (about two minutes on a 2-core machine)::
 
     .venv/bin/python bench/otlp_export.py [--engines 100,1000] [--ingest-engines 300] [--rounds 3]
 
-1. **Per export** (in process): a :class:`~collector.metrics.FleetState` holding N
+1. **Per export** (in process): a :class:`~kvscope.collector.metrics.FleetState` holding N
    engines, each fed two real batches of the recorded KV-starved vLLM run (the hello
    batch and one with steps) under its own engine id. Baseline: ``render()``, what
    one ``/metrics`` scrape costs. Then one OTLP export cycle on the calling thread
@@ -40,16 +40,16 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from collector._batch import prepare_batch  # noqa: E402
-from collector._ingest import STORED, IngestResult  # noqa: E402
-from collector.metrics import FleetState  # noqa: E402
-from collector.otlp import OtlpExport  # noqa: E402
-from collector.process import CollectorProcess  # noqa: E402
-from collector.recording import load_recording, rebased  # noqa: E402
-from collector.settings import Settings  # noqa: E402
-from engine_plugins.schema import INGEST_PATH  # noqa: E402
+from kvscope.collector._ingest import STORED, IngestResult  # noqa: E402
+from kvscope.collector.batch import prepare_batch  # noqa: E402
+from kvscope.collector.metrics import FleetState  # noqa: E402
+from kvscope.collector.otlp import OtlpExport  # noqa: E402
+from kvscope.collector.process import CollectorProcess  # noqa: E402
+from kvscope.collector.settings import Settings  # noqa: E402
+from kvscope.engine_plugins.schema import INGEST_PATH  # noqa: E402
+from kvscope.lab.recording import load_recording, rebased  # noqa: E402
 
-RECORDING = ROOT / "collector" / "recordings" / "overload_kv_starved.jsonl.gz"
+RECORDING = ROOT / "lab" / "recordings" / "overload_kv_starved.jsonl.gz"
 
 
 class _Receiver(ThreadingHTTPServer):

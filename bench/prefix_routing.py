@@ -47,10 +47,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from advisor import CollectorSource, Report, analyze
-from collector.lab import VllmServer, build_model, default_model_dir, vllm_counter_totals
-from collector.process import CollectorProcess, free_port
-from collector.sweep import SweepConfig, SweepResult, run_sweep
+from kvscope.advisor import CollectorSource, Report, analyze
+from kvscope.collector.process import CollectorProcess, free_port
+from kvscope.lab.engine import VllmServer, build_model, default_model_dir, vllm_counter_totals
+from kvscope.lab.sweep import SweepConfig, SweepResult, run_sweep
 
 POOL = "routing"
 MODEL_NAME = "kvscope-routing"

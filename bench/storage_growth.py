@@ -42,8 +42,8 @@ from typing import Any
 from _fleet import dump_json, run_workers
 from tqdm import tqdm
 
-from collector.process import CollectorProcess
-from collector.settings import Settings
+from kvscope.collector.process import CollectorProcess
+from kvscope.collector.settings import Settings
 
 DAY_S = 86_400.0
 WEEK_DAYS = 7

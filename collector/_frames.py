@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from engine_plugins.schema import BOOL, FLOAT, INT
+from kvscope.engine_plugins.schema import BOOL, FLOAT, INT
 
 
 def obj_array(values: list[Any]) -> np.ndarray:

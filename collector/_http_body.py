@@ -4,7 +4,7 @@ The body is read chunk by chunk; reading stops as soon as the compressed size
 exceeds ``max_body_bytes`` or the decompressed size exceeds ``max_decompressed_bytes``
 (zlib's ``max_length`` bounds every decompression step, so a small "bomb" never
 expands past the limit in memory). The aiohttp server must be created with
-``auto_decompress=False`` (see :func:`collector.server.create_runner`), otherwise
+``auto_decompress=False`` (see :func:`kvscope.collector.server.create_runner`), otherwise
 aiohttp would inflate the body before these checks.
 """
 
@@ -14,7 +14,7 @@ import zlib
 
 from aiohttp import web
 
-from collector._guards import Lease, Overbudget
+from kvscope.collector._guards import Lease, Overbudget
 
 CHUNK_BYTES = 64 * 1024
 CHUNK_OUT_BYTES = 1024 * 1024

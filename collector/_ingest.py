@@ -9,7 +9,7 @@ replacement scan of a local variable):
    repeated inside the group counts once.
 2. ``steps`` and ``requests`` rows of the new batches.
 3. ``windows_1s``: the new steps are aggregated per (engine_id, second) in numpy
-   (:mod:`collector._windows`). A window later than any this engine has in the store
+   (:mod:`kvscope.collector._windows`). A window later than any this engine has in the store
    is inserted; an earlier one (a second split over groups, or late data) is merged
    with ``ON CONFLICT DO UPDATE``: counts, sums, minima and maxima exactly, means
    from the merged sums, and the percentiles (p50/p90/p99 of the batch size) as the
@@ -36,12 +36,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from collector import _ingest_sql as sql
-from collector import _windows
-from collector._batch import BatchKey, PreparedBatch
-from collector._ddl import HELLO_DATA_COLUMNS
-from collector._frames import obj_array, typed_column
-from engine_plugins.schema import (
+from kvscope.collector import _ingest_sql as sql
+from kvscope.collector import _windows
+from kvscope.collector._frames import obj_array, typed_column
+from kvscope.collector.batch import BatchKey, PreparedBatch
+from kvscope.collector.tables import HELLO_DATA_COLUMNS
+from kvscope.engine_plugins.schema import (
     EXPORTER_KEYS,
     FLOAT,
     HELLO_FIELDS,

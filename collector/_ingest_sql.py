@@ -1,4 +1,4 @@
-"""SQL statements of the ingest transaction (see :mod:`collector._ingest`).
+"""SQL statements of the ingest transaction (see :mod:`kvscope.collector._ingest`).
 
 Each reads a ``_kv_*`` relation that the calling function binds as a local variable
 (a DuckDB replacement scan of a dict of numpy arrays or a DataFrame).
@@ -6,8 +6,13 @@ Each reads a ``_kv_*`` relation that the calling function binds as a local varia
 
 from __future__ import annotations
 
-from collector._ddl import ENGINE_COLUMNS, HELLO_DATA_COLUMNS, WINDOW_COLUMNS, WINDOW_FIELDS
-from engine_plugins.schema import EXPORTER_KEYS, REQUEST_COLUMNS, STEP_COLUMNS
+from kvscope.collector.tables import (
+    ENGINE_COLUMNS,
+    HELLO_DATA_COLUMNS,
+    WINDOW_COLUMNS,
+    WINDOW_FIELDS,
+)
+from kvscope.engine_plugins.schema import EXPORTER_KEYS, REQUEST_COLUMNS, STEP_COLUMNS
 
 _ADD = ("n_steps", "n_parts", "batch_sum", "kv_usage_sum", "waiting_sum", "deferred_sum",
         "preemptions", "prompt_tokens", "generation_tokens", "prefix_queries", "prefix_hits",

@@ -10,7 +10,7 @@ vLLM's own hash does. Each engine keeps ``local hash -> canonical id`` for the b
 it holds (:class:`EngineBlocks`); a pool keeps ``canonical id -> engines holding it``
 as a bit mask over its members' slots (:class:`Pool`).
 
-Counted per event batch into a row of :data:`ROW_FIELDS` (``collector._ddl``):
+Counted per event batch into a row of :data:`ROW_FIELDS` (``kvscope.collector.tables``):
 
 * ``stored_blocks``: blocks newly stored (computed and cached). A ``BlockStored``
   for a hash the engine already holds (vLLM's ``kv_cache_report_mode="full"`` reports
@@ -46,8 +46,8 @@ from array import array
 from hashlib import blake2b
 from typing import Any
 
-from collector._ddl import KV_EVENT_FIELDS
-from collector._kv_wire import BlockRemoved, BlockStored, Message
+from kvscope.collector._kv_wire import BlockRemoved, BlockStored, Message
+from kvscope.collector.tables import KV_EVENT_FIELDS
 
 ROW_FIELDS: tuple[str, ...] = tuple(c for c, _ in KV_EVENT_FIELDS)
 (N_BATCHES, STORED, DUP, RESEEN, ORPHAN, REMOVED, CLEARED, MISSED, HELD, HELD_SHARED,

@@ -1,8 +1,8 @@
-"""The opentelemetry-sdk side of :mod:`collector.otlp` (imported only when enabled).
+"""The opentelemetry-sdk side of :mod:`kvscope.collector.otlp` (imported only when enabled).
 
 :func:`build_provider` registers one observable instrument per gauge and counter
-family of ``/metrics`` (:data:`collector.metrics.ENGINE_FAMILIES` and, with the
-advisor running, :data:`collector.verdicts.VERDICT_FAMILIES`). The SDK has no
+family of ``/metrics`` (:data:`kvscope.collector.metrics.ENGINE_FAMILIES` and, with the
+advisor running, :data:`kvscope.collector.verdicts.VERDICT_FAMILIES`). The SDK has no
 observable histogram, so :class:`_Exporter` adds the per-step histograms to each
 collected batch, from the snapshot the instruments read, before the OTLP/HTTP
 exporter encodes and sends it; it also reports every export's result.
@@ -44,12 +44,12 @@ from opentelemetry.sdk.metrics.export import Histogram as HistogramData
 from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from collector.metrics import ENGINE_FAMILIES, HISTOGRAM_BOUNDS
-from collector.verdicts import VERDICT_FAMILIES
-from engine_plugins import __version__
+from kvscope.collector.metrics import ENGINE_FAMILIES, HISTOGRAM_BOUNDS
+from kvscope.collector.verdicts import VERDICT_FAMILIES
+from kvscope.engine_plugins import __version__
 
 if TYPE_CHECKING:
-    from collector.otlp import OtlpExport
+    from kvscope.collector.otlp import OtlpExport
 
 log = logging.getLogger(__name__)
 

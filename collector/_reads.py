@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from collector._ddl import KV_EVENT_FIELDS, KV_EVENT_LAST
-from engine_plugins.schema import EXPORTER_KEYS
+from kvscope.collector.tables import KV_EVENT_FIELDS, KV_EVENT_LAST
+from kvscope.engine_plugins.schema import EXPORTER_KEYS
 
 _PCTS = ((50, 0.5), (90, 0.9), (99, 0.99))
 GROUP_BY = ("engine", "pool", "all")
@@ -289,7 +289,7 @@ def window_sample(cur: Any, keep: pd.DataFrame, pool: str | None = None,
 def usage_days(cur: Any, knees: pd.DataFrame, since: float, until: float,
                day_s: float = 86400.0) -> pd.DataFrame:
     """Per engine of ``knees`` (engine_id, knee: the load past which a second counts as
-    saturated, null for none) and UTC day: the ``advisor.usage.DAY_COLUMNS`` sums of the
+    saturated, null for none) and UTC day: the ``kvscope.advisor.usage.DAY_COLUMNS`` sums of the
     1-second windows in ``[since, until)`` and the requests finished then, in one scan."""
     _knees = knees[["engine_id", "knee"]].astype({"knee": "float64"})
     cur.register("_knees", _knees)

@@ -1,7 +1,7 @@
 """Per-engine 1-second windows computed from step columns with numpy.
 
 :func:`aggregate` groups step rows by (engine code, ``floor(ts_unix_s)``) and returns
-one row per window with the columns of ``windows_1s`` (see ``_ddl.WINDOW_AGGREGATES``).
+one row per window with the columns of ``windows_1s`` (see ``tables.WINDOW_AGGREGATES``).
 Percentiles use linear interpolation between closest ranks, the same definition as
 ``numpy.percentile``'s default and DuckDB's ``quantile_cont``.
 

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, TypeVar
 
-from collector._batch import PreparedBatch
-from collector.store import IngestResult, Store
+from kvscope.collector.batch import PreparedBatch
+from kvscope.collector.store import IngestResult, Store
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ the blocks. An engine that neither sends ingest batches nor KV events for
 subscribes it again.
 
 Accounting (canonical content ids, duplicates, reseen blocks, orphans, sequence
-gaps) is in :mod:`collector._kv_registry`; the counters of each engine-second go to
+gaps) is in :mod:`kvscope.collector._kv_registry`; the counters of each engine-second go to
 the store's ``kv_event_windows`` table about once per ``kv_events_flush_interval_s``,
 as one job on the store's writer thread, and into ``/metrics`` once committed.
 Engines are grouped by the ``pool`` of their hello; duplication is measured within a
@@ -48,15 +48,15 @@ from typing import Any
 import pandas as pd
 import zmq
 
-from collector._ddl import KV_EVENT_COLUMNS
-from collector._exposition import TextWriter, label_str
-from collector._kv_endpoints import parse_override, resolve_endpoint
-from collector._kv_registry import ROW_FIELDS, EngineBlocks, Pool, new_row
-from collector._kv_wire import WireError, decode
-from collector._reads import KV_EVENT_SUMS
-from collector._writer import GroupCommitWriter, WriterClosed
-from collector.settings import Settings
-from collector.store import Store
+from kvscope.collector._exposition import TextWriter, label_str
+from kvscope.collector._kv_registry import ROW_FIELDS, EngineBlocks, Pool, new_row
+from kvscope.collector._kv_wire import WireError, decode
+from kvscope.collector._reads import KV_EVENT_SUMS
+from kvscope.collector._writer import GroupCommitWriter, WriterClosed
+from kvscope.collector.kv_endpoints import parse_override, resolve_endpoint
+from kvscope.collector.settings import Settings
+from kvscope.collector.store import Store
+from kvscope.collector.tables import KV_EVENT_COLUMNS
 
 __all__ = ["KvEventsManager", "parse_override", "resolve_endpoint"]
 

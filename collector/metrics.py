@@ -27,9 +27,9 @@ configuration as labels, and ``kvscope_engine_max_num_seqs``,
 ``..._max_num_batched_tokens``, ``..._kv_capacity_blocks`` and
 ``..._kv_block_size_tokens`` carry its numbers as values (for PromQL, which cannot
 compare a sample with a label). The collector's own: ``kvscope_collector_*``. The
-advisor's verdicts (``kvscope_advisor_*``, see :mod:`collector.verdicts`) are a
+advisor's verdicts (``kvscope_advisor_*``, see :mod:`kvscope.collector.verdicts`) are a
 section added at startup. :meth:`FleetState.snapshot` gives the per-engine families as
-labelled values, for pushing them elsewhere (:mod:`collector.otlp`).
+labelled values, for pushing them elsewhere (:mod:`kvscope.collector.otlp`).
 
 Across collector restarts: step/token/preemption/prefix counters are rebuilt from the
 store's windows, finished requests from the requests table, exporter counters from
@@ -51,10 +51,16 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from collector._batch import PreparedBatch
-from collector._exposition import CONTENT_TYPE, TextWriter, bound_strs, label_str, label_value
-from collector._ingest import DUPLICATE, STORED, IngestResult
-from engine_plugins.schema import BOOL, EXPORTER_FIELDS, FLOAT, HELLO_FIELDS, INT
+from kvscope.collector._exposition import (
+    CONTENT_TYPE,
+    TextWriter,
+    bound_strs,
+    label_str,
+    label_value,
+)
+from kvscope.collector._ingest import DUPLICATE, STORED, IngestResult
+from kvscope.collector.batch import PreparedBatch
+from kvscope.engine_plugins.schema import BOOL, EXPORTER_FIELDS, FLOAT, HELLO_FIELDS, INT
 
 __all__ = ["BATCH_SIZE_BUCKETS", "CONTENT_TYPE", "ENGINE_FAMILIES", "HISTOGRAM_BOUNDS",
            "KV_USAGE_BUCKETS", "FleetState", "Snapshot"]

@@ -7,7 +7,7 @@ exporter), so the collector runs without it.
 :class:`OtlpExport` runs an opentelemetry-sdk ``MeterProvider`` with a
 ``PeriodicExportingMetricReader`` (one daemon thread that collects every interval and
 hands the result to the exporter) and the OTLP/HTTP protobuf exporter (see
-:mod:`collector._otlp_sdk`). Its observable instruments read the state ``/metrics``
+:mod:`kvscope.collector._otlp_sdk`). Its observable instruments read the state ``/metrics``
 renders, :meth:`FleetState.snapshot` and :meth:`VerdictLoop.snapshot`, taken once per
 collection, so names, attributes and values are those of ``/metrics``: gauges become
 OTLP gauges, ``*_total`` counters monotonic cumulative sums, the per-step histograms
@@ -39,11 +39,11 @@ import urllib.parse
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from collector._exposition import TextWriter, label_str
-from collector.metrics import FleetState, Snapshot
-from collector.settings import Settings
-from collector.verdicts import VerdictLoop
-from engine_plugins import __version__
+from kvscope.collector._exposition import TextWriter, label_str
+from kvscope.collector.metrics import FleetState, Snapshot
+from kvscope.collector.settings import Settings
+from kvscope.collector.verdicts import VerdictLoop
+from kvscope.engine_plugins import __version__
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider
@@ -153,7 +153,7 @@ class OtlpExport:
     def start(self) -> OtlpExport:
         """Start the periodic export (the first one after one interval)."""
         require_sdk()
-        from collector._otlp_sdk import build_provider
+        from kvscope.collector._otlp_sdk import build_provider
 
         for name in SDK_LOGGERS:
             logging.getLogger(name).addFilter(self._filter)

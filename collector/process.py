@@ -60,7 +60,7 @@ class CollectorProcess:
         return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     def start(self) -> CollectorProcess:
-        cmd = [sys.executable, "-m", "collector.cli", "collector", "--host", self.host,
+        cmd = [sys.executable, "-m", "kvscope.cli.main", "collector", "--host", self.host,
                "--port", str(self.port), "--store", str(self.store_path), *self.extra_args]
         if self.token:
             cmd += ["--token", self.token]

@@ -11,15 +11,15 @@ Routes:
   ``415`` for other content encodings, ``503`` (with ``Retry-After``) while overloaded
   or shutting down, ``500`` if the store fails. A rejected batch leaves the store as
   it was.
-* ``GET /metrics``: Prometheus text exposition (see :mod:`collector.metrics`), with
+* ``GET /metrics``: Prometheus text exposition (see :mod:`kvscope.collector.metrics`), with
   the advisor's verdicts refreshed every ``advise_interval_s`` in a thread of their
-  own (see :mod:`collector.verdicts`).
+  own (see :mod:`kvscope.collector.verdicts`).
 * With ``otlp_endpoint`` set, the same metrics are also pushed to an OTLP/HTTP
-  endpoint (see :mod:`collector.otlp`).
+  endpoint (see :mod:`kvscope.collector.otlp`).
 * ``GET /healthz``: ``{"status": "ok", ...}``, 503 when the writer is not running.
 * Read API (JSON): ``GET /v1/engines``, ``/v1/engines/{engine_id}/configs``,
   ``/v1/windows``, ``/v1/steps``, ``/v1/requests``, ``/v1/kv_events`` (per
-  engine-second KV-event counters, see :mod:`collector.kv_events`; ``engine_id`` is
+  engine-second KV-event counters, see :mod:`kvscope.collector.kv_events`; ``engine_id`` is
   accepted for ``engine``), ``/v1/request_stats``, ``/v1/totals``. Parameters:
   ``engine``, ``pool``, ``since``, ``until`` (unix seconds, ``now`` or a duration ago:
   ``90s``, ``30m``, ``2h``, ``7d``, ``1w``; ``since`` defaults to ``1h``), ``limit`` (rows, oldest first; default and maximum
@@ -54,20 +54,20 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 from aiohttp import web
 
-from collector._batch import PreparedBatch, parse_body
-from collector._guards import ByteBudget, GuardedRunner, Lease, NewEngineGate, Overbudget
-from collector._http_body import BodyError, read_body
-from collector._params import ParamError, Query, parse_query
-from collector._writer import GroupCommitWriter, Overloaded, WriterClosed
-from collector.metrics import CONTENT_TYPE, FleetState
-from collector.settings import Settings
-from collector.store import Store
-from collector.verdicts import VerdictLoop
-from engine_plugins.schema import INGEST_PATH, SchemaError
+from kvscope.collector._guards import ByteBudget, GuardedRunner, Lease, NewEngineGate, Overbudget
+from kvscope.collector._http_body import BodyError, read_body
+from kvscope.collector._writer import GroupCommitWriter, Overloaded, WriterClosed
+from kvscope.collector.batch import PreparedBatch, parse_body
+from kvscope.collector.metrics import CONTENT_TYPE, FleetState
+from kvscope.collector.params import ParamError, Query, parse_query
+from kvscope.collector.settings import Settings
+from kvscope.collector.store import Store
+from kvscope.collector.verdicts import VerdictLoop
+from kvscope.engine_plugins.schema import INGEST_PATH, SchemaError
 
 if TYPE_CHECKING:
-    from collector.kv_events import KvEventsManager
-    from collector.otlp import OtlpExport
+    from kvscope.collector.kv_events import KvEventsManager
+    from kvscope.collector.otlp import OtlpExport
 
 __all__ = ["Context", "RunningCollector", "context", "create_app", "create_runner", "is_loopback",
            "serve", "ssl_context", "start"]
@@ -87,7 +87,7 @@ class Context:
     kv_events: KvEventsManager | None = None
     """The KV-event subscriber (None with ``kv_events="off"``)."""
     inflight: ByteBudget = dataclasses.field(default_factory=lambda: ByteBudget(1))
-    """Ingest bytes held at once (see :class:`collector._guards.ByteBudget`)."""
+    """Ingest bytes held at once (see :class:`kvscope.collector._guards.ByteBudget`)."""
     new_engines: NewEngineGate | None = None
 
 
@@ -341,7 +341,7 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
     async def ctx_manager(app: web.Application) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
         if settings.otlp_endpoint is not None:
-            from collector.otlp import require_sdk
+            from kvscope.collector.otlp import require_sdk
 
             require_sdk()  # before anything is opened
         executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvscope-read")
@@ -375,7 +375,7 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
             lambda: writer.last_group_size)
         kv_events: KvEventsManager | None = None
         if settings.kv_events != "off":
-            from collector.kv_events import KvEventsManager
+            from kvscope.collector.kv_events import KvEventsManager
 
             try:
                 kv_events = KvEventsManager(settings, store, writer)
@@ -408,7 +408,7 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
         otlp: OtlpExport | None = None
         try:
             if settings.otlp_endpoint is not None:
-                from collector.otlp import OtlpExport
+                from kvscope.collector.otlp import OtlpExport
 
                 otlp = OtlpExport(settings, state, verdicts).start()
                 state.sections.append(otlp.render)

@@ -85,7 +85,7 @@ class Settings:
     kv_events: str = "auto"
     """``auto``: subscribe to the KV-cache events of every engine whose hello advertises
     a ZMQ endpoint (or that has an override); ``off``: never (see
-    :mod:`collector.kv_events`)."""
+    :mod:`kvscope.collector.kv_events`)."""
     kv_events_endpoints: tuple[tuple[str, str], ...] = ()
     """Operator overrides, (engine_id, endpoint): subscribe there instead of the
     advertised endpoint."""
@@ -101,7 +101,7 @@ class Settings:
     """How often the per engine-second KV-event counters are written to the store."""
     otlp_endpoint: str | None = None
     """OTLP/HTTP metrics URL (e.g. ``http://otel-collector:4318/v1/metrics``) to push the
-    fleet metrics and verdicts to (see :mod:`collector.otlp`); None: no OTLP export."""
+    fleet metrics and verdicts to (see :mod:`kvscope.collector.otlp`); None: no OTLP export."""
     otlp_interval_s: float | None = None
     """Seconds between OTLP exports; None: ``$OTEL_METRIC_EXPORT_INTERVAL`` (milliseconds)
     or 60 s, as the OpenTelemetry SDK does."""

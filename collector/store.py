@@ -7,7 +7,7 @@ transaction; if that transaction fails it retries each batch in its own transact
 so one bad batch cannot fail the others. Reads run on per-thread cursors of the same
 database and see committed data only (DuckDB's snapshot isolation).
 
-Tables (see :mod:`collector._ddl` for every column):
+Tables (see :mod:`kvscope.collector.tables` for every column):
 
 * ``engines``: current identity and configuration per ``engine_id`` (latest hello),
   ``first_seen_unix_s``/``last_seen_unix_s`` (collector clock), ``last_step_unix_s``.
@@ -18,7 +18,7 @@ Tables (see :mod:`collector._ddl` for every column):
 * ``ingested_batches``: the idempotency ledger, key (engine_id, boot_id, seq).
 * ``exporter_stats``: the plugin's cumulative counters per (engine_id, boot_id).
 * ``kv_event_windows``: per (engine_id, ts_s) counters of the engine's KV-cache events
-  (see :mod:`collector.kv_events`); deleted after the raw-step retention.
+  (see :mod:`kvscope.collector.kv_events`); deleted after the raw-step retention.
 * ``meta`` (store layout version) and ``saved_state`` (state kept across restarts).
 """
 
@@ -34,9 +34,16 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from collector import _reads
-from collector._batch import PreparedBatch
-from collector._ddl import (
+from kvscope.collector import _reads
+from kvscope.collector._ingest import (
+    DUPLICATE,
+    STORED,
+    IngestResult,
+    WriteCache,
+    ingest_in_transaction,
+)
+from kvscope.collector.batch import PreparedBatch
+from kvscope.collector.tables import (
     KV_EVENT_COLUMNS,
     KV_EVENT_FIELDS,
     KV_EVENT_LAST,
@@ -44,7 +51,6 @@ from collector._ddl import (
     StoreVersionError,
     ensure_schema,
 )
-from collector._ingest import DUPLICATE, STORED, IngestResult, WriteCache, ingest_in_transaction
 
 __all__ = ["DUPLICATE", "STORED", "IngestResult", "Store", "StoreVersionError"]
 
@@ -257,7 +263,7 @@ class Store:
     def windows(self, engine_id: str | None = None, pool: str | None = None,
                 since_unix_s: float | None = None, until_unix_s: float | None = None,
                 limit: int | None = None) -> pd.DataFrame:
-        """Columns: engine_id, ts_s and the window aggregates (see ``_ddl``), pool, model."""
+        """Columns: engine_id, ts_s and the window aggregates (see :mod:`kvscope.collector.tables`), pool, model."""
         return _reads.windows(self._cursor(), engine_id, pool, since_unix_s, until_unix_s,
                               limit)
 
@@ -289,7 +295,7 @@ class Store:
     def kv_event_windows(self, engine_id: str | None = None, pool: str | None = None,
                          since_unix_s: float | None = None, until_unix_s: float | None = None,
                          limit: int | None = None) -> pd.DataFrame:
-        """Columns: engine_id, ts_s, the KV-event counters (see ``_ddl``), pool."""
+        """Columns: engine_id, ts_s, the KV-event counters (see :mod:`kvscope.collector.tables`), pool."""
         return _reads.kv_event_windows(self._cursor(), engine_id, pool, since_unix_s,
                                        until_unix_s, limit)
 
@@ -313,7 +319,7 @@ class Store:
     def usage_days(self, knees: pd.DataFrame, since_unix_s: float,
                    until_unix_s: float) -> pd.DataFrame:
         """Per engine (``knees``: engine_id, knee) and UTC day: window sums, seconds past
-        the knee and requests finished (``advisor.usage.DAY_COLUMNS``), in SQL."""
+        the knee and requests finished (``kvscope.advisor.usage.DAY_COLUMNS``), in SQL."""
         return _reads.usage_days(self._cursor(), knees, since_unix_s, until_unix_s)
 
     def exporter_stats(self, engine_id: str | None = None) -> pd.DataFrame:

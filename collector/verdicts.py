@@ -1,6 +1,6 @@
 """The advisor's verdicts on ``/metrics``: a periodic run over the collector's own data.
 
-:class:`VerdictLoop` is one named daemon thread that runs :func:`advisor.analyze`
+:class:`VerdictLoop` is one named daemon thread that runs :func:`kvscope.advisor.analyze`
 over the last ``window_s`` seconds (ending :data:`SETTLE_S` before now), pool by
 pool, then waits on an event (the same event is the sleep and the stop signal). It
 reads through the store's read methods wrapped in an :class:`advisor.FrameSource`,
@@ -38,9 +38,9 @@ from typing import Any
 
 import pandas as pd
 
-from advisor import EngineVerdict, FrameSource, PoolVerdict, analyze
-from collector._exposition import TextWriter, label_str, label_value
-from collector.store import Store
+from kvscope.advisor import EngineVerdict, FrameSource, PoolVerdict, analyze
+from kvscope.collector._exposition import TextWriter, label_str, label_value
+from kvscope.collector.store import Store
 
 __all__ = ["RESULTS", "SETTLE_S", "VERDICT_FAMILIES", "VerdictLoop"]
 

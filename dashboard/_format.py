@@ -1,6 +1,6 @@
 """Number formatting for the dashboard, units read from the key's suffix.
 
-Follows the terminal view (:mod:`advisor.render`) so that a number reads the same in
+Follows the terminal view (:mod:`kvscope.advisor.render`) so that a number reads the same in
 ``kvscope advise`` and in the dashboard: percentages without decimals, token rates
 with thousands separators, seconds with two decimals, the knee with one.
 """
@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any
 
-from advisor import render
+from kvscope.advisor import render
 
 EFFECT_LABELS = {**render.EFFECT_LABELS, "throughput_fraction": "throughput (share of peak)",
                  "step_ms": "step time"}

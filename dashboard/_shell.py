@@ -1,7 +1,7 @@
 """The Streamlit frame around every page: settings, sidebar, cached reads, refresh, errors.
 
 A page is a function ``render(snapshot)``; :func:`run_page` gives it the current
-:class:`~dashboard.data.Snapshot` inside a fragment that reruns every ``refresh_s``
+:class:`~kvscope.dashboard.data.Snapshot` inside a fragment that reruns every ``refresh_s``
 seconds, or shows what went wrong (collector unreachable, 401, no data) and what to
 do about it. Reads are cached per refresh tick and shared by pages and sessions.
 """
@@ -15,8 +15,8 @@ from datetime import datetime, timezone
 
 import streamlit as st
 
-from dashboard.data import Snapshot, load_snapshot, resolve_since
-from dashboard.settings import (
+from kvscope.dashboard.data import Snapshot, load_snapshot, resolve_since
+from kvscope.dashboard.settings import (
     WINDOW_CHOICES,
     DashboardSettings,
     SettingsError,

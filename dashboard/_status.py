@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from advisor import EngineVerdict, PoolVerdict, Report
+from kvscope.advisor import EngineVerdict, PoolVerdict, Report
 
 LIVE_S = 15.0
 """An engine whose newest step is at most this old is live (the plugin ships a

@@ -9,14 +9,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# `streamlit run` puts this folder on sys.path, not the one holding the package.
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
+# `streamlit run` puts this folder on sys.path, not the one holding the kvscope package
+# (an install has it on sys.path already; a checkout has it beside this folder).
+_ROOT = next((str(p) for p in Path(__file__).absolute().parents
+              if (p / "kvscope" / "__init__.py").is_file()), None)
+if _ROOT is not None and _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 import streamlit as st  # noqa: E402
 
-from dashboard._shell import settings, sidebar  # noqa: E402
+from kvscope.dashboard._shell import settings, sidebar  # noqa: E402
 
 st.set_page_config(page_title="kvscope", page_icon=":material/monitoring:", layout="wide")
 settings()

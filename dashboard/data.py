@@ -2,9 +2,9 @@
 
 :func:`load_snapshot` reads engines, windows and finished requests through the source
 the settings name: :class:`advisor.CollectorSource` (the collector's ``/v1`` read API,
-1-second windows) or :class:`advisor.prometheus.PrometheusSource` (vLLM's own series in
+1-second windows) or :class:`kvscope.sources.prometheus.source.PrometheusSource` (vLLM's own series in
 a Prometheus-compatible server, windows one scrape interval long, requests estimated
-from histograms). It runs :func:`advisor.analyze` once on those same frames (annotated
+from histograms). It runs :func:`kvscope.advisor.analyze` once on those same frames (annotated
 with the scrape resolution for Prometheus, as ``kvscope advise --prometheus`` does) and
 keeps all of it in a :class:`Snapshot`: the pages present the report's verdicts,
 findings and recommendations and plot the raw frames; they never recompute a finding.
@@ -23,10 +23,10 @@ from typing import Any
 
 import pandas as pd
 
-from advisor import CollectorSource, Report, SourceError, analyze
-from advisor.render import no_data_message, source_error_message, window_text
-from advisor.sources import Source
-from dashboard.settings import DashboardSettings
+from kvscope.advisor import CollectorSource, Report, SourceError, analyze
+from kvscope.advisor.render import no_data_message, source_error_message, window_text
+from kvscope.advisor.sources import Source
+from kvscope.dashboard.settings import DashboardSettings
 
 
 class _KeepingSource:
@@ -168,7 +168,7 @@ def _part(df: pd.DataFrame, engine_id: str, cache: dict[str, dict[str, pd.DataFr
 
 def resolve_since(since_text: str, now_unix_s: float) -> float | None:
     """Unix seconds of a ``--since`` value (``0`` and ``all`` mean the beginning)."""
-    from collector._params import parse_time
+    from kvscope.collector.params import parse_time
 
     if since_text.strip().lower() in ("", "0", "all"):
         return None
@@ -206,10 +206,9 @@ def load_snapshot(settings: DashboardSettings, since_text: str | None = None,
 def _load_prometheus(snap: Snapshot, settings: DashboardSettings, since: float | None,
                      pool: str | None, now: float) -> Snapshot:
     """:func:`load_snapshot` over Prometheus: one range read, analysed and annotated."""
-    from advisor.prometheus import annotate_report
-    from collector._promargs import PromArgError
-    from collector.prom_advise import no_data_message as prom_no_data
-    from collector.prom_advise import source_error_text
+    from kvscope.sources.prometheus.source import annotate_report, source_error_text
+    from kvscope.sources.prometheus.source import no_data_message as prom_no_data
+    from kvscope.sources.prometheus.target import PromArgError
 
     assert settings.prometheus is not None
     t0 = time.monotonic()

@@ -2,7 +2,7 @@
 
 The three recordings of the real vLLM CPU engine (KV-starved, ``max_num_seqs`` 6,
 ample KV cache) were each made on ``demo-host:8000:0``. Here each is replayed as its
-own engine, through :func:`collector.recording.replay` into a collector over HTTP
+own engine, through :func:`kvscope.lab.recording.replay` into a collector over HTTP
 exactly as ``kvscope demo`` does, so one collector holds a fleet: pool ``demo`` with
 the KV-starved and the sequence-capped replica, pool ``demo-ample`` with the one that
 has KV cache to spare.
@@ -19,8 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from collector.process import CollectorProcess
-from collector.recording import BUNDLED_RECORDING, Recording, load_recording, replay
+from kvscope.collector.process import CollectorProcess
+from kvscope.lab.recording import BUNDLED_RECORDING, Recording, load_recording, replay
 
 RECORDINGS = BUNDLED_RECORDING.parent
 

@@ -6,7 +6,7 @@ dashboard/app.py -- --collector URL ...`` (or ``-- --prometheus URL ...``) and t
 environment. ``kvscope dashboard`` passes the bearer token through the environment
 (``KVSCOPE_TOKEN``), never on the command line, so it does not show in the process
 list; Prometheus secrets likewise (``KVSCOPE_PROMETHEUS_*``, see
-:mod:`collector._promargs`).
+:mod:`kvscope.sources.prometheus.target`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from collector._promargs import (
+from kvscope.sources.prometheus.target import (
     PromArgError,
     PromTarget,
     add_prometheus_arguments,
@@ -103,7 +103,7 @@ def _positive(text: str) -> float:
 
 def check_since(text: str) -> str:
     """``text`` when the collector's time syntax accepts it, else :class:`SettingsError`."""
-    from collector._params import ParamError, parse_time
+    from kvscope.collector.params import ParamError, parse_time
 
     try:
         parse_time("--since", text, 0.0)
@@ -118,7 +118,7 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
 
     ``--collector`` defaults to ``$KVSCOPE_COLLECTOR_URL``, ``--token`` to
     ``$KVSCOPE_TOKEN``; ``--prometheus URL`` (with the options of
-    :func:`collector._promargs.add_prometheus_arguments`) reads Prometheus instead. Raises :class:`SettingsError` naming what is missing or wrong.
+    :func:`kvscope.sources.prometheus.target.add_prometheus_arguments`) reads Prometheus instead. Raises :class:`SettingsError` naming what is missing or wrong.
     """
     env = os.environ if environ is None else environ
     p = argparse.ArgumentParser(prog="dashboard/app.py", add_help=False, exit_on_error=False)

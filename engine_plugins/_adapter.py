@@ -11,7 +11,7 @@ interface, so each reader has two paths:
   An object that has none of the expected fields is not stats at all: the
   compatible path raises ``TypeError`` and the caller counts a record error.
 
-The rows are plain tuples in the layouts of :mod:`engine_plugins._rows`; values
+The rows are plain tuples in the layouts of :mod:`kvscope.engine_plugins._rows`; values
 are copied as they are and cleaned up later, off the event loop, by the exporter.
 
 What is counted matches vLLM's own Prometheus counters
@@ -48,7 +48,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_plugins._logging import ONCE
+from kvscope.engine_plugins._logging import ONCE
 
 _NONE = object()
 
@@ -152,7 +152,7 @@ def tokens_row(ts_unix_s: float, step: int, it: Any) -> tuple[Any, ...]:
     """Return the raw row of a ``record()`` call with iteration stats only.
 
     Its gauges are None: the exporter folds its counts into the engine's next step
-    row (see :class:`engine_plugins._rows.StepFolder`).
+    row (see :class:`kvscope.engine_plugins._rows.StepFolder`).
     """
     try:
         prompt = it.num_prompt_tokens

@@ -1,7 +1,7 @@
 """Batch building: drain an engine's buffers into queued, encoded batches.
 
 Per engine and cycle: token-only rows are folded into step rows
-(:class:`engine_plugins._rows.StepFolder`); step rows of the current, incomplete
+(:class:`kvscope.engine_plugins._rows.StepFolder`); step rows of the current, incomplete
 wall-clock second are held back (the final flush sends all); the rest becomes one
 columnar batch per ``MAX_ROWS_PER_BATCH`` rows (schema envelope, ``seq`` 0, 1, 2,
 ... per ``(engine_id, boot_id)``), carrying the hello while it is due and the
@@ -15,9 +15,9 @@ import math
 import time
 from typing import Any
 
-from engine_plugins._buffer import EngineBuffer
-from engine_plugins._exp_state import Batch, ExporterState, encode_batch
-from engine_plugins.schema import SCHEMA_VERSION
+from kvscope.engine_plugins._buffer import EngineBuffer
+from kvscope.engine_plugins._exp_state import Batch, ExporterState, encode_batch
+from kvscope.engine_plugins.schema import SCHEMA_VERSION
 
 #: Most rows of one kind in one batch (the schema allows more; smaller is kinder).
 MAX_ROWS_PER_BATCH = 50_000

@@ -12,7 +12,7 @@ import math
 from collections import deque
 from typing import Any
 
-from engine_plugins._rows import StepFolder
+from kvscope.engine_plugins._rows import StepFolder
 
 
 class EngineBuffer:

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from engine_plugins._logging import ONCE
+from kvscope.engine_plugins._logging import ONCE
 
 DEFAULT_POOL = "default"
 DEFAULT_PORT = 8000

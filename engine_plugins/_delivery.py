@@ -14,10 +14,10 @@ import gzip
 import json
 import time
 
-from engine_plugins._buffer import EngineBuffer
-from engine_plugins._exp_state import Batch, ExporterState, encode_batch
-from engine_plugins._http import OK, RETRY, Response, classify
-from engine_plugins._logging import ERRORS, LOGGER
+from kvscope.engine_plugins._buffer import EngineBuffer
+from kvscope.engine_plugins._exp_state import Batch, ExporterState, encode_batch
+from kvscope.engine_plugins._http import OK, RETRY, Response, classify
+from kvscope.engine_plugins._logging import ERRORS, LOGGER
 
 #: First and largest backoff delay after a failed delivery.
 INITIAL_BACKOFF_S = 0.5

@@ -2,7 +2,7 @@
 
 :class:`ExporterState` holds what the exporter's parts (batch building, delivery,
 spool replay, accounting; one mixin module each, combined in
-:class:`engine_plugins.exporter.Exporter`) share: the engine buffers, the queue of
+:class:`kvscope.engine_plugins.exporter.Exporter`) share: the engine buffers, the queue of
 pending batches with its byte count, the locks and the backoff state. It also keeps
 the queue's accounting: a batch leaving the queue undelivered is counted as dropped
 with its reason (``full``, ``rejected``, ``exit``).
@@ -20,11 +20,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from engine_plugins._buffer import EngineBuffer
-from engine_plugins._config import Settings
-from engine_plugins._http import IngestClient
-from engine_plugins._rows import ColumnBuilder
-from engine_plugins._spool import Spool
+from kvscope.engine_plugins._buffer import EngineBuffer
+from kvscope.engine_plugins._config import Settings
+from kvscope.engine_plugins._http import IngestClient
+from kvscope.engine_plugins._rows import ColumnBuilder
+from kvscope.engine_plugins._spool import Spool
 
 #: Most bytes of encoded batches kept waiting (besides ``max_pending_batches``).
 MAX_PENDING_BYTES = 64 * 1024 * 1024

@@ -15,8 +15,8 @@ import os
 import time
 from typing import Any
 
-from engine_plugins._exp_state import ExporterState
-from engine_plugins._logging import ERRORS
+from kvscope.engine_plugins._exp_state import ExporterState
+from kvscope.engine_plugins._logging import ERRORS
 
 
 class Accounting(ExporterState):

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from engine_plugins import __version__
-from engine_plugins.schema import CONTENT_ENCODING, CONTENT_TYPE, INGEST_PATH
+from kvscope.engine_plugins import __version__
+from kvscope.engine_plugins.schema import CONTENT_ENCODING, CONTENT_TYPE, INGEST_PATH
 
 #: Statuses after which the same batch is sent again later (with backoff).
 RETRYABLE_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})

@@ -1,6 +1,6 @@
 """Raw row layouts, folding of token-only rows, and columns for the wire schema.
 
-``record()`` appends raw tuples (built by :mod:`engine_plugins._adapter`) as fast as
+``record()`` appends raw tuples (built by :mod:`kvscope.engine_plugins._adapter`) as fast as
 it can; everything here runs in the exporter thread.
 
 Raw step row (``RAW_STEP_LAYOUT``)::
@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine_plugins.schema import REQUEST_COLUMNS, STEP_COLUMNS
+from kvscope.engine_plugins.schema import REQUEST_COLUMNS, STEP_COLUMNS
 
 RAW_STEP_LAYOUT = (
     "ts_unix_s", "step", "running", "waiting", "deferred", "kv_usage", "prefix_queries",

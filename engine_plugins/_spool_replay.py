@@ -1,4 +1,4 @@
-"""The exporter's use of the on-disk spool (:mod:`engine_plugins._spool`).
+"""The exporter's use of the on-disk spool (:mod:`kvscope.engine_plugins._spool`).
 
 While deliveries fail, queued batches move, in order, to the spool (batches beyond
 the caps go there instead of being dropped); the spool is sent first, oldest first,
@@ -14,12 +14,12 @@ import json
 import os
 import time
 
-from engine_plugins._buffer import EngineBuffer
-from engine_plugins._delivery import Delivery
-from engine_plugins._exp_state import encode_batch
-from engine_plugins._http import OK, RETRY, Response, classify
-from engine_plugins._logging import ERRORS, LOGGER
-from engine_plugins._spool import Spool, SpoolBusy, SpoolEntry
+from kvscope.engine_plugins._buffer import EngineBuffer
+from kvscope.engine_plugins._delivery import Delivery
+from kvscope.engine_plugins._exp_state import encode_batch
+from kvscope.engine_plugins._http import OK, RETRY, Response, classify
+from kvscope.engine_plugins._logging import ERRORS, LOGGER
+from kvscope.engine_plugins._spool import Spool, SpoolBusy, SpoolEntry
 
 #: Longest one cycle spends replaying the spool (as a share of the flush interval).
 SPOOL_REPLAY_SHARE = 0.8

@@ -9,7 +9,7 @@ The exporter thread (``kvscope-exporter``, a daemon) wakes on ``Event.wait``
 just after each wall-clock boundary of ``flush_interval_s`` and, per engine:
 
 1. drains the deques; token-only rows are folded into step rows
-   (:class:`engine_plugins._rows.StepFolder`);
+   (:class:`kvscope.engine_plugins._rows.StepFolder`);
 2. holds back step rows of the current, incomplete wall-clock second, so that a
    1-second window normally arrives in one batch (the final flush sends all);
 3. builds one columnar batch (schema envelope, ``seq`` 0, 1, 2, ... per
@@ -32,7 +32,7 @@ the plugin changes it (e.g. ``num_gpu_blocks`` known after start-up), after any
 failed delivery (the collector may have restarted), and when a response says
 ``{"need_hello": true}``. A queued batch sent while the hello is due gets it added.
 
-Spool (``KVSCOPE_SPOOL_DIR``, off by default; :mod:`engine_plugins._spool`): while
+Spool (``KVSCOPE_SPOOL_DIR``, off by default; :mod:`kvscope.engine_plugins._spool`): while
 deliveries fail, every queued batch is moved, in order, to segment files on disk
 (written and fsynced by this thread, once per cycle); batches beyond
 ``max_pending_batches`` go there instead of being dropped, and so does whatever is
@@ -59,11 +59,11 @@ makes the thread write these counters as JSON after every cycle.
 
 Layout: :class:`Exporter` (this module: the thread, the cycle, exit and the
 process-wide instance) combines one part per concern: batch building
-(:mod:`engine_plugins._batching`), delivery with retry and backoff
-(:mod:`engine_plugins._delivery`), the spool's spill and replay
-(:mod:`engine_plugins._spool_replay`), and the accounting
-(:mod:`engine_plugins._exp_stats`), over their shared state and pending queue
-(:mod:`engine_plugins._exp_state`).
+(:mod:`kvscope.engine_plugins._batching`), delivery with retry and backoff
+(:mod:`kvscope.engine_plugins._delivery`), the spool's spill and replay
+(:mod:`kvscope.engine_plugins._spool_replay`), and the accounting
+(:mod:`kvscope.engine_plugins._exp_stats`), over their shared state and pending queue
+(:mod:`kvscope.engine_plugins._exp_state`).
 """
 
 from __future__ import annotations
@@ -74,15 +74,15 @@ import threading
 import time
 from typing import Any
 
-from engine_plugins._batching import HEARTBEAT_S, MAX_ROWS_PER_BATCH, BatchBuilding
-from engine_plugins._buffer import EngineBuffer
-from engine_plugins._config import Settings
-from engine_plugins._delivery import INITIAL_BACKOFF_S, MAX_BACKOFF_S
-from engine_plugins._exp_state import MAX_PENDING_BYTES
-from engine_plugins._exp_stats import Accounting
-from engine_plugins._http import IngestClient
-from engine_plugins._logging import ERRORS
-from engine_plugins._spool_replay import SPOOL_REPLAY_SHARE, SpoolReplay
+from kvscope.engine_plugins._batching import HEARTBEAT_S, MAX_ROWS_PER_BATCH, BatchBuilding
+from kvscope.engine_plugins._buffer import EngineBuffer
+from kvscope.engine_plugins._config import Settings
+from kvscope.engine_plugins._delivery import INITIAL_BACKOFF_S, MAX_BACKOFF_S
+from kvscope.engine_plugins._exp_state import MAX_PENDING_BYTES
+from kvscope.engine_plugins._exp_stats import Accounting
+from kvscope.engine_plugins._http import IngestClient
+from kvscope.engine_plugins._logging import ERRORS
+from kvscope.engine_plugins._spool_replay import SPOOL_REPLAY_SHARE, SpoolReplay
 
 #: Share of the exit deadline kept for writing undelivered batches to the spool.
 SPOOL_EXIT_RESERVE = 0.25

@@ -1,7 +1,7 @@
 """kvscope's vLLM stat-logger plugin.
 
 Registered under the entry-point group ``vllm.stat_logger_plugins`` as
-``engine_plugins.plugin:KvscopeStatLogger``. vLLM's API server process (AsyncLLM)
+``kvscope.engine_plugins.plugin:KvscopeStatLogger``. vLLM's API server process (AsyncLLM)
 creates one instance per engine (``cls(vllm_config, engine_index)``) and calls
 :meth:`KvscopeStatLogger.record` once per engine step output, on its event loop,
 without a ``try``: so every entry point here is guarded. A failure is counted
@@ -20,12 +20,12 @@ from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from engine_plugins import __version__
-from engine_plugins._adapter import finished_requests, request_row, step_row, tokens_row
-from engine_plugins._config import Settings, load_settings
-from engine_plugins._logging import ERRORS, ONCE
-from engine_plugins.exporter import EngineBuffer, Exporter, current_exporter, get_exporter
-from engine_plugins.schema import MAX_ID_CHARS, MAX_LABEL_CHARS, MAX_TEXT_CHARS
+from kvscope.engine_plugins import __version__
+from kvscope.engine_plugins._adapter import finished_requests, request_row, step_row, tokens_row
+from kvscope.engine_plugins._config import Settings, load_settings
+from kvscope.engine_plugins._logging import ERRORS, ONCE
+from kvscope.engine_plugins.exporter import EngineBuffer, Exporter, current_exporter, get_exporter
+from kvscope.engine_plugins.schema import MAX_ID_CHARS, MAX_LABEL_CHARS, MAX_TEXT_CHARS
 
 _time = time.time
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from engine_plugins._config import Settings
-from engine_plugins.exporter import Exporter
+from kvscope.engine_plugins._config import Settings
+from kvscope.engine_plugins.exporter import Exporter
 
 
 def make_settings(url: str, **kw: Any) -> Settings:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 ENGINE_ARG = "vllm.entrypoints.openai.api_server"
-"""An argument of every vLLM API server's command line (``collector.lab.VllmServer``)."""
+"""An argument of every vLLM API server's command line (``kvscope.lab.engine.VllmServer``)."""
 HEAVY_SERVERS = ("prometheus", "victoria-metrics")
 """Programs that must not run while an engine starts (matched on the command's name)."""
 SHARED_ENGINE_FIXTURES = ("overload_run",)
@@ -100,7 +100,7 @@ def side_by_side(n: int) -> Iterator[None]:
 
 def guard_engine_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     """Check every ``VllmServer.start`` of the session with :func:`check_engine_may_start`."""
-    from collector.lab import VllmServer
+    from kvscope.lab.engine import VllmServer
 
     start = VllmServer.start
 

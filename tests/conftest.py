@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from collector.process import CollectorProcess
-from collector.recording import load_recording, replay
+from kvscope.collector.process import CollectorProcess
+from kvscope.lab.recording import load_recording, replay
 from tests._resources import (
     guard_engine_starts,
     note_positions,
@@ -51,7 +51,7 @@ def _one_engine_at_a_time() -> Iterator[None]:
         yield
 
 
-RECORDINGS = Path(__file__).resolve().parents[1] / "collector" / "recordings"
+RECORDINGS = Path(__file__).resolve().parents[1] / "lab" / "recordings"
 KV_STARVED_ENDED_AGO_S = 120.0
 """The shared KV-starved replay ends this long before it is sent: recent enough for
 ``--since 30m`` and the collector's advisor window, old enough for an empty

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from advisor import Report
-from collector.process import CollectorProcess, free_port
+from kvscope.advisor import Report
+from kvscope.collector.process import CollectorProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = "demo-host:8000:0"
@@ -28,7 +28,7 @@ def advise(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("KVSCOPE_COLLECTOR_URL", "KVSCOPE_TOKEN")}
     env["COLUMNS"] = "100"
-    return subprocess.run([sys.executable, "-m", "collector.cli", "advise", *args],
+    return subprocess.run([sys.executable, "-m", "kvscope.cli.main", "advise", *args],
                           capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
 
 

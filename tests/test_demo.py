@@ -6,8 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from collector.process import free_port
-from collector.recording import BUNDLED_RECORDING, load_recording
+from kvscope.collector.process import free_port
+from kvscope.lab.recording import BUNDLED_RECORDING, load_recording
 
 
 def test_bundled_recording_is_a_real_overload_run():
@@ -29,7 +29,7 @@ def test_demo_replays_into_a_real_collector(tmp_path: Path):
     store = tmp_path / "demo.duckdb"
     port = free_port()
     out = subprocess.run(
-        [sys.executable, "-m", "collector.cli", "demo", "--port", str(port),
+        [sys.executable, "-m", "kvscope.cli.main", "demo", "--port", str(port),
          "--store", str(store)],
         capture_output=True, text=True, timeout=300,
     )
@@ -56,7 +56,7 @@ def test_demo_replays_into_a_real_collector(tmp_path: Path):
 
 def test_demo_fails_clearly_on_a_missing_recording(tmp_path: Path):
     out = subprocess.run(
-        [sys.executable, "-m", "collector.cli", "demo", "--port", str(free_port()),
+        [sys.executable, "-m", "kvscope.cli.main", "demo", "--port", str(free_port()),
          "--store", str(tmp_path / "x.duckdb"), "--recording", str(tmp_path / "nope.gz")],
         capture_output=True, text=True, timeout=60,
     )

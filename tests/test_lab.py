@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from collector.lab import (
+from kvscope.lab.engine import (
     MARKER_FILE,
     VLLM_COUNTERS,
     LabError,
@@ -23,7 +23,7 @@ from collector.lab import (
     parse_prometheus_text,
     vllm_counter_totals,
 )
-from collector.sweep.prompts import TOKENS_PER_WORD, random_words
+from kvscope.lab.sweep.prompts import TOKENS_PER_WORD, random_words
 
 METRICS_SAMPLE = Path(__file__).parent / "fixtures" / "vllm_metrics_sample.txt"
 """A real scrape of vLLM 0.32's /metrics (CPU build)."""
@@ -172,7 +172,7 @@ def test_renice_process_group_touches_only_the_named_processes_of_the_group() ->
     import subprocess
     import time
 
-    from collector.lab import renice_process_group
+    from kvscope.lab.engine import renice_process_group
 
     leader = subprocess.Popen(["sleep", "30"], start_new_session=True)
     other = subprocess.Popen(["sleep", "30"])  # same name, not in the group

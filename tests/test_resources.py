@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from collector.lab import VllmServer
+from kvscope.lab.engine import VllmServer
 from tests import _resources
 from tests._resources import (
     ENGINE_ARG,

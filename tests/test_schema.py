@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine_plugins import schema
+from kvscope.engine_plugins import schema
 
 
 def make_batch(n_steps: int = 3, n_requests: int = 1) -> dict[str, Any]:
@@ -123,9 +123,9 @@ def test_optional_field_must_be_nullable():
 def test_recorded_hellos_without_the_new_field_still_validate():
     from pathlib import Path
 
-    from collector.recording import load_recording
+    from kvscope.lab.recording import load_recording
 
-    recordings = sorted((Path(__file__).parents[1] / "collector" / "recordings").glob("*.jsonl.gz"))
+    recordings = sorted((Path(__file__).parents[1] / "lab" / "recordings").glob("*.jsonl.gz"))
     assert recordings
     for path in recordings:
         hellos = [b["hello"] for b in load_recording(path).batches if b.get("hello")]

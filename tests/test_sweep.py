@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from collector.sweep import (
+from kvscope.lab.sweep import (
     SweepConfig,
     SweepError,
     SweepResult,
@@ -34,10 +34,10 @@ from collector.sweep import (
     run_sweep_async,
     summarize_level,
 )
-from collector.sweep.prompts import WORDS
-from collector.sweep.routing import Router
-from collector.sweep.stats import RequestRecord
-from collector.sweep.traces import MOONCAKE_BLOCK_TOKENS
+from kvscope.lab.sweep.prompts import WORDS
+from kvscope.lab.sweep.routing import Router
+from kvscope.lab.sweep.stats import RequestRecord
+from kvscope.lab.sweep.traces import MOONCAKE_BLOCK_TOKENS
 
 TRACES = Path(__file__).resolve().parents[1] / "traces"
 

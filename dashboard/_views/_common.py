@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from advisor import EngineVerdict, Report
-from dashboard._status import engine_attention, engines_by_attention
+from kvscope.advisor import EngineVerdict, Report
+from kvscope.dashboard._status import engine_attention, engines_by_attention
 
 
 def pick_engine(report: Report, key: str) -> EngineVerdict:

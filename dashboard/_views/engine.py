@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import streamlit as st
 
-from advisor import SourceError
-from dashboard._charts import engine_series, latency_chart, latency_series, step_chart, time_chart
-from dashboard._format import NONE, knee, num, pct, tok
-from dashboard._status import engine_status, recent
-from dashboard._views._common import pick_engine, verdict_headline
-from dashboard.data import Snapshot, recent_steps
+from kvscope.advisor import SourceError
+from kvscope.dashboard._charts import (
+    engine_series,
+    latency_chart,
+    latency_series,
+    step_chart,
+    time_chart,
+)
+from kvscope.dashboard._format import NONE, knee, num, pct, tok
+from kvscope.dashboard._status import engine_status, recent
+from kvscope.dashboard._views._common import pick_engine, verdict_headline
+from kvscope.dashboard.data import Snapshot, recent_steps
 
 STEP_SECONDS = 30.0
 """Seconds of raw steps shown, ending at the engine's newest step."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from advisor import EngineVerdict
-from dashboard._format import NONE, knee, num, pct, tok
-from dashboard._status import (
+from kvscope.advisor import EngineVerdict
+from kvscope.dashboard._format import NONE, knee, num, pct, tok
+from kvscope.dashboard._status import (
     Attention,
     engine_attention,
     engine_status,
@@ -15,7 +15,7 @@ from dashboard._status import (
     pools_by_attention,
     recent,
 )
-from dashboard.data import Snapshot
+from kvscope.dashboard.data import Snapshot
 
 
 def _verdict_text(v: EngineVerdict) -> str:

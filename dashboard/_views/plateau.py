@@ -6,10 +6,10 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from dashboard._charts import load_domain, p99_chart, plateau_chart
-from dashboard._format import NONE, facts, knee, num, pct, sec, tok
-from dashboard._views._common import pick_engine, verdict_headline
-from dashboard.data import Snapshot
+from kvscope.dashboard._charts import load_domain, p99_chart, plateau_chart
+from kvscope.dashboard._format import NONE, facts, knee, num, pct, sec, tok
+from kvscope.dashboard._views._common import pick_engine, verdict_headline
+from kvscope.dashboard.data import Snapshot
 
 
 def render(snap: Snapshot) -> None:

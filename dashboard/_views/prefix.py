@@ -8,12 +8,12 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 
-from advisor import Finding, PoolVerdict, Report
-from dashboard._charts import hit_rate_chart
-from dashboard._format import NONE, num, pct, sec
-from dashboard._status import pools_by_attention
-from dashboard._views.recommendations import recommendation_card
-from dashboard.data import Snapshot
+from kvscope.advisor import Finding, PoolVerdict, Report
+from kvscope.dashboard._charts import hit_rate_chart
+from kvscope.dashboard._format import NONE, num, pct, sec
+from kvscope.dashboard._status import pools_by_attention
+from kvscope.dashboard._views.recommendations import recommendation_card
+from kvscope.dashboard.data import Snapshot
 
 ROUTING_KINDS = ("prefix_aware_routing", "least_loaded_routing")
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import streamlit as st
 
-from advisor import Recommendation
-from dashboard._format import EFFECT_LABELS, facts
-from dashboard.data import Snapshot
+from kvscope.advisor import Recommendation
+from kvscope.dashboard._format import EFFECT_LABELS, facts
+from kvscope.dashboard.data import Snapshot
 
 _TEXT_KEYS = {
     "router_policy": ("router policy", "text"),

@@ -1,6 +1,6 @@
 """Plateau page."""
 
-from dashboard._shell import run_page
-from dashboard._views.plateau import render
+from kvscope.dashboard._shell import run_page
+from kvscope.dashboard._views.plateau import render
 
 run_page(render, "Plateau")

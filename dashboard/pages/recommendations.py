@@ -1,6 +1,6 @@
 """Recommendations page."""
 
-from dashboard._shell import run_page
-from dashboard._views.recommendations import render
+from kvscope.dashboard._shell import run_page
+from kvscope.dashboard._views.recommendations import render
 
 run_page(render, "Recommendations")

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from collector.process import CollectorProcess
-from collector.recording import load_recording, replay
+from kvscope.collector.process import CollectorProcess
+from kvscope.lab.recording import load_recording, replay
 from tests._resources import release_after_last_use
 
 ROOT = Path(__file__).resolve().parents[2]
-RECORDINGS = ROOT / "collector" / "recordings"
+RECORDINGS = ROOT / "lab" / "recordings"
 END_AT_UNIX_S = 1_800_000_000.0
 
 

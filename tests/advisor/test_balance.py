@@ -5,8 +5,8 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from advisor import LoadBalance
-from advisor.findings import Scope
+from kvscope.advisor import LoadBalance
+from kvscope.advisor.findings import Scope
 
 T0 = 1_700_000_000
 

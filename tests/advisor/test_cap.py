@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from advisor import FrameSource, analyze
-from advisor.datasets import REGIMES, _throughput, make_engine
+from kvscope.advisor import FrameSource, analyze
+from kvscope.advisor.datasets import REGIMES, _throughput, make_engine
 
 LEVELS = (1, 2, 4, 8, 12, 16, 24, 32)
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from advisor import FrameSource, Report, SchemaVersionError, analyze
-from advisor.datasets import make_engine
+from kvscope.advisor import FrameSource, Report, SchemaVersionError, analyze
+from kvscope.advisor.datasets import make_engine
 
 
 def test_report_round_trips_through_json() -> None:

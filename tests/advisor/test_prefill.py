@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from advisor import PrefillCost
-from advisor.prefill import request_prefill_s, request_ttft_s, theil_sen
+from kvscope.advisor import PrefillCost
+from kvscope.advisor.prefill import request_prefill_s, request_ttft_s, theil_sen
 
 
 def _requests(n: int, slope: float, *, seed: int = 0, noise: float = 0.1,

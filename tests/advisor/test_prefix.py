@@ -7,9 +7,9 @@ import json
 import pandas as pd
 import pytest
 
-from advisor import FrameSource, PrefixRouting, Report, analyze
-from advisor.datasets import make_prefix_pool
-from advisor.prefix import KV_EVENTS_FLAG, PREFIX_CACHING_FLAG
+from kvscope.advisor import FrameSource, PrefixRouting, Report, analyze
+from kvscope.advisor.datasets import make_prefix_pool
+from kvscope.advisor.prefix import KV_EVENTS_FLAG, PREFIX_CACHING_FLAG
 
 T0 = 1_700_000_000
 

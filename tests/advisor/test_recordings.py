@@ -6,14 +6,14 @@ from typing import Any
 
 import pytest
 
-from advisor import CollectorSource, analyze
+from kvscope.advisor import CollectorSource, analyze
 
 ENGINE = "demo-host:8000:0"
 
 
 def _report(replayed: dict[str, Any], name: str) -> Any:
     if name not in replayed:
-        pytest.fail(f"recording {name} missing from collector/recordings")
+        pytest.fail(f"recording {name} missing from lab/recordings")
     return analyze(CollectorSource(replayed[name].url))
 
 

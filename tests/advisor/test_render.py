@@ -7,10 +7,10 @@ import io
 import pandas as pd
 from rich.console import Console
 
-from advisor import FrameSource, Report, SourceError, analyze
-from advisor._textplot import CAP, KNEE, POINT, throughput_plot
-from advisor.datasets import make_engine
-from advisor.render import no_data_message, render_report, source_error_message
+from kvscope.advisor import FrameSource, Report, SourceError, analyze
+from kvscope.advisor.datasets import make_engine
+from kvscope.advisor.render import no_data_message, render_report, source_error_message
+from kvscope.advisor.textplot import CAP, KNEE, POINT, throughput_plot
 
 
 def _text(report: Report) -> str:
@@ -111,7 +111,7 @@ def test_source_error_messages() -> None:
 
 
 def test_prefix_and_routing_section_per_pool() -> None:
-    from advisor.datasets import make_prefix_pool
+    from kvscope.advisor.datasets import make_prefix_pool
 
     s = make_prefix_pool(seed=0)
     rep = analyze(FrameSource(s.engines, s.windows, s.requests, s.kv_events))
@@ -131,8 +131,8 @@ def test_prefix_and_routing_section_per_pool() -> None:
 
 
 def test_prefix_section_without_events_names_the_flag() -> None:
-    from advisor.datasets import make_prefix_pool
-    from advisor.prefix import KV_EVENTS_FLAG
+    from kvscope.advisor.datasets import make_prefix_pool
+    from kvscope.advisor.prefix import KV_EVENTS_FLAG
 
     s = make_prefix_pool(with_events=False)
     text = " ".join(_text(analyze(FrameSource(s.engines, s.windows, s.requests))).split())

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import pandas as pd
 import pytest
 
-from advisor import CollectorSource, FrameSource, SourceError
+from kvscope.advisor import CollectorSource, FrameSource, SourceError
 
 
 def test_frame_source_kv_events_filters_pool_and_time() -> None:

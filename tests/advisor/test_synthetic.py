@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from advisor import FrameSource, ThroughputCurve, analyze
-from advisor.datasets import REGIMES, make_engine
+from kvscope.advisor import FrameSource, ThroughputCurve, analyze
+from kvscope.advisor.datasets import REGIMES, make_engine
 
 SEEDS = (0, 1, 2)
 

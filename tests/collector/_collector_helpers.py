@@ -6,7 +6,7 @@ import gzip
 import json
 from typing import Any
 
-from engine_plugins.schema import SCHEMA_VERSION
+from kvscope.engine_plugins.schema import SCHEMA_VERSION
 
 
 def hello(engine_id: str, boot_id: str, **over: Any) -> dict[str, Any]:
@@ -99,7 +99,7 @@ class LiveCollector:
         import asyncio
         import threading
 
-        from collector.server import start
+        from kvscope.collector.server import start
 
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="test-collector",

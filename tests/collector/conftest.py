@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _collector_helpers import LiveCollector
 
-from collector.settings import Settings
+from kvscope.collector.settings import Settings
 
 
 @pytest.fixture

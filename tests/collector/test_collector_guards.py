@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from collector._guards import ByteBudget, NewEngineGate, Overbudget
+from kvscope.collector._guards import ByteBudget, NewEngineGate, Overbudget
 
 
 def test_byte_budget_refuses_past_the_limit_and_leases_give_back() -> None:

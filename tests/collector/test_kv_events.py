@@ -30,8 +30,8 @@ from vllm.distributed.kv_events import (
     ZmqEventPublisher,
 )
 
-from collector.process import CollectorProcess, free_port
-from engine_plugins.plugin import kv_events_endpoint
+from kvscope.collector.process import CollectorProcess, free_port
+from kvscope.engine_plugins.plugin import kv_events_endpoint
 
 PROMTOOL = "/usr/bin/promtool"
 BS = 4
@@ -356,7 +356,7 @@ def test_collector_process_with_an_override_keeps_counters_over_restarts(
 
 
 def test_endpoint_resolution() -> None:
-    from collector._kv_endpoints import resolve_endpoint
+    from kvscope.collector.kv_endpoints import resolve_endpoint
 
     assert resolve_endpoint("tcp://*:5557", "10.1.2.3") == "tcp://10.1.2.3:5557"
     assert resolve_endpoint("tcp://0.0.0.0:5557", "10.1.2.3") == "tcp://10.1.2.3:5557"
@@ -370,7 +370,8 @@ def test_endpoint_resolution() -> None:
 
 
 def test_cli_flags_build_the_settings() -> None:
-    from collector.cli import build_parser, collector_settings
+    from kvscope.cli.collector import collector_settings
+    from kvscope.cli.main import build_parser
 
     args = build_parser().parse_args([
         "collector", "--kv-events", "off", "--kv-events-endpoint", "e1=tcp://h:5557",

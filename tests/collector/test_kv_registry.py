@@ -11,7 +11,7 @@ from vllm.distributed.kv_events import BlockRemoved as VBlockRemoved
 from vllm.distributed.kv_events import BlockStored as VBlockStored
 from vllm.distributed.kv_events import KVEventBatch
 
-from collector._kv_registry import (
+from kvscope.collector._kv_registry import (
     BLOCK_SIZE,
     CLEARED,
     DUP,
@@ -29,7 +29,7 @@ from collector._kv_registry import (
     content_id,
     new_row,
 )
-from collector._kv_wire import Message, WireError, decode
+from kvscope.collector._kv_wire import Message, WireError, decode
 
 ENC = msgspec.msgpack.Encoder()
 

@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 from _collector_helpers import batch, hello
 
-from collector._batch import prepare_batch
-from collector._ddl import KV_EVENT_COLUMNS, TABLES
-from collector.store import Store
+from kvscope.collector.batch import prepare_batch
+from kvscope.collector.store import Store
+from kvscope.collector.tables import KV_EVENT_COLUMNS, TABLES
 
 T0 = 1_700_000_000.0
 NEW_COLUMNS = {"kv_events_endpoint"}

@@ -13,7 +13,7 @@ import pytest
 from _collector_helpers import batch, hello, http, post_batch, steps
 from prometheus_client.parser import text_string_to_metric_families
 
-from collector.metrics import BATCH_SIZE_BUCKETS, KV_USAGE_BUCKETS
+from kvscope.collector.metrics import BATCH_SIZE_BUCKETS, KV_USAGE_BUCKETS
 
 PROMTOOL = "/usr/bin/promtool"
 T0 = 1_700_000_000.0

@@ -25,14 +25,15 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.metrics.v1.metrics_pb2 import AggregationTemporality
 from prometheus_client.parser import text_string_to_metric_families
 
-from collector import cli
-from collector._exposition import fmt
-from collector.otlp import metrics_url
-from collector.process import CollectorProcess, free_port
-from collector.recording import load_recording, post_batch, rebased, replay
-from collector.settings import Settings
+from kvscope.cli import checks, main
+from kvscope.cli.collector import collector_settings
+from kvscope.collector._exposition import fmt
+from kvscope.collector.otlp import metrics_url
+from kvscope.collector.process import CollectorProcess, free_port
+from kvscope.collector.settings import Settings
+from kvscope.lab.recording import load_recording, post_batch, rebased, replay
 
-RECORDINGS = Path(__file__).resolve().parents[2] / "collector" / "recordings"
+RECORDINGS = Path(__file__).resolve().parents[2] / "lab" / "recordings"
 CHANGING = ("kvscope_advisor_runs_total", "kvscope_advisor_last_run_timestamp_seconds",
             "kvscope_advisor_last_success_timestamp_seconds",
             "kvscope_advisor_last_run_duration_seconds")
@@ -344,8 +345,8 @@ def test_unreachable_endpoint_costs_ingest_nothing(tmp_path: Path,
 
 def test_missing_sdk_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "opentelemetry", None)  # as if not installed
-    with pytest.raises(cli.MissingExtraError) as err:
-        cli.main(["collector", "--store", str(tmp_path / "k.duckdb"),
+    with pytest.raises(checks.MissingExtraError) as err:
+        main.main(["collector", "--store", str(tmp_path / "k.duckdb"),
                   "--otlp-endpoint", "http://127.0.0.1:4318/v1/metrics"])
     assert "pip install 'kvscope[otlp]'" in str(err.value)
     assert "--otlp-endpoint" in str(err.value)
@@ -354,7 +355,7 @@ def test_missing_sdk_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 def test_collector_without_otlp_never_imports_opentelemetry() -> None:
     import subprocess
 
-    code = ("import sys, collector.server, collector.otlp, collector.cli; "
+    code = ("import sys, kvscope.collector.server, kvscope.collector.otlp, kvscope.cli.main; "
             "import json; print(json.dumps([m for m in sys.modules if m.startswith('opentelemetry')]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)
@@ -368,7 +369,7 @@ def test_collector_without_otlp_never_imports_opentelemetry() -> None:
 ])
 def test_bad_otlp_flags_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        cli.build_parser().parse_args(["collector", *argv])
+        main.build_parser().parse_args(["collector", *argv])
     assert exc.value.code == 2
     assert "--otlp" in capsys.readouterr().err
 
@@ -383,9 +384,9 @@ def test_otlp_settings() -> None:
         Settings(otlp_endpoint="otel:4318")
     with pytest.raises(ValueError, match="otlp_interval_s"):
         Settings(otlp_endpoint="http://otel:4318", otlp_interval_s=0)
-    args = cli.build_parser().parse_args([
+    args = main.build_parser().parse_args([
         "collector", "--otlp-endpoint", "http://otel:4318/v1/metrics", "--otlp-interval", "5",
         "--otlp-header", "Authorization=Bearer T", "--otlp-header", "X-Scope-OrgID=fleet"])
-    s = cli.collector_settings(args)
+    s = collector_settings(args)
     assert s.otlp_interval_s == 5.0
     assert s.otlp_headers == (("Authorization", "Bearer T"), ("X-Scope-OrgID", "fleet"))

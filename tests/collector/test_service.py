@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from _collector_helpers import batch, encode, get_json, http, post_batch
 
-from collector._batch import prepare_batch
-from collector._writer import GroupCommitWriter, Overloaded, WriterClosed
-from collector.settings import Settings
-from collector.store import Store
+from kvscope.collector._writer import GroupCommitWriter, Overloaded, WriterClosed
+from kvscope.collector.batch import prepare_batch
+from kvscope.collector.settings import Settings
+from kvscope.collector.store import Store
 
 
 def test_settings_defaults_and_validation() -> None:
@@ -77,7 +77,7 @@ def test_writer_job_runs_on_writer_thread(tmp_path: Path) -> None:
 
 def test_serve_process_graceful_shutdown(tmp_path: Path) -> None:
     store = tmp_path / "svc.duckdb"
-    code = ("import sys; from collector.server import serve; from collector.settings import "
+    code = ("import sys; from kvscope.collector.server import serve; from kvscope.collector.settings import "
             f"Settings; serve(Settings(port=0, store_path={str(store)!r}))")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
@@ -141,8 +141,8 @@ def test_start_fails_cleanly_on_a_newer_store(tmp_path: Path) -> None:
 
     import duckdb
 
-    from collector.server import start
-    from collector.store import StoreVersionError
+    from kvscope.collector.server import start
+    from kvscope.collector.store import StoreVersionError
 
     path = str(tmp_path / "newer.duckdb")
     Store(path).close()

@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 from _collector_helpers import batch, hello, steps
 
-from collector._batch import PreparedBatch, prepare_batch
-from collector._ddl import STORE_SCHEMA_VERSION
-from collector.store import Store, StoreVersionError
+from kvscope.collector.batch import PreparedBatch, prepare_batch
+from kvscope.collector.store import Store, StoreVersionError
+from kvscope.collector.tables import STORE_SCHEMA_VERSION
 
 T0 = 1_700_000_000.0
 

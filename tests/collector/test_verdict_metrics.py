@@ -14,10 +14,10 @@ import pytest
 from _collector_helpers import http
 from prometheus_client.parser import text_string_to_metric_families
 
-from collector._exposition import TextWriter
-from collector.settings import Settings
-from collector.store import Store
-from collector.verdicts import VerdictLoop
+from kvscope.collector._exposition import TextWriter
+from kvscope.collector.settings import Settings
+from kvscope.collector.store import Store
+from kvscope.collector.verdicts import VerdictLoop
 
 PROMTOOL = "/usr/bin/promtool"
 ENGINE_LABELS = (("engine", "demo-host:8000:0"), ("model", "kvscope-demo"), ("pool", "demo"))
@@ -83,7 +83,7 @@ class _FailingStore:
 
 def test_failures_are_counted_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     loop = VerdictLoop(_FailingStore(), interval_s=1, window_s=60)  # type: ignore[arg-type]
-    with caplog.at_level(logging.ERROR, logger="collector.verdicts"):
+    with caplog.at_level(logging.ERROR, logger="kvscope.collector.verdicts"):
         assert [loop.run_once() for _ in range(3)] == ["error"] * 3
     assert len(caplog.records) == 1 and "store is closed" in caplog.records[0].getMessage()
     w = TextWriter()
@@ -159,7 +159,7 @@ class _FrameStore:
 
 
 def test_pool_prefix_gauges_come_from_the_kv_events() -> None:
-    from advisor.datasets import make_prefix_pool
+    from kvscope.advisor.datasets import make_prefix_pool
 
     pool = make_prefix_pool(seed=3)
     t_end = float(pool.windows["ts_s"].max()) + 1

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from advisor import CollectorSource, Report, analyze
-from dashboard.demo import DEMO_FLEET
+from kvscope.advisor import CollectorSource, Report, analyze
+from kvscope.dashboard.demo import DEMO_FLEET
 
 KV_STARVED = DEMO_FLEET[0].engine_id
 """The KV-starved replica (pool ``demo``)."""

@@ -13,9 +13,9 @@ import pytest
 from _browser import SAVED
 from _fleet import KV_STARVED, expected_report
 
-from advisor import Report
-from collector.process import CollectorProcess
-from dashboard.demo import demo_collector
+from kvscope.advisor import Report
+from kvscope.collector.process import CollectorProcess
+from kvscope.dashboard.demo import demo_collector
 from tests._resources import release_after_last_use
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """The dashboard's pages under Streamlit's AppTest, reading a real collector process that
 holds the demo fleet (three real vLLM recordings replayed over HTTP).
 
-Every number a page shows is checked against what :func:`advisor.analyze` answers on
+Every number a page shows is checked against what :func:`kvscope.advisor.analyze` answers on
 the same collector, formatted as ``kvscope advise`` formats it, and the raw numbers
 of the overview against the collector's own rows."""
 
@@ -18,11 +18,11 @@ import pytest
 from _fleet import AMPLE, KV_STARVED, SEQ_CAPPED, expected_report
 from streamlit.testing.v1 import AppTest
 
-from advisor import FrameSource, Report, analyze
-from advisor.datasets import make_prefix_pool
-from advisor.prefix import KV_EVENTS_FLAG
-from collector.process import CollectorProcess, free_port
-from dashboard._status import LIVE_S
+from kvscope.advisor import FrameSource, Report, analyze
+from kvscope.advisor.datasets import make_prefix_pool
+from kvscope.advisor.prefix import KV_EVENTS_FLAG
+from kvscope.collector.process import CollectorProcess, free_port
+from kvscope.dashboard._status import LIVE_S
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 
@@ -298,10 +298,10 @@ def test_prefix_page_shows_hit_rates_per_replica_and_the_missing_kv_events(
 
 
 def _prefix_page(report_json: str) -> None:
-    from advisor import Report
-    from dashboard._views.prefix import render
-    from dashboard.data import Snapshot
-    from dashboard.settings import DashboardSettings
+    from kvscope.advisor import Report
+    from kvscope.dashboard._views.prefix import render
+    from kvscope.dashboard.data import Snapshot
+    from kvscope.dashboard.settings import DashboardSettings
 
     render(Snapshot(settings=DashboardSettings("http://127.0.0.1:9"), since_text="all",
                     since_unix_s=None, until_unix_s=None, fetched_unix_s=0.0,

@@ -23,8 +23,8 @@ import pytest
 from _browser import SAVED, Chromium
 from _fleet import KV_STARVED, SEQ_CAPPED
 
-from advisor import Report
-from collector.process import CollectorProcess, free_port
+from kvscope.advisor import Report
+from kvscope.collector.process import CollectorProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,7 +53,7 @@ def start_dashboard(args: list[str], log_path: Path, timeout_s: float = 90.0) ->
     port = free_port()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "collector.cli", "dashboard", *args, "--port", str(port)],
+            [sys.executable, "-m", "kvscope.cli.main", "dashboard", *args, "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     served = Served(f"http://127.0.0.1:{port}", port, proc, log_path)

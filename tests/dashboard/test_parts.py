@@ -10,21 +10,26 @@ import math
 import pandas as pd
 import pytest
 
-from advisor import EngineVerdict, Finding, PoolVerdict, Report, Scope
-from collector.recording import load_recording
-from dashboard import cli
-from dashboard._charts import bucket_seconds, engine_series, latency_series
-from dashboard._format import value
-from dashboard._status import engine_status, engines_by_attention, pools_by_attention, recent
-from dashboard._views.recommendations import change_blocks
-from dashboard.demo import DEMO_FLEET, relabeled
-from dashboard.settings import (
+from kvscope.advisor import EngineVerdict, Finding, PoolVerdict, Report, Scope
+from kvscope.cli import dashboard as cli
+from kvscope.dashboard._charts import bucket_seconds, engine_series, latency_series
+from kvscope.dashboard._format import value
+from kvscope.dashboard._status import (
+    engine_status,
+    engines_by_attention,
+    pools_by_attention,
+    recent,
+)
+from kvscope.dashboard._views.recommendations import change_blocks
+from kvscope.dashboard.demo import DEMO_FLEET, relabeled
+from kvscope.dashboard.settings import (
     DashboardSettings,
     SettingsError,
     normalize_url,
     parse_settings,
     to_argv,
 )
+from kvscope.lab.recording import load_recording
 
 # -- settings and command line -----------------------------------------------------------
 
@@ -57,7 +62,7 @@ def test_bad_settings_name_the_argument(argv: list[str], message: str) -> None:
 
 
 def _args(*argv: str) -> argparse.Namespace:
-    from collector.cli import build_parser
+    from kvscope.cli.main import build_parser
 
     return build_parser().parse_args(["dashboard", *argv])
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collector.process import free_port
-from collector.recording import load_recording, post_batch, rebased
+from kvscope.collector.process import free_port
+from kvscope.lab.recording import load_recording, post_batch, rebased
 
 
 @dataclass

@@ -48,8 +48,8 @@ from _prom import (
     selectors,
 )
 
-from collector.process import CollectorProcess
-from collector.recording import BUNDLED_RECORDING
+from kvscope.collector.process import CollectorProcess
+from kvscope.lab.recording import BUNDLED_RECORDING
 
 pytestmark = pytest.mark.promtool
 

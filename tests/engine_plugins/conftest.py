@@ -12,9 +12,9 @@ import pytest
 from _ep_helpers import Blackhole
 from _plugin_testkit import RecordingServer, make_settings
 
-from engine_plugins import exporter as exporter_mod
-from engine_plugins._logging import ERRORS, LOGGER, ONCE
-from engine_plugins.exporter import Exporter
+from kvscope.engine_plugins import exporter as exporter_mod
+from kvscope.engine_plugins._logging import ERRORS, LOGGER, ONCE
+from kvscope.engine_plugins.exporter import Exporter
 
 
 @pytest.fixture(autouse=True)

@@ -9,8 +9,8 @@ import pytest
 from _ep_helpers import finished, iter_stats, sched_stats
 from vllm.v1.engine import FinishReason
 
-from engine_plugins import _adapter
-from engine_plugins._rows import RAW_REQUEST_LAYOUT, RAW_STEP_LAYOUT, ColumnBuilder
+from kvscope.engine_plugins import _adapter
+from kvscope.engine_plugins._rows import RAW_REQUEST_LAYOUT, RAW_STEP_LAYOUT, ColumnBuilder
 
 
 def as_dict(row: tuple[Any, ...], layout: tuple[str, ...]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from engine_plugins._config import (
+from kvscope.engine_plugins._config import (
     DEFAULT_BUFFER_STEPS,
     DEFAULT_FLUSH_INTERVAL_S,
     DEFAULT_PORT,

@@ -13,12 +13,12 @@ import pytest
 from _ep_helpers import Blackhole, push_steps, refused_url
 from _plugin_testkit import RecordingServer, assert_accounting, make_settings
 
-from engine_plugins import _batching as batching_mod
-from engine_plugins import _delivery as delivery_mod
-from engine_plugins import _exp_state as state_mod
-from engine_plugins import exporter as exporter_mod
-from engine_plugins import schema
-from engine_plugins.exporter import EngineBuffer, Exporter
+from kvscope.engine_plugins import _batching as batching_mod
+from kvscope.engine_plugins import _delivery as delivery_mod
+from kvscope.engine_plugins import _exp_state as state_mod
+from kvscope.engine_plugins import exporter as exporter_mod
+from kvscope.engine_plugins import schema
+from kvscope.engine_plugins.exporter import EngineBuffer, Exporter
 
 T0 = 1_800_000_000.0  # a whole second; rows at T0 + fractions belong to one window
 

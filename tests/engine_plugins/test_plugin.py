@@ -10,9 +10,9 @@ from _ep_helpers import column_sum, iter_stats, sched_stats
 from _plugin_testkit import RecordingServer
 from prometheus_client import REGISTRY
 
-from engine_plugins import schema
-from engine_plugins.exporter import Exporter
-from engine_plugins.plugin import INERT_MESSAGE, KvscopeStatLogger
+from kvscope.engine_plugins import schema
+from kvscope.engine_plugins.exporter import Exporter
+from kvscope.engine_plugins.plugin import INERT_MESSAGE, KvscopeStatLogger
 
 
 def test_inert_without_collector_url_logs_once(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from engine_plugins import schema
-from engine_plugins._rows import CARRY_MAX_S, ColumnBuilder, StepFolder
+from kvscope.engine_plugins import schema
+from kvscope.engine_plugins._rows import CARRY_MAX_S, ColumnBuilder, StepFolder
 
 
 def step(ts: float, n: int, *, running: int = 4, gen: int = 2, prompt: int = 0) -> tuple:

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collector"))
 
 from _collector_helpers import batch, encode, hello
 
-from collector.process import CollectorProcess
+from kvscope.collector.process import CollectorProcess
 
 __all__ = ["RssSampler", "batch", "counter", "encode", "hello", "post", "request", "rss_bytes",
            "start_collector", "unique_steps_batch"]

@@ -27,10 +27,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from advisor.sources import CollectorSource, SourceError
-from collector.process import free_port
-from engine_plugins._config import load_settings
-from engine_plugins._http import IngestClient
+from kvscope.advisor.sources import CollectorSource, SourceError
+from kvscope.collector.process import free_port
+from kvscope.engine_plugins._config import load_settings
+from kvscope.engine_plugins._http import IngestClient
 
 TOKEN = "kvs-test-token-7f3a9c"
 
@@ -72,7 +72,7 @@ def test_token_guards_every_route_but_healthz(tmp_path: Path) -> None:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "collector.cli", "collector", "--kv-events", "off",
+    return [sys.executable, "-m", "kvscope.cli.main", "collector", "--kv-events", "off",
             "--advise-interval-s", "0", *args]
 
 
@@ -120,7 +120,7 @@ def test_tls_serves_https_to_the_plugin_and_the_readers(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cert, key = _self_signed(tmp_path)
     port = free_port()
-    from collector.process import CollectorProcess
+    from kvscope.collector.process import CollectorProcess
 
     c = CollectorProcess(tmp_path / "tls.duckdb", port=port, token=TOKEN, ca_file=cert,
                          extra_args=["--kv-events", "off", "--advise-interval-s", "0",

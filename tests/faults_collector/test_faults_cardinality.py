@@ -20,7 +20,7 @@ from _faults_collector_helpers import batch, counter, post, start_collector
 MAX_NEW_PER_MIN = 120
 MAX_EXPORTED = 40
 N_IDS = 200
-LABEL_CHARS = 200  # engine_plugins.schema.MAX_LABEL_CHARS
+LABEL_CHARS = 200  # kvscope.engine_plugins.schema.MAX_LABEL_CHARS
 
 
 def _flood_batch(i: int, seq: int = 0) -> dict[str, object]:

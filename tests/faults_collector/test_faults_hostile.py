@@ -29,8 +29,8 @@ from _faults_collector_helpers import (
     start_collector,
 )
 
-from collector.metrics import READ_REJECT_REASONS, REJECT_REASONS
-from collector.process import CollectorProcess
+from kvscope.collector.metrics import READ_REJECT_REASONS, REJECT_REASONS
+from kvscope.collector.process import CollectorProcess
 
 HEADER_TIMEOUT_S = 1.0
 BODY_TIMEOUT_S = 2.0

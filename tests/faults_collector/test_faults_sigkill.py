@@ -21,7 +21,7 @@ from pathlib import Path
 import duckdb
 from _faults_collector_helpers import post, start_collector, unique_steps_batch
 
-from collector.process import free_port
+from kvscope.collector.process import free_port
 
 N_CLIENTS = 4
 N_KILLS = 20

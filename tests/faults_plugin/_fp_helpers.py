@@ -8,9 +8,9 @@ from typing import Any
 
 from _plugin_testkit import make_settings
 
-from collector.process import CollectorProcess
-from engine_plugins._config import Settings
-from engine_plugins.exporter import EngineBuffer, Exporter
+from kvscope.collector.process import CollectorProcess
+from kvscope.engine_plugins._config import Settings
+from kvscope.engine_plugins.exporter import EngineBuffer, Exporter
 
 HELLO: dict[str, Any] = {
     "host": "fphost", "port": 9100, "pid": 1, "engine_index": 0, "pool": "fp",

@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 
-from collector.lab import VllmServer, build_model, default_model_dir, parse_prometheus_text
-from collector.process import CollectorProcess
-from collector.sweep import SweepConfig, run_sweep
+from kvscope.collector.process import CollectorProcess
+from kvscope.lab.engine import VllmServer, build_model, default_model_dir, parse_prometheus_text
+from kvscope.lab.sweep import SweepConfig, run_sweep
 from tests._resources import side_by_side
 
 pytestmark = pytest.mark.engine

@@ -23,9 +23,9 @@ import pytest
 from _fp_helpers import fp_exporter, push
 from _plugin_testkit import RecordingServer, assert_accounting
 
-from collector.process import free_port
-from engine_plugins import _delivery as delivery_mod
-from engine_plugins import exporter as exporter_mod
+from kvscope.collector.process import free_port
+from kvscope.engine_plugins import _delivery as delivery_mod
+from kvscope.engine_plugins import exporter as exporter_mod
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -113,8 +113,8 @@ def test_backoff_is_exponential_with_jitter(server: RecordingServer) -> None:
 
 _EXIT_SCRIPT = textwrap.dedent("""
     import os, sys, time
-    from engine_plugins._config import load_settings
-    from engine_plugins.exporter import get_exporter
+    from kvscope.engine_plugins._config import load_settings
+    from kvscope.engine_plugins.exporter import get_exporter
     exp = get_exporter(load_settings())
     eng = exp.register("fphost:9100:0", {"host": "fphost", "port": 9100, "pid": os.getpid(),
         "engine_index": 0, "pool": "fp", "model": "m", "started_unix_s": time.time(),

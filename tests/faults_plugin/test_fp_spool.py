@@ -22,10 +22,10 @@ import pytest
 from _fp_helpers import ENGINE_ID, fp_exporter, metric, push, stored_counts
 from _plugin_testkit import assert_accounting
 
-from collector.process import CollectorProcess, free_port
-from engine_plugins import _delivery as delivery_mod
-from engine_plugins._spool import Spool, SpoolBusy, read_records
-from engine_plugins.exporter import Exporter
+from kvscope.collector.process import CollectorProcess, free_port
+from kvscope.engine_plugins import _delivery as delivery_mod
+from kvscope.engine_plugins._spool import Spool, SpoolBusy, read_records
+from kvscope.engine_plugins.exporter import Exporter
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS_PER_S, REQUESTS_PER_S = 20, 2
@@ -180,8 +180,8 @@ def test_size_cap_drops_oldest_segments_and_counts_them(
 
 _WRITER = textwrap.dedent("""
     import os, sys, time
-    from engine_plugins._config import load_settings
-    from engine_plugins.exporter import get_exporter
+    from kvscope.engine_plugins._config import load_settings
+    from kvscope.engine_plugins.exporter import get_exporter
     exp = get_exporter(load_settings())
     eng = exp.register("fphost:9100:0", {"host": "fphost", "port": 9100, "pid": os.getpid(),
         "engine_index": 0, "pool": "fp", "model": "m", "started_unix_s": time.time(),

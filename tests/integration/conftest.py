@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 
-from advisor import CollectorSource, analyze
 from bench.advisor_scenarios import (
     SCENARIOS,
     AdvisorLab,
@@ -33,9 +32,10 @@ from bench.advisor_scenarios import (
     measure_level,
     summary,
 )
-from collector.lab import VllmServer, build_model, default_model_dir, vllm_counter_totals
-from collector.process import CollectorProcess
-from collector.sweep import SweepConfig, SweepResult, run_sweep
+from kvscope.advisor import CollectorSource, analyze
+from kvscope.collector.process import CollectorProcess
+from kvscope.lab.engine import VllmServer, build_model, default_model_dir, vllm_counter_totals
+from kvscope.lab.sweep import SweepConfig, SweepResult, run_sweep
 from tests._resources import release_after_last_use
 
 MAX_NUM_SEQS = 16

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from collector.sweep import SweepConfig, run_sweep
+from kvscope.lab.sweep import SweepConfig, run_sweep
 from tests.deploy._prom import (
     ALERTS,
     MULTI_ENGINE_KV_EVENT_METRICS,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from collector.lab import VllmServer
+from kvscope.lab.engine import VllmServer
 
 pytestmark = pytest.mark.engine
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
-from advisor import CollectorSource, analyze
-from advisor.prometheus import PrometheusSource, analyze_prometheus
-from collector.sweep import SweepConfig, run_sweep
+from kvscope.advisor import CollectorSource, analyze
+from kvscope.lab.sweep import SweepConfig, run_sweep
+from kvscope.sources.prometheus.source import PrometheusSource, analyze_prometheus
 
 from .conftest import MODEL_NAME, OverloadRun, collector_totals, vllm_totals, wait_until_equal
 

@@ -15,8 +15,8 @@ import urllib.request
 
 import pytest
 
-from collector.lab import parse_prometheus_text
-from collector.process import CollectorProcess
+from kvscope.collector.process import CollectorProcess
+from kvscope.lab.engine import parse_prometheus_text
 
 from .conftest import (
     BLOCK_SIZE,
@@ -112,7 +112,7 @@ def test_sweep_cli_against_the_real_server(overload_run: OverloadRun, tmp_path):
 
     out_json = tmp_path / "sweep.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "collector.cli", "sweep", "--url", overload_run.server.url,
+        [sys.executable, "-m", "kvscope.cli.main", "sweep", "--url", overload_run.server.url,
          "--concurrency", "1,4", "--duration", "2", "--warmup", "0.5", "--no-progress",
          "--out", str(out_json)],
         capture_output=True, text=True, timeout=120,

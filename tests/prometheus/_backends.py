@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from collector.process import free_port
+from kvscope.collector.process import free_port
 
 PROMETHEUS = "/usr/bin/prometheus"
 VICTORIA_METRICS = "/usr/bin/victoria-metrics"
@@ -72,7 +72,7 @@ class Backend:
         self.proc: subprocess.Popen[bytes] | None = None
 
     auth: Any = None
-    """The :class:`~advisor._promauth.PromAuth` a client needs (None: none)."""
+    """The :class:`~kvscope.sources.prometheus.auth.PromAuth` a client needs (None: none)."""
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -156,7 +156,7 @@ class SecuredPrometheusServer(PrometheusServer):
                  password: str = "s3cret-Pa55", **kw: Any) -> None:
         import bcrypt
 
-        from advisor._promauth import PromAuth
+        from kvscope.sources.prometheus.auth import PromAuth
 
         super().__init__(workdir, targets, **kw)
         self.url = f"https://127.0.0.1:{self.port}"

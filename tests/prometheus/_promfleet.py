@@ -10,10 +10,10 @@ from typing import Any
 from _backends import Backend
 from _vllm_replay import VllmReplay
 
-from advisor._promapi import PromClient
-from advisor.sources import SourceError
-from collector.process import CollectorProcess
-from collector.recording import Recording, post_batch, rebased
+from kvscope.advisor.sources import SourceError
+from kvscope.collector.process import CollectorProcess
+from kvscope.lab.recording import Recording, post_batch, rebased
+from kvscope.sources.prometheus.client import PromClient
 
 SCRAPE_S = 1.0
 

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from collector.process import free_port
-from collector.recording import Recording
+from kvscope.collector.process import free_port
+from kvscope.lab.recording import Recording
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_metrics_sample.txt"
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)$")

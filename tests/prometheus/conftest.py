@@ -32,8 +32,8 @@ from _backends import Backend, PrometheusServer, SecuredPrometheusServer, Victor
 from _promfleet import SCRAPE_S, Fleet, PacedFeed, wait_scraped
 from _vllm_replay import VllmReplay
 
-from collector.process import CollectorProcess
-from collector.recording import BUNDLED_RECORDING, load_recording
+from kvscope.collector.process import CollectorProcess
+from kvscope.lab.recording import BUNDLED_RECORDING, load_recording
 from tests._resources import release_after_last_use
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from _promfleet import Fleet
 
-from collector.lint import Exposure, LintError, check, load_queries
-from collector.process import CollectorProcess
-from collector.recording import BUNDLED_RECORDING, load_recording, replay
+from kvscope.cli.lint import Exposure, LintError, check, load_queries
+from kvscope.collector.process import CollectorProcess
+from kvscope.lab.recording import BUNDLED_RECORDING, load_recording, replay
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
@@ -107,7 +107,7 @@ def test_bad_input() -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "collector.cli", "lint", *args],
+    return subprocess.run([sys.executable, "-m", "kvscope.cli.main", "lint", *args],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from _promfleet import Fleet
 
-from collector.process import free_port
+from kvscope.collector.process import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "tok-8f1e2d3c4b5a"
@@ -108,7 +108,7 @@ def secrets(tmp_path: Path, fleet: Fleet) -> dict[str, str]:
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("KVSCOPE_PROMETHEUS")}
     full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "collector.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvscope.cli.main", *args], capture_output=True,
                           text=True, timeout=180, cwd=ROOT, env=full)
 
 

@@ -17,7 +17,7 @@ import pytest
 from _promfleet import Fleet
 from streamlit.testing.v1 import AppTest
 
-from advisor.prometheus import PrometheusSource, analyze_prometheus
+from kvscope.sources.prometheus.source import PrometheusSource, analyze_prometheus
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 KVSCOPE_ENGINE = "demo-host:8000:0"

@@ -25,7 +25,7 @@ KVSCOPE_ENGINE = "demo-host:8000:0"
 
 def _report(fleet: Fleet, out: Path, *where: str) -> tuple[subprocess.CompletedProcess[str],
                                                            dict[str, Any]]:
-    p = subprocess.run([sys.executable, "-m", "collector.cli", "report", *where,
+    p = subprocess.run([sys.executable, "-m", "kvscope.cli.main", "report", *where,
                         "--since", f"{fleet.since:.3f}", "--until", f"{fleet.until:.3f}",
                         "--out", str(out), "--no-progress"],
                        capture_output=True, text=True, timeout=180, cwd=ROOT)
@@ -94,7 +94,7 @@ def test_report_errors_from_prometheus(fleet: Fleet, tmp_path: Path) -> None:
     down, _ = _report(fleet, tmp_path / "b", "--prometheus", "http://127.0.0.1:9",
                       "--timeout", "2")
     assert down.returncode == 2 and "cannot reach Prometheus at http://127.0.0.1:9" in down.stderr
-    both = subprocess.run([sys.executable, "-m", "collector.cli", "report", "--prometheus", url,
+    both = subprocess.run([sys.executable, "-m", "kvscope.cli.main", "report", "--prometheus", url,
                            "--collector", fleet.collector.url], capture_output=True, text=True,
                           timeout=60, cwd=ROOT)
     assert both.returncode == 2 and "not allowed with argument" in both.stderr

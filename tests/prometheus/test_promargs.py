@@ -1,5 +1,5 @@
-"""The shared Prometheus options (collector._promargs) and the credentials object
-(advisor._promauth): parsing, precedence, and secrets kept out of reprs and messages."""
+"""The shared Prometheus options (kvscope.sources.prometheus.target) and the credentials object
+(kvscope.sources.prometheus.auth): parsing, precedence, and secrets kept out of reprs and messages."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from advisor._promauth import PromAuth
-from collector._promargs import (
+from kvscope.dashboard.settings import parse_settings, to_argv
+from kvscope.sources.prometheus.auth import PromAuth
+from kvscope.sources.prometheus.target import (
     ENV_BEARER,
     ENV_HEADERS,
     ENV_PASSWORD,
@@ -18,7 +19,6 @@ from collector._promargs import (
     add_prometheus_arguments,
     prometheus_target,
 )
-from dashboard.settings import parse_settings, to_argv
 
 
 def _parse(*argv: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
@@ -112,8 +112,8 @@ def test_authorization_does_not_follow_a_redirect() -> None:
     import http.server
     import threading
 
-    from advisor._promapi import PromClient
-    from advisor.sources import SourceError
+    from kvscope.advisor.sources import SourceError
+    from kvscope.sources.prometheus.client import PromClient
 
     seen: list[str | None] = []
 
@@ -157,7 +157,7 @@ def test_authorization_does_not_follow_a_redirect() -> None:
 
 def test_dashboard_refuses_prometheus_with_a_collector_or_the_demo(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from dashboard import cli
+    from kvscope.cli import dashboard as cli
 
     p = argparse.ArgumentParser()
     cli.add_parser(p.add_subparsers())

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from advisor._promframes import (
+from kvscope.sources.prometheus.frames import (
     bucket_quantile,
     confidence_factor,
     cumulative_round,
@@ -120,8 +120,8 @@ def _scraped_windows(steps: list[float], batch: list[float], gen: list[float]) -
 def test_busy_share_from_the_step_count_drops_draining_windows() -> None:
     """Scraped windows have no step times: a window with far fewer steps than its peers
     at the same batch was idle part of the time and is left out of the curve."""
-    from advisor import ThroughputCurve
-    from advisor._frames import prepare_windows, step_count_busy_ratio
+    from kvscope.advisor import ThroughputCurve
+    from kvscope.advisor.frames import prepare_windows, step_count_busy_ratio
     levels = [(1, 240), (2, 230), (4, 200), (8, 155), (12, 118)]
     steps, batch = [], []
     for b, s in levels:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from advisor._promql import PromQLError, matchers_of_selector, scan, tokenize, with_matchers
+from kvscope.sources.prometheus.promql import (
+    PromQLError,
+    matchers_of_selector,
+    scan,
+    tokenize,
+    with_matchers,
+)
 
 
 def names(expr: str) -> list[str | None]:

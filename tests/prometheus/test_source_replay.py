@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from _promfleet import Fleet
 
-from advisor import SourceError
-from advisor.prometheus import PrometheusSource, analyze_prometheus
+from kvscope.advisor import SourceError
+from kvscope.sources.prometheus.source import PrometheusSource, analyze_prometheus
 
 BACKENDS = ["prometheus", "victoria-metrics"]
 KVSCOPE_ENGINE = "demo-host:8000:0"
@@ -195,7 +195,7 @@ def test_errors_name_the_cause(fleet: Fleet) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "collector.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvscope.cli.main", *args], capture_output=True,
                           text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from advisor.vllm_metrics import (
+from kvscope.lab.engine import parse_prometheus_text
+from kvscope.sources.prometheus.vllm_metrics import (
     CHANGES,
     ROLES,
     change_for,
@@ -14,7 +15,6 @@ from advisor.vllm_metrics import (
     resolve,
     wire_names,
 )
-from collector.lab import parse_prometheus_text
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_metrics_sample.txt"
 

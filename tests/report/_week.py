@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from collector.recording import Recording, load_recording, post_batch, rebased
+from kvscope.lab.recording import Recording, load_recording, post_batch, rebased
 
-RECORDINGS = Path(__file__).resolve().parents[2] / "collector" / "recordings"
+RECORDINGS = Path(__file__).resolve().parents[2] / "lab" / "recordings"
 DAY_S = 86400.0
 WEEK_S = 7 * DAY_S
 

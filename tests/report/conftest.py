@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 from _week import Week, generate
 
-from advisor import CollectorSource, analyze
-from collector.process import CollectorProcess
-from collector.report.sources import StoreSource, open_store
+from kvscope.advisor import CollectorSource, analyze
+from kvscope.collector.process import CollectorProcess
+from kvscope.report.sources import StoreSource, open_store
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTEFACTS: list[Path] = []
@@ -75,13 +75,13 @@ class Session:
     locked: Run
     no_data: Run
     advisor_engines: list[dict[str, Any]]
-    """``advisor.analyze`` over the collector for the collector run's window."""
+    """``kvscope.advisor.analyze`` over the collector for the collector run's window."""
     store_advisor_engines: list[dict[str, Any]]
-    """``advisor.analyze`` over the store file for the store run's window."""
+    """``kvscope.advisor.analyze`` over the store file for the store run's window."""
 
 
 def kvscope_report(*args: str, out: Path) -> Run:
-    cmd = [sys.executable, "-m", "collector.cli", "report", *args, "--out", str(out)]
+    cmd = [sys.executable, "-m", "kvscope.cli.main", "report", *args, "--out", str(out)]
     t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})

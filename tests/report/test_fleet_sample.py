@@ -1,6 +1,6 @@
 """The advisor on a block sample of the windows against the advisor on every window, and
 the usage sums in SQL against the ones from frames: a store generated from the real
-recordings (:mod:`collector.fleetgen`, one engine per recording, half a day each)."""
+recordings (:mod:`kvscope.lab.fleetgen`, one engine per recording, half a day each)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from advisor import analyze
-from advisor.usage import usage_from_days, weekly_usage
-from collector.fleetgen import TEMPLATES, FleetSpec, generate_fleet_store
-from collector.report.sources import StoreSource, open_store
+from kvscope.advisor import analyze
+from kvscope.advisor.usage import usage_from_days, weekly_usage
+from kvscope.lab.fleetgen import TEMPLATES, FleetSpec, generate_fleet_store
+from kvscope.report.sources import StoreSource, open_store
 
 SPEC = FleetSpec(n_engines=3, n_pools=3, days=0.5, request_every=4, seed=3)
 SINCE, UNTIL = float(SPEC.start_unix_s), float(SPEC.end_unix_s)
@@ -103,7 +103,7 @@ def test_report_cli_bounds_the_read_and_reads_everything_with_0(store_path: Path
     covs = {}
     for n in ("2000", "0"):
         p = subprocess.run(
-            [sys.executable, "-m", "collector.cli", "report", "--store", str(store_path),
+            [sys.executable, "-m", "kvscope.cli.main", "report", "--store", str(store_path),
              "--since", str(int(SINCE)), "--until", str(int(UNTIL)), "--no-progress",
              "--max-windows-per-engine", n, "--out", str(tmp_path / n)],
             cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -1,4 +1,4 @@
-"""advisor.weekly and advisor.usage on seeded synthetic engines with known answers, and the renderers on
+"""kvscope.advisor.weekly and kvscope.advisor.usage on seeded synthetic engines with known answers, and the renderers on
 the report built from them (including a week with nothing before it)."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import math
 import pandas as pd
 import pytest
 
-from advisor import FrameSource, analyze
-from advisor._frames import prepare_windows
-from advisor.datasets import make_engine
-from advisor.usage import weekly_usage
-from advisor.weekly import compare_weeks, config_as_of, config_changes
-from collector.report.build import build_weekly_report
-from collector.report.html import render_html
-from collector.report.markdown import render_markdown
-from collector.report.model import WeeklyReport
+from kvscope.advisor import FrameSource, analyze
+from kvscope.advisor.datasets import make_engine
+from kvscope.advisor.frames import prepare_windows
+from kvscope.advisor.usage import weekly_usage
+from kvscope.advisor.weekly import compare_weeks, config_as_of, config_changes
+from kvscope.report.build import build_weekly_report
+from kvscope.report.html import render_html
+from kvscope.report.markdown import render_markdown
+from kvscope.report.model import WeeklyReport
 
 WEEK = 7 * 86400
 T0 = 1_800_000_000 - 2 * WEEK + 3600  # an hour into the first week

@@ -16,8 +16,8 @@ import pytest
 from _week import BATCH_A, CHAT_A, CHAT_B, WEEK_S
 from conftest import Browser, Session
 
-from advisor import Report
-from collector.report.model import REPORT_KIND, REPORT_SCHEMA_VERSION, WeeklyReport
+from kvscope.advisor import Report
+from kvscope.report.model import REPORT_KIND, REPORT_SCHEMA_VERSION, WeeklyReport
 
 
 def _changes(report: dict[str, Any], kind: str, engine_id: str | None = None) -> list[dict]:
@@ -50,7 +50,7 @@ def test_json_is_versioned_and_round_trips(session: Session) -> None:
 
 
 def test_verdicts_are_the_advisors(session: Session) -> None:
-    """Per-engine verdicts equal advisor.analyze's for the same window and source; the
+    """Per-engine verdicts equal kvscope.advisor.analyze's for the same window and source; the
     two sources agree up to the read API's JSON rounding (10 decimal digits)."""
     got = session.via_collector.json["current"]["engines"]
     assert got == session.advisor_engines

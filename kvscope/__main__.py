@@ -1,0 +1,5 @@
+"""``python -m kvscope``: the ``kvscope`` command."""
+
+from kvscope.cli.main import main
+
+raise SystemExit(main())

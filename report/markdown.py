@@ -1,0 +1,112 @@
+"""``report.md``: the weekly report as Markdown (for a wiki page, a ticket, a diff).
+
+The same sections as the HTML page, with the throughput curves as text plots
+(:mod:`kvscope.advisor.textplot`) in code blocks. Presents the
+:class:`~kvscope.report.model.WeeklyReport` only.
+"""
+
+from __future__ import annotations
+
+from kvscope.advisor.textplot import throughput_plot
+from kvscope.report import _view as v
+from kvscope.report.model import WeeklyReport
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(head: list[str], rows: list[list[str]] | list[tuple[str, str, str]]) -> list[str]:
+    out = ["| " + " | ".join(_cell(h) for h in head) + " |",
+           "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
+    return [*out, ""]
+
+
+def _engine(wr: WeeklyReport, eid: str) -> list[str]:
+    now = v.verdict(wr.current.engines, eid)
+    out = [f"### {eid}: {now.bottleneck if now else 'no data this week'}", ""]
+    out += _table(["", "last week", "this week"], v.engine_rows(wr, eid))
+    curve = v.finding(wr.current.findings, "throughput_curve", eid)
+    if now is not None and curve is not None and curve.frame:
+        f = curve.frame
+        lines = throughput_plot(f.get("load", []), f.get("gen_tokens_per_s", []),
+                                f.get("gen_fit"), knee=now.knee_concurrency,
+                                cap=(float(now.recommended_concurrency_cap)
+                                     if now.recommended_concurrency_cap is not None else None))
+        if lines:
+            out += ["Generated tok/s against requests in flight, this week:", "", "```",
+                    *lines, "```", ""]
+    out += [f"- {n}" for n in v.notes(wr, eid)]
+    return [*out, ""]
+
+
+def render_markdown(wr: WeeklyReport) -> str:
+    """The whole report as Markdown text."""
+    out = ["# kvscope weekly tuning report", "",
+           f"- **This week:** {v.window_text(wr)}",
+           f"- **Compared with:** {v.previous_window_text(wr)}",
+           f"- Source: {wr.source}; generated {v.utc(wr.generated_unix_s)}", ""]
+    note = v.resolution_note(wr)
+    if note:
+        out[-1:] = [f"- Resolution: {note}", ""]
+    out += _table(["at a glance", "this week", ""], [list(x) for x in v.glance(wr)])
+    for p in wr.current.pools:
+        kinds = ", ".join(f"{k} ×{n}" for k, n in sorted(p.bottlenecks.items(),
+                                                         key=lambda kv: -kv[1]))
+        cap = (f"recommended cap {p.recommended_concurrency_cap} in flight"
+               if p.recommended_concurrency_cap is not None else "no cap recommended")
+        n = len(p.engine_ids)
+        out.append(f"- **pool {p.pool}** ({n} engine{'s' if n != 1 else ''}): {kinds}; plateau "
+                   f"{v.tok(p.plateau_tokens_per_s)}; {cap}")
+    out += ["", "## What changed since the previous week", ""]
+    groups = v.change_groups(wr)
+    if not groups:
+        out += ["Nothing moved beyond the thresholds.", ""]
+    for _, title, items in groups:
+        out += [f"**{title}**", ""]
+        for c in items:
+            when = f" ({v.utc(c.at_unix_s)})" if c.at_unix_s is not None else ""
+            out.append(f"- {v.arrows(c.summary)}{when}")
+        out.append("")
+    out += ["## Recommendations, ranked by expected gain", ""]
+    status = wr.comparison.recommendation_status
+    if not wr.current.recommendations:
+        out += ["No recommendations: nothing to change on this week's data.", ""]
+    for i, r in enumerate(wr.current.recommendations, start=1):
+        st = status[i - 1] if i - 1 < len(status) else "new"
+        out += [f"{i}. **{r.summary}**  ",
+                f"   {v.scope_text(r.scope)}; expected gain {r.expected_gain:.0%}; confidence "
+                f"{r.confidence:.2f}; {'new this week' if st == 'new' else 'open since last week'}"]
+        effect = v.effect_text(r)
+        if effect:
+            out.append(f"   - expected: {effect}")
+        if r.tradeoff:
+            out.append(f"   - trade-off: {r.tradeoff}")
+        rows = v.change_rows(r)
+        if rows:
+            out += ["   - change:", "", "     ```"]
+            out += [f"     # {label}\n     {text}" for label, text in rows]
+            out += ["     ```"]
+        out.append("")
+    for pool in v.pools(wr):
+        out += [f"## pool {pool}" if pool is not None else "## engines without a pool", ""]
+        out += _table(["", "last week", "this week"], v.pool_rows(wr, pool))
+        findings = v.pool_findings(wr, pool)
+        if findings:
+            out += ["Prefix cache and routing:", ""]
+            out += [f"- {f.kind.replace('_', ' ')} ({f.severity}): {f.summary}" for f in findings]
+            out.append("")
+        head, rows_ = v.day_table(wr.usage, pool)
+        if rows_:
+            out += ["Per engine and day (UTC):", ""]
+            out += _table(head, rows_)
+        for eid in v.engines_of(wr, pool):
+            out += _engine(wr, eid)
+    cov = wr.current.coverage
+    out += ["---", "",
+            f"Read this week: {cov.get('n_engines_analyzed', 0)} engine(s), "
+            f"{cov.get('n_windows', 0):,} one-second windows, {cov.get('n_requests', 0):,} finished "
+            f"requests. report.json (schema_version {wr.schema_version}) holds every number.",
+            ""]
+    return "\n".join(out)

@@ -1,0 +1,192 @@
+"""Pure helpers of :mod:`kvscope.sources.prometheus.source`: scrape-resolution series into the frames
+the analyses read (windows, pseudo-requests from histograms, inferred configuration).
+
+No I/O: every function takes plain arrays or DataFrames.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["HISTOGRAM_COLUMNS", "bucket_quantile", "confidence_factor", "cumulative_round",
+           "footprint_tokens", "increases", "infer_max_num_seqs", "pseudo_requests",
+           "quantiles_from_buckets"]
+
+#: Request column <- histogram role (vLLM's per-request histograms).
+HISTOGRAM_COLUMNS: dict[str, str] = {
+    "e2e_s": "e2e", "ttft_s": "ttft", "queue_s": "queue", "prefill_s": "prefill",
+    "decode_s": "decode", "generation_tokens": "request_generation_tokens",
+}
+
+
+def cumulative_round(x: np.ndarray) -> np.ndarray:
+    """Non-negative reals to integers whose running sums stay within 0.5 of the reals'."""
+    c = np.round(np.cumsum(np.clip(np.nan_to_num(np.asarray(x, float)), 0.0, None)))
+    return np.diff(np.concatenate([[0.0], c])).astype(int)
+
+
+def quantiles_from_buckets(les: np.ndarray, cumulative: np.ndarray, n: int) -> np.ndarray:
+    """``n`` values spread over a histogram: the quantiles ``(i + 0.5) / n``.
+
+    ``les`` are the upper bounds (ascending, the last may be +Inf), ``cumulative`` the
+    cumulative counts (may be fractional: rates times the window). Within a bucket the
+    values are interpolated linearly, as ``histogram_quantile`` does; the first bucket
+    starts at 0; values falling in the +Inf bucket get the highest finite bound.
+    """
+    les = np.asarray(les, float)
+    cum = np.maximum.accumulate(np.clip(np.nan_to_num(np.asarray(cumulative, float)), 0, None))
+    total = float(cum[-1]) if len(cum) else 0.0
+    if n <= 0 or total <= 0:
+        return np.full(max(n, 0), math.nan)
+    rank = (np.arange(n) + 0.5) / n * total
+    b = np.clip(np.searchsorted(cum, rank, side="left"), 0, len(cum) - 1)
+    lower = np.concatenate([[0.0], les[:-1]])
+    prev = np.concatenate([[0.0], cum[:-1]])
+    finite = les[np.isfinite(les)]
+    top = float(finite.max()) if len(finite) else math.nan
+    lo, hi = lower[b], les[b]
+    span = cum[b] - prev[b]
+    frac = np.where(span > 0, (rank - prev[b]) / np.where(span > 0, span, 1.0), 0.5)
+    out = np.where(np.isfinite(hi), lo + (hi - lo) * frac, np.maximum(lo, top))
+    return np.asarray(out, float)
+
+
+def pseudo_requests(engine_id: str, ts: np.ndarray, counts: np.ndarray,
+                    buckets: dict[str, tuple[np.ndarray, np.ndarray]],
+                    means: dict[str, np.ndarray], *, scale: float, prompt_tokens: np.ndarray,
+                    cached_share: float) -> pd.DataFrame:
+    """Rows standing for the requests that finished in each window.
+
+    ``ts`` are the windows' start seconds; ``counts`` the requests finished per window;
+    ``buckets[role]`` the per-window cumulative bucket counts (windows x buckets) with
+    the bucket bounds; ``means[role]`` per-window means from ``_sum / _count`` (used to
+    rescale the token histograms, whose 1-2-5 buckets are too coarse for a mean).
+    ``scale`` (<= 1) thins the rows when there are too many; each row then stands for
+    ``1 / scale`` requests (column ``weight``). Each marginal is spread over its
+    histogram and the columns are paired by rank (comonotonic): the joint distribution
+    is not in the metrics, only each column's distribution per window is.
+    """
+    n_rows = cumulative_round(np.asarray(counts, float) * scale)
+    parts: list[pd.DataFrame] = []
+    for i in np.flatnonzero(n_rows > 0):
+        n = int(n_rows[i])
+        row: dict[str, object] = {"finished_unix_s": np.full(n, float(ts[i]) + 0.5)}
+        for col, role in HISTOGRAM_COLUMNS.items():
+            if role not in buckets:
+                row[col] = np.full(n, math.nan)
+                continue
+            les, cum = buckets[role]
+            vals = quantiles_from_buckets(les, cum[i], n)
+            mean = means.get(role)
+            if mean is not None and math.isfinite(mean[i]) and np.nanmean(vals) > 0:
+                vals = vals * (mean[i] / np.nanmean(vals))
+            row[col] = vals
+        p = float(prompt_tokens[i]) if math.isfinite(prompt_tokens[i]) else math.nan
+        row["prompt_tokens"] = np.full(n, p)
+        row["cached_tokens"] = np.full(n, p * cached_share if math.isfinite(p) else math.nan)
+        parts.append(pd.DataFrame(row))
+    if not parts:
+        return pd.DataFrame()
+    out = pd.concat(parts, ignore_index=True)
+    out["generation_tokens"] = out["generation_tokens"].round()
+    out["prompt_tokens"] = out["prompt_tokens"].round()
+    out["cached_tokens"] = out["cached_tokens"].round()
+    out["preemptions"] = math.nan
+    out["finish_reason"] = "unknown"
+    out["engine_id"] = engine_id
+    out["weight"] = 1.0 / scale
+    return out
+
+
+def infer_max_num_seqs(running_max: np.ndarray, waiting: np.ndarray, kv_usage: np.ndarray, *,
+                       min_windows: int = 5, min_share: float = 0.6,
+                       kv_full: float = 0.9) -> int | None:
+    """``max_num_seqs`` read off the data when vLLM does not expose it.
+
+    vLLM publishes its cache configuration (``vllm:cache_config_info``) but not the
+    scheduler's. When requests waited (``waiting >= 0.5``) in at least ``min_windows``
+    windows and, in at least ``min_share`` of them, the batch stood at its highest value
+    ``m`` with the KV cache below ``kv_full``, the scheduler's cap held it: ``m``.
+    Otherwise None (a KV-bound batch varies below the cap, an unloaded one never waits).
+    """
+    r = np.asarray(running_max, float)
+    w = np.asarray(waiting, float)
+    kv = np.asarray(kv_usage, float)
+    ok = np.isfinite(r) & np.isfinite(w)
+    if not ok.any():
+        return None
+    m = float(np.nanmax(r[ok]))
+    queued = ok & (w >= 0.5)
+    if m < 1 or queued.sum() < min_windows:
+        return None
+    pinned = queued & (r >= m - 1e-9) & (~np.isfinite(kv) | (kv < kv_full))
+    return round(m) if pinned.sum() >= min_share * queued.sum() else None
+
+
+def confidence_factor(resolution_s: float, *, per_step_means: bool) -> float:
+    """How much of the per-step path's confidence a scrape-resolution read keeps.
+
+    ``1 / (1 + 0.5 log2(r))`` for windows of ``r`` seconds (1 s: 1, 4 s: 0.5, 15 s: 0.34,
+    60 s: 0.25): a window averages ``r`` seconds, so load changes faster than that blur
+    the throughput-against-load curve. Times 0.9 for vLLM's own series, whose queue and
+    KV usage are gauges sampled once per scrape and whose latencies are bucket
+    estimates. kvscope's series carry means over every step; at short steps their
+    increases are averaged over two steps (the collector's counters move once per plugin
+    batch), so for them ``r`` counts from 2 s: ``1 / (1 + 0.5 log2(r / 2))``. Never below
+    0.2.
+    """
+    r = max(1.0, float(resolution_s) / (2.0 if per_step_means else 1.0))
+    f = 1.0 / (1.0 + 0.5 * math.log2(r))
+    if not per_step_means:
+        f *= 0.9
+    return round(max(0.2, f), 3)
+
+
+def increases(values: np.ndarray) -> np.ndarray:
+    """Per-interval increases of a counter sampled at consecutive points (``n + 1`` values
+    give ``n`` increases). A drop is a reset (the process restarted): the increase is
+    the new value, as Prometheus' ``increase()`` counts it. After a missing point the
+    increase is unknown (NaN) rather than the whole gap's."""
+    v = np.asarray(values, float)
+    d = np.diff(v)
+    return np.where(d < 0, v[1:], d)
+
+
+def bucket_quantile(les: np.ndarray, cumulative: np.ndarray, q: float) -> np.ndarray:
+    """``histogram_quantile(q)`` per row of cumulative bucket counts (rows x buckets)."""
+    out = np.full(len(cumulative), math.nan)
+    for i, row in enumerate(cumulative):
+        if np.isfinite(row).all() and row[-1] > 0:
+            out[i] = _one_quantile(np.asarray(les, float), np.maximum.accumulate(row), q)
+    return out
+
+
+def _one_quantile(les: np.ndarray, cum: np.ndarray, q: float) -> float:
+    rank = q * cum[-1]
+    b = int(min(np.searchsorted(cum, rank, side="left"), len(cum) - 1))
+    lo = les[b - 1] if b > 0 else 0.0
+    hi = les[b]
+    prev = cum[b - 1] if b > 0 else 0.0
+    if not math.isfinite(hi):
+        return float(lo)
+    span = cum[b] - prev
+    return float(lo + (hi - lo) * ((rank - prev) / span if span > 0 else 1.0))
+
+
+def footprint_tokens(requests: pd.DataFrame, block_size: float) -> float:
+    """Tokens a request holds on average while in the batch, length-biased:
+    ``sum(g (p - c + g/2)) / sum(g) + block/2`` (as :class:`~kvscope.advisor.capacity.KvCapacityModel`)."""
+    if not len(requests):
+        return math.nan
+    p = pd.to_numeric(requests["prompt_tokens"], errors="coerce").to_numpy(float)
+    g = pd.to_numeric(requests["generation_tokens"], errors="coerce").to_numpy(float)
+    c = pd.to_numeric(requests["cached_tokens"], errors="coerce").fillna(0).to_numpy(float)
+    ok = np.isfinite(p) & np.isfinite(g)
+    if not ok.any():
+        return math.nan
+    w = np.maximum(g[ok], 1.0)
+    held = np.maximum(p[ok] - c[ok], 0.0) + g[ok] / 2.0
+    return float(np.average(held, weights=w) + block_size / 2.0)
