@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvscope.cli.args import fraction, positive, ratio
+from kvscope.args import fraction, positive, ratio
 from kvscope.cli.checks import require
 
 __all__ = ["add_parser", "advise_fail", "advise_window", "analysis_options", "run", "write_advice"]
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from kvscope.advisor import CollectorSource, SourceError, analyze
     from kvscope.advisor.render import no_data_message, source_error_message
-    from kvscope.collector.params import ParamError
+    from kvscope.args import ParamError
 
     url = args.collector if "://" in args.collector else f"http://{args.collector}"
     url = url.rstrip("/")
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_prometheus(args: argparse.Namespace) -> int:
     from kvscope.advisor.sources import SourceError
-    from kvscope.collector.params import ParamError
+    from kvscope.args import ParamError
     from kvscope.sources.prometheus.source import (
         analyze_prometheus,
         no_data_message,
@@ -146,7 +146,7 @@ def _run_prometheus(args: argparse.Namespace) -> int:
 
 def advise_window(args: argparse.Namespace, now: float) -> tuple[float | None, float | None]:
     """``--since`` / ``--until`` as unix seconds; :class:`ParamError` saying what is wrong."""
-    from kvscope.collector.params import ParamError, parse_time
+    from kvscope.args import ParamError, parse_time
 
     since = parse_time("--since", args.since, now) if args.since else None
     until = parse_time("--until", args.until, now) if args.until else None

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from kvscope.cli.args import at_least_two, header, otlp_url, positive
+from kvscope.args import at_least_two, header, positive
 from kvscope.cli.checks import MissingExtraError, require
 
 __all__ = ["add_parser", "collector_settings", "run"]
@@ -84,9 +84,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--otlp-interval", metavar="S", type=positive, default=None,
                    help="seconds between OTLP exports (default: $OTEL_METRIC_EXPORT_INTERVAL "
                         "in ms, else 60)")
-    p.add_argument("--otlp-header", metavar="KEY=VALUE", type=header, action="append",
+    p.add_argument("--otlp-header", metavar="'NAME: VALUE'", type=header, action="append",
                    default=[],
-                   help="HTTP header on every OTLP export, e.g. 'Authorization=Bearer T' "
+                   help="HTTP header on every OTLP export, e.g. 'Authorization: Bearer T' "
                         "(repeatable; added to $OTEL_EXPORTER_OTLP_HEADERS)")
     p.set_defaults(func=run)
 
@@ -159,3 +159,11 @@ def kv_override(text: str) -> tuple[str, str]:
         return parse_override(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def otlp_url(text: str) -> str:
+    scheme, sep, rest = text.partition("://")
+    if scheme not in ("http", "https") or not sep or not rest.strip("/"):
+        raise argparse.ArgumentTypeError(
+            f"expected an http(s) URL such as http://otel-collector:4318/v1/metrics, got {text!r}")
+    return text

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvscope.args import duration
 from kvscope.sources.prometheus.promql import Expr, PromQLError, scan
 from kvscope.sources.prometheus.vllm_metrics import change_for, replacement
 
@@ -42,8 +43,6 @@ __all__ = ["Exposure", "LintError", "Problem", "Query", "add_parser", "check", "
            "run"]
 
 SCRAPE_LABELS = frozenset({"job", "instance"})
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{(.*)\})?\s+\S+(\s+\S+)?$")
-_LABEL_NAME = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"(?:[^"\\]|\\.)*"')
 _GRAFANA_VARS = (("$__rate_interval", "1m"), ("$__interval", "1m"), ("$__range", "1h"),
                  ("${__rate_interval}", "1m"), ("${__interval}", "1m"), ("${__range}", "1h"))
 
@@ -195,20 +194,19 @@ class Exposure:
 
     @classmethod
     def from_text(cls, text: str, source: str) -> Exposure:
+        """Read an exposition with ``prometheus_client.parser``; :class:`LintError` if it is
+        not one."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         exp = cls(source)
-        for line in text.splitlines():
-            line = line.strip()
-            if line.startswith("# TYPE "):
-                parts = line.split()
-                if len(parts) >= 4:
-                    exp.types[parts[2]] = parts[3]
-                continue
-            if not line or line.startswith("#"):
-                continue
-            m = _SAMPLE.match(line)
-            if m:
-                exp.labels.setdefault(m.group(1), set()).update(
-                    _LABEL_NAME.findall(m.group(3) or ""))
+        try:
+            for family in text_string_to_metric_families(text):
+                if family.type != "unknown":  # declared by a # TYPE line
+                    exp.types[family.name] = family.type
+                for sample in family.samples:
+                    exp.labels.setdefault(sample.name, set()).update(sample.labels)
+        except ValueError as e:
+            raise LintError(f"{source}: not a Prometheus text exposition: {e}") from None
         if not exp.labels:
             raise LintError(f"{source}: no samples found: is it a Prometheus /metrics "
                             "exposition?")
@@ -439,8 +437,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from kvscope.sources.prometheus.target import add_prometheus_arguments
 
     add_prometheus_arguments(p, url_group=where, analysis=False)
-    p.add_argument("--since", type=float, default=3600.0, metavar="S",
-                   help="with --prometheus: seconds of history to look at (default 3600)")
+    p.add_argument("--since", type=duration, default=3600.0, metavar="DURATION",
+                   help="with --prometheus: how much history to look at, e.g. 30m, 6h or "
+                        "seconds (default: 1h)")
     p.add_argument("--extra-labels", default="", metavar="A,B",
                    help="labels the scrape adds besides job and instance (relabeling)")
     p.add_argument("--json", action="store_true", help="print the problems as JSON")
@@ -450,6 +449,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvscope.cli.checks import require
+
+    require("lint", "collector", also=("promql_parser",))
+
     def fail(msg: str) -> int:
         print(f"kvscope lint: {msg}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from kvscope.cli.args import count, fraction, positive, ratio
+from kvscope.args import count, fraction, positive, ratio
 from kvscope.cli.checks import require
 
 EPILOG = """\
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvscope.advisor import SourceError
     from kvscope.advisor.render import no_data_message, source_error_message, window_text
-    from kvscope.collector.params import ParamError, parse_time
+    from kvscope.args import ParamError, parse_time
     from kvscope.collector.tables import StoreVersionError
     from kvscope.report.build import (
         BUILD_STEPS,

@@ -1,38 +1,19 @@
-"""Query-string parsing for the read API; errors name the parameter."""
+"""Query-string parsing for the read API; errors name the parameter.
+
+Times (``since``, ``until``) use the syntax of :mod:`kvscope.args`, as the command line does.
+"""
 
 from __future__ import annotations
 
-import math
-import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-_UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
-_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+from kvscope.args import ParamError, parse_time
+
+__all__ = ["FORMATS", "ParamError", "Query", "parse_query", "parse_time"]
+
 FORMATS = ("records", "columns")
-
-
-class ParamError(ValueError):
-    """A query parameter is invalid; the message names it."""
-
-
-def parse_time(name: str, text: str, now_unix_s: float) -> float:
-    """Unix seconds (``1764430000``), ``now``, or a duration ago (``90s``, ``30m``, ``7d``)."""
-    t = text.strip().lower()
-    if t == "now":
-        return now_unix_s
-    m = _RELATIVE.match(t)
-    if m:
-        return now_unix_s - float(m.group(1)) * _UNITS_S[m.group(2)]
-    try:
-        v = float(t)
-    except ValueError:
-        v = math.nan
-    if not math.isfinite(v) or v < 0:
-        raise ParamError(f"{name}: expected unix seconds, 'now' or a duration ago such as "
-                         f"90s, 30m, 2h, 7d, 1w; got {text!r}")
-    return v
 
 
 @dataclass(frozen=True)

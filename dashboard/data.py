@@ -168,7 +168,7 @@ def _part(df: pd.DataFrame, engine_id: str, cache: dict[str, dict[str, pd.DataFr
 
 def resolve_since(since_text: str, now_unix_s: float) -> float | None:
     """Unix seconds of a ``--since`` value (``0`` and ``all`` mean the beginning)."""
-    from kvscope.collector.params import parse_time
+    from kvscope.args import parse_time
 
     if since_text.strip().lower() in ("", "0", "all"):
         return None

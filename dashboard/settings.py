@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvscope.args import non_negative, positive
 from kvscope.sources.prometheus.target import (
     PromArgError,
     PromTarget,
@@ -84,26 +85,9 @@ def normalize_url(url: str) -> str:
     return (url if "://" in url else f"http://{url}").rstrip("/")
 
 
-def _non_negative(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return v
-
-
-def _positive(text: str) -> float:
-    v = _non_negative(text)
-    if v == 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return v
-
-
 def check_since(text: str) -> str:
     """``text`` when the collector's time syntax accepts it, else :class:`SettingsError`."""
-    from kvscope.collector.params import ParamError, parse_time
+    from kvscope.args import ParamError, parse_time
 
     try:
         parse_time("--since", text, 0.0)
@@ -125,8 +109,8 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
     p.add_argument("--collector", default=env.get("KVSCOPE_COLLECTOR_URL"))
     p.add_argument("--token", default=env.get("KVSCOPE_TOKEN") or None)
     p.add_argument("--since", default=DEFAULT_SINCE)
-    p.add_argument("--refresh", type=_non_negative, default=DEFAULT_REFRESH_S)
-    p.add_argument("--timeout", type=_positive, default=30.0)
+    p.add_argument("--refresh", type=non_negative, default=DEFAULT_REFRESH_S)
+    p.add_argument("--timeout", type=positive, default=30.0)
     p.add_argument("--pool", default=None)
     add_prometheus_arguments(p)
     try:

@@ -35,7 +35,6 @@ import contextlib
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -483,47 +482,21 @@ VLLM_COUNTERS: tuple[str, ...] = (
 
 Sample = tuple[str, frozenset[tuple[str, str]]]
 
-_SAMPLE_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\S+)?\s*$")
-_LABEL_RE = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
-
-
 def parse_prometheus_text(text: str) -> dict[Sample, float]:
-    """Parse a Prometheus text exposition into ``{(name, frozenset(labels)): value}``.
+    """A Prometheus text exposition as ``{(name, frozenset(labels)): value}``, read with
+    ``prometheus_client.parser``: label values unescaped, timestamps ignored, ``+Inf``,
+    ``-Inf`` and ``NaN`` as floats. Text that does not parse raises :class:`ValueError`
+    with the parser's message."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-    Comment and blank lines are skipped; label values are unescaped; a trailing
-    timestamp is ignored; ``+Inf``, ``-Inf`` and ``NaN`` are parsed as floats.
-    Lines that do not parse raise :class:`ValueError` naming the line.
-    """
     samples: dict[Sample, float] = {}
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE_RE.match(line)
-        if match is None:
-            raise ValueError(f"line {lineno}: not a sample: {raw!r}")
-        name, label_text, value_text = match.groups()
-        labels = _parse_labels(label_text or "", lineno)
-        try:
-            value = float(value_text)
-        except ValueError:
-            raise ValueError(f"line {lineno}: bad value {value_text!r}") from None
-        samples[(name, labels)] = value
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples[(sample.name, frozenset(sample.labels.items()))] = float(sample.value)
+    except ValueError as exc:
+        raise ValueError(f"not a Prometheus text exposition: {exc}") from None
     return samples
-
-
-def _parse_labels(text: str, lineno: int) -> frozenset[tuple[str, str]]:
-    labels = []
-    pos = 0
-    while pos < len(text.rstrip()):
-        match = _LABEL_RE.match(text, pos)
-        if match is None:
-            raise ValueError(f"line {lineno}: bad labels {text!r}")
-        value = re.sub(r"\\[\\\"n]", lambda m: _UNESCAPE[m.group(0)], match.group(2))
-        labels.append((match.group(1), value))
-        pos = match.end()
-    return frozenset(labels)
 
 
 def vllm_counter_totals(text: str) -> dict[str, float]:

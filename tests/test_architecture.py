@@ -146,6 +146,27 @@ def test_no_module_imports_another_packages_private_module(
                          "in a public module):\n  " + "\n  ".join(private))
 
 
+def test_the_root_modules_import_nothing_of_the_subpackages() -> None:
+    """``kvscope/args.py`` and the like sit below every subpackage: they import none of them
+    (``__main__.py``, the ``python -m kvscope`` entry point, runs the command line)."""
+    files = [f for f in sorted((ROOT / "kvscope").glob("*.py"))
+             if f.name != "__main__.py" and not f.is_symlink()]
+    assert files, "kvscope/ has no modules of its own"
+    subpackages = set(package_dirs())
+    wrong = []
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            wrong += [f"{f.name} imports {n}" for n in names
+                      if n.startswith("kvscope.") and n.split(".")[1] in subpackages]
+    assert not wrong, "root modules must stay below every subpackage:\n  " + "\n  ".join(wrong)
+
+
 def test_no_import_loops(edges: dict[tuple[str, str], bool]) -> None:
     loops = import_cycles(edges)
     assert not loops, ("modules importing each other at run time (move the shared part into "

@@ -163,7 +163,7 @@ def test_parse_prometheus_text_edge_cases() -> None:
     assert samples[("bare", frozenset())] == 1000.0
     assert samples[("h_bucket", frozenset({("le", "+Inf")}))] == float("inf")
     assert vllm_counter_totals("") == dict.fromkeys(VLLM_COUNTERS, 0.0)
-    with pytest.raises(ValueError, match="line 1"):
+    with pytest.raises(ValueError, match="not a Prometheus text exposition"):
         parse_prometheus_text("not a sample line at all {")
 
 

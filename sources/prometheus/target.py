@@ -137,12 +137,12 @@ class PromTarget:
 
 
 def _header(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition(":")
-    name = name.strip()
-    if not sep or not name or any(c.isspace() for c in name):
-        raise PromArgError(f"--prometheus-header wants 'Name: value', got a value without a "
-                           f"header name{f' ({name[:20]!r}...)' if name else ''}")
-    return name, value.strip()
+    from kvscope.args import ParamError, parse_header
+
+    try:
+        return parse_header("--prometheus-header", text)
+    except ParamError as exc:
+        raise PromArgError(str(exc)) from None
 
 
 def _url(text: str) -> str:

@@ -200,7 +200,7 @@ def test_export_equals_metrics_and_survives_a_failing_receiver(
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "1")
     c = CollectorProcess(tmp_path / "kvscope.duckdb", extra_args=[
         "--otlp-endpoint", receiver.url, "--otlp-interval", "1",
-        "--otlp-header", "Authorization=Bearer otlp-secret",
+        "--otlp-header", "Authorization: Bearer otlp-secret",
         "--raw-retention-s", "0", "--advise-interval-s", "1", "--advise-window-s", "900",
         "--kv-events", "off"]).start()
     try:
@@ -365,7 +365,7 @@ def test_collector_without_otlp_never_imports_opentelemetry() -> None:
 @pytest.mark.parametrize("argv", [
     ["--otlp-endpoint", "otel:4318"], ["--otlp-endpoint", "ftp://otel:4318/v1/metrics"],
     ["--otlp-endpoint", "http://otel:4318", "--otlp-interval", "0"],
-    ["--otlp-endpoint", "http://otel:4318", "--otlp-header", "no-equals-sign"],
+    ["--otlp-endpoint", "http://otel:4318", "--otlp-header", "no-colon"],
 ])
 def test_bad_otlp_flags_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -386,7 +386,7 @@ def test_otlp_settings() -> None:
         Settings(otlp_endpoint="http://otel:4318", otlp_interval_s=0)
     args = main.build_parser().parse_args([
         "collector", "--otlp-endpoint", "http://otel:4318/v1/metrics", "--otlp-interval", "5",
-        "--otlp-header", "Authorization=Bearer T", "--otlp-header", "X-Scope-OrgID=fleet"])
+        "--otlp-header", "Authorization: Bearer T", "--otlp-header", "X-Scope-OrgID: fleet"])
     s = collector_settings(args)
     assert s.otlp_interval_s == 5.0
     assert s.otlp_headers == (("Authorization", "Bearer T"), ("X-Scope-OrgID", "fleet"))

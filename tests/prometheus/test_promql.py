@@ -1,4 +1,5 @@
-"""The PromQL tokenizer: metric selectors, matchers, grouping and created labels."""
+"""PromQL reading (the parser, and the tokenizer for templated expressions): metric
+selectors, matchers, grouping and created labels."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from kvscope.sources.prometheus.promql import (
     PromQLError,
     matchers_of_selector,
     scan,
+    scan_tokens,
     tokenize,
     with_matchers,
 )
@@ -24,13 +26,13 @@ def names(expr: str) -> list[str | None]:
     ("sum(rate(x_bucket[5m])) by (le)", ["x_bucket"]),
     ("histogram_quantile(0.99, sum by (le, model_name) (rate(h_bucket[$__rate_interval])))",
      ["h_bucket"]),
-    ("rate(x[5m:1m]) offset 1h > bool 3", ["x"]),
-    ("a and on(instance) group_left(pool) b unless c or d", ["a", "b", "c", "d"]),
-    ("max without (engine) (g) @ 1700000000", ["g"]),
+    ("rate(x[5m:1m] offset 1h) > bool 3", ["x"]),
+    ("a * on(instance) group_left(pool) b unless c or d", ["a", "b", "c", "d"]),
+    ("max without (engine) (g @ 1700000000)", ["g"]),
     ('topk(5, count_values("v", build_info))', ["build_info"]),
     ("clamp_min(x, 0) * -1 + 2e3 - 0x1f", ["x"]),
     ("# a comment\nup # another", ["up"]),
-    ("absent(nonexistent{job=`raw \\string`})", ["nonexistent"]),
+    ("absent(nonexistent{job=`raw string`})", ["nonexistent"]),
     ("inf + nan + Inf", []),
 ])
 def test_metric_names(expr: str, expected: list[str]) -> None:
@@ -43,7 +45,7 @@ def test_matchers_and_name_from_matchers() -> None:
     assert a.name == "vllm:x" and [(m.label, m.op, m.value) for m in a.label_matchers()] == \
         [("job", "=~", "v.*")]
     assert b.name is None and b.name_regex == "vllm:.+"
-    assert c.name == "my.metric" and c.matchers[0].op == "!="
+    assert c.name == "my.metric" and c.label_matchers()[0].op == "!="
 
 
 def test_grouping_and_created_labels() -> None:
@@ -68,8 +70,32 @@ def test_tokenize_errors() -> None:
         tokenize('x{a="b}')
     with pytest.raises(PromQLError, match="unexpected character"):
         tokenize("x ; y")
-    with pytest.raises(PromQLError, match="unterminated label matchers"):
+    with pytest.raises(PromQLError, match="inside braces"):
         scan('x{a="b"')
+    with pytest.raises(PromQLError, match="unterminated label matchers"):
+        scan_tokens('x{a="b"')
+
+
+@pytest.mark.parametrize(("expr", "message"), [
+    ("sum(rate(x[5m])", "unclosed left parenthesis"),
+    ("rate(x[5m]) offset 1h", "offset modifier"),
+    ("a and on(i) group_left(p) b", "no grouping allowed for 'and'"),
+    ('up{__name__="vllm:x"}', "metric name must not be set twice"),
+])
+def test_what_prometheus_would_reject_is_an_error(expr: str, message: str) -> None:
+    """Mistakes a tokenizer cannot see: the parser names them as Prometheus would."""
+    with pytest.raises(PromQLError, match=message):
+        scan(expr)
+    scan_tokens(expr)  # the tokenizer alone reads them without complaint
+
+
+def test_templated_expressions_fall_back_to_the_tokenizer() -> None:
+    """The parser rejects a variable as a range or glued to a name; scan still reads them."""
+    ex = scan("rate(vllm:x_total[$interval]) + rate(${prefix}_total[5m])")
+    assert [(s.name, s.templated) for s in ex.selectors] == \
+        [("vllm:x_total", False), ("_total", True)]
+    with pytest.raises(PromQLError, match="unclosed"):
+        scan('sum(rate(x{pool=~"$pool"}[5m])')  # a variable, but the parser reads it: its error
 
 
 @pytest.mark.parametrize(("selector", "inner"), [
