@@ -4,23 +4,25 @@
 deques and bumps the ``*_produced`` counters; it takes no lock. When a deque is
 full, ``append`` evicts the oldest row; :meth:`EngineBuffer.refresh_buffer_drops`
 counts those evictions exactly as ``produced - taken - len(deque)``.
+
+The buffer also holds the engine's hello (identity and configuration), which the
+plugin sets; what the exporter does with rows and hello once drained belongs to the
+exporter's parts (:mod:`kvscope.engine_plugins.exporter`).
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from typing import Any
 
-from kvscope.engine_plugins._rows import StepFolder
-
 
 class EngineBuffer:
-    """Buffers and delivery state of one engine.
+    """The row buffers and the hello of one engine.
 
-    ``record()`` writes ``steps``, ``requests``, ``*_produced`` and
-    ``record_errors`` (one thread: vLLM's event loop); the plugin writes the hello
-    through :meth:`set_hello`; everything else belongs to the exporter thread.
+    ``record()`` writes ``steps``, ``requests``, ``*_produced`` and ``record_errors``
+    (one thread: vLLM's event loop); the plugin writes the hello through
+    :meth:`set_hello`; the ``*_taken`` and ``buffer_dropped_*`` counts belong to the
+    exporter thread, which drains the deques.
     """
 
     def __init__(self, engine_id: str, boot_id: str, max_steps: int, max_requests: int) -> None:
@@ -33,39 +35,15 @@ class EngineBuffer:
         self.record_errors = 0
         self.hello: dict[str, Any] | None = None
         self.hello_version = 0
-        # Exporter state.
-        self.folder = StepFolder()
-        self.held_steps: list[tuple[Any, ...]] = []
-        self.next_seq = 0
-        self.last_counters: dict[str, int] = {}
-        """The counters carried by the latest batch built."""
-        self.last_built_mono_s = -math.inf
-        self.hello_acked_version = 0
+        """Bumped by every :meth:`set_hello`; batches name the version they carry."""
+        # Drained by the exporter thread; evictions from the full deques.
         self.steps_taken = self.requests_taken = 0
         self.buffer_dropped_steps = self.buffer_dropped_requests = 0
-        self.batch_dropped_steps = self.batch_dropped_requests = 0
-        self.steps_sent = self.requests_sent = 0
-        self.pending_batches = self.pending_steps = self.pending_requests = 0
-        self.batches_built = self.batches_sent = self.dropped_batches = 0
-        self.send_failures = self.hellos_sent = 0
-        # Dropped batches by reason (each also counts in dropped_batches, except the
-        # spool's drops of earlier boots' batches, which count only in dropped_full).
-        self.dropped_full = self.dropped_rejected = self.dropped_exit = 0
-        # The on-disk spool: this boot's batches in it now, and cumulative counts.
-        self.spool_batches = self.spool_steps = self.spool_requests = 0
-        self.spooled_batches = 0
-        self.spool_corrupt_records = 0
-        """Process-wide count, carried by the process's first engine only."""
 
     def set_hello(self, hello: dict[str, Any]) -> None:
         """Replace the hello (identity and configuration); it is sent again."""
         self.hello = {**hello, "engine_id": self.engine_id, "boot_id": self.boot_id}
         self.hello_version += 1
-
-    @property
-    def hello_due(self) -> bool:
-        """Whether the collector has not acknowledged the current hello."""
-        return self.hello is not None and self.hello_acked_version != self.hello_version
 
     def refresh_buffer_drops(self) -> int:
         """Update the count of rows evicted from the deques; return the steps in the deque.
@@ -82,18 +60,3 @@ class EngineBuffer:
             self.buffer_dropped_requests, produced - self.requests_taken - n_requests
         )
         return n_steps
-
-    def counters(self) -> dict[str, int]:
-        """The cumulative exporter counters of the wire schema (``EXPORTER_FIELDS``)."""
-        self.refresh_buffer_drops()
-        return {
-            "dropped_steps": self.buffer_dropped_steps + self.batch_dropped_steps,
-            "dropped_requests": self.buffer_dropped_requests + self.batch_dropped_requests,
-            "dropped_batches": self.dropped_batches,
-            "send_failures": self.send_failures,
-            "record_errors": self.record_errors,
-            "dropped_batches_full": self.dropped_full,
-            "dropped_batches_rejected": self.dropped_rejected,
-            "spooled_batches": self.spooled_batches,
-            "spool_corrupt_records": self.spool_corrupt_records,
-        }

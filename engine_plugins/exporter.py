@@ -5,40 +5,48 @@ Hot path (``record()`` on vLLM's event loop): append one tuple to a bounded
 No lock, no I/O. When a deque is full, the append evicts the oldest row; the
 exporter counts that drop exactly as ``produced - taken - len(deque)``.
 
-The exporter thread (``kvscope-exporter``, a daemon) wakes on ``Event.wait``
-just after each wall-clock boundary of ``flush_interval_s`` and, per engine:
+The exporter thread (``kvscope-exporter``, a daemon) wakes on ``Event.wait`` just
+after each wall-clock boundary of ``flush_interval_s`` and runs one cycle,
+:meth:`Exporter._tick`:
 
-1. drains the deques; token-only rows are folded into step rows
-   (:class:`kvscope.engine_plugins._rows.StepFolder`);
-2. holds back step rows of the current, incomplete wall-clock second, so that a
-   1-second window normally arrives in one batch (the final flush sends all);
-3. builds one columnar batch (schema envelope, ``seq`` 0, 1, 2, ... per
-   ``(engine_id, boot_id)``), JSON, gzip, and queues it;
-4. sends queued batches in order to ``{KVSCOPE_COLLECTOR_URL}/v1/ingest``.
+1. the builder drains every engine's buffers into encoded batches
+   (:class:`kvscope.engine_plugins._builder.BatchBuilder`: folding, hold-back of the
+   current second, ``seq`` 0, 1, 2, ... per ``(engine_id, boot_id)``, the hello),
+   which join the queue of undelivered batches
+   (:class:`kvscope.engine_plugins._batch.BatchQueue`);
+2. the sender delivers them, oldest first, to ``{KVSCOPE_COLLECTOR_URL}/v1/ingest``
+   (:class:`kvscope.engine_plugins._sender.Sender`: retry with backoff, the replies);
+   with a spool, the spool's batches go first;
+3. what could not be delivered stays queued, within ``max_pending_batches`` and
+   ``MAX_PENDING_BYTES``; beyond them the oldest is dropped and counted
+   (``dropped_batches`` plus its rows in ``dropped_steps`` / ``dropped_requests``), or,
+   with the spool (:class:`kvscope.engine_plugins._spooler.Spooler`), written to disk.
 
-Delivery: 2xx acknowledges. 408, 425, 429 and 5xx, and connection errors or
-timeouts, are retried with exponential backoff and jitter (``Retry-After`` is
-honoured); the batch keeps its ``seq``. Any other status drops the batch (counted,
-the collector's message logged). At most ``max_pending_batches`` batches (and
-``MAX_PENDING_BYTES``) wait; beyond that the oldest is dropped and counted
-(``dropped_batches`` plus its rows in ``dropped_steps`` / ``dropped_requests``).
+Every part reports to the accounting (:class:`kvscope.engine_plugins._accounting.Accounting`),
+which :meth:`Exporter.stats` and ``KVSCOPE_STATS_FILE`` read.
 
-An idle engine still sends an empty batch: for its hello, every ``HEARTBEAT_S``, and
-in the cycle after it dropped something, so that the counters of the drops arrive.
+Replies: 2xx acknowledges. 408, 425, 429 and 5xx, and connection errors or timeouts,
+are retried after a backoff, the batch unchanged (same bytes, same ``seq``). Any
+other status drops the batch (counted, the collector's message logged), except that
+a refusal asking for the hello (``{"need_hello": true}``) of a batch without it puts
+an empty batch carrying the hello ahead of it, then sends it again as it is.
 
-Hello (engine identity and configuration): carried by every batch built while
-the collector has not acknowledged the current hello. It becomes due again when
-the plugin changes it (e.g. ``num_gpu_blocks`` known after start-up), after any
-failed delivery (the collector may have restarted), and when a response says
-``{"need_hello": true}``. A queued batch sent while the hello is due gets it added.
+Hello (engine identity and configuration): a batch carries it when the collector has
+not acknowledged the current hello at the time the batch is built; a built batch is
+never changed. It becomes due again when the plugin changes it (e.g.
+``num_gpu_blocks`` known after start-up), after any failed delivery (the collector
+may have restarted), and when a reply asks for it. An idle engine still sends an
+empty batch for its hello, every ``HEARTBEAT_S``, and in the cycle after it dropped
+something, so that the counters of the drops arrive.
 
-Spool (``KVSCOPE_SPOOL_DIR``, off by default; :mod:`kvscope.engine_plugins._spool`): while
-deliveries fail, every queued batch is moved, in order, to segment files on disk
-(written and fsynced by this thread, once per cycle); batches beyond
-``max_pending_batches`` go there instead of being dropped, and so does whatever is
-undelivered at exit. The spool is sent first (oldest first) once the collector
-answers again, in a process that starts later on the same host and port too, with
-each batch's original idempotency key, so the collector stores it once. Beyond
+Spool (``KVSCOPE_SPOOL_DIR``, off by default): while deliveries fail, every queued
+batch is moved, in order, to segment files on disk (written by this thread, fsynced
+once per cycle); batches beyond the caps go there instead of being dropped, and so
+does whatever is undelivered at exit. The spool is sent first (oldest first) once
+the collector answers again, in a process that starts later on the same host and
+port too, with each batch's original idempotency key, so the collector stores it
+once. A later process cannot add this boot's hello to a spooled batch, so the
+spool holds, after any batch that lacks it, one that carries it. Beyond
 ``KVSCOPE_SPOOL_MAX_BYTES`` the oldest segments are deleted and their batches
 counted as dropped (``dropped_batches_full``); a torn or corrupt record is skipped
 and counted (``spool_corrupt_records``).
@@ -48,22 +56,10 @@ Exit: an ``atexit`` hook flushes everything (no hold-back) and returns within
 starts with no exporter; the next logger created there (or an existing one, on its
 next ``log()``) gets a fresh one with a new ``boot_id``.
 
-Accounting, per engine and in total (:meth:`Exporter.stats`), exact whenever no
-``record()`` runs concurrently::
-
-    steps_produced    == steps_sent + steps_merged + steps_dropped + steps_buffered
-    requests_produced == requests_sent + requests_dropped + requests_buffered
-
-where ``buffered`` includes this boot's rows in the spool. ``KVSCOPE_STATS_FILE``
-makes the thread write these counters as JSON after every cycle.
-
-Layout: :class:`Exporter` (this module: the thread, the cycle, exit and the
-process-wide instance) combines one part per concern: batch building
-(:mod:`kvscope.engine_plugins._batching`), delivery with retry and backoff
-(:mod:`kvscope.engine_plugins._delivery`), the spool's spill and replay
-(:mod:`kvscope.engine_plugins._spool_replay`), and the accounting
-(:mod:`kvscope.engine_plugins._exp_stats`), over their shared state and pending queue
-(:mod:`kvscope.engine_plugins._exp_state`).
+Threads: ``_tick_lock`` runs one cycle at a time (it is held during I/O). ``_lock``
+guards what :meth:`Exporter.stats` reads, the engines and the accounting: it is held
+while batches are built and while a batch moves between queue, spool and collector,
+never during an HTTP request or an ``fsync``.
 """
 
 from __future__ import annotations
@@ -72,18 +68,22 @@ import atexit
 import os
 import threading
 import time
+import uuid
 from typing import Any
 
-from kvscope.engine_plugins._batching import HEARTBEAT_S, MAX_ROWS_PER_BATCH, BatchBuilding
+from kvscope.engine_plugins._accounting import Accounting, write_stats_file
+from kvscope.engine_plugins._batch import MAX_PENDING_BYTES, Batch, BatchQueue
 from kvscope.engine_plugins._buffer import EngineBuffer
+from kvscope.engine_plugins._builder import HEARTBEAT_S, MAX_ROWS_PER_BATCH, BatchBuilder
 from kvscope.engine_plugins._config import Settings
-from kvscope.engine_plugins._delivery import INITIAL_BACKOFF_S, MAX_BACKOFF_S
-from kvscope.engine_plugins._exp_state import MAX_PENDING_BYTES
-from kvscope.engine_plugins._exp_stats import Accounting
-from kvscope.engine_plugins._http import IngestClient
+from kvscope.engine_plugins._http import OK, RETRY, IngestClient
 from kvscope.engine_plugins._logging import ERRORS
-from kvscope.engine_plugins._spool_replay import SPOOL_REPLAY_SHARE, SpoolReplay
+from kvscope.engine_plugins._sender import INITIAL_BACKOFF_S, MAX_BACKOFF_S, Reply, Sender
+from kvscope.engine_plugins._spool import SpoolEntry
+from kvscope.engine_plugins._spooler import Spooler
 
+#: Longest one cycle spends replaying the spool (as a share of the flush interval).
+SPOOL_REPLAY_SHARE = 0.8
 #: Share of the exit deadline kept for writing undelivered batches to the spool.
 SPOOL_EXIT_RESERVE = 0.25
 #: Ticks run this long after a wall-clock boundary.
@@ -97,8 +97,12 @@ __all__ = [
 ]  # fmt: skip
 
 
-class Exporter(BatchBuilding, SpoolReplay, Accounting):
-    """Turns the buffers of all engines of this process into delivered batches."""
+class Exporter:
+    """Turns the buffers of all engines of this process into delivered batches.
+
+    Owns the exporter thread, the engines' buffers and the queue of undelivered
+    batches; the builder, the sender, the spool and the accounting do the work.
+    """
 
     def __init__(
         self,
@@ -111,7 +115,23 @@ class Exporter(BatchBuilding, SpoolReplay, Accounting):
             if settings.collector_url is None:
                 raise ValueError("an Exporter needs settings.collector_url")
             client = IngestClient(settings.collector_url, settings.token, settings.ca_file)
-        super().__init__(settings, client, boot_id)
+        self.settings = settings
+        self.boot_id = boot_id or uuid.uuid4().hex
+        self.pid = os.getpid()
+        self._engines: dict[str, EngineBuffer] = {}
+        self._accounting = Accounting(self.boot_id, self.pid)
+        self._builder = BatchBuilder(self._accounting)
+        self._queue = BatchQueue(settings.max_pending_batches)
+        self._sender = Sender(client, settings)
+        self._spool: Spooler | None = None
+        """Opened by the first cycle (in the exporter thread) when ``spool_dir`` is set."""
+        self._spool_tried = False
+        self._lock = threading.Lock()  # what stats() reads; never held during HTTP or fsync
+        self._tick_lock = threading.Lock()  # one cycle at a time; held during I/O
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._final_deadline_mono_s: float | None = None
+        self._closed = False
 
     # -- engines ---------------------------------------------------------------------
 
@@ -125,6 +145,7 @@ class Exporter(BatchBuilding, SpoolReplay, Accounting):
                     self.settings.buffer_requests,
                 )  # fmt: skip
                 self._engines[engine_id] = eng
+                self._accounting.add_engine(eng)
             eng.set_hello(hello)
             return eng
 
@@ -154,10 +175,14 @@ class Exporter(BatchBuilding, SpoolReplay, Accounting):
     def _safe_tick(self, *, final: bool, deadline_mono_s: float | None) -> None:
         try:
             with self._tick_lock:
-                self._tick_locked(time.time(), final, deadline_mono_s)
+                self._tick(time.time(), final, deadline_mono_s)
         except Exception:  # the exporter thread must survive anything
-            self.exporter_errors += 1
+            self._count_error()
             ERRORS.warning("exporter:tick", "kvscope: exporter cycle failed", exc_info=True)
+
+    def _count_error(self) -> None:
+        with self._lock:
+            self._accounting.exporter_error()
 
     # -- one cycle -------------------------------------------------------------------
 
@@ -166,41 +191,176 @@ class Exporter(BatchBuilding, SpoolReplay, Accounting):
         """Run one cycle in the calling thread: build batches, then send what is due.
 
         ``final`` sends every row (no hold-back), ignores the backoff, and counts
-        what still could not be delivered as dropped.
+        what still could not be delivered (nor spooled) as dropped.
         """
         with self._tick_lock:
-            self._tick_locked(time.time() if now_unix_s is None else now_unix_s, final,
-                              deadline_mono_s)  # fmt: skip
+            self._tick(time.time() if now_unix_s is None else now_unix_s, final,
+                       deadline_mono_s)  # fmt: skip
 
-    def _tick_locked(self, now_unix_s: float, final: bool, deadline_mono_s: float | None) -> None:
-        if not self._spool_tried and self.settings.spool_dir:
-            self._open_spool()
+    def _tick(self, now_unix_s: float, final: bool, deadline_mono_s: float | None) -> None:
+        """One cycle: build every engine's batches, deliver in order, keep what failed."""
+        spool = self._open_spool()
         with self._lock:
-            for eng in list(self._engines.values()):
-                self._build(eng, now_unix_s, final)
-        spool = self._spool
+            for batch in self._builder.build(self._engines.values(), now_unix_s, final):
+                self._queue.push(batch)
+            if spool is None:
+                self._drop_beyond_caps()
         try:
-            if spool is not None:
-                self._spill(everything=self._failures > 0)
-                send_deadline = deadline_mono_s
-                if final and deadline_mono_s is not None:
-                    send_deadline = deadline_mono_s - SPOOL_EXIT_RESERVE * max(
-                        deadline_mono_s - time.monotonic(), 0.0)
-                if self._send_spooled(final, send_deadline):
-                    self._send_pending(final, send_deadline)
+            if spool is None:
+                self._send_queue(final, deadline_mono_s)
             else:
-                self._send_pending(final, deadline_mono_s)
+                # While deliveries fail every batch goes to disk, else those beyond the
+                # caps; the spool is older than the queue, so it is sent first.
+                self._spill(spool, everything=self._sender.failing)
+                send_deadline = _keep_exit_reserve(final, deadline_mono_s)
+                if self._replay_spool(spool, final, send_deadline):
+                    self._send_queue(final, send_deadline)
             if final:
                 if spool is not None:
-                    self._spill(everything=True)
+                    self._spill(spool, everything=True)
                 with self._lock:
-                    while self._pending:
-                        self._drop(self._pending.popleft(), "exit")
+                    while self._queue.head() is not None:
+                        self._accounting.dropped(self._queue.pop(), "exit")
         finally:
             if spool is not None:
-                self._sync_spool(close=final)
+                spool.sync(close=final)
             if self.settings.stats_file:
-                self._write_stats()
+                with self._lock:
+                    document = self._accounting.stats_document()
+                write_stats_file(self.settings.stats_file, document, self.pid)
+
+    # -- delivery --------------------------------------------------------------------
+
+    def _send_queue(self, final: bool, deadline_mono_s: float | None) -> None:
+        """Send queued batches, oldest first, until none is left, one fails, or the
+        deadline is near; outside the final cycle, only when the backoff allows."""
+        while (batch := self._queue.head()) is not None:
+            if not final and not self._sender.ready():
+                return
+            reply = self._sender.send(batch.body, deadline_mono_s, waiting=self._waiting())
+            if reply is None:
+                return
+            with self._lock:
+                if not self._settle_queued(batch, reply):
+                    return
+
+    def _settle_queued(self, batch: Batch, reply: Reply) -> bool:
+        """Act on the reply to ``batch`` (the queue's head); return whether to send on."""
+        if reply.verdict == OK:
+            self._queue.pop()
+            self._accounting.sent(batch)
+            self._builder.acknowledged(batch, need_hello=reply.need_hello)
+            return True
+        self._accounting.send_failed(batch.engine_id)
+        if reply.verdict == RETRY:
+            self._builder.resend_hello()  # the collector may come back without the hellos
+            return False
+        eng = self._engines[batch.engine_id]
+        wants_hello = reply.need_hello and self._builder.lacks_hello(batch, eng)
+        if wants_hello and not batch.hello_sent_ahead:
+            batch.hello_sent_ahead = True
+            self._queue.push_front(self._builder.hello_batch(eng, time.time()))
+            return True
+        self._queue.pop()
+        self._accounting.dropped(batch, "rejected")
+        ERRORS.warning(
+            f"http:{reply.status}",
+            "kvscope: the collector refused batch %d of %s with HTTP %d (%s); dropped it "
+            "(%d steps, %d requests)",
+            batch.seq, batch.engine_id, reply.status, reply.message, batch.n_steps,
+            batch.n_requests,
+        )  # fmt: skip
+        return True
+
+    def _replay_spool(self, spool: Spooler, final: bool, deadline_mono_s: float | None) -> bool:
+        """Send spooled batches, oldest first, for at most ``SPOOL_REPLAY_SHARE`` of the
+        flush interval (the final cycle: until the deadline); return whether the spool
+        is now empty."""
+        budget_end = time.monotonic() + SPOOL_REPLAY_SHARE * self.settings.flush_interval_s
+        while True:
+            if not final and (not self._sender.ready() or time.monotonic() > budget_end):
+                return not len(spool)
+            with self._lock:
+                oldest = spool.oldest()
+            if oldest is None:
+                return True
+            entry, body = oldest
+            reply = self._sender.send(body, deadline_mono_s, waiting=self._waiting())
+            if reply is None:
+                return False
+            with self._lock:
+                if not self._settle_spooled(spool, entry, reply):
+                    return False
+
+    def _settle_spooled(self, spool: Spooler, entry: SpoolEntry, reply: Reply) -> bool:
+        """Act on the reply to ``entry`` (the spool's oldest); return whether to send on."""
+        engine_id = str(entry.meta.get("engine_id"))
+        if reply.verdict == RETRY:
+            self._accounting.send_failed(engine_id)
+            self._builder.resend_hello()  # the collector may come back without the hellos
+            return False
+        spool.remove_oldest(entry, delivered=reply.verdict == OK)
+        if reply.verdict == OK:
+            if reply.need_hello and entry.meta.get("boot_id") == self.boot_id:
+                self._builder.resend_hello(engine_id)
+            return True
+        self._accounting.send_failed(engine_id)
+        ERRORS.warning(
+            f"http:{reply.status}",
+            "kvscope: the collector refused spooled batch %s of %s with HTTP %d (%s); "
+            "dropped it", entry.meta.get("seq"), engine_id, reply.status, reply.message,
+        )  # fmt: skip
+        return True
+
+    def _waiting(self) -> int:
+        """Batches waiting for delivery, in memory and on disk."""
+        return len(self._queue) + (len(self._spool) if self._spool is not None else 0)
+
+    # -- keeping what was not delivered ----------------------------------------------
+
+    def _drop_beyond_caps(self) -> None:
+        """Drop the oldest queued batches while the queue is beyond its caps."""
+        while self._queue.over_cap():
+            self._accounting.dropped(self._queue.pop(), "full")
+
+    def _open_spool(self) -> Spooler | None:
+        """The spool, opened on the first call if ``spool_dir`` is set."""
+        if not self._spool_tried and self.settings.spool_dir:
+            self._spool_tried = True
+            spool = Spooler.open(self.settings, self._accounting)
+            if spool is not None:
+                with self._lock:
+                    self._spool = spool
+                    spool.report_size()
+        return self._spool
+
+    def _spill(self, spool: Spooler, *, everything: bool) -> None:
+        """Move queued batches, oldest first, to the spool: all, or those beyond the caps.
+
+        When an engine's last batch moved lacks the hello, an empty batch carrying it
+        follows. If the disk refuses a batch, the rest stays queued, within the caps.
+        """
+        lacking: set[str] = set()
+        with self._lock:
+            while (batch := self._queue.head()) is not None:
+                if not (everything or self._queue.over_cap()):
+                    break
+                if not spool.append(batch):
+                    self._drop_beyond_caps()
+                    return
+                self._queue.pop()
+                if batch.hello_version:
+                    lacking.discard(batch.engine_id)
+                else:
+                    lacking.add(batch.engine_id)
+            for engine_id in lacking:
+                eng = self._engines[engine_id]
+                if eng.hello is None:
+                    continue
+                hello = self._builder.hello_batch(eng, time.time())
+                if not spool.append(hello):
+                    self._queue.push_front(hello)
+                    return
 
     # -- shutdown --------------------------------------------------------------------
 
@@ -225,17 +385,36 @@ class Exporter(BatchBuilding, SpoolReplay, Accounting):
             done = self._tick_lock.acquire(timeout=max(deadline - time.monotonic(), 0.0))
             if done:
                 try:
-                    self._tick_locked(time.time(), True, deadline)
+                    self._tick(time.time(), True, deadline)
                 except Exception:
-                    self.exporter_errors += 1
+                    self._count_error()
                     ERRORS.warning("exporter:final", "kvscope: final flush failed", exc_info=True)
                 finally:
                     self._tick_lock.release()
         if done:
-            self._client.close()
+            self._sender.close()
         return done
 
     # -- introspection -----------------------------------------------------------------
+
+    def stats(self, engine_id: str | None = None) -> dict[str, int]:
+        """A snapshot of the exporter's counters, for one engine or summed over all
+        (:class:`kvscope.engine_plugins._accounting.Accounting`)."""
+        with self._lock:
+            return self._accounting.stats(engine_id)
+
+    @property
+    def replayed_batches(self) -> int:
+        """Batches of earlier boots delivered from the spool."""
+        return self._accounting.replayed_batches
+
+
+def _keep_exit_reserve(final: bool, deadline_mono_s: float | None) -> float | None:
+    """The deadline for sending: in the final cycle, ``SPOOL_EXIT_RESERVE`` of the time
+    left is kept for writing what is still undelivered to the spool."""
+    if not final or deadline_mono_s is None:
+        return deadline_mono_s
+    return deadline_mono_s - SPOOL_EXIT_RESERVE * max(deadline_mono_s - time.monotonic(), 0.0)
 
 
 # -- the process-wide exporter ---------------------------------------------------------

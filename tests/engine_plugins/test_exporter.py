@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 from _ep_helpers import Blackhole, push_steps, refused_url
 from _plugin_testkit import RecordingServer, assert_accounting, make_settings
 
-from kvscope.engine_plugins import _batching as batching_mod
-from kvscope.engine_plugins import _delivery as delivery_mod
-from kvscope.engine_plugins import _exp_state as state_mod
+from kvscope.engine_plugins import _batch as batch_mod
+from kvscope.engine_plugins import _builder as builder_mod
+from kvscope.engine_plugins import _sender as sender_mod
 from kvscope.engine_plugins import exporter as exporter_mod
 from kvscope.engine_plugins import schema
 from kvscope.engine_plugins.exporter import EngineBuffer, Exporter
@@ -83,7 +82,7 @@ def test_steps_of_the_current_second_are_held_back(collector: RecordingServer) -
     assert assert_accounting(exp)["steps_buffered"] == 0
 
 
-def test_503_with_retry_after_is_retried_with_the_same_seq_and_a_hello(
+def test_503_with_retry_after_is_retried_unchanged_and_the_hello_follows(
     collector: RecordingServer,
 ) -> None:
     exp, eng = new_exporter(collector.url)
@@ -99,14 +98,20 @@ def test_503_with_retry_after_is_retried_with_the_same_seq_and_a_hello(
     time.sleep(1.15)
     exp.tick(now_unix_s=T0 + 3.05)
     assert [r.status for r in collector.received] == [200, 503, 200]
-    retried = collector.received[2].batch
-    assert retried["seq"] == 1
-    assert retried["hello"] is not None  # the collector may have restarted meanwhile
-    assert collector.received[1].batch["hello"] is None
-    assert retried["steps"] == collector.received[1].batch["steps"]
-    assert retried["exporter"]["send_failures"] == 0  # counters as when it was built
+    failed, retried = collector.received[1], collector.received[2]
+    assert retried.batch["seq"] == 1
+    assert retried.raw == failed.raw  # the same bytes: a built batch is never re-encoded
+    assert retried.batch["hello"] is None
+    assert retried.batch["exporter"]["send_failures"] == 0  # counters as when it was built
+    # The collector may have restarted meanwhile: the next batch built carries the hello
+    # (here an empty one: the engine is idle).
+    exp.tick(now_unix_s=T0 + 4.05)
+    follow = collector.received[3].batch
+    assert (follow["seq"], follow["steps"]["step"]) == (2, [])
+    assert follow["hello"] is not None
     s = assert_accounting(exp)
-    assert (s["send_failures"], s["batches_sent"], s["steps_sent"]) == (1, 2, 5)
+    assert (s["send_failures"], s["batches_sent"], s["steps_sent"]) == (1, 3, 5)
+    assert s["hellos_sent"] == 2
 
 
 def test_400_is_not_retried_and_is_counted(
@@ -143,24 +148,46 @@ def test_need_hello_in_a_response_brings_the_hello_back(collector: RecordingServ
     assert [b["hello"] is not None for b in collector.batches()] == [True, False, True]
 
 
-def test_4xx_asking_for_hello_is_resent_with_it(collector: RecordingServer) -> None:
+def test_4xx_asking_for_hello_sends_a_hello_batch_ahead_then_the_batch_again(
+    collector: RecordingServer,
+) -> None:
     exp, eng = new_exporter(collector.url)
     push_steps(eng, 1, T0)
     exp.tick(now_unix_s=T0 + 1.05)
     collector.answer(409, {"error": "unknown engine", "need_hello": True})
     push_steps(eng, 2, T0 + 1.1)
     exp.tick(now_unix_s=T0 + 2.05)
-    assert [r.status for r in collector.received] == [200, 409, 200]
-    assert collector.received[2].batch["seq"] == 1
-    assert collector.received[2].batch["hello"] is not None
-    assert assert_accounting(exp)["steps_sent"] == 3
+    assert [r.status for r in collector.received] == [200, 409, 200, 200]
+    assert [r.batch["seq"] for r in collector.received] == [0, 1, 2, 1]
+    hello_batch, resent = collector.received[2].batch, collector.received[3]
+    assert hello_batch["hello"] is not None and hello_batch["steps"]["step"] == []
+    assert resent.raw == collector.received[1].raw
+    s = assert_accounting(exp)
+    assert (s["steps_sent"], s["batches_dropped"], s["send_failures"]) == (3, 0, 1)
+
+
+def test_a_batch_refused_for_want_of_the_hello_twice_is_dropped(
+    collector: RecordingServer,
+) -> None:
+    exp, eng = new_exporter(collector.url)
+    push_steps(eng, 1, T0)
+    exp.tick(now_unix_s=T0 + 1.05)
+    collector.answer(409, {"error": "unknown engine", "need_hello": True})
+    collector.answer(200)  # the hello batch sent ahead
+    collector.answer(409, {"error": "unknown engine", "need_hello": True})
+    push_steps(eng, 2, T0 + 1.1)
+    exp.tick(now_unix_s=T0 + 2.05)
+    assert [(r.batch["seq"], r.status) for r in collector.received] == [
+        (0, 200), (1, 409), (2, 200), (1, 409)]  # fmt: skip
+    s = assert_accounting(exp)
+    assert (s["steps_sent"], s["steps_dropped"], s["batches_dropped_rejected"]) == (1, 2, 1)
 
 
 def test_collector_away_drops_oldest_batches_and_accounts_exactly(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(delivery_mod, "INITIAL_BACKOFF_S", 0.001)
-    monkeypatch.setattr(delivery_mod, "MAX_BACKOFF_S", 0.002)
+    monkeypatch.setattr(sender_mod, "INITIAL_BACKOFF_S", 0.001)
+    monkeypatch.setattr(sender_mod, "MAX_BACKOFF_S", 0.002)
     url = refused_url()
     exp, eng = new_exporter(url, max_pending_batches=3)
     for i in range(6):
@@ -191,7 +218,7 @@ def test_collector_away_drops_oldest_batches_and_accounts_exactly(
 
 
 def test_pending_batches_are_bounded_in_bytes_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(state_mod, "MAX_PENDING_BYTES", 1)
+    monkeypatch.setattr(batch_mod, "MAX_PENDING_BYTES", 1)
     exp, eng = new_exporter(refused_url(), max_pending_batches=100)
     for i in range(4):
         push_steps(eng, 10, T0 + i + 0.5)
@@ -245,7 +272,7 @@ def test_idle_engine_sends_hello_then_heartbeats(
     batches = collector.batches()
     assert len(batches) == 1 and batches[0]["hello"] is not None
     schema.validate_batch(batches[0])
-    monkeypatch.setattr(batching_mod, "HEARTBEAT_S", 0.0)
+    monkeypatch.setattr(builder_mod, "HEARTBEAT_S", 0.0)
     exp.tick(now_unix_s=T0 + 2)
     assert len(collector.batches()) == 2 and collector.batches()[1]["hello"] is None
 
@@ -286,20 +313,34 @@ def test_shutdown_without_thread_flushes_in_caller(blackhole: Blackhole) -> None
     assert (s["steps_dropped"], s["batches_dropped"], s["steps_buffered"]) == (5, 1, 0)
 
 
-def test_retried_body_is_recompressed_not_reused_when_hello_added(
-    collector: RecordingServer,
+def test_a_batch_is_resent_byte_for_byte_from_memory_and_from_the_spool(
+    collector: RecordingServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    exp, eng = new_exporter(collector.url)
+    monkeypatch.setattr(sender_mod, "INITIAL_BACKOFF_S", 0.001)
+    monkeypatch.setattr(sender_mod, "MAX_BACKOFF_S", 0.002)
+    # A replay budget (a share of the flush interval) that a busy machine cannot exhaust.
+    exp, eng = new_exporter(collector.url, spool_dir=str(tmp_path / "spool"),
+                            flush_interval_s=1.0)  # fmt: skip
     push_steps(eng, 1, T0)
-    exp.tick(now_unix_s=T0 + 1.05)
+    exp.tick(now_unix_s=T0 + 1.05)  # seq 0, with the hello, acknowledged
     push_steps(eng, 1, T0 + 1.2)
-    collector.answer(500, {"error": "boom"}, {"Retry-After": "0"})
-    exp.tick(now_unix_s=T0 + 2.05)
+    collector.answer(500, {"error": "boom"})
+    exp.tick(now_unix_s=T0 + 2.05)  # seq 1 (no hello) fails
+    collector.answer(503, {"error": "busy"})
     time.sleep(0.01)
-    exp.tick(now_unix_s=T0 + 2.1)
-    raw = collector.received[-1].raw
-    assert json.loads(gzip.decompress(raw))["hello"] is not None
-    assert collector.received[-1].batch["seq"] == 1
+    # Failing: seq 1 moves to the spool as it is, followed by an empty batch carrying
+    # the hello (a later process replaying the spool could not add it); its replay fails.
+    exp.tick(now_unix_s=T0 + 3.05)
+    time.sleep(0.01)
+    exp.tick(now_unix_s=T0 + 4.05)  # the spool is replayed
+    assert [(r.batch["seq"], r.status) for r in collector.received][:5] == [
+        (0, 200), (1, 500), (1, 503), (1, 200), (2, 200)]  # fmt: skip
+    assert {r.raw for r in collector.received[1:4]} == {collector.received[1].raw}
+    hello_batch = collector.received[4].batch
+    assert hello_batch["hello"] is not None and hello_batch["steps"]["step"] == []
+    s = assert_accounting(exp)
+    assert (s["steps_sent"], s["steps_buffered"], s["batches_in_spool"]) == (2, 0, 0)
+    exp.shutdown(0.5)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

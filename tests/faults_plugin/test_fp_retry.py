@@ -24,7 +24,7 @@ from _fp_helpers import fp_exporter, push
 from _plugin_testkit import RecordingServer, assert_accounting
 
 from kvscope.collector.process import free_port
-from kvscope.engine_plugins import _delivery as delivery_mod
+from kvscope.engine_plugins import _sender as sender_mod
 from kvscope.engine_plugins import exporter as exporter_mod
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,8 +174,8 @@ def test_exit_keeps_its_deadline_with_an_unreachable_collector(server: Recording
 def test_drops_reach_the_collector_without_waiting_for_new_rows(
     server: RecordingServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(delivery_mod, "INITIAL_BACKOFF_S", 0.001)
-    monkeypatch.setattr(delivery_mod, "MAX_BACKOFF_S", 0.002)
+    monkeypatch.setattr(sender_mod, "INITIAL_BACKOFF_S", 0.001)
+    monkeypatch.setattr(sender_mod, "MAX_BACKOFF_S", 0.002)
     server.default = (503, {})
     exp, eng = fp_exporter(server.url, max_pending_batches=2)
     now = time.time()

@@ -23,7 +23,7 @@ from _fp_helpers import ENGINE_ID, fp_exporter, metric, push, stored_counts
 from _plugin_testkit import assert_accounting
 
 from kvscope.collector.process import CollectorProcess, free_port
-from kvscope.engine_plugins import _delivery as delivery_mod
+from kvscope.engine_plugins import _sender as sender_mod
 from kvscope.engine_plugins._spool import Spool, SpoolBusy, read_records
 from kvscope.engine_plugins.exporter import Exporter
 
@@ -34,8 +34,8 @@ STEPS_PER_S, REQUESTS_PER_S = 20, 2
 @pytest.fixture(autouse=True)
 def _quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     # Simulated seconds pass in milliseconds: retry at once instead of after 0.5-30 s.
-    monkeypatch.setattr(delivery_mod, "INITIAL_BACKOFF_S", 0.001)
-    monkeypatch.setattr(delivery_mod, "MAX_BACKOFF_S", 0.002)
+    monkeypatch.setattr(sender_mod, "INITIAL_BACKOFF_S", 0.001)
+    monkeypatch.setattr(sender_mod, "MAX_BACKOFF_S", 0.002)
 
 
 @pytest.fixture
@@ -149,7 +149,7 @@ def test_size_cap_drops_oldest_segments_and_counts_them(
                            max_pending_batches=5, flush_interval_s=1.0)  # fmt: skip
     run_seconds(exp, t0, 0, 400)
     s = assert_accounting(exp)
-    segment_bytes = exp._spool.segment_bytes if exp._spool else 0
+    segment_bytes = exp._spool.store.segment_bytes if exp._spool else 0
     print(f"\nspool cap {cap} bytes (segments of {segment_bytes}): holds {s['spool_bytes']} "
           f"bytes, {s['spool_records']} of 400 batches; dropped {s['batches_dropped_full']} "
           f"batches ({s['steps_dropped']} steps, {s['requests_dropped']} requests)")
@@ -158,7 +158,7 @@ def test_size_cap_drops_oldest_segments_and_counts_them(
     assert s["batches_dropped"] + s["spool_records"] == 400
     assert s["steps_dropped"] == s["batches_dropped"] * STEPS_PER_S
     # The oldest went: what is left is the newest, in order.
-    seqs = [e.meta["seq"] for e in exp._spool.entries()] if exp._spool else []
+    seqs = [e.meta["seq"] for e in exp._spool.store.entries()] if exp._spool else []
     assert seqs == list(range(400 - len(seqs), 400))
     collector.start()
     end = drain(exp, t0, 400)
