@@ -43,11 +43,19 @@ MAX_WINDOWS_PER_ENGINE = 30_000
 8 hours of 1-second windows); more are sampled in whole time blocks."""
 
 
-def analyze(source: Source, since: float | None = None, until: float | None = None,
-            pool: str | None = None, *, slo_ttft_p99_s: float | None = None,
-            slo_e2e_p99_s: float | None = None, cap_fraction: float = 0.9,
-            min_routing_loss: float = 0.05, imbalance_threshold: float = 1.25,
-            max_windows_per_engine: int | None = MAX_WINDOWS_PER_ENGINE) -> Report:
+def analyze(
+    source: Source,
+    since: float | None = None,
+    until: float | None = None,
+    pool: str | None = None,
+    *,
+    slo_ttft_p99_s: float | None = None,
+    slo_e2e_p99_s: float | None = None,
+    cap_fraction: float = 0.9,
+    min_routing_loss: float = 0.05,
+    imbalance_threshold: float = 1.25,
+    max_windows_per_engine: int | None = MAX_WINDOWS_PER_ENGINE,
+) -> Report:
     """Read engines, windows, requests and KV events from ``source`` and analyse them.
 
     A source with ``window_sample`` (the store) gives at most about
@@ -58,19 +66,36 @@ def analyze(source: Source, since: float | None = None, until: float | None = No
     sampler = getattr(source, "window_sample", None)
     if sampler is not None and max_windows_per_engine:
         s = sampler(since, until, pool=pool, max_windows_per_engine=max_windows_per_engine)
-        return analyze_sample(engines, s, since=since, until=until, pool=pool,
-                              slo_ttft_p99_s=slo_ttft_p99_s, slo_e2e_p99_s=slo_e2e_p99_s,
-                              cap_fraction=cap_fraction, min_routing_loss=min_routing_loss,
-                              imbalance_threshold=imbalance_threshold)
+        return analyze_sample(
+            engines,
+            s,
+            since=since,
+            until=until,
+            pool=pool,
+            slo_ttft_p99_s=slo_ttft_p99_s,
+            slo_e2e_p99_s=slo_e2e_p99_s,
+            cap_fraction=cap_fraction,
+            min_routing_loss=min_routing_loss,
+            imbalance_threshold=imbalance_threshold,
+        )
     windows = source.windows(since, until, pool=pool)
     requests = source.requests(since, until, pool=pool)
     read_events = getattr(source, "kv_events", None)  # sources written before kv_events
     kv_events = read_events(since, until, pool=pool) if read_events else None
-    return analyze_frames(engines, windows, requests, kv_events, since=since, until=until,
-                          pool=pool, slo_ttft_p99_s=slo_ttft_p99_s,
-                          slo_e2e_p99_s=slo_e2e_p99_s, cap_fraction=cap_fraction,
-                          min_routing_loss=min_routing_loss,
-                          imbalance_threshold=imbalance_threshold)
+    return analyze_frames(
+        engines,
+        windows,
+        requests,
+        kv_events,
+        since=since,
+        until=until,
+        pool=pool,
+        slo_ttft_p99_s=slo_ttft_p99_s,
+        slo_e2e_p99_s=slo_e2e_p99_s,
+        cap_fraction=cap_fraction,
+        min_routing_loss=min_routing_loss,
+        imbalance_threshold=imbalance_threshold,
+    )
 
 
 def analyze_sample(engines: pd.DataFrame, sample: WindowSample, **kw: Any) -> Report:
@@ -82,62 +107,104 @@ def analyze_sample(engines: pd.DataFrame, sample: WindowSample, **kw: Any) -> Re
     return report
 
 
-def analyze_frames(engines: pd.DataFrame, windows: pd.DataFrame, requests: pd.DataFrame,
-                   kv_events: pd.DataFrame | None = None, *,
-                   since: float | None = None, until: float | None = None,
-                   pool: str | None = None, slo_ttft_p99_s: float | None = None,
-                   slo_e2e_p99_s: float | None = None, cap_fraction: float = 0.9,
-                   min_routing_loss: float = 0.05, imbalance_threshold: float = 1.25) -> Report:
+def analyze_frames(
+    engines: pd.DataFrame,
+    windows: pd.DataFrame,
+    requests: pd.DataFrame,
+    kv_events: pd.DataFrame | None = None,
+    *,
+    since: float | None = None,
+    until: float | None = None,
+    pool: str | None = None,
+    slo_ttft_p99_s: float | None = None,
+    slo_e2e_p99_s: float | None = None,
+    cap_fraction: float = 0.9,
+    min_routing_loss: float = 0.05,
+    imbalance_threshold: float = 1.25,
+) -> Report:
     """The pure part of :func:`analyze`: frames in, report out.
 
     Engines without a window in ``windows`` (no data in the time range) are left out
     of the verdicts and counted in ``report.coverage``. ``kv_events`` empty or None:
     KV events are not configured.
     """
-    params = {"pool": pool, "slo_ttft_p99_s": slo_ttft_p99_s, "slo_e2e_p99_s": slo_e2e_p99_s,
-              "cap_fraction": cap_fraction, "min_routing_loss": min_routing_loss,
-              "imbalance_threshold": imbalance_threshold}
+    params = {
+        "pool": pool,
+        "slo_ttft_p99_s": slo_ttft_p99_s,
+        "slo_e2e_p99_s": slo_e2e_p99_s,
+        "cap_fraction": cap_fraction,
+        "min_routing_loss": min_routing_loss,
+        "imbalance_threshold": imbalance_threshold,
+    }
     report = Report(since_unix_s=since, until_unix_s=until, parameters=params)
-    known_pools = (sorted({str(p) for p in engines["pool"].dropna()})
-                   if "pool" in engines else [])
+    known_pools = sorted({str(p) for p in engines["pool"].dropna()}) if "pool" in engines else []
     if pool is not None and "pool" in engines:
         engines = engines[engines["pool"] == pool]
     has_ids = "engine_id" in windows and len(windows)
     with_data = set(windows["engine_id"]) if has_ids else set()
-    analyzed = (engines[engines["engine_id"].isin(with_data)]
-                if "engine_id" in engines else engines.iloc[0:0])
+    analyzed = (
+        engines[engines["engine_id"].isin(with_data)]
+        if "engine_id" in engines
+        else engines.iloc[0:0]
+    )
     w_in = windows[windows["engine_id"].isin(set(analyzed["engine_id"]))] if has_ids else windows
     report.coverage = _coverage(engines, analyzed, w_in, requests, known_pools)
     # One pass over the frames instead of one scan per engine (a fleet has many).
     w_of = dict(tuple(w_in.groupby("engine_id", sort=False))) if has_ids else {}
     has_req = bool(len(requests)) and "engine_id" in requests
     r_of = dict(tuple(requests.groupby("engine_id", sort=False))) if has_req else {}
-    for _, row in (analyzed.sort_values("engine_id").iterrows() if len(analyzed) else ()):
+    for _, row in analyzed.sort_values("engine_id").iterrows() if len(analyzed) else ():
         cfg = {k: (None if _isnan(v) else v) for k, v in row.to_dict().items()}
         eid = str(cfg["engine_id"])
         w = w_of.get(eid, windows.iloc[0:0])
         r = r_of.get(eid, requests.iloc[0:0]) if has_req else requests
-        _engine(report, cfg, w, r, cap_fraction=cap_fraction, slo_ttft_p99_s=slo_ttft_p99_s,
-                slo_e2e_p99_s=slo_e2e_p99_s)
+        _engine(
+            report,
+            cfg,
+            w,
+            r,
+            cap_fraction=cap_fraction,
+            slo_ttft_p99_s=slo_ttft_p99_s,
+            slo_e2e_p99_s=slo_e2e_p99_s,
+        )
     _pools(report)
-    _prefix_and_balance(report, analyzed, windows, requests, kv_events,
-                        min_routing_loss=min_routing_loss,
-                        imbalance_threshold=imbalance_threshold)
+    _prefix_and_balance(
+        report,
+        analyzed,
+        windows,
+        requests,
+        kv_events,
+        min_routing_loss=min_routing_loss,
+        imbalance_threshold=imbalance_threshold,
+    )
     report.recommendations.sort(key=lambda x: (-x.expected_gain, x.kind, str(x.scope.engine_id)))
     return report
 
 
-def _coverage(engines: pd.DataFrame, analyzed: pd.DataFrame, windows: pd.DataFrame,
-              requests: pd.DataFrame, pools: list[str]) -> dict[str, Any]:
+def _coverage(
+    engines: pd.DataFrame,
+    analyzed: pd.DataFrame,
+    windows: pd.DataFrame,
+    requests: pd.DataFrame,
+    pools: list[str],
+) -> dict[str, Any]:
     ids = set(analyzed["engine_id"]) if "engine_id" in analyzed else set()
-    n_req = (int(requests["engine_id"].isin(ids).sum())
-             if len(requests) and "engine_id" in requests else 0)
+    n_req = (
+        int(requests["engine_id"].isin(ids).sum())
+        if len(requests) and "engine_id" in requests
+        else 0
+    )
     ts = pd.to_numeric(windows["ts_s"], errors="coerce") if "ts_s" in windows else pd.Series([])
-    last_step = (pd.to_numeric(engines["last_step_unix_s"], errors="coerce").max()
-                 if "last_step_unix_s" in engines and len(engines) else math.nan)
+    last_step = (
+        pd.to_numeric(engines["last_step_unix_s"], errors="coerce").max()
+        if "last_step_unix_s" in engines and len(engines)
+        else math.nan
+    )
     return {
-        "n_engines_known": len(engines), "n_engines_analyzed": len(ids),
-        "n_windows": len(windows), "n_requests": n_req,
+        "n_engines_known": len(engines),
+        "n_engines_analyzed": len(ids),
+        "n_windows": len(windows),
+        "n_requests": n_req,
         "first_window_s": float(ts.min()) if len(ts) else None,
         "last_window_s": float(ts.max()) if len(ts) else None,
         "latest_step_unix_s": None if _isnan(float(last_step)) else float(last_step),
@@ -149,28 +216,48 @@ def _isnan(v: Any) -> bool:
     return isinstance(v, float) and math.isnan(v)
 
 
-def _engine(report: Report, cfg: dict[str, Any], w: pd.DataFrame, r: pd.DataFrame, *,
-            cap_fraction: float, slo_ttft_p99_s: float | None,
-            slo_e2e_p99_s: float | None) -> None:
+def _engine(
+    report: Report,
+    cfg: dict[str, Any],
+    w: pd.DataFrame,
+    r: pd.DataFrame,
+    *,
+    cap_fraction: float,
+    slo_ttft_p99_s: float | None,
+    slo_e2e_p99_s: float | None,
+) -> None:
     eid, pool = str(cfg["engine_id"]), cfg.get("pool")
     scope = Scope(engine_id=eid, pool=pool)
     try:
         curve = ThroughputCurve(knee_fraction=cap_fraction).fit(w)
     except NotEnoughData as e:
-        report.engines.append(EngineVerdict(engine_id=eid, pool=pool,
-                                            bottleneck="insufficient_data", saturated=False,
-                                            headroom=str(e)))
+        report.engines.append(
+            EngineVerdict(
+                engine_id=eid,
+                pool=pool,
+                bottleneck="insufficient_data",
+                saturated=False,
+                headroom=str(e),
+            )
+        )
         return
     report.findings.append(curve.finding(scope))
     bn = BottleneckClassifier().fit(curve, cfg)
     report.findings.extend(bn.findings(scope))
     verdict = EngineVerdict(
-        engine_id=eid, pool=pool, bottleneck=bn.verdict_, saturated=curve.saturated_,
-        knee_concurrency=curve.knee_load_, plateau_tokens_per_s=curve.plateau_tokens_per_s_,
+        engine_id=eid,
+        pool=pool,
+        bottleneck=bn.verdict_,
+        saturated=curve.saturated_,
+        knee_concurrency=curve.knee_load_,
+        plateau_tokens_per_s=curve.plateau_tokens_per_s_,
         plateau_total_tokens_per_s=curve.plateau_total_tokens_per_s_,
-        max_load_seen=curve.max_load_, headroom=curve.headroom_text(),
-        approaching=None if curve.saturated_ else bn.label_, preemption_thrash=bn.thrash_,
-        confidence=bn.confidence_)
+        max_load_seen=curve.max_load_,
+        headroom=curve.headroom_text(),
+        approaching=None if curve.saturated_ else bn.label_,
+        preemption_thrash=bn.thrash_,
+        confidence=bn.confidence_,
+    )
     report.engines.append(verdict)
 
     steps: StepTimeModel | None = None
@@ -182,10 +269,14 @@ def _engine(report: Report, cfg: dict[str, Any], w: pd.DataFrame, r: pd.DataFram
     if steps is not None and len(r):
         try:
             kv = KvCapacityModel().fit(
-                r, cfg, steps, max_load=curve.max_load_,
+                r,
+                cfg,
+                steps,
+                max_load=curve.max_load_,
                 observed_plateau_tokens_per_s=curve.plateau_tokens_per_s_,
                 observed_batch=bn.evidence_["batch_median"],
-                preemptions_per_s=bn.evidence_["preemptions_per_s"])
+                preemptions_per_s=bn.evidence_["preemptions_per_s"],
+            )
             report.findings.append(kv.finding(scope))
         except NotEnoughData:
             kv = None
@@ -195,42 +286,63 @@ def _engine(report: Report, cfg: dict[str, Any], w: pd.DataFrame, r: pd.DataFram
         report.findings.append(lat.finding(scope))
         verdict.p99_e2e_s_at_max_load = lat.p99_at(curve.max_load_)
         if curve.saturated_:
-            cap = ConcurrencyCap(cap_fraction=cap_fraction, slo_ttft_p99_s=slo_ttft_p99_s,
-                                 slo_e2e_p99_s=slo_e2e_p99_s).fit(curve, lat)
+            cap = ConcurrencyCap(
+                cap_fraction=cap_fraction,
+                slo_ttft_p99_s=slo_ttft_p99_s,
+                slo_e2e_p99_s=slo_e2e_p99_s,
+            ).fit(curve, lat)
             verdict.recommended_concurrency_cap = cap.cap_
             verdict.predicted_throughput_fraction_at_cap = cap.throughput_fraction_
             verdict.predicted_p99_e2e_s_at_cap = cap.p99_e2e_s_at_cap_
-            kv_fit = (kv.kv_batch_ if kv is not None and bn.label_ == "kv_cache_bound"
-                      else None)
-            report.recommendations.append(cap.recommendation(
-                scope, cfg, {"bottleneck": bn.verdict_, "knee_concurrency": curve.knee_load_},
-                kv_fit_sequences=kv_fit))
+            kv_fit = kv.kv_batch_ if kv is not None and bn.label_ == "kv_cache_bound" else None
+            report.recommendations.append(
+                cap.recommendation(
+                    scope,
+                    cfg,
+                    {"bottleneck": bn.verdict_, "knee_concurrency": curve.knee_load_},
+                    kv_fit_sequences=kv_fit,
+                )
+            )
 
     if kv is not None:
         report.recommendations.extend(_config_recommendations(scope, bn, kv, steps, cfg))
 
 
-def _config_recommendations(scope: Scope, bn: BottleneckClassifier, kv: KvCapacityModel,
-                            steps: StepTimeModel | None, cfg: dict[str, Any]
-                            ) -> list[Recommendation]:
+def _config_recommendations(
+    scope: Scope,
+    bn: BottleneckClassifier,
+    kv: KvCapacityModel,
+    steps: StepTimeModel | None,
+    cfg: dict[str, Any],
+) -> list[Recommendation]:
     out: list[Recommendation] = []
     base = kv.predicted_plateau_tokens_per_s_
     if bn.label_ == "kv_cache_bound":
         for wi in kv.whatifs_:
             if wi.gain_ratio <= 0.01:
                 continue
-            out.append(Recommendation(
-                kind=f"whatif_{wi.name}", scope=scope,
-                summary=(f"{' '.join(wi.flags)}: room for {wi.kv_batch:.0f} sequences instead "
-                         f"of {kv.kv_batch_:.0f}; predicted plateau "
-                         f"{wi.plateau_tokens_per_s:,.0f} tok/s ({wi.gain_ratio:+.0%})"),
-                change={"vllm_flags": wi.flags},
-                expected_effect={"plateau_tokens_per_s": wi.plateau_tokens_per_s,
-                                 "gain_ratio": wi.gain_ratio, "kv_batch": wi.kv_batch,
-                                 "effective_batch": wi.effective_batch},
-                tradeoff=wi.assumption, confidence=0.5 if wi.extrapolated else 0.8,
-                expected_gain=wi.gain_ratio,
-                evidence={"num_gpu_blocks": wi.num_gpu_blocks, "extrapolated": wi.extrapolated}))
+            out.append(
+                Recommendation(
+                    kind=f"whatif_{wi.name}",
+                    scope=scope,
+                    summary=(
+                        f"{' '.join(wi.flags)}: room for {wi.kv_batch:.0f} sequences instead "
+                        f"of {kv.kv_batch_:.0f}; predicted plateau "
+                        f"{wi.plateau_tokens_per_s:,.0f} tok/s ({wi.gain_ratio:+.0%})"
+                    ),
+                    change={"vllm_flags": wi.flags},
+                    expected_effect={
+                        "plateau_tokens_per_s": wi.plateau_tokens_per_s,
+                        "gain_ratio": wi.gain_ratio,
+                        "kv_batch": wi.kv_batch,
+                        "effective_batch": wi.effective_batch,
+                    },
+                    tradeoff=wi.assumption,
+                    confidence=0.5 if wi.extrapolated else 0.8,
+                    expected_gain=wi.gain_ratio,
+                    evidence={"num_gpu_blocks": wi.num_gpu_blocks, "extrapolated": wi.extrapolated},
+                )
+            )
     elif bn.label_ == "max_num_seqs_bound" and steps is not None:
         cur = kv.max_num_seqs_
         new = int(max(cur + 1, min(0.9 * kv.kv_batch_, math.ceil(kv.max_load_))))
@@ -239,28 +351,47 @@ def _config_recommendations(scope: Scope, bn: BottleneckClassifier, kv: KvCapaci
         gain = plateau / base - 1.0 if base > 0 else 0.0
         step_now = float(steps.step_s(cur, kv.prompt_ratio_ * cur)) * 1e3
         step_new = float(steps.step_s(eff, kv.prompt_ratio_ * eff)) * 1e3
-        out.append(Recommendation(
-            kind="raise_max_num_seqs", scope=scope,
-            summary=(f"--max-num-seqs {new} (KV has room for {kv.kv_batch_:.0f} sequences, "
-                     f"batch pinned at {cur:.0f}): predicted plateau {plateau:,.0f} tok/s "
-                     f"({gain:+.0%})"),
-            change={"vllm_flags": [f"--max-num-seqs {new}"]},
-            expected_effect={"plateau_tokens_per_s": plateau, "gain_ratio": gain,
-                             "step_ms": step_new},
-            tradeoff=(f"each step takes {step_new:.1f} ms instead of {step_now:.1f} ms: "
-                      "inter-token latency grows by that factor, queueing shrinks"),
-            confidence=0.5 if eff > steps.batch_range_[1] * 1.25 else 0.8,
-            expected_gain=gain, evidence={"kv_batch": kv.kv_batch_, "load": kv.max_load_}))
+        out.append(
+            Recommendation(
+                kind="raise_max_num_seqs",
+                scope=scope,
+                summary=(
+                    f"--max-num-seqs {new} (KV has room for {kv.kv_batch_:.0f} sequences, "
+                    f"batch pinned at {cur:.0f}): predicted plateau {plateau:,.0f} tok/s "
+                    f"({gain:+.0%})"
+                ),
+                change={"vllm_flags": [f"--max-num-seqs {new}"]},
+                expected_effect={
+                    "plateau_tokens_per_s": plateau,
+                    "gain_ratio": gain,
+                    "step_ms": step_new,
+                },
+                tradeoff=(
+                    f"each step takes {step_new:.1f} ms instead of {step_now:.1f} ms: "
+                    "inter-token latency grows by that factor, queueing shrinks"
+                ),
+                confidence=0.5 if eff > steps.batch_range_[1] * 1.25 else 0.8,
+                expected_gain=gain,
+                evidence={"kv_batch": kv.kv_batch_, "load": kv.max_load_},
+            )
+        )
     elif bn.label_ == "token_budget_bound":
         budget = bn.evidence_["max_num_batched_tokens"]
-        out.append(Recommendation(
-            kind="raise_max_num_batched_tokens", scope=scope,
-            summary=(f"steps are full at {budget:.0f} tokens: raise --max-num-batched-tokens "
-                     f"to {2 * budget:.0f} so long prefills do not hold the queue"),
-            change={"vllm_flags": [f"--max-num-batched-tokens {int(2 * budget)}"]},
-            expected_effect={"tokens_per_step_now": bn.evidence_["tokens_per_step_median"]},
-            tradeoff="longer steps: decoding requests see more inter-token latency during prefills",
-            confidence=0.5, expected_gain=0.0))
+        out.append(
+            Recommendation(
+                kind="raise_max_num_batched_tokens",
+                scope=scope,
+                summary=(
+                    f"steps are full at {budget:.0f} tokens: raise --max-num-batched-tokens "
+                    f"to {2 * budget:.0f} so long prefills do not hold the queue"
+                ),
+                change={"vllm_flags": [f"--max-num-batched-tokens {int(2 * budget)}"]},
+                expected_effect={"tokens_per_step_now": bn.evidence_["tokens_per_step_median"]},
+                tradeoff="longer steps: decoding requests see more inter-token latency during prefills",
+                confidence=0.5,
+                expected_gain=0.0,
+            )
+        )
     return out
 
 
@@ -277,25 +408,46 @@ def _pool_cap(report: Report, pool: str | None, vs: list[EngineVerdict]) -> None
     servers = " ".join(f"server {k} max_conns={c};" for k, c in sorted(per_server.items()))
     weights = [v.plateau_tokens_per_s or 0.0 for v in capped]
     fractions = [v.predicted_throughput_fraction_at_cap for v in capped]
-    frac = (sum(w * f for w, f in zip(weights, fractions, strict=True) if f is not None)
-            / sum(weights)) if sum(weights) > 0 and None not in fractions else None
-    engine_recs = [r for r in report.recommendations if r.kind == "concurrency_cap"
-                   and r.scope.pool == pool]
+    frac = (
+        (
+            sum(w * f for w, f in zip(weights, fractions, strict=True) if f is not None)
+            / sum(weights)
+        )
+        if sum(weights) > 0 and None not in fractions
+        else None
+    )
+    engine_recs = [
+        r for r in report.recommendations if r.kind == "concurrency_cap" and r.scope.pool == pool
+    ]
     gain = (sum(r.expected_gain for r in engine_recs) / len(engine_recs)) if engine_recs else 0.0
     missing = [v.engine_id for v in vs if v.recommended_concurrency_cap is None]
-    report.recommendations.append(Recommendation(
-        kind="pool_concurrency_cap", scope=Scope(pool=pool),
-        summary=(f"cap pool {pool} at {total} requests in flight over {len(capped)} "
-                 "replica(s), each at its own cap"),
-        change={"concurrency_cap": total,
+    report.recommendations.append(
+        Recommendation(
+            kind="pool_concurrency_cap",
+            scope=Scope(pool=pool),
+            summary=(
+                f"cap pool {pool} at {total} requests in flight over {len(capped)} "
+                "replica(s), each at its own cap"
+            ),
+            change={
+                "concurrency_cap": total,
                 "per_engine_caps": {v.engine_id: v.recommended_concurrency_cap for v in capped},
-                "gateway": {"nginx_upstream": f"upstream {pool} {{ {servers} }}"}},
-        expected_effect={"throughput_fraction": frac},
-        tradeoff=("requests beyond a replica's cap wait at the gateway or are rejected"
-                  + (f"; no cap for {', '.join(missing)} (not saturated or too little data)"
-                     if missing else "")),
-        confidence=min(v.confidence for v in capped), expected_gain=gain,
-        evidence={"n_engines": len(vs), "n_capped": len(capped)}))
+                "gateway": {"nginx_upstream": f"upstream {pool} {{ {servers} }}"},
+            },
+            expected_effect={"throughput_fraction": frac},
+            tradeoff=(
+                "requests beyond a replica's cap wait at the gateway or are rejected"
+                + (
+                    f"; no cap for {', '.join(missing)} (not saturated or too little data)"
+                    if missing
+                    else ""
+                )
+            ),
+            confidence=min(v.confidence for v in capped),
+            expected_gain=gain,
+            evidence={"n_engines": len(vs), "n_capped": len(capped)},
+        )
+    )
 
 
 def _pools(report: Report) -> None:
@@ -304,26 +456,37 @@ def _pools(report: Report) -> None:
         by_pool.setdefault(v.pool, []).append(v)
     for pool, vs in sorted(by_pool.items(), key=lambda kv: str(kv[0])):
         plateaus = [v.plateau_tokens_per_s for v in vs if v.plateau_tokens_per_s is not None]
-        caps = [v.recommended_concurrency_cap for v in vs
-                if v.recommended_concurrency_cap is not None]
+        caps = [
+            v.recommended_concurrency_cap for v in vs if v.recommended_concurrency_cap is not None
+        ]
         pv = PoolVerdict(
-            pool=pool, engine_ids=[v.engine_id for v in vs],
+            pool=pool,
+            engine_ids=[v.engine_id for v in vs],
             bottlenecks=dict(Counter(v.bottleneck for v in vs)),
             plateau_tokens_per_s=sum(plateaus) if plateaus else None,
             recommended_concurrency_cap=sum(caps) if caps else None,
-            engines_without_cap=[v.engine_id for v in vs if v.recommended_concurrency_cap is None])
+            engines_without_cap=[v.engine_id for v in vs if v.recommended_concurrency_cap is None],
+        )
         report.pools.append(pv)
         _pool_cap(report, pool, vs)
         if pv.plateau_tokens_per_s:
             rep = replica_whatif(pv.plateau_tokens_per_s, len(vs))
-            report.findings.append(Finding(
-                kind="pool_capacity", scope=Scope(pool=pool),
-                summary=(f"pool {pool}: {len(vs)} engine(s), plateau "
-                         f"{pv.plateau_tokens_per_s:,.0f} tok/s; one more replica: "
-                         f"{rep['plateau_tokens_per_s']:,.0f} tok/s ({rep['gain_ratio']:+.0%})"),
-                evidence={"plateau_tokens_per_s": pv.plateau_tokens_per_s,
-                          "concurrency_cap": pv.recommended_concurrency_cap,
-                          "one_more_replica": rep}))
+            report.findings.append(
+                Finding(
+                    kind="pool_capacity",
+                    scope=Scope(pool=pool),
+                    summary=(
+                        f"pool {pool}: {len(vs)} engine(s), plateau "
+                        f"{pv.plateau_tokens_per_s:,.0f} tok/s; one more replica: "
+                        f"{rep['plateau_tokens_per_s']:,.0f} tok/s ({rep['gain_ratio']:+.0%})"
+                    ),
+                    evidence={
+                        "plateau_tokens_per_s": pv.plateau_tokens_per_s,
+                        "concurrency_cap": pv.recommended_concurrency_cap,
+                        "one_more_replica": rep,
+                    },
+                )
+            )
 
 
 def _finite(v: float | None) -> float | None:
@@ -336,17 +499,27 @@ def _rows_of(df: pd.DataFrame | None, ids: set[str]) -> pd.DataFrame:
     return df[df["engine_id"].isin(ids)]
 
 
-def _prefix_and_balance(report: Report, analyzed: pd.DataFrame, windows: pd.DataFrame,
-                        requests: pd.DataFrame, kv_events: pd.DataFrame | None, *,
-                        min_routing_loss: float, imbalance_threshold: float) -> None:
+def _prefix_and_balance(
+    report: Report,
+    analyzed: pd.DataFrame,
+    windows: pd.DataFrame,
+    requests: pd.DataFrame,
+    kv_events: pd.DataFrame | None,
+    *,
+    min_routing_loss: float,
+    imbalance_threshold: float,
+) -> None:
     """Per pool: prefix-cache reuse and routing, and the load balance across replicas."""
-    configs = {str(c["engine_id"]): {k: (None if _isnan(v) else v) for k, v in c.items()}
-               for c in (analyzed.to_dict("records") if len(analyzed) else [])}
+    configs = {
+        str(c["engine_id"]): {k: (None if _isnan(v) else v) for k, v in c.items()}
+        for c in (analyzed.to_dict("records") if len(analyzed) else [])
+    }
     for pv in report.pools:
         ids = set(pv.engine_ids)
         w, r = _rows_of(windows, ids), _rows_of(requests, ids)
         pr = PrefixRouting(min_routing_loss=min_routing_loss).fit(
-            [configs[e] for e in pv.engine_ids], w, r, _rows_of(kv_events, ids))
+            [configs[e] for e in pv.engine_ids], w, r, _rows_of(kv_events, ids)
+        )
         report.findings.extend(pr.findings(pv.pool))
         rec = pr.recommendation(pv.pool)
         if rec is not None:

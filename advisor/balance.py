@@ -57,56 +57,89 @@ class LoadBalance:
         self.threshold = threshold
         self.min_mean_load = min_mean_load
 
-    def fit(self, windows: pd.DataFrame, requests: pd.DataFrame,
-            engine_ids: list[str]) -> LoadBalance:
-        w = prepare_windows(windows) if len(windows) else pd.DataFrame(
-            {"engine_id": [], "ts_s": [], "load": []})
+    def fit(
+        self, windows: pd.DataFrame, requests: pd.DataFrame, engine_ids: list[str]
+    ) -> LoadBalance:
+        w = (
+            prepare_windows(windows)
+            if len(windows)
+            else pd.DataFrame({"engine_id": [], "ts_s": [], "load": []})
+        )
         ts = pd.to_numeric(w["ts_s"], errors="coerce")
         self.span_s_ = float(ts.max() - ts.min() + 1) if len(ts) else 0.0
         ids = sorted(engine_ids)
         load_sum = w.groupby("engine_id")["load"].sum() if len(w) else pd.Series(dtype=float)
-        n_req = (requests["engine_id"].value_counts()
-                 if len(requests) and "engine_id" in requests else pd.Series(dtype=int))
+        n_req = (
+            requests["engine_id"].value_counts()
+            if len(requests) and "engine_id" in requests
+            else pd.Series(dtype=int)
+        )
         total_req = int(sum(int(n_req.get(e, 0)) for e in ids))
         self.engine_ids_ = ids
-        self.mean_load_ = {e: (float(load_sum.get(e, 0.0)) / self.span_s_ if self.span_s_ else 0.0)
-                           for e in ids}
+        self.mean_load_ = {
+            e: (float(load_sum.get(e, 0.0)) / self.span_s_ if self.span_s_ else 0.0) for e in ids
+        }
         self.n_requests_ = {e: int(n_req.get(e, 0)) for e in ids}
-        self.request_share_ = {e: (self.n_requests_[e] / total_req if total_req else math.nan)
-                               for e in ids}
+        self.request_share_ = {
+            e: (self.n_requests_[e] / total_req if total_req else math.nan) for e in ids
+        }
         loads = np.array([self.mean_load_[e] for e in ids], float)
         self.pool_mean_load_ = float(loads.mean()) if len(loads) else 0.0
         self.busiest_ = ids[int(np.argmax(loads))] if len(ids) else None
-        self.imbalance_ = (float(loads.max()) / self.pool_mean_load_
-                           if self.pool_mean_load_ > 0 else math.nan)
-        self.flagged_ = bool(len(ids) >= 2 and math.isfinite(self.imbalance_)
-                             and self.imbalance_ >= self.threshold
-                             and self.pool_mean_load_ >= self.min_mean_load)
+        self.imbalance_ = (
+            float(loads.max()) / self.pool_mean_load_ if self.pool_mean_load_ > 0 else math.nan
+        )
+        self.flagged_ = bool(
+            len(ids) >= 2
+            and math.isfinite(self.imbalance_)
+            and self.imbalance_ >= self.threshold
+            and self.pool_mean_load_ >= self.min_mean_load
+        )
         return self
 
     def _frame(self) -> dict[str, list[Any]]:
         ids = self.engine_ids_
-        return {"engine_id": ids, "mean_load": [self.mean_load_[e] for e in ids],
-                "n_requests": [self.n_requests_[e] for e in ids],
-                "request_share": [self.request_share_[e] for e in ids]}
+        return {
+            "engine_id": ids,
+            "mean_load": [self.mean_load_[e] for e in ids],
+            "n_requests": [self.n_requests_[e] for e in ids],
+            "request_share": [self.request_share_[e] for e in ids],
+        }
 
     def finding(self, scope: Scope) -> Finding:
         loads = ", ".join(f"{e} {self.mean_load_[e]:.1f}" for e in self.engine_ids_)
-        shares = ", ".join(f"{e} {self.request_share_[e]:.0%}" for e in self.engine_ids_
-                           if math.isfinite(self.request_share_[e]))
-        verdict = ("uneven" if self.flagged_ else "even enough" if math.isfinite(self.imbalance_)
-                   else "no load")
-        summary = (f"load across {len(self.engine_ids_)} replicas is {verdict}: busiest / mean "
-                   f"{self.imbalance_:.2f}x (threshold {self.threshold:.2f}x); in flight "
-                   f"{loads}" + (f"; requests {shares}" if shares else ""))
+        shares = ", ".join(
+            f"{e} {self.request_share_[e]:.0%}"
+            for e in self.engine_ids_
+            if math.isfinite(self.request_share_[e])
+        )
+        verdict = (
+            "uneven"
+            if self.flagged_
+            else "even enough"
+            if math.isfinite(self.imbalance_)
+            else "no load"
+        )
+        summary = (
+            f"load across {len(self.engine_ids_)} replicas is {verdict}: busiest / mean "
+            f"{self.imbalance_:.2f}x (threshold {self.threshold:.2f}x); in flight "
+            f"{loads}" + (f"; requests {shares}" if shares else "")
+        )
         return Finding(
-            kind="load_imbalance", scope=scope, summary=summary,
+            kind="load_imbalance",
+            scope=scope,
+            summary=summary,
             severity="warning" if self.flagged_ else "info",
             confidence=round(min(1.0, self.span_s_ / 60.0), 3),
-            evidence={"load_imbalance": self.imbalance_, "threshold": self.threshold,
-                      "busiest_engine": self.busiest_, "pool_mean_load": self.pool_mean_load_,
-                      "span_s": self.span_s_},
-            frame=self._frame())
+            evidence={
+                "load_imbalance": self.imbalance_,
+                "threshold": self.threshold,
+                "busiest_engine": self.busiest_,
+                "pool_mean_load": self.pool_mean_load_,
+                "span_s": self.span_s_,
+            },
+            frame=self._frame(),
+        )
 
     def recommendation(self, scope: Scope, busiest_saturated: bool) -> Recommendation | None:
         """The ``least_loaded_routing`` recommendation when the imbalance is flagged."""
@@ -114,25 +147,41 @@ class LoadBalance:
             return None
         top = self.mean_load_[self.busiest_]
         gain = 1.0 - self.pool_mean_load_ / top if busiest_saturated and top > 0 else 0.0
-        servers = " ".join(f"server {s};" for s in sorted({upstream(e) for e in
-                                                           self.engine_ids_}))
+        servers = " ".join(f"server {s};" for s in sorted({upstream(e) for e in self.engine_ids_}))
         return Recommendation(
-            kind="least_loaded_routing", scope=scope,
-            summary=(f"route to the least-loaded replica: {self.busiest_} carries "
-                     f"{top:.1f} in flight against a pool mean of {self.pool_mean_load_:.1f} "
-                     f"({self.imbalance_:.2f}x)"),
-            change={"router_policy": "least-loaded",
-                    "gateway": {"nginx_upstream": f"upstream {scope.pool} {{ least_conn; "
-                                                  f"{servers} }}"},
-                    "router_options": "vLLM production-stack / llm-d: a load-aware scorer "
-                                      "(queue depth, KV usage); prefix-affine routing must "
-                                      "keep a load bound too"},
-            expected_effect={"busiest_load": top, "balanced_load": self.pool_mean_load_,
-                             "busiest_latency_reduction_ratio": gain},
-            tradeoff=("replicas of unequal capacity should carry unequal load; weight them "
-                      "by capacity instead" + ("" if busiest_saturated else
-                                               "; the busiest replica is below its knee, so "
-                                               "little latency is won")),
-            confidence=round(min(1.0, self.span_s_ / 60.0), 3), expected_gain=gain,
-            evidence={"load_imbalance": self.imbalance_, "busiest_engine": self.busiest_,
-                      "busiest_saturated": busiest_saturated})
+            kind="least_loaded_routing",
+            scope=scope,
+            summary=(
+                f"route to the least-loaded replica: {self.busiest_} carries "
+                f"{top:.1f} in flight against a pool mean of {self.pool_mean_load_:.1f} "
+                f"({self.imbalance_:.2f}x)"
+            ),
+            change={
+                "router_policy": "least-loaded",
+                "gateway": {"nginx_upstream": f"upstream {scope.pool} {{ least_conn; {servers} }}"},
+                "router_options": "vLLM production-stack / llm-d: a load-aware scorer "
+                "(queue depth, KV usage); prefix-affine routing must "
+                "keep a load bound too",
+            },
+            expected_effect={
+                "busiest_load": top,
+                "balanced_load": self.pool_mean_load_,
+                "busiest_latency_reduction_ratio": gain,
+            },
+            tradeoff=(
+                "replicas of unequal capacity should carry unequal load; weight them "
+                "by capacity instead"
+                + (
+                    ""
+                    if busiest_saturated
+                    else "; the busiest replica is below its knee, so little latency is won"
+                )
+            ),
+            confidence=round(min(1.0, self.span_s_ / 60.0), 3),
+            expected_gain=gain,
+            evidence={
+                "load_imbalance": self.imbalance_,
+                "busiest_engine": self.busiest_,
+                "busiest_saturated": busiest_saturated,
+            },
+        )

@@ -62,9 +62,9 @@ _TEXT = {
     "kv_cache_bound": "the KV cache is full: the batch cannot grow, requests queue{pre}",
     "max_num_seqs_bound": "the batch is pinned at max_num_seqs={cap} with KV cache to spare",
     "token_budget_bound": "steps are filled to max_num_batched_tokens={budget} (long prefills) "
-                          "while the KV cache has room",
+    "while the KV cache has room",
     "compute_bound": "each step slows as the batch grows (KV has room, batch below the cap, "
-                     "steps below the token budget)",
+    "steps below the token budget)",
 }
 
 
@@ -79,10 +79,17 @@ def _num(cfg: dict[str, Any], key: str) -> float:
 class BottleneckClassifier:
     """Names the ceiling at the plateau (see the module docstring)."""
 
-    def __init__(self, *, kv_full: float = 0.9, seq_cap_ratio: float = 0.9,
-                 budget_fill: float = 0.7, thrash_drop: float = 0.1,
-                 thrash_min_preemptions_per_s: float = 1.0, min_windows: int = 10,
-                 kv_preemptions_per_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        *,
+        kv_full: float = 0.9,
+        seq_cap_ratio: float = 0.9,
+        budget_fill: float = 0.7,
+        thrash_drop: float = 0.1,
+        thrash_min_preemptions_per_s: float = 1.0,
+        min_windows: int = 10,
+        kv_preemptions_per_s: float = 1.0,
+    ) -> None:
         self.kv_full = kv_full
         self.seq_cap_ratio = seq_cap_ratio
         self.budget_fill = budget_fill
@@ -114,7 +121,8 @@ class BottleneckClassifier:
             "waiting_median": float(region["waiting_mean"].median()),
             "preemptions_per_s": float(region["preemptions"].mean()),
             "tokens_per_step_median": float(region["tokens_per_step"].median()),
-            "max_num_seqs": cap, "max_num_batched_tokens": budget,
+            "max_num_seqs": cap,
+            "max_num_batched_tokens": budget,
             "budget_fill_median": float(fill.median()),
             "steps_per_s_plateau": float(region["steps_per_s"].median()),
             "steps_per_s_low_load": float(low["steps_per_s"].median()),
@@ -123,16 +131,17 @@ class BottleneckClassifier:
         kv_full = ev["kv_usage_median"] >= self.kv_full
         pinned = math.isfinite(cap) and ev["batch_median"] >= self.seq_cap_ratio * cap
         budget_full = math.isfinite(budget) and ev["budget_fill_median"] >= self.budget_fill
-        preempting = (ev["preemptions_per_s"] >= self.kv_preemptions_per_s
-                      and ev["waiting_median"] > 0)
+        preempting = (
+            ev["preemptions_per_s"] >= self.kv_preemptions_per_s and ev["waiting_median"] > 0
+        )
         ev["kv_full_from_preemptions"] = False
         pre = region["preemptions"].astype(float) > 0
         shares: dict[str, float] = {
             "token_budget_bound": float((fill >= self.budget_fill).mean()),
-            "kv_cache_bound": float(((kv >= self.kv_full) | (pre if preempting else False))
-                                    .mean()),
+            "kv_cache_bound": float(((kv >= self.kv_full) | (pre if preempting else False)).mean()),
             "max_num_seqs_bound": float((batch >= self.seq_cap_ratio * cap).mean())
-            if math.isfinite(cap) else 0.0,
+            if math.isfinite(cap)
+            else 0.0,
         }
         if budget_full and not kv_full:
             label = "token_budget_bound"
@@ -148,8 +157,11 @@ class BottleneckClassifier:
             shares["compute_bound"] = 1.0 - max(shares.values())
         raw = curve.bins_["gen_tokens_per_s"].to_numpy(float)
         top_pre = float(curve.bins_["preemptions_per_s"].iloc[-1])
-        self.thrash_ = bool(curve.saturated_ and curve.drop_past_peak_ > self.thrash_drop
-                            and top_pre >= self.thrash_min_preemptions_per_s)
+        self.thrash_ = bool(
+            curve.saturated_
+            and curve.drop_past_peak_ > self.thrash_drop
+            and top_pre >= self.thrash_min_preemptions_per_s
+        )
         ev["drop_past_peak_ratio"] = curve.drop_past_peak_
         ev["peak_tokens_per_s"] = float(np.max(raw))
         ev["top_bin_tokens_per_s"] = float(raw[-1])
@@ -173,33 +185,54 @@ class BottleneckClassifier:
         if ev.get("kv_full_from_preemptions"):
             pre += ", full between the sampled usage readings"
         text = _TEXT[self.label_].format(
-            pre=pre, cap=_fmt_int(ev["max_num_seqs"]), budget=_fmt_int(ev["max_num_batched_tokens"]))
-        facts = (f"KV usage {ev['kv_usage_median']:.0%}, batch {ev['batch_median']:.1f} of "
-                 f"max_num_seqs {_fmt_int(ev['max_num_seqs'])}, waiting {ev['waiting_median']:.1f}, "
-                 f"{ev['tokens_per_step_median']:.0f} tokens/step of "
-                 f"{_fmt_int(ev['max_num_batched_tokens'])}, steps/s "
-                 f"{ev['steps_per_s_low_load']:.0f} -> {ev['steps_per_s_plateau']:.0f}")
+            pre=pre, cap=_fmt_int(ev["max_num_seqs"]), budget=_fmt_int(ev["max_num_batched_tokens"])
+        )
+        facts = (
+            f"KV usage {ev['kv_usage_median']:.0%}, batch {ev['batch_median']:.1f} of "
+            f"max_num_seqs {_fmt_int(ev['max_num_seqs'])}, waiting {ev['waiting_median']:.1f}, "
+            f"{ev['tokens_per_step_median']:.0f} tokens/step of "
+            f"{_fmt_int(ev['max_num_batched_tokens'])}, steps/s "
+            f"{ev['steps_per_s_low_load']:.0f} -> {ev['steps_per_s_plateau']:.0f}"
+        )
         head = self.label_ if self.saturated_ else f"not saturated; approaching {self.label_}"
         return f"{head}: {text} ({facts})"
 
     def findings(self, scope: Scope) -> list[Finding]:
-        out = [Finding(kind="bottleneck", scope=scope, summary=self.describe(),
-                       severity="warning" if self.saturated_ else "info",
-                       confidence=self.confidence_,
-                       evidence={"bottleneck": self.verdict_, "limit": self.label_,
-                                 **self.evidence_})]
+        out = [
+            Finding(
+                kind="bottleneck",
+                scope=scope,
+                summary=self.describe(),
+                severity="warning" if self.saturated_ else "info",
+                confidence=self.confidence_,
+                evidence={"bottleneck": self.verdict_, "limit": self.label_, **self.evidence_},
+            )
+        ]
         if self.thrash_:
             ev = self.evidence_
-            out.append(Finding(
-                kind="preemption_thrash", scope=scope, severity="critical",
-                confidence=min(1.0, ev["drop_past_peak_ratio"] / (2 * self.thrash_drop)),
-                summary=(f"preemption thrash: throughput falls {ev['drop_past_peak_ratio']:.0%} "
-                         f"past its peak ({ev['peak_tokens_per_s']:,.0f} -> "
-                         f"{ev['top_bin_tokens_per_s']:,.0f} tok/s) at "
-                         f"{ev['top_bin_preemptions_per_s']:.1f} preemptions/s"),
-                evidence={k: ev[k] for k in ("drop_past_peak_ratio", "peak_tokens_per_s",
-                                             "top_bin_tokens_per_s",
-                                             "top_bin_preemptions_per_s")}))
+            out.append(
+                Finding(
+                    kind="preemption_thrash",
+                    scope=scope,
+                    severity="critical",
+                    confidence=min(1.0, ev["drop_past_peak_ratio"] / (2 * self.thrash_drop)),
+                    summary=(
+                        f"preemption thrash: throughput falls {ev['drop_past_peak_ratio']:.0%} "
+                        f"past its peak ({ev['peak_tokens_per_s']:,.0f} -> "
+                        f"{ev['top_bin_tokens_per_s']:,.0f} tok/s) at "
+                        f"{ev['top_bin_preemptions_per_s']:.1f} preemptions/s"
+                    ),
+                    evidence={
+                        k: ev[k]
+                        for k in (
+                            "drop_past_peak_ratio",
+                            "peak_tokens_per_s",
+                            "top_bin_tokens_per_s",
+                            "top_bin_preemptions_per_s",
+                        )
+                    },
+                )
+            )
         return out
 
 

@@ -54,8 +54,14 @@ from kvscope.advisor.latency import LatencyVsLoad
 class ConcurrencyCap:
     """Chooses the concurrency cap of one engine (see the module docstring)."""
 
-    def __init__(self, *, cap_fraction: float = 0.9, slo_ttft_p99_s: float | None = None,
-                 slo_e2e_p99_s: float | None = None, queue_share: float = 0.25) -> None:
+    def __init__(
+        self,
+        *,
+        cap_fraction: float = 0.9,
+        slo_ttft_p99_s: float | None = None,
+        slo_e2e_p99_s: float | None = None,
+        queue_share: float = 0.25,
+    ) -> None:
         self.cap_fraction = cap_fraction
         self.slo_ttft_p99_s = slo_ttft_p99_s
         self.slo_e2e_p99_s = slo_e2e_p99_s
@@ -95,7 +101,9 @@ class ConcurrencyCap:
             else:
                 self.feasible_ = False
         self.cap_ = int(cap)
-        self.throughput_fraction_ = float(np.interp(cap, x, fit) / plateau) if plateau > 0 else math.nan
+        self.throughput_fraction_ = (
+            float(np.interp(cap, x, fit) / plateau) if plateau > 0 else math.nan
+        )
         self.p99_e2e_s_at_cap_ = latency.p99_at(cap, "e2e_s")
         self.p99_ttft_s_at_cap_ = latency.p99_at(cap, "ttft_s")
         self.p99_e2e_s_at_max_ = latency.p99_at(curve.max_load_, "e2e_s")
@@ -105,18 +113,28 @@ class ConcurrencyCap:
 
     def tradeoff(self) -> str:
         p_cap, p_max = self.p99_e2e_s_at_cap_, self.p99_e2e_s_at_max_
-        lat = (f", e2e P99 {p_cap:.2f} s instead of {p_max:.2f} s at {self.max_load_:.0f} in "
-               "flight" if math.isfinite(p_cap) and math.isfinite(p_max) else "")
+        lat = (
+            f", e2e P99 {p_cap:.2f} s instead of {p_max:.2f} s at {self.max_load_:.0f} in flight"
+            if math.isfinite(p_cap) and math.isfinite(p_max)
+            else ""
+        )
         slo = " (lowered to meet the SLO)" if self.slo_limited_ and self.feasible_ else ""
         bad = "; the SLO cannot be met on this engine at any load" if not self.feasible_ else ""
-        return (f"cap {self.cap_}: {self.throughput_fraction_:.0%} of peak throughput{lat}"
-                f"{slo}{bad}; requests beyond the cap wait at the gateway or are rejected "
-                "(with only the vLLM flags, admitted requests also queue in vLLM, adding "
-                "up to about one request's duration to the P99)")
+        return (
+            f"cap {self.cap_}: {self.throughput_fraction_:.0%} of peak throughput{lat}"
+            f"{slo}{bad}; requests beyond the cap wait at the gateway or are rejected "
+            "(with only the vLLM flags, admitted requests also queue in vLLM, adding "
+            "up to about one request's duration to the P99)"
+        )
 
-    def recommendation(self, scope: Scope, config: dict[str, Any],
-                       evidence: dict[str, Any] | None = None, *,
-                       kv_fit_sequences: float | None = None) -> Recommendation:
+    def recommendation(
+        self,
+        scope: Scope,
+        config: dict[str, Any],
+        evidence: dict[str, Any] | None = None,
+        *,
+        kv_fit_sequences: float | None = None,
+    ) -> Recommendation:
         """``kv_fit_sequences``: for a KV-bound engine, the sequences its KV cache holds
         (the capacity model's KV-bound batch); ``--max-num-seqs`` is kept at or below it
         so admitted requests wait in vLLM's queue instead of being preempted."""
@@ -142,16 +160,26 @@ class ConcurrencyCap:
         if math.isfinite(self.p99_e2e_s_at_cap_) and self.p99_e2e_s_at_max_ > 0:
             gain = 1.0 - self.p99_e2e_s_at_cap_ / self.p99_e2e_s_at_max_
         return Recommendation(
-            kind="concurrency_cap", scope=scope,
+            kind="concurrency_cap",
+            scope=scope,
             summary=f"cap concurrency at {c} requests in flight per replica",
             change=change,
-            expected_effect={"throughput_fraction": self.throughput_fraction_,
-                             "p99_e2e_s": self.p99_e2e_s_at_cap_,
-                             "p99_ttft_s": self.p99_ttft_s_at_cap_,
-                             "p99_e2e_s_uncapped": self.p99_e2e_s_at_max_,
-                             "p99_ttft_s_uncapped": self.p99_ttft_s_at_max_},
-            tradeoff=self.tradeoff(), confidence=1.0 if self.feasible_ else 0.3,
+            expected_effect={
+                "throughput_fraction": self.throughput_fraction_,
+                "p99_e2e_s": self.p99_e2e_s_at_cap_,
+                "p99_ttft_s": self.p99_ttft_s_at_cap_,
+                "p99_e2e_s_uncapped": self.p99_e2e_s_at_max_,
+                "p99_ttft_s_uncapped": self.p99_ttft_s_at_max_,
+            },
+            tradeoff=self.tradeoff(),
+            confidence=1.0 if self.feasible_ else 0.3,
             expected_gain=max(0.0, gain),
-            evidence={"cap_fraction": self.cap_fraction, "slo_ttft_p99_s": self.slo_ttft_p99_s,
-                      "slo_e2e_p99_s": self.slo_e2e_p99_s, "slo_limited": self.slo_limited_,
-                      "feasible": self.feasible_, **(evidence or {})})
+            evidence={
+                "cap_fraction": self.cap_fraction,
+                "slo_ttft_p99_s": self.slo_ttft_p99_s,
+                "slo_e2e_p99_s": self.slo_e2e_p99_s,
+                "slo_limited": self.slo_limited_,
+                "feasible": self.feasible_,
+                **(evidence or {}),
+            },
+        )

@@ -79,21 +79,33 @@ def _f(cfg: dict[str, Any], key: str, default: float = math.nan) -> float:
 class KvCapacityModel:
     """Predicts the KV-bound batch and plateau, and what-ifs (see module docstring)."""
 
-    def __init__(self, *, target_gpu_memory_utilization: float = 0.95,
-                 min_requests: int = 10) -> None:
+    def __init__(
+        self, *, target_gpu_memory_utilization: float = 0.95, min_requests: int = 10
+    ) -> None:
         self.target_gpu_memory_utilization = target_gpu_memory_utilization
         self.min_requests = min_requests
 
-    def fit(self, requests: pd.DataFrame, config: dict[str, Any], steps: StepTimeModel,
-            *, max_load: float, observed_plateau_tokens_per_s: float,
-            observed_batch: float, preemptions_per_s: float = 0.0) -> KvCapacityModel:
+    def fit(
+        self,
+        requests: pd.DataFrame,
+        config: dict[str, Any],
+        steps: StepTimeModel,
+        *,
+        max_load: float,
+        observed_plateau_tokens_per_s: float,
+        observed_batch: float,
+        preemptions_per_s: float = 0.0,
+    ) -> KvCapacityModel:
         r = requests
         if len(r) < self.min_requests:
             raise NotEnoughData(f"{len(r)} finished requests; need {self.min_requests}")
         p = pd.to_numeric(r["prompt_tokens"], errors="coerce").fillna(0).to_numpy(float)
         g = pd.to_numeric(r["generation_tokens"], errors="coerce").fillna(0).to_numpy(float)
-        c = (pd.to_numeric(r["cached_tokens"], errors="coerce").fillna(0).to_numpy(float)
-             if "cached_tokens" in r else np.zeros(len(r)))
+        c = (
+            pd.to_numeric(r["cached_tokens"], errors="coerce").fillna(0).to_numpy(float)
+            if "cached_tokens" in r
+            else np.zeros(len(r))
+        )
         self.block_size_ = _f(config, "block_size", 16.0)
         self.num_gpu_blocks_ = _f(config, "num_gpu_blocks")
         self.max_num_seqs_ = _f(config, "max_num_seqs", math.inf)
@@ -118,8 +130,9 @@ class KvCapacityModel:
         self.observed_plateau_tokens_per_s_ = float(observed_plateau_tokens_per_s)
         self.observed_batch_ = float(observed_batch)
         obs = self.observed_plateau_tokens_per_s_
-        self.prediction_error_ratio_ = (self.predicted_plateau_tokens_per_s_ / obs - 1.0
-                                        if obs > 0 else math.nan)
+        self.prediction_error_ratio_ = (
+            self.predicted_plateau_tokens_per_s_ / obs - 1.0 if obs > 0 else math.nan
+        )
         self.whatifs_ = self._whatifs(config)
         return self
 
@@ -129,8 +142,14 @@ class KvCapacityModel:
     def _plateau(self, batch: float) -> float:
         return float(self.steps_.tokens_per_s(batch, self.prompt_ratio_))
 
-    def _variant(self, name: str, flags: list[str], blocks: float, assumption: str,
-                 max_num_seqs: float | None = None) -> WhatIf:
+    def _variant(
+        self,
+        name: str,
+        flags: list[str],
+        blocks: float,
+        assumption: str,
+        max_num_seqs: float | None = None,
+    ) -> WhatIf:
         kv_batch = blocks * self.block_size_ / self.footprint_tokens_
         cap = self.max_num_seqs_ if max_num_seqs is None else max_num_seqs
         eff = self._effective(kv_batch, cap)
@@ -138,64 +157,94 @@ class KvCapacityModel:
         share = self.preemption_time_share_ if kv_batch < self.max_load_ else 0.0
         plateau = self._plateau(eff) * (1.0 - share)
         base = self.predicted_plateau_tokens_per_s_
-        return WhatIf(name=name, flags=flags, num_gpu_blocks=blocks, kv_batch=kv_batch,
-                      effective_batch=eff, plateau_tokens_per_s=plateau,
-                      gain_ratio=plateau / base - 1.0 if base > 0 else math.nan,
-                      assumption=assumption,
-                      extrapolated=eff > self.steps_.batch_range_[1] * 1.25)
+        return WhatIf(
+            name=name,
+            flags=flags,
+            num_gpu_blocks=blocks,
+            kv_batch=kv_batch,
+            effective_batch=eff,
+            plateau_tokens_per_s=plateau,
+            gain_ratio=plateau / base - 1.0 if base > 0 else math.nan,
+            assumption=assumption,
+            extrapolated=eff > self.steps_.batch_range_[1] * 1.25,
+        )
 
     def _whatifs(self, cfg: dict[str, Any]) -> list[WhatIf]:
         out: list[WhatIf] = []
         blocks = self.num_gpu_blocks_
         dtype = str(cfg.get("kv_cache_dtype") or "auto").lower()
         if dtype in _SIXTEEN_BIT:
-            out.append(self._variant(
-                "kv_cache_dtype_fp8", ["--kv-cache-dtype fp8"], 2 * blocks,
-                "fp8 halves the bytes per KV token: 2x blocks in the same memory "
-                "(check the model's accuracy with an fp8 cache)"))
+            out.append(
+                self._variant(
+                    "kv_cache_dtype_fp8",
+                    ["--kv-cache-dtype fp8"],
+                    2 * blocks,
+                    "fp8 halves the bytes per KV token: 2x blocks in the same memory "
+                    "(check the model's accuracy with an fp8 cache)",
+                )
+            )
         u = _f(cfg, "gpu_memory_utilization")
         t = self.target_gpu_memory_utilization
         if math.isfinite(u) and 0 < u < t:
-            out.append(self._variant(
-                "gpu_memory_utilization", [f"--gpu-memory-utilization {t:.2f}"],
-                blocks * t / u,
-                f"KV blocks assumed proportional to gpu_memory_utilization ({u:.2f} -> {t:.2f}); "
-                "a lower bound, since the weights take a fixed share"))
+            out.append(
+                self._variant(
+                    "gpu_memory_utilization",
+                    [f"--gpu-memory-utilization {t:.2f}"],
+                    blocks * t / u,
+                    f"KV blocks assumed proportional to gpu_memory_utilization ({u:.2f} -> {t:.2f}); "
+                    "a lower bound, since the weights take a fixed share",
+                )
+            )
         tp = _f(cfg, "tensor_parallel_size", 1.0)
-        out.append(self._variant(
-            "tensor_parallel_2", [f"--tensor-parallel-size {int(2 * tp)}"], 2 * blocks,
-            "KV memory doubles across two GPUs (more, as the weights are split); step time "
-            "assumed unchanged; takes a second GPU per replica (compare: one more replica)"))
+        out.append(
+            self._variant(
+                "tensor_parallel_2",
+                [f"--tensor-parallel-size {int(2 * tp)}"],
+                2 * blocks,
+                "KV memory doubles across two GPUs (more, as the weights are split); step time "
+                "assumed unchanged; takes a second GPU per replica (compare: one more replica)",
+            )
+        )
         mml = _f(cfg, "max_model_len")
         if math.isfinite(mml):
             half = mml / 2
             w = self._variant(
-                "shorter_max_model_len", [f"--max-model-len {int(half)}"], blocks,
+                "shorter_max_model_len",
+                [f"--max-model-len {int(half)}"],
+                blocks,
                 "vLLM v1 sizes the KV cache from memory, not from max_model_len: no more "
-                "blocks; a shorter limit only rejects longer requests")
+                "blocks; a shorter limit only rejects longer requests",
+            )
             w.extra["requests_longer_than_limit_max_tokens"] = self.max_request_tokens_
             w.extra["would_reject_any"] = bool(self.max_request_tokens_ > half)
             out.append(w)
         return out
 
     def summary(self) -> str:
-        return (f"KV cache {self.kv_tokens_:,.0f} tokens ({self.num_gpu_blocks_:,.0f} blocks x "
-                f"{self.block_size_:.0f}); a request holds {self.footprint_tokens_:.0f} tokens on "
-                f"average -> room for {self.kv_batch_:.1f} sequences; predicted plateau "
-                f"{self.predicted_plateau_tokens_per_s_:,.0f} tok/s at batch "
-                f"{self.effective_batch_:.1f}, observed {self.observed_plateau_tokens_per_s_:,.0f} "
-                f"tok/s at batch {self.observed_batch_:.1f} "
-                f"({self.prediction_error_ratio_:+.0%})")
+        return (
+            f"KV cache {self.kv_tokens_:,.0f} tokens ({self.num_gpu_blocks_:,.0f} blocks x "
+            f"{self.block_size_:.0f}); a request holds {self.footprint_tokens_:.0f} tokens on "
+            f"average -> room for {self.kv_batch_:.1f} sequences; predicted plateau "
+            f"{self.predicted_plateau_tokens_per_s_:,.0f} tok/s at batch "
+            f"{self.effective_batch_:.1f}, observed {self.observed_plateau_tokens_per_s_:,.0f} "
+            f"tok/s at batch {self.observed_batch_:.1f} "
+            f"({self.prediction_error_ratio_:+.0%})"
+        )
 
     def finding(self, scope: Scope) -> Finding:
         ev: dict[str, Any] = {
-            "kv_tokens": self.kv_tokens_, "num_gpu_blocks": self.num_gpu_blocks_,
-            "block_size": self.block_size_, "footprint_tokens": self.footprint_tokens_,
+            "kv_tokens": self.kv_tokens_,
+            "num_gpu_blocks": self.num_gpu_blocks_,
+            "block_size": self.block_size_,
+            "footprint_tokens": self.footprint_tokens_,
             "mean_prompt_tokens": self.mean_prompt_tokens_,
             "mean_generation_tokens": self.mean_generation_tokens_,
-            "mean_cached_tokens": self.mean_cached_tokens_, "prompt_ratio": self.prompt_ratio_,
-            "kv_batch": self.kv_batch_, "effective_batch": self.effective_batch_,
-            "kv_limited": self.kv_limited_, "observed_batch": self.observed_batch_,
+            "mean_cached_tokens": self.mean_cached_tokens_,
+            "prompt_ratio": self.prompt_ratio_,
+            "kv_batch": self.kv_batch_,
+            "effective_batch": self.effective_batch_,
+            "kv_limited": self.kv_limited_,
+            "observed_batch": self.observed_batch_,
             "predicted_plateau_tokens_per_s": self.predicted_plateau_tokens_per_s_,
             "predicted_plateau_without_preemption_tokens_per_s": self.predicted_plateau_clean_,
             "preemption_time_share": self.preemption_time_share_,
@@ -205,18 +254,30 @@ class KvCapacityModel:
         }
         ws = self.whatifs_
         frame: dict[str, list[Any]] = {
-            "what_if": [w.name for w in ws], "num_gpu_blocks": [w.num_gpu_blocks for w in ws],
-            "kv_batch": [w.kv_batch for w in ws], "effective_batch": [w.effective_batch for w in ws],
+            "what_if": [w.name for w in ws],
+            "num_gpu_blocks": [w.num_gpu_blocks for w in ws],
+            "kv_batch": [w.kv_batch for w in ws],
+            "effective_batch": [w.effective_batch for w in ws],
             "plateau_tokens_per_s": [w.plateau_tokens_per_s for w in ws],
-            "gain_ratio": [w.gain_ratio for w in ws]}
+            "gain_ratio": [w.gain_ratio for w in ws],
+        }
         err = abs(self.prediction_error_ratio_)
         conf = max(0.0, 1.0 - err) if math.isfinite(err) else 0.3
-        return Finding(kind="kv_capacity", scope=scope, summary=self.summary(),
-                       confidence=round(conf, 3), evidence=ev, frame=frame)
+        return Finding(
+            kind="kv_capacity",
+            scope=scope,
+            summary=self.summary(),
+            confidence=round(conf, 3),
+            evidence=ev,
+            frame=frame,
+        )
 
 
 def replica_whatif(pool_plateau_tokens_per_s: float, n_engines: int) -> dict[str, float]:
     """One more replica in a pool of ``n_engines`` behind a balancing router."""
     gain = 1.0 / n_engines if n_engines > 0 else math.nan
-    return {"n_engines": n_engines, "plateau_tokens_per_s": pool_plateau_tokens_per_s * (1 + gain),
-            "gain_ratio": gain}
+    return {
+        "n_engines": n_engines,
+        "plateau_tokens_per_s": pool_plateau_tokens_per_s * (1 + gain),
+        "gain_ratio": gain,
+    }

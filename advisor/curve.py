@@ -75,9 +75,17 @@ class NotEnoughData(ValueError):
 class ThroughputCurve:
     """Throughput-vs-load curve of one engine (see the module docstring)."""
 
-    def __init__(self, *, knee_fraction: float = 0.9, saturation_margin: float = 1.5,
-                 bins_per_doubling: int = 2, min_count: int = 3, min_steps: int = 5,
-                 min_load: float = 0.5, min_busy_ratio: float = 0.6) -> None:
+    def __init__(
+        self,
+        *,
+        knee_fraction: float = 0.9,
+        saturation_margin: float = 1.5,
+        bins_per_doubling: int = 2,
+        min_count: int = 3,
+        min_steps: int = 5,
+        min_load: float = 0.5,
+        min_busy_ratio: float = 0.6,
+    ) -> None:
         self.knee_fraction = knee_fraction
         self.saturation_margin = saturation_margin
         self.bins_per_doubling = bins_per_doubling
@@ -90,28 +98,36 @@ class ThroughputCurve:
         """Fit on one engine's 1-second windows (collector ``windows_1s`` columns)."""
         if not 0 < self.knee_fraction <= 1:
             raise ValueError(f"knee_fraction must be in (0, 1], got {self.knee_fraction}")
-        w = active_windows(prepare_windows(windows), min_steps=self.min_steps,
-                           min_load=self.min_load, min_busy_ratio=self.min_busy_ratio)
+        w = active_windows(
+            prepare_windows(windows),
+            min_steps=self.min_steps,
+            min_load=self.min_load,
+            min_busy_ratio=self.min_busy_ratio,
+        )
         if len(w) < max(2 * self.min_count, 4):
             raise NotEnoughData(f"{len(w)} usable windows; need {max(2 * self.min_count, 4)}")
-        edges = load_bins(w["load"].to_numpy(), bins_per_doubling=self.bins_per_doubling,
-                          min_count=self.min_count)
-        w = w.assign(bin=np.clip(np.searchsorted(edges, w["load"], side="right") - 1,
-                                 0, len(edges) - 2))
+        edges = load_bins(
+            w["load"].to_numpy(), bins_per_doubling=self.bins_per_doubling, min_count=self.min_count
+        )
+        w = w.assign(
+            bin=np.clip(np.searchsorted(edges, w["load"], side="right") - 1, 0, len(edges) - 2)
+        )
         g = w.groupby("bin")
-        bins = pd.DataFrame({
-            "load": g["load"].median(),
-            "load_lo": g["load"].min(),
-            "load_hi": g["load"].max(),
-            "n_windows": g.size(),
-            "gen_tokens_per_s": g["gen_tokens_per_s"].median(),
-            "total_tokens_per_s": g["total_tokens_per_s"].median(),
-            "batch": g["batch_mean"].median(),
-            "waiting": g["waiting_mean"].median(),
-            "kv_usage": g["kv_usage_mean"].median(),
-            "preemptions_per_s": g["preemptions"].mean(),
-            "steps_per_s": g["steps_per_s"].median(),
-        }).reset_index(drop=True)
+        bins = pd.DataFrame(
+            {
+                "load": g["load"].median(),
+                "load_lo": g["load"].min(),
+                "load_hi": g["load"].max(),
+                "n_windows": g.size(),
+                "gen_tokens_per_s": g["gen_tokens_per_s"].median(),
+                "total_tokens_per_s": g["total_tokens_per_s"].median(),
+                "batch": g["batch_mean"].median(),
+                "waiting": g["waiting_mean"].median(),
+                "kv_usage": g["kv_usage_mean"].median(),
+                "preemptions_per_s": g["preemptions"].mean(),
+                "steps_per_s": g["steps_per_s"].median(),
+            }
+        ).reset_index(drop=True)
         weights = bins["n_windows"].to_numpy(float)
         bins["gen_fit"] = isotonic_increasing(bins["gen_tokens_per_s"].to_numpy(), weights)
         bins["total_fit"] = isotonic_increasing(bins["total_tokens_per_s"].to_numpy(), weights)
@@ -123,8 +139,9 @@ class ThroughputCurve:
         self.plateau_total_tokens_per_s_ = float(bins["total_fit"].max())
         self.knee_load_ = interp_crossing(x, fit, self.knee_fraction * self.plateau_tokens_per_s_)
         self.max_load_ = float(x[-1])
-        self.saturated_ = bool(len(x) > 1 and self.max_load_ >= self.saturation_margin
-                               * self.knee_load_)
+        self.saturated_ = bool(
+            len(x) > 1 and self.max_load_ >= self.saturation_margin * self.knee_load_
+        )
         raw = bins["gen_tokens_per_s"].to_numpy(float)
         self.peak_load_ = float(x[int(np.argmax(raw))])
         self.drop_past_peak_ = float(1.0 - raw[-1] / raw.max()) if raw.max() > 0 else 0.0
@@ -141,38 +158,53 @@ class ThroughputCurve:
 
     def predict(self, load: float | np.ndarray) -> np.ndarray:
         """Fitted generation tokens/s at the given load(s) (flat beyond the data)."""
-        return np.interp(np.asarray(load, float), self.bins_["load"].to_numpy(float),
-                         self.bins_["gen_fit"].to_numpy(float))
+        return np.interp(
+            np.asarray(load, float),
+            self.bins_["load"].to_numpy(float),
+            self.bins_["gen_fit"].to_numpy(float),
+        )
 
     def headroom_text(self) -> str:
         if self.saturated_:
             g = self.growth_last_doubling_
             grow = f"; {g:+.0%} throughput over the last doubling" if g is not None else ""
-            return (f"saturated: load reached {self.max_load_:.1f} in flight, "
-                    f"{self.max_load_ / self.knee_load_:.1f}x the knee{grow}")
+            return (
+                f"saturated: load reached {self.max_load_:.1f} in flight, "
+                f"{self.max_load_ / self.knee_load_:.1f}x the knee{grow}"
+            )
         g = self.growth_last_doubling_
         grow = f" (it grew {g:+.0%} over the last doubling)" if g is not None else ""
-        return (f"not saturated: highest load seen {self.max_load_:.1f} in flight, "
-                f"throughput still rising{grow}; the plateau lies beyond the observed range")
+        return (
+            f"not saturated: highest load seen {self.max_load_:.1f} in flight, "
+            f"throughput still rising{grow}; the plateau lies beyond the observed range"
+        )
 
     def finding(self, scope: Scope) -> Finding:
         """The curve as a finding, with the binned frame for a plot."""
         n = int(self.bins_["n_windows"].sum())
-        summary = (f"throughput plateau {self.plateau_tokens_per_s_:,.0f} generated tok/s "
-                   f"({self.plateau_total_tokens_per_s_:,.0f} total), knee at "
-                   f"{self.knee_load_:.1f} requests in flight; {self.headroom_text()}")
+        summary = (
+            f"throughput plateau {self.plateau_tokens_per_s_:,.0f} generated tok/s "
+            f"({self.plateau_total_tokens_per_s_:,.0f} total), knee at "
+            f"{self.knee_load_:.1f} requests in flight; {self.headroom_text()}"
+        )
         conf = min(1.0, n / 40.0) * min(1.0, len(self.bins_) / 4.0)
         return Finding(
-            kind="throughput_curve", scope=scope, summary=summary,
-            severity="warning" if self.saturated_ else "info", confidence=round(conf, 3),
+            kind="throughput_curve",
+            scope=scope,
+            summary=summary,
+            severity="warning" if self.saturated_ else "info",
+            confidence=round(conf, 3),
             evidence={
                 "plateau_tokens_per_s": self.plateau_tokens_per_s_,
                 "plateau_total_tokens_per_s": self.plateau_total_tokens_per_s_,
-                "knee_concurrency": self.knee_load_, "saturated": self.saturated_,
-                "max_load": self.max_load_, "peak_load": self.peak_load_,
+                "knee_concurrency": self.knee_load_,
+                "saturated": self.saturated_,
+                "max_load": self.max_load_,
+                "peak_load": self.peak_load_,
                 "drop_past_peak_ratio": self.drop_past_peak_,
                 "growth_last_doubling_ratio": self.growth_last_doubling_,
-                "knee_fraction": self.knee_fraction, "n_windows": n,
+                "knee_fraction": self.knee_fraction,
+                "n_windows": n,
                 "n_bins": len(self.bins_),
             },
             frame=frame_of(self.bins_, list(self.bins_.columns)),

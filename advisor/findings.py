@@ -85,9 +85,15 @@ class Finding:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Finding:
-        return cls(kind=d["kind"], scope=Scope(**d["scope"]), summary=d["summary"],
-                   severity=d.get("severity", "info"), confidence=d.get("confidence", 1.0),
-                   evidence=dict(d.get("evidence") or {}), frame=d.get("frame"))
+        return cls(
+            kind=d["kind"],
+            scope=Scope(**d["scope"]),
+            summary=d["summary"],
+            severity=d.get("severity", "info"),
+            confidence=d.get("confidence", 1.0),
+            evidence=dict(d.get("evidence") or {}),
+            frame=d.get("frame"),
+        )
 
 
 @dataclass
@@ -116,11 +122,17 @@ class Recommendation:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Recommendation:
-        return cls(kind=d["kind"], scope=Scope(**d["scope"]), summary=d["summary"],
-                   change=dict(d["change"]), expected_effect=dict(d["expected_effect"]),
-                   tradeoff=d.get("tradeoff", ""), confidence=d.get("confidence", 1.0),
-                   expected_gain=d.get("expected_gain", 0.0),
-                   evidence=dict(d.get("evidence") or {}))
+        return cls(
+            kind=d["kind"],
+            scope=Scope(**d["scope"]),
+            summary=d["summary"],
+            change=dict(d["change"]),
+            expected_effect=dict(d["expected_effect"]),
+            tradeoff=d.get("tradeoff", ""),
+            confidence=d.get("confidence", 1.0),
+            expected_gain=d.get("expected_gain", 0.0),
+            evidence=dict(d.get("evidence") or {}),
+        )
 
 
 @dataclass
@@ -229,8 +241,11 @@ class Report:
         raise KeyError(engine_id)
 
     def findings_of(self, kind: str, engine_id: str | None = None) -> list[Finding]:
-        return [f for f in self.findings
-                if f.kind == kind and (engine_id is None or f.scope.engine_id == engine_id)]
+        return [
+            f
+            for f in self.findings
+            if f.kind == kind and (engine_id is None or f.scope.engine_id == engine_id)
+        ]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -253,9 +268,11 @@ class Report:
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
             raise SchemaVersionError(
-                f"report schema_version {version!r}; this kvscope reads {SCHEMA_VERSION}")
+                f"report schema_version {version!r}; this kvscope reads {SCHEMA_VERSION}"
+            )
         return cls(
-            since_unix_s=d.get("since_unix_s"), until_unix_s=d.get("until_unix_s"),
+            since_unix_s=d.get("since_unix_s"),
+            until_unix_s=d.get("until_unix_s"),
             parameters=dict(d.get("parameters") or {}),
             engines=[EngineVerdict.from_dict(x) for x in d.get("engines", [])],
             pools=[PoolVerdict.from_dict(x) for x in d.get("pools", [])],

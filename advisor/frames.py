@@ -7,10 +7,24 @@ import math
 import numpy as np
 import pandas as pd
 
-_NUMERIC = ("n_steps", "batch_mean", "batch_p50", "batch_p90", "batch_max", "waiting_mean",
-            "deferred_mean", "kv_usage_mean", "kv_usage_max", "preemptions", "prompt_tokens",
-            "generation_tokens", "prefix_queries", "prefix_hits", "first_step_unix_s",
-            "last_step_unix_s")
+_NUMERIC = (
+    "n_steps",
+    "batch_mean",
+    "batch_p50",
+    "batch_p90",
+    "batch_max",
+    "waiting_mean",
+    "deferred_mean",
+    "kv_usage_mean",
+    "kv_usage_max",
+    "preemptions",
+    "prompt_tokens",
+    "generation_tokens",
+    "prefix_queries",
+    "prefix_hits",
+    "first_step_unix_s",
+    "last_step_unix_s",
+)
 
 
 def prepare_windows(windows: pd.DataFrame) -> pd.DataFrame:
@@ -20,8 +34,9 @@ def prepare_windows(windows: pd.DataFrame) -> pd.DataFrame:
     w = windows.copy()
     for c in _NUMERIC:
         w[c] = pd.to_numeric(w[c], errors="coerce") if c in w else np.nan
-    w["load"] = (w["batch_mean"].fillna(0.0) + w["waiting_mean"].fillna(0.0)
-                 + w["deferred_mean"].fillna(0.0))
+    w["load"] = (
+        w["batch_mean"].fillna(0.0) + w["waiting_mean"].fillna(0.0) + w["deferred_mean"].fillna(0.0)
+    )
     w["gen_tokens_per_s"] = w["generation_tokens"].fillna(0.0)
     w["total_tokens_per_s"] = w["gen_tokens_per_s"] + w["prompt_tokens"].fillna(0.0)
     steps = w["n_steps"].fillna(0.0)
@@ -33,8 +48,9 @@ def prepare_windows(windows: pd.DataFrame) -> pd.DataFrame:
     return w
 
 
-def active_windows(w: pd.DataFrame, *, min_steps: int, min_load: float,
-                   min_busy_ratio: float) -> pd.DataFrame:
+def active_windows(
+    w: pd.DataFrame, *, min_steps: int, min_load: float, min_busy_ratio: float
+) -> pd.DataFrame:
     """Windows the engine worked through: enough steps, some load, busy most of the second.
 
     Where the busy share is unknown (windows read from scraped series carry no step
@@ -47,8 +63,9 @@ def active_windows(w: pd.DataFrame, *, min_steps: int, min_load: float,
     return w[keep]
 
 
-def step_count_busy_ratio(w: pd.DataFrame, *, per_doubling: int = 2, quantile: float = 0.75,
-                          min_peers: int = 3) -> pd.Series:
+def step_count_busy_ratio(
+    w: pd.DataFrame, *, per_doubling: int = 2, quantile: float = 0.75, min_peers: int = 3
+) -> pd.Series:
     """The busy share of each window estimated from its step count: the steps it holds
     over what its peers (windows of about the same batch: ``per_doubling`` groups per
     factor of two) hold at their ``quantile``, capped at 1.

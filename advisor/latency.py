@@ -71,8 +71,9 @@ class LatencyVsLoad:
         for c in (*_COLS, "finished_unix_s"):
             r[c] = pd.to_numeric(r[c], errors="coerce") if c in r else np.nan
         r = r[r["e2e_s"].notna() & r["finished_unix_s"].notna()]
-        r = r.assign(load=_mean_load(curve.windows_, r["finished_unix_s"] - r["e2e_s"],
-                                     r["finished_unix_s"]))
+        r = r.assign(
+            load=_mean_load(curve.windows_, r["finished_unix_s"] - r["e2e_s"], r["finished_unix_s"])
+        )
         r = r[r["load"].notna()]
         centers = np.log(curve.bins_["load"].to_numpy(float))
         if len(r):
@@ -84,8 +85,10 @@ class LatencyVsLoad:
         for b, grp in r.groupby("bin"):
             if len(grp) < self.min_requests:
                 continue
-            row: dict[str, Any] = {"load": float(curve.bins_["load"].iloc[int(b)]),
-                                   "n_requests": len(grp)}
+            row: dict[str, Any] = {
+                "load": float(curve.bins_["load"].iloc[int(b)]),
+                "n_requests": len(grp),
+            }
             for c in _COLS:
                 v = grp[c].dropna()
                 row[f"{c}_p50"] = float(v.quantile(0.5)) if len(v) else math.nan
@@ -114,20 +117,35 @@ class LatencyVsLoad:
 
     def finding(self, scope: Scope) -> Finding:
         if not len(self.bins_):
-            return Finding(kind="latency_vs_load", scope=scope, confidence=0.0,
-                           summary="no finished requests matched to load windows")
+            return Finding(
+                kind="latency_vs_load",
+                scope=scope,
+                confidence=0.0,
+                summary="no finished requests matched to load windows",
+            )
         lo, hi = self.bins_.iloc[0], self.bins_.iloc[-1]
-        tail = (f"the tail climbs from {self.tail_start_load_:.1f} in flight"
-                if self.tail_start_load_ is not None else "the tail does not climb")
-        summary = (f"e2e P99 {lo['e2e_s_p99']:.2f} s at {lo['load']:.1f} in flight -> "
-                   f"{hi['e2e_s_p99']:.2f} s at {hi['load']:.1f}; TTFT P99 "
-                   f"{lo['ttft_s_p99']:.2f} s -> {hi['ttft_s_p99']:.2f} s; {tail}")
+        tail = (
+            f"the tail climbs from {self.tail_start_load_:.1f} in flight"
+            if self.tail_start_load_ is not None
+            else "the tail does not climb"
+        )
+        summary = (
+            f"e2e P99 {lo['e2e_s_p99']:.2f} s at {lo['load']:.1f} in flight -> "
+            f"{hi['e2e_s_p99']:.2f} s at {hi['load']:.1f}; TTFT P99 "
+            f"{lo['ttft_s_p99']:.2f} s -> {hi['ttft_s_p99']:.2f} s; {tail}"
+        )
         return Finding(
-            kind="latency_vs_load", scope=scope, summary=summary,
+            kind="latency_vs_load",
+            scope=scope,
+            summary=summary,
             severity="warning" if self.tail_start_load_ is not None else "info",
             confidence=round(min(1.0, self.n_requests_ / 100.0), 3),
-            evidence={"tail_start_load": self.tail_start_load_,
-                      "n_requests": self.n_requests_, "tail_factor": self.tail_factor,
-                      "e2e_p99_s_low_load": float(lo["e2e_s_p99"]),
-                      "e2e_p99_s_max_load": float(hi["e2e_s_p99"])},
-            frame=frame_of(self.bins_, list(self.bins_.columns)))
+            evidence={
+                "tail_start_load": self.tail_start_load_,
+                "n_requests": self.n_requests_,
+                "tail_factor": self.tail_factor,
+                "e2e_p99_s_low_load": float(lo["e2e_s_p99"]),
+                "e2e_p99_s_max_load": float(hi["e2e_s_p99"]),
+            },
+            frame=frame_of(self.bins_, list(self.bins_.columns)),
+        )

@@ -68,8 +68,9 @@ def request_prefill_s(requests: pd.DataFrame) -> np.ndarray:
     return np.where(np.isfinite(part), part, _col(requests, "prefill_s"))
 
 
-def theil_sen(x: np.ndarray, y: np.ndarray, *, max_pairs: int = 20_000,
-              random_state: int = 0) -> tuple[float, float]:
+def theil_sen(
+    x: np.ndarray, y: np.ndarray, *, max_pairs: int = 20_000, random_state: int = 0
+) -> tuple[float, float]:
     """Slope and intercept of the Theil-Sen line through ``(x, y)`` (NaN without pairs)."""
     n = len(x)
     if n < 2:
@@ -95,16 +96,27 @@ def _pcts(v: np.ndarray) -> dict[str, Any]:
     v = v[np.isfinite(v)]
     if not len(v):
         return {"n": 0, "p50_s": None, "p90_s": None, "mean_s": None}
-    return {"n": len(v), "p50_s": float(np.quantile(v, 0.5)),
-            "p90_s": float(np.quantile(v, 0.9)), "mean_s": float(v.mean())}
+    return {
+        "n": len(v),
+        "p50_s": float(np.quantile(v, 0.5)),
+        "p90_s": float(np.quantile(v, 0.9)),
+        "mean_s": float(v.mean()),
+    }
 
 
 class PrefillCost:
     """TTFT of cached vs uncached requests and the cost of a computed prompt token."""
 
-    def __init__(self, *, min_requests: int = 20, min_distinct: int = 3, good_r2: float = 0.3,
-                 full_confidence_requests: int = 200, max_pairs: int = 20_000,
-                 random_state: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        min_requests: int = 20,
+        min_distinct: int = 3,
+        good_r2: float = 0.3,
+        full_confidence_requests: int = 200,
+        max_pairs: int = 20_000,
+        random_state: int = 0,
+    ) -> None:
         self.min_requests = min_requests
         self.min_distinct = min_distinct
         self.good_r2 = good_r2
@@ -127,19 +139,25 @@ class PrefillCost:
         self.n_ = int(ok.sum())
         x, y = x[ok], y[ok]
         self.slope_s_per_token_, self.intercept_s_ = theil_sen(
-            x, y, max_pairs=self.max_pairs, random_state=self.random_state)
+            x, y, max_pairs=self.max_pairs, random_state=self.random_state
+        )
         self.r2_ = math.nan
         if self.n_ >= 2 and math.isfinite(self.slope_s_per_token_):
             mad_y = _mad(y)
             mad_res = _mad(y - self.intercept_s_ - self.slope_s_per_token_ * x)
             self.r2_ = 1.0 - (mad_res / mad_y) ** 2 if mad_y > 0 else math.nan
-        self.usable_ = bool(self.n_ >= self.min_requests
-                            and len(np.unique(x)) >= self.min_distinct
-                            and self.slope_s_per_token_ > 0)
+        self.usable_ = bool(
+            self.n_ >= self.min_requests
+            and len(np.unique(x)) >= self.min_distinct
+            and self.slope_s_per_token_ > 0
+        )
         r2 = self.r2_ if math.isfinite(self.r2_) else 0.0
         self.good_ = bool(self.usable_ and r2 >= self.good_r2)
-        self.confidence_ = (min(1.0, self.n_ / self.full_confidence_requests)
-                            * min(1.0, max(0.25, r2)) if self.usable_ else 0.0)
+        self.confidence_ = (
+            min(1.0, self.n_ / self.full_confidence_requests) * min(1.0, max(0.25, r2))
+            if self.usable_
+            else 0.0
+        )
         return self
 
     def ttft_change_s(self, tokens_saved_per_request: float) -> float | None:
@@ -150,23 +168,33 @@ class PrefillCost:
         return -self.slope_s_per_token_ * tokens_saved_per_request
 
     def evidence(self) -> dict[str, Any]:
-        return {"ttft_cached": self.cached_, "ttft_uncached": self.uncached_,
-                "prefill_s_per_token": self.slope_s_per_token_,
-                "prefill_intercept_s": self.intercept_s_, "prefill_fit_r2": self.r2_,
-                "prefill_fit_n": self.n_, "prefill_fit_usable": self.usable_,
-                "prefill_fit_good": self.good_, "mean_ttft_s": self.mean_ttft_s_}
+        return {
+            "ttft_cached": self.cached_,
+            "ttft_uncached": self.uncached_,
+            "prefill_s_per_token": self.slope_s_per_token_,
+            "prefill_intercept_s": self.intercept_s_,
+            "prefill_fit_r2": self.r2_,
+            "prefill_fit_n": self.n_,
+            "prefill_fit_usable": self.usable_,
+            "prefill_fit_good": self.good_,
+            "mean_ttft_s": self.mean_ttft_s_,
+        }
 
     def summary(self) -> str:
         c, u = self.cached_, self.uncached_
         parts = []
         if c["n"] or u["n"]:
-            parts.append(f"TTFT P50/P90 with cached tokens {_s(c['p50_s'])}/{_s(c['p90_s'])} "
-                         f"(n={c['n']}), without {_s(u['p50_s'])}/{_s(u['p90_s'])} "
-                         f"(n={u['n']})")
+            parts.append(
+                f"TTFT P50/P90 with cached tokens {_s(c['p50_s'])}/{_s(c['p90_s'])} "
+                f"(n={c['n']}), without {_s(u['p50_s'])}/{_s(u['p90_s'])} "
+                f"(n={u['n']})"
+            )
         if self.usable_:
             quality = "" if self.good_ else ", poor fit"
-            parts.append(f"prefill {self.slope_s_per_token_ * 1e3:.3f} ms per computed prompt "
-                         f"token (r2 {self.r2_:.2f}, n={self.n_}{quality})")
+            parts.append(
+                f"prefill {self.slope_s_per_token_ * 1e3:.3f} ms per computed prompt "
+                f"token (r2 {self.r2_:.2f}, n={self.n_}{quality})"
+            )
         else:
             parts.append(f"no prefill cost fit ({self.n_} requests)")
         return "; ".join(parts)

@@ -38,23 +38,40 @@ MAX_PLOTS = 4
 """Engines plotted at most (the JSON report carries every engine's frame)."""
 
 EFFECT_LABELS = {
-    "throughput_fraction": "throughput", "p99_e2e_s": "e2e P99",
-    "p99_e2e_s_uncapped": "e2e P99 uncapped", "p99_ttft_s": "TTFT P99",
-    "p99_ttft_s_uncapped": "TTFT P99 uncapped", "plateau_tokens_per_s": "plateau",
-    "gain_ratio": "gain", "kv_batch": "KV room (sequences)",
-    "effective_batch": "batch", "step_ms": "step",
-    "tokens_per_step_now": "tokens/step now", "hit_rate": "hit rate now",
-    "predicted_hit_rate": "predicted hit rate", "predicted_hit_rate_max": "at most",
-    "mean_ttft_change_s": "mean TTFT change", "mean_ttft_s": "mean TTFT now",
+    "throughput_fraction": "throughput",
+    "p99_e2e_s": "e2e P99",
+    "p99_e2e_s_uncapped": "e2e P99 uncapped",
+    "p99_ttft_s": "TTFT P99",
+    "p99_ttft_s_uncapped": "TTFT P99 uncapped",
+    "plateau_tokens_per_s": "plateau",
+    "gain_ratio": "gain",
+    "kv_batch": "KV room (sequences)",
+    "effective_batch": "batch",
+    "step_ms": "step",
+    "tokens_per_step_now": "tokens/step now",
+    "hit_rate": "hit rate now",
+    "predicted_hit_rate": "predicted hit rate",
+    "predicted_hit_rate_max": "at most",
+    "mean_ttft_change_s": "mean TTFT change",
+    "mean_ttft_s": "mean TTFT now",
     "tokens_saved_per_request": "prompt tokens saved per request",
-    "busiest_load": "busiest replica in flight", "balanced_load": "balanced in flight",
+    "busiest_load": "busiest replica in flight",
+    "balanced_load": "balanced in flight",
     "busiest_latency_reduction_ratio": "busiest replica's latency reduced by",
 }
-_CHANGE_LABELS = {"router_policy": "router policy", "production_stack": "production-stack",
-                  "llm_d": "llm-d", "load_bound": "load bound", "router_options": "routers"}
+_CHANGE_LABELS = {
+    "router_policy": "router policy",
+    "production_stack": "production-stack",
+    "llm_d": "llm-d",
+    "load_bound": "load bound",
+    "router_options": "routers",
+}
 _POOL_ROUTING_KINDS = ("prefix_aware_routing", "least_loaded_routing")
-_GATEWAY_LABELS = {"nginx": "nginx", "nginx_upstream": "nginx upstream",
-                   "gateway_api_maxConcurrency": "Gateway API / llm-d"}
+_GATEWAY_LABELS = {
+    "nginx": "nginx",
+    "nginx_upstream": "nginx upstream",
+    "gateway_api_maxConcurrency": "Gateway API / llm-d",
+}
 
 
 # -- small formatters ------------------------------------------------------------------
@@ -95,8 +112,18 @@ def _value(key: str, v: Any) -> str:
             return f"{v * 1e3:+,.0f} ms"
         if key.endswith("_s") or "_s_" in key:
             return _sec(float(v))
-        if key.endswith(("_ratio", "fraction", "_share", "hit_rate", "hit_rate_max", "_loss",
-                         "available", "captured")):
+        if key.endswith(
+            (
+                "_ratio",
+                "fraction",
+                "_share",
+                "hit_rate",
+                "hit_rate_max",
+                "_loss",
+                "available",
+                "captured",
+            )
+        ):
             return _pct(float(v))
         if key.endswith("_r2"):
             return _num(v, ".2f")
@@ -119,11 +146,12 @@ def _ago(seconds: float) -> str:
 
 def _pool_line(pv: PoolVerdict) -> Text:
     n = len(pv.engine_ids)
-    kinds = ", ".join(k if n == 1 else f"{k} x{count}"
-                      for k, count in sorted(pv.bottlenecks.items(), key=lambda kv: -kv[1]))
+    kinds = ", ".join(
+        k if n == 1 else f"{k} x{count}"
+        for k, count in sorted(pv.bottlenecks.items(), key=lambda kv: -kv[1])
+    )
     t = Text()
-    t.append(f"pool {pv.pool}" if pv.pool is not None else "engines without a pool",
-             style="bold")
+    t.append(f"pool {pv.pool}" if pv.pool is not None else "engines without a pool", style="bold")
     t.append(f": {kinds}", style="bold")
     t.append(f" ({n} engine{'s' if n != 1 else ''})")
     if pv.plateau_tokens_per_s is not None:
@@ -148,9 +176,13 @@ def _engine_block(report: Report, v: EngineVerdict) -> list[Padding]:
     head = Text()
     head.append(v.engine_id, style="bold")
     head.append(": ")
-    style = {"kv_cache_bound": "bold red", "max_num_seqs_bound": "bold yellow",
-             "token_budget_bound": "bold yellow", "compute_bound": "bold magenta",
-             "not_saturated": "bold green"}.get(v.bottleneck, "bold")
+    style = {
+        "kv_cache_bound": "bold red",
+        "max_num_seqs_bound": "bold yellow",
+        "token_budget_bound": "bold yellow",
+        "compute_bound": "bold magenta",
+        "not_saturated": "bold green",
+    }.get(v.bottleneck, "bold")
     head.append(v.bottleneck, style=style)
     if v.bottleneck == "insufficient_data":
         head.append(f" ({v.headroom})")
@@ -158,10 +190,14 @@ def _engine_block(report: Report, v: EngineVerdict) -> list[Padding]:
     head.append(", saturated" if v.saturated else ", headroom")
     if v.preemption_thrash:
         head.append(", preemption thrash", style="bold red")
-    lines = [Text(f"knee {_num(v.knee_concurrency)} in flight; plateau "
-                  f"{_tok(v.plateau_tokens_per_s)} generated "
-                  f"({_tok(v.plateau_total_tokens_per_s)} total); confidence "
-                  f"{_num(v.confidence, '.2f')}")]
+    lines = [
+        Text(
+            f"knee {_num(v.knee_concurrency)} in flight; plateau "
+            f"{_tok(v.plateau_tokens_per_s)} generated "
+            f"({_tok(v.plateau_total_tokens_per_s)} total); confidence "
+            f"{_num(v.confidence, '.2f')}"
+        )
+    ]
     headroom = v.headroom
     if not v.saturated and v.approaching:
         headroom += f"; approaching {v.approaching}"
@@ -169,14 +205,24 @@ def _engine_block(report: Report, v: EngineVerdict) -> list[Padding]:
     if v.recommended_concurrency_cap is not None:
         cap = Text()
         cap.append(f"cap {v.recommended_concurrency_cap} in flight", style="bold")
-        cap.append(f": {_pct(v.predicted_throughput_fraction_at_cap)} of peak, e2e P99 "
-                   f"{_sec(v.predicted_p99_e2e_s_at_cap)}")
+        cap.append(
+            f": {_pct(v.predicted_throughput_fraction_at_cap)} of peak, e2e P99 "
+            f"{_sec(v.predicted_p99_e2e_s_at_cap)}"
+        )
         if v.p99_e2e_s_at_max_load is not None:
-            cap.append(f" (uncapped: {_sec(v.p99_e2e_s_at_max_load)} at "
-                       f"{_num(v.max_load_seen, '.0f')} in flight)")
+            cap.append(
+                f" (uncapped: {_sec(v.p99_e2e_s_at_max_load)} at "
+                f"{_num(v.max_load_seen, '.0f')} in flight)"
+            )
         lines.append(cap)
-    rec = next((r for r in report.recommendations if r.kind == "concurrency_cap"
-                and r.scope.engine_id == v.engine_id), None)
+    rec = next(
+        (
+            r
+            for r in report.recommendations
+            if r.kind == "concurrency_cap" and r.scope.engine_id == v.engine_id
+        ),
+        None,
+    )
     if rec is not None and rec.tradeoff:
         lines.append(Text(f"trade-off: {rec.tradeoff}"))
     why = report.findings_of("bottleneck", v.engine_id)
@@ -198,24 +244,31 @@ def _verdict(report: Report) -> list[Text | Padding]:
 
 
 def _pool_findings(report: Report, pool: str | None, kind: str) -> list[Finding]:
-    return [f for f in report.findings if f.kind == kind and f.scope.pool == pool
-            and f.scope.engine_id is None]
+    return [
+        f
+        for f in report.findings
+        if f.kind == kind and f.scope.pool == pool and f.scope.engine_id is None
+    ]
 
 
 def _ttft_text(ev: dict[str, Any]) -> str | None:
     c, u = ev.get("ttft_cached") or {}, ev.get("ttft_uncached") or {}
     if not c.get("n") and not u.get("n"):
         return None
+
     def one(d: dict[str, Any]) -> str:
         if not d.get("n"):
             return "none"
         return f"{_num(d.get('p50_s'), '.2f')}/{_num(d.get('p90_s'), '.2f')} s (n={d['n']})"
+
     text = f"TTFT P50/P90 with cached tokens {one(c)}, without {one(u)}"
     if ev.get("prefill_fit_usable"):
         quality = "" if ev.get("prefill_fit_good") else ", poor fit"
-        text += (f"; prefill {_num(ev['prefill_s_per_token'] * 1e3, '.3f')} ms per computed "
-                 f"prompt token (r2 {_num(ev.get('prefill_fit_r2'), '.2f')}, "
-                 f"n={ev.get('prefill_fit_n')}{quality})")
+        text += (
+            f"; prefill {_num(ev['prefill_s_per_token'] * 1e3, '.3f')} ms per computed "
+            f"prompt token (r2 {_num(ev.get('prefill_fit_r2'), '.2f')}, "
+            f"n={ev.get('prefill_fit_n')}{quality})"
+        )
     return text
 
 
@@ -225,8 +278,9 @@ def _prefix_block(report: Report, pv: PoolVerdict) -> list[Text | Padding]:
         return []
     ev = cache[0].evidence
     head = Text()
-    head.append(f"pool {pv.pool}" if pv.pool is not None else "engines without a pool",
-                style="bold")
+    head.append(
+        f"pool {pv.pool}" if pv.pool is not None else "engines without a pool", style="bold"
+    )
     rates = ev.get("engine_hit_rates") or {}
     head.append(f": prefix-cache hit rate {_pct(pv.prefix_hit_rate)}")
     if len(rates) > 1:
@@ -234,11 +288,14 @@ def _prefix_block(report: Report, pv: PoolVerdict) -> list[Text | Padding]:
     lines: list[Text] = []
     for f in _pool_findings(report, pv.pool, "prefix_routing"):
         re_ = f.evidence
-        lines.append(Text(
-            f"reuse available {_pct(re_.get('available'))}, captured by routing "
-            f"{_pct(re_.get('captured'))}, delivered {_pct(re_.get('hit_rate'))} (routing loss "
-            f"{_pct(re_.get('routing_loss'))}, eviction loss {_pct(re_.get('eviction_loss'))}); "
-            f"confidence {f.confidence:.2f}"))
+        lines.append(
+            Text(
+                f"reuse available {_pct(re_.get('available'))}, captured by routing "
+                f"{_pct(re_.get('captured'))}, delivered {_pct(re_.get('hit_rate'))} (routing loss "
+                f"{_pct(re_.get('routing_loss'))}, eviction loss {_pct(re_.get('eviction_loss'))}); "
+                f"confidence {f.confidence:.2f}"
+            )
+        )
     for f in _pool_findings(report, pv.pool, "kv_events_missing"):
         lines.append(Text(f.summary, style="yellow" if f.severity == "warning" else ""))
     ttft = _ttft_text(ev)
@@ -266,14 +323,25 @@ def _plot(report: Report, v: EngineVerdict) -> Panel | None:
     if not curve or not curve[0].frame:
         return None
     f = curve[0].frame
-    lines = throughput_plot(f.get("load", []), f.get("gen_tokens_per_s", []), f.get("gen_fit"),
-                            knee=v.knee_concurrency,
-                            cap=(float(v.recommended_concurrency_cap)
-                                 if v.recommended_concurrency_cap is not None else None))
+    lines = throughput_plot(
+        f.get("load", []),
+        f.get("gen_tokens_per_s", []),
+        f.get("gen_fit"),
+        knee=v.knee_concurrency,
+        cap=(
+            float(v.recommended_concurrency_cap)
+            if v.recommended_concurrency_cap is not None
+            else None
+        ),
+    )
     if not lines:
         return None
-    return Panel(Text("\n".join(lines)), expand=False,
-                 title=f"{v.engine_id}: generated tok/s vs requests in flight", title_align="left")
+    return Panel(
+        Text("\n".join(lines)),
+        expand=False,
+        title=f"{v.engine_id}: generated tok/s vs requests in flight",
+        title_align="left",
+    )
 
 
 def _change_rows(change: dict[str, Any]) -> list[tuple[str, str]]:
@@ -342,17 +410,25 @@ def _findings_table(findings: list[Finding]) -> Table:
     t.add_column("summary", ratio=1)
     sev_style = {"critical": "bold red", "warning": "yellow", "info": ""}
     for f in findings:
-        t.add_row(f.kind, f.scope.engine_id or f"pool {f.scope.pool}",
-                  Text(f.severity, style=sev_style.get(f.severity, "")),
-                  f"{f.confidence:.2f}", f.summary)
+        t.add_row(
+            f.kind,
+            f.scope.engine_id or f"pool {f.scope.pool}",
+            Text(f.severity, style=sev_style.get(f.severity, "")),
+            f"{f.confidence:.2f}",
+            f.summary,
+        )
     return t
 
 
 # -- entry points ---------------------------------------------------------------------
 
 
-def window_text(since: float | None, until: float | None, since_arg: str | None = None,
-                until_arg: str | None = None) -> str:
+def window_text(
+    since: float | None,
+    until: float | None,
+    since_arg: str | None = None,
+    until_arg: str | None = None,
+) -> str:
     """``2026-11-29 16:20:00 UTC to now (--since 30m)``."""
     start = _utc(since) if since is not None else "the beginning"
     end = _utc(until) if until is not None else "now"
@@ -360,21 +436,35 @@ def window_text(since: float | None, until: float | None, since_arg: str | None 
     return f"{start} to {end}" + (f" ({given})" if given else "")
 
 
-def render_report(report: Report, console: Console, *, source: str = "",
-                  window: str = "", max_plots: int = MAX_PLOTS) -> None:
+def render_report(
+    report: Report,
+    console: Console,
+    *,
+    source: str = "",
+    window: str = "",
+    max_plots: int = MAX_PLOTS,
+) -> None:
     """Print the report: verdict, plots, recommendations, findings, what was read."""
     for line in _verdict(report):
         console.print(line)
     cov = report.coverage
-    read = (f"{cov.get('n_engines_analyzed', 0)} engine(s), {cov.get('n_windows', 0):,} "
-            f"one-second windows, {cov.get('n_requests', 0):,} finished requests")
-    console.print(Text(f"from {source or 'the source'}, {window or 'all data'}: {read}",
-                       style="dim"))
+    read = (
+        f"{cov.get('n_engines_analyzed', 0)} engine(s), {cov.get('n_windows', 0):,} "
+        f"one-second windows, {cov.get('n_requests', 0):,} finished requests"
+    )
+    console.print(
+        Text(f"from {source or 'the source'}, {window or 'all data'}: {read}", style="dim")
+    )
     plotted = 0
     for i, v in enumerate(report.engines):
         if plotted >= max_plots:
-            console.print(Text(f"(plots of {len(report.engines) - i} more engine(s) left "
-                               "out; --json carries every curve)", style="dim"))
+            console.print(
+                Text(
+                    f"(plots of {len(report.engines) - i} more engine(s) left "
+                    "out; --json carries every curve)",
+                    style="dim",
+                )
+            )
             break
         panel = _plot(report, v)
         if panel is not None:
@@ -399,18 +489,20 @@ def render_report(report: Report, console: Console, *, source: str = "",
         console.print(_findings_table(report.findings))
 
 
-def no_data_message(report: Report, source: str, window: str,
-                    now_unix_s: float | None = None) -> str:
+def no_data_message(
+    report: Report, source: str, window: str, now_unix_s: float | None = None
+) -> str:
     """Why the report is empty, and what to try."""
     cov = report.coverage
     pool = report.parameters.get("pool")
     pools = cov.get("pools") or []
     if not cov.get("n_engines_known"):
         if pool is not None and pools:
-            return (f"no engines in pool {pool!r} at {source}; pools known: "
-                    f"{', '.join(pools)}")
-        return (f"no data: the collector at {source} knows no engines yet; point the engines' "
-                "KVSCOPE_COLLECTOR_URL at it, or replay a recording (kvscope demo)")
+            return f"no engines in pool {pool!r} at {source}; pools known: {', '.join(pools)}"
+        return (
+            f"no data: the collector at {source} knows no engines yet; point the engines' "
+            "KVSCOPE_COLLECTOR_URL at it, or replay a recording (kvscope demo)"
+        )
     head = f"no data in the window {window} at {source}"
     latest = cov.get("latest_step_unix_s")
     if latest is None:
@@ -419,11 +511,12 @@ def no_data_message(report: Report, source: str, window: str,
     until = report.until_unix_s
     since = report.since_unix_s
     if until is not None and latest >= until:
-        return (f"{head}; the newest step is from {_utc(latest)}, after the window: move "
-                "--until later (or leave it out)")
+        return (
+            f"{head}; the newest step is from {_utc(latest)}, after the window: move "
+            "--until later (or leave it out)"
+        )
     if since is not None and latest < since:
-        return (f"{head}; the newest step is from {_utc(latest)}: try --since "
-                f"{_ago(now - latest)}")
+        return f"{head}; the newest step is from {_utc(latest)}: try --since {_ago(now - latest)}"
     return f"{head}; the newest step is from {_utc(latest)}: widen the window with --since"
 
 
@@ -431,12 +524,15 @@ def source_error_message(err: SourceError, url: str) -> str:
     """One line naming the URL that failed and what to check."""
     where = err.path or "the read API"
     if err.status is None:
-        return (f"cannot reach the collector at {url} ({err.reason or err}): check that "
-                "`kvscope collector` is running there and the host, port and scheme are right")
+        return (
+            f"cannot reach the collector at {url} ({err.reason or err}): check that "
+            "`kvscope collector` is running there and the host, port and scheme are right"
+        )
     if err.status == 401:
-        return (f"the collector at {url} refused the request (401, missing or wrong bearer "
-                "token): pass --token or set KVSCOPE_TOKEN")
+        return (
+            f"the collector at {url} refused the request (401, missing or wrong bearer "
+            "token): pass --token or set KVSCOPE_TOKEN"
+        )
     if err.status == 404:
-        return (f"{url}{where} answered 404: is {url} a kvscope collector (base URL, no "
-                "path)?")
+        return f"{url}{where} answered 404: is {url} a kvscope collector (base URL, no path)?"
     return f"the collector at {url} answered {err.status} on {where}: {err.reason}"

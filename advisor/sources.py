@@ -47,8 +47,15 @@ class SourceError(RuntimeError):
     ``reason`` the short cause (the server's error text, or the connection error).
     """
 
-    def __init__(self, message: str, *, url: str | None = None, path: str | None = None,
-                 status: int | None = None, reason: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        url: str | None = None,
+        path: str | None = None,
+        status: int | None = None,
+        reason: str = "",
+    ) -> None:
         super().__init__(message)
         self.url = url
         self.path = path
@@ -82,10 +89,13 @@ class WindowSample:
         n = float(c["n_windows"].sum())
         read = float((c["n_windows"] * c["keep_ratio"]).sum())
         first, last = float(c["first_ts_s"].min()), float(c["last_ts_s"].max())
-        return {"n_windows": int(n), "n_requests": int(c["n_requests"].sum()),
-                "first_window_s": first if math.isfinite(first) else None,
-                "last_window_s": last if math.isfinite(last) else None,
-                "window_sample_share": round(read / n, 4) if n else 1.0}
+        return {
+            "n_windows": int(n),
+            "n_requests": int(c["n_requests"].sum()),
+            "first_window_s": first if math.isfinite(first) else None,
+            "last_window_s": last if math.isfinite(last) else None,
+            "window_sample_share": round(read / n, 4) if n else 1.0,
+        }
 
 
 @runtime_checkable
@@ -94,18 +104,36 @@ class Source(Protocol):
 
     def engines(self) -> pd.DataFrame: ...
 
-    def windows(self, since: float | None = None, until: float | None = None,
-                engine: str | None = None, pool: str | None = None) -> pd.DataFrame: ...
+    def windows(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame: ...
 
-    def requests(self, since: float | None = None, until: float | None = None,
-                 engine: str | None = None, pool: str | None = None) -> pd.DataFrame: ...
+    def requests(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame: ...
 
-    def kv_events(self, since: float | None = None, until: float | None = None,
-                  pool: str | None = None) -> pd.DataFrame: ...
+    def kv_events(
+        self, since: float | None = None, until: float | None = None, pool: str | None = None
+    ) -> pd.DataFrame: ...
 
 
-def _in_range(df: pd.DataFrame, col: str, since: float | None, until: float | None,
-              engine: str | None, pool: str | None, pools: pd.DataFrame) -> pd.DataFrame:
+def _in_range(
+    df: pd.DataFrame,
+    col: str,
+    since: float | None,
+    until: float | None,
+    engine: str | None,
+    pool: str | None,
+    pools: pd.DataFrame,
+) -> pd.DataFrame:
     out = df
     if engine is not None and "engine_id" in out:
         out = out[out["engine_id"] == engine]
@@ -123,30 +151,48 @@ def _in_range(df: pd.DataFrame, col: str, since: float | None, until: float | No
 class FrameSource:
     """A source over in-memory DataFrames (same columns as the collector's read API)."""
 
-    def __init__(self, engines: pd.DataFrame, windows: pd.DataFrame,
-                 requests: pd.DataFrame | None = None,
-                 kv_events: pd.DataFrame | None = None) -> None:
+    def __init__(
+        self,
+        engines: pd.DataFrame,
+        windows: pd.DataFrame,
+        requests: pd.DataFrame | None = None,
+        kv_events: pd.DataFrame | None = None,
+    ) -> None:
         self._engines = engines.reset_index(drop=True)
         self._windows = windows.reset_index(drop=True)
         self._requests = (requests if requests is not None else pd.DataFrame()).reset_index(
-            drop=True)
+            drop=True
+        )
         self._kv_events = (kv_events if kv_events is not None else pd.DataFrame()).reset_index(
-            drop=True)
+            drop=True
+        )
 
     def engines(self) -> pd.DataFrame:
         return self._engines.copy()
 
-    def windows(self, since: float | None = None, until: float | None = None,
-                engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+    def windows(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
         return _in_range(self._windows, "ts_s", since, until, engine, pool, self._engines)
 
-    def requests(self, since: float | None = None, until: float | None = None,
-                 engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
-        return _in_range(self._requests, "finished_unix_s", since, until, engine, pool,
-                         self._engines)
+    def requests(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
+        return _in_range(
+            self._requests, "finished_unix_s", since, until, engine, pool, self._engines
+        )
 
-    def kv_events(self, since: float | None = None, until: float | None = None,
-                  pool: str | None = None) -> pd.DataFrame:
+    def kv_events(
+        self, since: float | None = None, until: float | None = None, pool: str | None = None
+    ) -> pd.DataFrame:
         return _in_range(self._kv_events, "ts_s", since, until, None, pool, self._engines)
 
 
@@ -169,8 +215,14 @@ class CollectorSource:
     ``$KVSCOPE_CA_FILE``, else the system's CAs).
     """
 
-    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0,
-                 page_rows: int = 200_000, ca_file: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        page_rows: int = 200_000,
+        ca_file: str | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.ca_file = ca_file or os.environ.get("KVSCOPE_CA_FILE") or None
@@ -190,12 +242,21 @@ class CollectorSource:
                 return dict(json.loads(resp.read()))
         except urllib.error.HTTPError as e:
             detail = _error_text(e.read().decode(errors="replace"))
-            raise SourceError(f"{path}: collector answered {e.code}: {detail}", url=self.url,
-                              path=path, status=e.code, reason=detail) from e
+            raise SourceError(
+                f"{path}: collector answered {e.code}: {detail}",
+                url=self.url,
+                path=path,
+                status=e.code,
+                reason=detail,
+            ) from e
         except (urllib.error.URLError, OSError, ValueError) as e:
             reason = str(getattr(e, "reason", None) or e)
-            raise SourceError(f"{path}: cannot read the collector at {self.url}: {reason}",
-                              url=self.url, path=path, reason=reason) from e
+            raise SourceError(
+                f"{path}: cannot read the collector at {self.url}: {reason}",
+                url=self.url,
+                path=path,
+                reason=reason,
+            ) from e
 
     @staticmethod
     def _frame(answer: dict[str, Any]) -> pd.DataFrame:
@@ -203,11 +264,27 @@ class CollectorSource:
             return pd.DataFrame(answer["columns"])
         return pd.DataFrame(answer.get("rows", []))
 
-    def _ranged(self, path: str, ts_col: str, since: float | None, until: float | None,
-                engine: str | None, pool: str | None) -> pd.DataFrame:
-        return self._paged(path, ts_col, {"since": 0 if since is None else since,
-                                          "until": until, "engine": engine, "pool": pool,
-                                          "format": "columns", "limit": self.page_rows})
+    def _ranged(
+        self,
+        path: str,
+        ts_col: str,
+        since: float | None,
+        until: float | None,
+        engine: str | None,
+        pool: str | None,
+    ) -> pd.DataFrame:
+        return self._paged(
+            path,
+            ts_col,
+            {
+                "since": 0 if since is None else since,
+                "until": until,
+                "engine": engine,
+                "pool": pool,
+                "format": "columns",
+                "limit": self.page_rows,
+            },
+        )
 
     def _paged(self, path: str, ts_col: str, params: dict[str, Any]) -> pd.DataFrame:
         parts: list[pd.DataFrame] = []
@@ -222,8 +299,9 @@ class CollectorSource:
             last = float(df[ts_col].iloc[-1])
             parts[-1] = df[df[ts_col] < last]
             if parts[-1].empty:
-                raise SourceError(f"{path}: more than {self.page_rows} rows share one "
-                                  "timestamp; raise page_rows")
+                raise SourceError(
+                    f"{path}: more than {self.page_rows} rows share one timestamp; raise page_rows"
+                )
             params["since"] = last
         frames = [p for p in parts if not p.empty]
         return pd.concat(frames, ignore_index=True) if frames else parts[0]
@@ -231,21 +309,34 @@ class CollectorSource:
     def engines(self) -> pd.DataFrame:
         return self._frame(self._get("/v1/engines", {"format": "columns"}))
 
-    def windows(self, since: float | None = None, until: float | None = None,
-                engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+    def windows(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
         return self._ranged("/v1/windows", "ts_s", since, until, engine, pool)
 
-    def requests(self, since: float | None = None, until: float | None = None,
-                 engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+    def requests(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
         return self._ranged("/v1/requests", "finished_unix_s", since, until, engine, pool)
 
-    def kv_events(self, since: float | None = None, until: float | None = None,
-                  pool: str | None = None) -> pd.DataFrame:
+    def kv_events(
+        self, since: float | None = None, until: float | None = None, pool: str | None = None
+    ) -> pd.DataFrame:
         """``GET /v1/kv_events``; empty when the collector predates it (404)."""
         try:
-            return self._paged("/v1/kv_events", "ts_s",
-                               {"since": 0 if since is None else since, "until": until,
-                                "pool": pool})
+            return self._paged(
+                "/v1/kv_events",
+                "ts_s",
+                {"since": 0 if since is None else since, "until": until, "pool": pool},
+            )
         except SourceError as e:
             if e.status == 404:
                 return pd.DataFrame()

@@ -53,8 +53,14 @@ from kvscope.advisor.frames import prepare_windows
 class StepTimeModel:
     """Linear step-time model fitted on busy 1-second windows (see module docstring)."""
 
-    def __init__(self, *, min_busy_ratio: float = 0.9, idle_tolerance: float = 0.08,
-                 n_iter: int = 3, min_windows: int = 8) -> None:
+    def __init__(
+        self,
+        *,
+        min_busy_ratio: float = 0.9,
+        idle_tolerance: float = 0.08,
+        n_iter: int = 3,
+        min_windows: int = 8,
+    ) -> None:
         self.min_busy_ratio = min_busy_ratio
         self.idle_tolerance = idle_tolerance
         self.n_iter = n_iter
@@ -66,8 +72,12 @@ class StepTimeModel:
             bsum = pd.to_numeric(windows["batch_sum"], errors="coerce").to_numpy(float)
         else:
             bsum = (w["batch_mean"] * w["n_steps"]).to_numpy(float)
-        X = np.c_[w["n_steps"].to_numpy(float), bsum, w["prompt_tokens"].to_numpy(float),
-                  w["preemptions"].fillna(0.0).to_numpy(float)]
+        X = np.c_[
+            w["n_steps"].to_numpy(float),
+            bsum,
+            w["prompt_tokens"].to_numpy(float),
+            w["preemptions"].fillna(0.0).to_numpy(float),
+        ]
         busy = w["busy_ratio"].fillna(1.0).to_numpy(float)
         use = (w["n_steps"].to_numpy(float) >= 5) & (busy >= self.min_busy_ratio)
         use &= np.isfinite(X).all(axis=1)
@@ -84,9 +94,11 @@ class StepTimeModel:
         resid = 1.0 - X[use] @ coef
         self.a_s_, self.b_s_, self.c_s_, self.d_s_ = (float(v) for v in coef)
         self.n_windows_ = int(use.sum())
-        self.rmse_s_ = float(np.sqrt(np.mean(resid ** 2)))
-        self.batch_range_ = (float(w.loc[use, "batch_mean"].min()),
-                             float(w.loc[use, "batch_mean"].max()))
+        self.rmse_s_ = float(np.sqrt(np.mean(resid**2)))
+        self.batch_range_ = (
+            float(w.loc[use, "batch_mean"].min()),
+            float(w.loc[use, "batch_mean"].max()),
+        )
         return self
 
     @staticmethod
@@ -101,11 +113,15 @@ class StepTimeModel:
             cols.pop(int(np.argmin(sol)))
         return coef
 
-    def step_s(self, batch: float | np.ndarray, prompt_per_step: float | np.ndarray = 0.0
-               ) -> np.ndarray:
+    def step_s(
+        self, batch: float | np.ndarray, prompt_per_step: float | np.ndarray = 0.0
+    ) -> np.ndarray:
         """Predicted seconds per step."""
-        return self.a_s_ + self.b_s_ * np.asarray(batch, float) + self.c_s_ * np.asarray(
-            prompt_per_step, float)
+        return (
+            self.a_s_
+            + self.b_s_ * np.asarray(batch, float)
+            + self.c_s_ * np.asarray(prompt_per_step, float)
+        )
 
     def preemption_time_share(self, preemptions_per_s: float) -> float:
         """Share of engine time spent recomputing preempted requests."""
@@ -134,8 +150,13 @@ class StepTimeModel:
         return fraction * self.a_s_ / ((1.0 - fraction) * k)
 
     def evidence(self) -> dict[str, float | int]:
-        return {"step_fixed_s": self.a_s_, "step_per_seq_s": self.b_s_,
-                "step_per_prompt_token_s": self.c_s_, "preemption_s": self.d_s_,
-                "n_windows": self.n_windows_,
-                "rmse_s": self.rmse_s_, "batch_min": self.batch_range_[0],
-                "batch_max": self.batch_range_[1]}
+        return {
+            "step_fixed_s": self.a_s_,
+            "step_per_seq_s": self.b_s_,
+            "step_per_prompt_token_s": self.c_s_,
+            "preemption_s": self.d_s_,
+            "n_windows": self.n_windows_,
+            "rmse_s": self.rmse_s_,
+            "batch_min": self.batch_range_[0],
+            "batch_max": self.batch_range_[1],
+        }

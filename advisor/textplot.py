@@ -20,18 +20,31 @@ def _fmt_num(v: float) -> str:
     return f"{v:,.0f}" if v >= 10 else f"{v:.1f}".rstrip("0").rstrip(".")
 
 
-def throughput_plot(load: Sequence[float], tokens_per_s: Sequence[float],
-                    fit: Sequence[float] | None = None, *, knee: float | None = None,
-                    cap: float | None = None, width: int = 48, height: int = 8) -> list[str]:
+def throughput_plot(
+    load: Sequence[float],
+    tokens_per_s: Sequence[float],
+    fit: Sequence[float] | None = None,
+    *,
+    knee: float | None = None,
+    cap: float | None = None,
+    width: int = 48,
+    height: int = 8,
+) -> list[str]:
     """Lines of the plot (no trailing newlines); empty without two usable points."""
-    pts = [(float(x), float(y)) for x, y in zip(load, tokens_per_s, strict=True)
-           if x is not None and y is not None and x > 0 and math.isfinite(y)]
+    pts = [
+        (float(x), float(y))
+        for x, y in zip(load, tokens_per_s, strict=True)
+        if x is not None and y is not None and x > 0 and math.isfinite(y)
+    ]
     if len(pts) < 2:
         return []
     xs = np.array([p[0] for p in pts])
     ys = np.array([p[1] for p in pts])
-    fits = (np.array([float(v) for v in fit], float) if fit is not None and len(fit) == len(load)
-            else None)
+    fits = (
+        np.array([float(v) for v in fit], float)
+        if fit is not None and len(fit) == len(load)
+        else None
+    )
     lo, hi = math.log(xs.min()), math.log(xs.max())
     if hi - lo < 1e-9:
         return []
@@ -64,8 +77,12 @@ def throughput_plot(load: Sequence[float], tokens_per_s: Sequence[float],
     labels = {0: _fmt_num(top / 1.05), height - 1: "0"}
     labels[height // 2] = _fmt_num(top * (height - 1 - height // 2) / (height - 1))
     lw = max(len(v) for v in labels.values())
-    lines = [f"{labels.get(r, ''):>{lw}} ┤{''.join(grid[r])}" if r in labels
-             else f"{'':>{lw}} │{''.join(grid[r])}" for r in range(height)]
+    lines = [
+        f"{labels.get(r, ''):>{lw}} ┤{''.join(grid[r])}"
+        if r in labels
+        else f"{'':>{lw}} │{''.join(grid[r])}"
+        for r in range(height)
+    ]
     axis = [" "] * width
     ticks: list[tuple[int, str]] = []
     x = 2.0 ** math.floor(math.log2(xs.min()))
@@ -76,8 +93,8 @@ def throughput_plot(load: Sequence[float], tokens_per_s: Sequence[float],
     tick_line = [" "] * (width + 6)
     for c, text in ticks:
         axis[c] = "┬"
-        if all(ch == " " for ch in tick_line[max(0, c - 1):c + len(text) + 1]):
-            tick_line[c:c + len(text)] = list(text)
+        if all(ch == " " for ch in tick_line[max(0, c - 1) : c + len(text) + 1]):
+            tick_line[c : c + len(text)] = list(text)
     lines.append(f"{'':>{lw}} └{''.join(axis)}")
     lines.append(f"{'':>{lw}}  {''.join(tick_line).rstrip()}")
     legend = ["in flight (log)", f"{POINT} measured", f"{FIT} fit"]

@@ -23,8 +23,16 @@ from kvscope.advisor.findings import EngineVerdict, Frame, Report, _clean
 from kvscope.advisor.frames import frame_of, prepare_windows
 
 DAY_S = 86400.0
-USAGE_SUMS = ("active_s", "saturated_s", "requests", "generation_tokens", "prompt_tokens",
-              "preemptions", "prefix_queries", "prefix_hits")
+USAGE_SUMS = (
+    "active_s",
+    "saturated_s",
+    "requests",
+    "generation_tokens",
+    "prompt_tokens",
+    "preemptions",
+    "prefix_queries",
+    "prefix_hits",
+)
 
 
 @dataclass
@@ -42,8 +50,13 @@ class Usage:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Usage:
-        return cls(since_unix_s=d["since_unix_s"], until_unix_s=d["until_unix_s"],
-                   days=d["days"], engines=d["engines"], pools=d["pools"])
+        return cls(
+            since_unix_s=d["since_unix_s"],
+            until_unix_s=d["until_unix_s"],
+            days=d["days"],
+            engines=d["engines"],
+            pools=d["pools"],
+        )
 
     def engine(self, engine_id: str) -> dict[str, Any]:
         """The week's row of one engine (empty when it had no windows)."""
@@ -61,34 +74,68 @@ class Usage:
         return {k: v[i] for k, v in self.pools.items()}
 
 
-DAY_COLUMNS = ("engine_id", "day_start_unix_s", "active_s", "saturated_s", "generation_tokens",
-               "prompt_tokens", "preemptions", "prefix_queries", "prefix_hits", "requests",
-               "gen_tokens_per_s_peak", "load_max", "first_window_s", "last_window_s")
+DAY_COLUMNS = (
+    "engine_id",
+    "day_start_unix_s",
+    "active_s",
+    "saturated_s",
+    "generation_tokens",
+    "prompt_tokens",
+    "preemptions",
+    "prefix_queries",
+    "prefix_hits",
+    "requests",
+    "gen_tokens_per_s_peak",
+    "load_max",
+    "first_window_s",
+    "last_window_s",
+)
 """Columns of the per (engine, UTC day) sums :func:`usage_from_days` assembles: the
 window sums of ``USAGE_SUMS``, finished requests, the busiest second's generated
 tokens, the highest load and the first and last window; a store computes them in SQL
 (``kvscope.collector._reads.usage_days``), :func:`weekly_usage` from frames."""
 
 
-def weekly_usage(windows: pd.DataFrame, requests: pd.DataFrame, report: Report,
-                 since: float, until: float, *, day_s: float = DAY_S) -> Usage:
+def weekly_usage(
+    windows: pd.DataFrame,
+    requests: pd.DataFrame,
+    report: Report,
+    since: float,
+    until: float,
+    *,
+    day_s: float = DAY_S,
+) -> Usage:
     """One week's use per engine and day (see the module docstring); days are UTC
     days (``day_s`` long) overlapping ``[since, until)``, the first and last partial."""
     verdicts = {v.engine_id: v for v in report.engines}
-    return usage_from_days(usage_days(windows, requests, verdicts, since, until, day_s=day_s),
-                           report, since, until, day_s=day_s)
+    return usage_from_days(
+        usage_days(windows, requests, verdicts, since, until, day_s=day_s),
+        report,
+        since,
+        until,
+        day_s=day_s,
+    )
 
 
-def usage_days(windows: pd.DataFrame, requests: pd.DataFrame,
-               verdicts: dict[str, EngineVerdict], since: float, until: float, *,
-               day_s: float = DAY_S) -> pd.DataFrame:
+def usage_days(
+    windows: pd.DataFrame,
+    requests: pd.DataFrame,
+    verdicts: dict[str, EngineVerdict],
+    since: float,
+    until: float,
+    *,
+    day_s: float = DAY_S,
+) -> pd.DataFrame:
     """The :data:`DAY_COLUMNS` sums per engine of ``verdicts`` and day with data."""
     w = windows[windows["engine_id"].isin(verdicts)] if len(windows) else windows
     w = prepare_windows(w) if len(w) else pd.DataFrame(columns=["engine_id", "ts_s", "load"])
     w = w[(w["ts_s"] >= math.floor(since)) & (w["ts_s"] < until)]
     knee = w["engine_id"].map(lambda e: _saturation_knee(verdicts[e]))
-    w = w.assign(day=_day(w["ts_s"], day_s), active_s=1,
-                 saturated_s=(w["load"] > knee.astype(float)).astype(int))
+    w = w.assign(
+        day=_day(w["ts_s"], day_s),
+        active_s=1,
+        saturated_s=(w["load"] > knee.astype(float)).astype(int),
+    )
     r = requests
     if len(r) and "engine_id" in r:
         r = r[r["engine_id"].isin(verdicts)]
@@ -98,9 +145,12 @@ def usage_days(windows: pd.DataFrame, requests: pd.DataFrame,
     else:
         n_req = pd.Series(dtype=float)
     rows = []
-    for (eid, d), g in (w.groupby(["engine_id", "day"], sort=True) if len(w) else ()):
-        row: dict[str, Any] = {"engine_id": eid, "day_start_unix_s": float(d),
-                               **{k: _total(g, k) for k in USAGE_SUMS if k != "requests"}}
+    for (eid, d), g in w.groupby(["engine_id", "day"], sort=True) if len(w) else ():
+        row: dict[str, Any] = {
+            "engine_id": eid,
+            "day_start_unix_s": float(d),
+            **{k: _total(g, k) for k in USAGE_SUMS if k != "requests"},
+        }
         row["requests"] = float(n_req.get((eid, d), 0))
         row["gen_tokens_per_s_peak"] = float(g["gen_tokens_per_s"].max())
         row["load_max"] = float(g["load"].max())
@@ -110,10 +160,18 @@ def usage_days(windows: pd.DataFrame, requests: pd.DataFrame,
     seen = {(r_["engine_id"], r_["day_start_unix_s"]) for r_ in rows}
     for (eid, d), n in n_req.items():
         if (eid, float(d)) not in seen:  # requests finished on a day without windows
-            rows.append({"engine_id": eid, "day_start_unix_s": float(d),
-                         **{k: 0.0 for k in USAGE_SUMS if k != "requests"},
-                         "requests": float(n), "gen_tokens_per_s_peak": None,
-                         "load_max": None, "first_window_s": None, "last_window_s": None})
+            rows.append(
+                {
+                    "engine_id": eid,
+                    "day_start_unix_s": float(d),
+                    **{k: 0.0 for k in USAGE_SUMS if k != "requests"},
+                    "requests": float(n),
+                    "gen_tokens_per_s_peak": None,
+                    "load_max": None,
+                    "first_window_s": None,
+                    "last_window_s": None,
+                }
+            )
     return pd.DataFrame(rows, columns=list(DAY_COLUMNS))
 
 
@@ -121,13 +179,17 @@ def _total(df: pd.DataFrame, col: str) -> float:
     return float(pd.to_numeric(df[col], errors="coerce").sum()) if col in df and len(df) else 0.0
 
 
-def usage_from_days(days_in: pd.DataFrame, report: Report, since: float, until: float, *,
-                    day_s: float = DAY_S) -> Usage:
+def usage_from_days(
+    days_in: pd.DataFrame, report: Report, since: float, until: float, *, day_s: float = DAY_S
+) -> Usage:
     """Assemble the :class:`Usage` of ``report``'s engines from per (engine, day) sums
     (:data:`DAY_COLUMNS`; days without a row count as unused)."""
     verdicts = {v.engine_id: v for v in report.engines}
-    by_key = {(str(r["engine_id"]), float(r["day_start_unix_s"])): r
-              for r in days_in.to_dict("records")} if len(days_in) else {}
+    by_key = (
+        {(str(r["engine_id"]), float(r["day_start_unix_s"])): r for r in days_in.to_dict("records")}
+        if len(days_in)
+        else {}
+    )
     first_day = _day(pd.Series([since]), day_s).iloc[0]
     day_starts = np.arange(first_day, until, day_s)
     day_rows = []
@@ -137,8 +199,16 @@ def usage_from_days(days_in: pd.DataFrame, report: Report, since: float, until: 
         for d in day_starts:
             part = by_key.get((eid, float(d)))
             parts.append(part)
-            day_rows.append(_ratios({"engine_id": eid, "pool": v.pool,
-                                     "day_start_unix_s": float(d), **_from_parts([part])}))
+            day_rows.append(
+                _ratios(
+                    {
+                        "engine_id": eid,
+                        "pool": v.pool,
+                        "day_start_unix_s": float(d),
+                        **_from_parts([part]),
+                    }
+                )
+            )
         row = {"engine_id": eid, "pool": v.pool, **_from_parts(parts)}
         row["knee_concurrency"] = _saturation_knee(v)
         firsts = [p["first_window_s"] for p in parts if p and _num(p["first_window_s"])]
@@ -149,17 +219,23 @@ def usage_from_days(days_in: pd.DataFrame, report: Report, since: float, until: 
     days = pd.DataFrame(day_rows)
     engines = pd.DataFrame(eng_rows)
     pool_rows = []
-    for _, g in (engines.groupby(engines["pool"].astype(str), sort=True)
-                    if len(engines) else ()):
-        prow = {"pool": g["pool"].iloc[0], "n_engines": len(g),
-                **{k: float(g[k].sum()) for k in USAGE_SUMS}}
-        prow["gen_tokens_per_s_mean"] = (prow["generation_tokens"] / prow["active_s"]
-                                         if prow["active_s"] else None)
+    for _, g in engines.groupby(engines["pool"].astype(str), sort=True) if len(engines) else ():
+        prow = {
+            "pool": g["pool"].iloc[0],
+            "n_engines": len(g),
+            **{k: float(g[k].sum()) for k in USAGE_SUMS},
+        }
+        prow["gen_tokens_per_s_mean"] = (
+            prow["generation_tokens"] / prow["active_s"] if prow["active_s"] else None
+        )
         pool_rows.append(_ratios(prow))
-    return Usage(since_unix_s=float(since), until_unix_s=float(until),
-                 days=frame_of(days, list(days.columns)),
-                 engines=frame_of(engines, list(engines.columns)),
-                 pools=frame_of(pd.DataFrame(pool_rows), list(pool_rows[0]) if pool_rows else []))
+    return Usage(
+        since_unix_s=float(since),
+        until_unix_s=float(until),
+        days=frame_of(days, list(days.columns)),
+        engines=frame_of(engines, list(engines.columns)),
+        pools=frame_of(pd.DataFrame(pool_rows), list(pool_rows[0]) if pool_rows else []),
+    )
 
 
 def _num(v: Any) -> bool:
@@ -169,11 +245,13 @@ def _num(v: Any) -> bool:
 def _from_parts(parts: list[dict[str, Any] | None]) -> dict[str, Any]:
     """Sums over days (``None``: a day without data) in the layout of a usage row."""
     have = [p for p in parts if p]
-    out: dict[str, Any] = {k: float(sum(float(p[k]) for p in have))
-                           for k in USAGE_SUMS if k != "requests"}
+    out: dict[str, Any] = {
+        k: float(sum(float(p[k]) for p in have)) for k in USAGE_SUMS if k != "requests"
+    }
     out["requests"] = float(sum(float(p["requests"]) for p in have))
-    out["gen_tokens_per_s_mean"] = (out["generation_tokens"] / out["active_s"]
-                                    if out["active_s"] else None)
+    out["gen_tokens_per_s_mean"] = (
+        out["generation_tokens"] / out["active_s"] if out["active_s"] else None
+    )
     peaks = [float(p["gen_tokens_per_s_peak"]) for p in have if _num(p["gen_tokens_per_s_peak"])]
     loads = [float(p["load_max"]) for p in have if _num(p["load_max"])]
     out["gen_tokens_per_s_peak"] = max(peaks) if peaks else None
@@ -194,6 +272,7 @@ def _day(ts: pd.Series, day_s: float) -> pd.Series:
 
 def _ratios(row: dict[str, Any]) -> dict[str, Any]:
     row["saturated_share"] = row["saturated_s"] / row["active_s"] if row["active_s"] else None
-    row["prefix_hit_rate"] = (row["prefix_hits"] / row["prefix_queries"]
-                              if row["prefix_queries"] else None)
+    row["prefix_hit_rate"] = (
+        row["prefix_hits"] / row["prefix_queries"] if row["prefix_queries"] else None
+    )
     return row

@@ -63,20 +63,39 @@ def load_traces() -> list[Trace]:
             s = b.get("steps") or {}
             for i in range(len(s.get("ts_unix_s", []))):
                 it = s["iteration_s"][i]
-                steps.append((
-                    s["ts_unix_s"][i], s["step"][i], s["batch_size"][i], s["waiting"][i],
-                    s["deferred"][i], s["kv_usage_ratio"][i], s["prefix_queries"][i],
-                    s["prefix_hits"][i], s["preemptions"][i], s["prompt_tokens"][i],
-                    s["generation_tokens"][i], None if it is None else it * 1000.0,
-                ))  # fmt: skip
+                steps.append(
+                    (
+                        s["ts_unix_s"][i],
+                        s["step"][i],
+                        s["batch_size"][i],
+                        s["waiting"][i],
+                        s["deferred"][i],
+                        s["kv_usage_ratio"][i],
+                        s["prefix_queries"][i],
+                        s["prefix_hits"][i],
+                        s["preemptions"][i],
+                        s["prompt_tokens"][i],
+                        s["generation_tokens"][i],
+                        None if it is None else it * 1000.0,
+                    )
+                )
             r = b.get("requests") or {}
             for i in range(len(r.get("finished_unix_s", []))):
-                reqs.append((
-                    r["finished_unix_s"][i], r["e2e_s"][i], r["queue_s"][i], r["prefill_s"][i],
-                    r["decode_s"][i], r["ttft_s"][i], r["prompt_tokens"][i],
-                    r["generation_tokens"][i], r["cached_tokens"][i], r["preemptions"][i],
-                    r["finish_reason"][i],
-                ))  # fmt: skip
+                reqs.append(
+                    (
+                        r["finished_unix_s"][i],
+                        r["e2e_s"][i],
+                        r["queue_s"][i],
+                        r["prefill_s"][i],
+                        r["decode_s"][i],
+                        r["ttft_s"][i],
+                        r["prompt_tokens"][i],
+                        r["generation_tokens"][i],
+                        r["cached_tokens"][i],
+                        r["preemptions"][i],
+                        r["finish_reason"][i],
+                    )
+                )
         order = sorted(range(len(steps)), key=lambda k: steps[k][0])
         steps = [steps[k] for k in order]
         step_ts = [row[0] for row in steps]
@@ -91,8 +110,9 @@ def load_traces() -> list[Trace]:
 class TimedClient(IngestClient):
     """The plugin's HTTP client, timing every POST (request sent to answer read)."""
 
-    def __init__(self, url: str, log: list[tuple[float, float, int, int]],
-                 samples: list[bytes]) -> None:  # fmt: skip
+    def __init__(
+        self, url: str, log: list[tuple[float, float, int, int]], samples: list[bytes]
+    ) -> None:
         super().__init__(url)
         self.log = log
         self.samples = samples
@@ -151,8 +171,14 @@ def _worker(spec: WorkerSpec, out: Any, ready: Any, go: Any) -> None:
     for i in range(spec.first_engine, spec.first_engine + spec.n_engines):
         trace = traces[i % len(traces)]
         exporter = Exporter(settings, client=TimedClient(spec.url, posts, samples))
-        hello = {**trace.hello, "host": f"sim-{i:05d}.fleet", "port": 8000, "pid": os.getpid(),
-                 "pool": f"fleet-{i // spec.pool_size:03d}", "started_unix_s": time.time()}
+        hello = {
+            **trace.hello,
+            "host": f"sim-{i:05d}.fleet",
+            "port": 8000,
+            "pid": os.getpid(),
+            "pool": f"fleet-{i // spec.pool_size:03d}",
+            "started_unix_s": time.time(),
+        }
         buf = exporter.register(engine_id(i), hello)
         engines.append([exporter, buf, trace, rng.randrange(len(trace.steps)), 0])
     ready.put(os.getpid())
@@ -196,9 +222,15 @@ def _worker(spec: WorkerSpec, out: Any, ready: Any, go: Any) -> None:
     for e in engines:
         for k, v in e[0].stats().items():
             stats[k] = stats.get(k, 0) + v
-    out.put(WorkerResult(posts=posts, stats=stats, samples=samples,
-                         cpu_s=time.process_time() - cpu0,
-                         wall_s=time.monotonic() - t_start))  # fmt: skip
+    out.put(
+        WorkerResult(
+            posts=posts,
+            stats=stats,
+            samples=samples,
+            cpu_s=time.process_time() - cpu0,
+            wall_s=time.monotonic() - t_start,
+        )
+    )
 
 
 @dataclass
@@ -215,9 +247,17 @@ class FleetRun:
     loadgen_wall_s: float
 
 
-def run_workers(url: str, n_engines: int, duration_s: float, *, steps_per_s: float = 50.0,
-                engines_per_worker: int = 250, cores: tuple[int, ...] = (),
-                seed: int = 0, id_offset: int = 0) -> FleetRun:  # fmt: skip
+def run_workers(
+    url: str,
+    n_engines: int,
+    duration_s: float,
+    *,
+    steps_per_s: float = 50.0,
+    engines_per_worker: int = 250,
+    cores: tuple[int, ...] = (),
+    seed: int = 0,
+    id_offset: int = 0,
+) -> FleetRun:
     """Run ``n_engines`` simulated engines for ``duration_s`` in worker processes."""
     ctx = mp.get_context("fork")
     q, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -226,8 +266,9 @@ def run_workers(url: str, n_engines: int, duration_s: float, *, steps_per_s: flo
     for w in range(n_workers):
         first = w * n_engines // n_workers
         last = (w + 1) * n_engines // n_workers
-        spec = WorkerSpec(url, id_offset + first, last - first, duration_s, steps_per_s,
-                          seed * 1000 + w, cores)  # fmt: skip
+        spec = WorkerSpec(
+            url, id_offset + first, last - first, duration_s, steps_per_s, seed * 1000 + w, cores
+        )
         p = ctx.Process(target=_worker, args=(spec, q, ready, go), daemon=True)
         p.start()
         procs.append(p)
@@ -244,9 +285,16 @@ def run_workers(url: str, n_engines: int, duration_s: float, *, steps_per_s: flo
         for k, v in r.stats.items():
             stats[k] = stats.get(k, 0) + v
     samples = [s for r in results for s in r.samples]
-    return FleetRun(n_engines, duration_s, posts, stats, samples,
-                    sum(r.cpu_s for r in results), start_at,
-                    max(r.wall_s for r in results))  # fmt: skip
+    return FleetRun(
+        n_engines,
+        duration_s,
+        posts,
+        stats,
+        samples,
+        sum(r.cpu_s for r in results),
+        start_at,
+        max(r.wall_s for r in results),
+    )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -260,4 +308,3 @@ def percentile(values: list[float], q: float) -> float:
 def dump_json(path: str | None, obj: Any) -> None:
     if path:
         Path(path).write_text(json.dumps(obj, indent=2, default=str) + "\n")
-

@@ -48,11 +48,27 @@ sys.path.insert(0, str(ROOT))
 TARGET_S = 60.0
 TARGET_RSS_GB = 6.0
 THREADS = 2
-FLOOR_COLUMNS = ("n_steps", "batch_mean", "batch_p50", "batch_p90", "batch_max", "batch_sum",
-                 "waiting_mean", "deferred_mean", "kv_usage_mean", "kv_usage_max",
-                 "preemptions", "prompt_tokens", "generation_tokens", "prefix_queries",
-                 "prefix_hits", "first_step_unix_s", "last_step_unix_s", "iteration_n",
-                 "iteration_s_sum")
+FLOOR_COLUMNS = (
+    "n_steps",
+    "batch_mean",
+    "batch_p50",
+    "batch_p90",
+    "batch_max",
+    "batch_sum",
+    "waiting_mean",
+    "deferred_mean",
+    "kv_usage_mean",
+    "kv_usage_max",
+    "preemptions",
+    "prompt_tokens",
+    "generation_tokens",
+    "prefix_queries",
+    "prefix_hits",
+    "first_step_unix_s",
+    "last_step_unix_s",
+    "iteration_n",
+    "iteration_s_sum",
+)
 
 THREADS_PRELUDE = f"""
 import duckdb
@@ -76,7 +92,9 @@ rows = con.execute("SELECT engine_id, count(*), {aggs} FROM windows_1s "
 print(len(rows))
 """
 
-ADVISE = THREADS_PRELUDE + """
+ADVISE = (
+    THREADS_PRELUDE
+    + """
 import sys
 from kvscope.report.sources import StoreSource, open_store
 from kvscope.advisor import analyze
@@ -84,13 +102,17 @@ src = StoreSource(open_store(sys.argv[1]))
 report = analyze(src, float(sys.argv[2]), float(sys.argv[3]))
 print(len(report.engines), sorted({v.bottleneck for v in report.engines}))
 """
+)
 
 
-REPORT = THREADS_PRELUDE + """
+REPORT = (
+    THREADS_PRELUDE
+    + """
 import sys
 from kvscope.cli.main import main
 sys.exit(main(["report", *sys.argv[1:]]))
 """
+)
 
 
 def timed(cmd: list[str]) -> tuple[float, float, str]:
@@ -98,8 +120,14 @@ def timed(cmd: list[str]) -> tuple[float, float, str]:
     own peak RSS in GB (``wait4``), its stdout."""
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                             stdout=out, stderr=err, text=True)
+        p = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=out,
+            stderr=err,
+            text=True,
+        )
         _, status, usage = os.wait4(p.pid, 0)
         wall = time.perf_counter() - t0
         p.returncode = os.waitstatus_to_exitcode(status)
@@ -108,7 +136,7 @@ def timed(cmd: list[str]) -> tuple[float, float, str]:
         stdout, stderr = out.read(), err.read()
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd[:4])}... failed ({p.returncode}):\n{stderr[-3000:]}")
-    return wall, usage.ru_maxrss / 1024 ** 2, stdout.strip()
+    return wall, usage.ru_maxrss / 1024**2, stdout.strip()
 
 
 def ensure_store(path: Path, engines: int, days: float) -> None:
@@ -139,12 +167,15 @@ def ensure_store(path: Path, engines: int, days: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--store", type=Path,
-                    default=Path(tempfile.gettempdir()) / "kvscope-advisor-scale.duckdb",
-                    help="generated store file, reused when it exists "
-                         "(default: %(default)s)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--store",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "kvscope-advisor-scale.duckdb",
+        help="generated store file, reused when it exists (default: %(default)s)",
+    )
     ap.add_argument("--engines", type=int, default=100, help="engines (default: 100)")
     ap.add_argument("--days", type=float, default=7.0, help="days of windows (default: 7)")
     ap.add_argument("--runs", type=int, default=3, help="runs of each measurement (default: 3)")
@@ -158,26 +189,47 @@ def main(argv: list[str] | None = None) -> int:
 
     con = duckdb.connect(str(args.store), read_only=True)
     n_rows, first, last = con.execute(
-        "SELECT count(*), min(ts_s), max(ts_s) FROM windows_1s").fetchone()
+        "SELECT count(*), min(ts_s), max(ts_s) FROM windows_1s"
+    ).fetchone()
     n_req = con.execute("SELECT count(*) FROM requests").fetchone()[0]
     n_eng = con.execute("SELECT count(*) FROM engines").fetchone()[0]
     con.close()
     since, until = str(int(first)), str(int(last) + 1)
-    print(f"{n_rows:,} window rows, {n_req:,} finished requests, {n_eng} engines, "
-          f"{(int(last) + 1 - int(first)) / 86400:.1f} days; DuckDB at {THREADS} threads")
+    print(
+        f"{n_rows:,} window rows, {n_req:,} finished requests, {n_eng} engines, "
+        f"{(int(last) + 1 - int(first)) / 86400:.1f} days; DuckDB at {THREADS} threads"
+    )
 
     aggs = ", ".join(f"sum({c}), max({c})" for c in FLOOR_COLUMNS)
     floor_code = FLOOR.format(threads=THREADS, aggs=aggs)
     py = sys.executable
     out_dir = Path(tempfile.mkdtemp(prefix="kvscope-scale-report-"))
     cases = [
-        ("floor: one DuckDB GROUP BY engine scan of windows_1s",
-         [py, "-c", floor_code, str(args.store), since, until]),
-        ("kvscope.advisor.analyze, whole fleet, one week",
-         [py, "-c", ADVISE, str(args.store), since, until]),
-        ("kvscope report --store, end to end (files written)",
-         [py, "-c", REPORT, "--store", str(args.store), "--since", since,
-          "--until", until, "--out", str(out_dir), "--no-progress"]),
+        (
+            "floor: one DuckDB GROUP BY engine scan of windows_1s",
+            [py, "-c", floor_code, str(args.store), since, until],
+        ),
+        (
+            "kvscope.advisor.analyze, whole fleet, one week",
+            [py, "-c", ADVISE, str(args.store), since, until],
+        ),
+        (
+            "kvscope report --store, end to end (files written)",
+            [
+                py,
+                "-c",
+                REPORT,
+                "--store",
+                str(args.store),
+                "--since",
+                since,
+                "--until",
+                until,
+                "--out",
+                str(out_dir),
+                "--no-progress",
+            ],
+        ),
     ]
     results = []
     for name, cmd in cases:
@@ -187,23 +239,44 @@ def main(argv: list[str] | None = None) -> int:
             walls.append(wall)
             peaks.append(peak)
             print(f"  {name}: run {i + 1}: {wall:.1f} s", file=sys.stderr)
-        results.append({"case": name, "median_s": statistics.median(walls), "runs_s": walls,
-                        "peak_rss_gb": max(peaks), "output": last_out.splitlines()[-1:]})
+        results.append(
+            {
+                "case": name,
+                "median_s": statistics.median(walls),
+                "runs_s": walls,
+                "peak_rss_gb": max(peaks),
+                "output": last_out.splitlines()[-1:],
+            }
+        )
     floor_s = results[0]["median_s"]
     print()
     print(f"{'measurement':<60} {'median s':>9} {'x floor':>8} {'peak RSS':>9}  target")
     print("-" * 100)
     for r in results:
-        target = "" if r is results[0] else (
-            f"<= {TARGET_S:.0f} s, <= {TARGET_RSS_GB:.0f} GB: "
-            + ("met" if r["median_s"] <= TARGET_S and r["peak_rss_gb"] <= TARGET_RSS_GB
-               else "MISSED"))
-        print(f"{r['case']:<60} {r['median_s']:>9.1f} {r['median_s'] / floor_s:>8.1f} "
-              f"{r['peak_rss_gb']:>7.2f} GB  {target}")
+        target = (
+            ""
+            if r is results[0]
+            else (
+                f"<= {TARGET_S:.0f} s, <= {TARGET_RSS_GB:.0f} GB: "
+                + (
+                    "met"
+                    if r["median_s"] <= TARGET_S and r["peak_rss_gb"] <= TARGET_RSS_GB
+                    else "MISSED"
+                )
+            )
+        )
+        print(
+            f"{r['case']:<60} {r['median_s']:>9.1f} {r['median_s'] / floor_s:>8.1f} "
+            f"{r['peak_rss_gb']:>7.2f} GB  {target}"
+        )
     print(f"\n(runs per row: {args.runs}; report files in {out_dir})")
     if args.json:
-        args.json.write_text(json.dumps({"windows": n_rows, "requests": n_req,
-                                         "engines": n_eng, "results": results}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"windows": n_rows, "requests": n_req, "engines": n_eng, "results": results},
+                indent=1,
+            )
+        )
     return 0
 
 

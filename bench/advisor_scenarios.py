@@ -224,16 +224,22 @@ class RegimeRun:
             return []
         if not v.saturated:
             return [self.top] if self.top.delivered else []
-        return [lv for lv in self.levels if lv.delivered
-                and lv.concurrency >= SATURATED_MARGIN * v.knee_concurrency]
+        return [
+            lv
+            for lv in self.levels
+            if lv.delivered and lv.concurrency >= SATURATED_MARGIN * v.knee_concurrency
+        ]
 
     @property
     def growth_last_doubling(self) -> float | None:
         """Client throughput at the highest level over the level at half its concurrency
         (``None`` unless the engine saw the load of both)."""
         half = [lv for lv in self.levels if 2 * lv.concurrency == self.top.concurrency]
-        if not half or half[0].client_tokens_per_s <= 0 or not (
-                half[0].delivered and self.top.delivered):
+        if (
+            not half
+            or half[0].client_tokens_per_s <= 0
+            or not (half[0].delivered and self.top.delivered)
+        ):
             return None
         return self.top.client_tokens_per_s / half[0].client_tokens_per_s - 1.0
 
@@ -285,9 +291,11 @@ class Repeated:
         return ordered[(len(ordered) - 1) // 2]
 
     def describe(self) -> str:
-        return (f"{self.label}: median {self.tokens_per_s:,.0f} tok/s over "
-                f"{len(self.runs)} runs ({', '.join(f'{lv.client_tokens_per_s:,.0f}' for lv in self.runs)}), "
-                f"spread {self.spread:.0%}")
+        return (
+            f"{self.label}: median {self.tokens_per_s:,.0f} tok/s over "
+            f"{len(self.runs)} runs ({', '.join(f'{lv.client_tokens_per_s:,.0f}' for lv in self.runs)}), "
+            f"spread {self.spread:.0%}"
+        )
 
 
 @dataclass
@@ -340,8 +348,11 @@ class CapRun:
         """The runs behind the comparison, for an assertion message."""
         starts = ""
         if len(self.reference_starts) > 1:
-            starts = ("; uncapped engine starts: "
-                      + ", ".join(f"{t:,.0f}" for t in self.reference_starts) + " tok/s")
+            starts = (
+                "; uncapped engine starts: "
+                + ", ".join(f"{t:,.0f}" for t in self.reference_starts)
+                + " tok/s"
+            )
         return f"{self.capped.describe()}; {self.reference.describe()}{starts}"
 
     @property
@@ -394,11 +405,20 @@ class AdvisorLab:
     stderr.
     """
 
-    def __init__(self, workdir: str | Path, *, model_dir: str | Path | None = None,
-                 concurrency: tuple[int, ...] = CONCURRENCY, duration_s: float = 5.0,
-                 warmup_s: float = 2.0, cap_duration_s: float = 10.0,
-                 cap_warmup_s: float = 3.0, seed: int = 3,
-                 log: Log = _quiet, progress: bool = False) -> None:
+    def __init__(
+        self,
+        workdir: str | Path,
+        *,
+        model_dir: str | Path | None = None,
+        concurrency: tuple[int, ...] = CONCURRENCY,
+        duration_s: float = 5.0,
+        warmup_s: float = 2.0,
+        cap_duration_s: float = 10.0,
+        cap_warmup_s: float = 3.0,
+        seed: int = 3,
+        log: Log = _quiet,
+        progress: bool = False,
+    ) -> None:
         self.workdir = Path(workdir)
         self.model_dir = Path(model_dir) if model_dir else None
         self.concurrency = tuple(concurrency)
@@ -418,8 +438,9 @@ class AdvisorLab:
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.model_dir is None:
             self.model_dir = build_model(default_model_dir("mid"), "mid")
-        self.collector = CollectorProcess(self.workdir / "store.duckdb",
-                                          log_path=self.workdir / "collector.log").start()
+        self.collector = CollectorProcess(
+            self.workdir / "store.duckdb", log_path=self.workdir / "collector.log"
+        ).start()
         self._say(f"collector at {self.collector.url}, store {self.workdir / 'store.duckdb'}")
         return self
 
@@ -444,19 +465,30 @@ class AdvisorLab:
         return self.collector
 
     @contextmanager
-    def engine(self, pool: str, *, num_gpu_blocks: int, max_num_seqs: int,
-               extra_args: tuple[str, ...] = ()) -> Iterator[VllmServer]:
+    def engine(
+        self, pool: str, *, num_gpu_blocks: int, max_num_seqs: int, extra_args: tuple[str, ...] = ()
+    ) -> Iterator[VllmServer]:
         """A real engine with the plugin shipping to the collector under ``pool``."""
         assert self.model_dir is not None
-        self._say(f"{pool}: starting vLLM (--num-gpu-blocks-override {num_gpu_blocks}, "
-                  f"--max-num-seqs {max_num_seqs}{' ' if extra_args else ''}"
-                  f"{' '.join(extra_args)})")
+        self._say(
+            f"{pool}: starting vLLM (--num-gpu-blocks-override {num_gpu_blocks}, "
+            f"--max-num-seqs {max_num_seqs}{' ' if extra_args else ''}"
+            f"{' '.join(extra_args)})"
+        )
         server = VllmServer(
-            self.model_dir, served_model_name=MODEL_NAME, num_gpu_blocks=num_gpu_blocks,
-            max_num_seqs=max_num_seqs, enable_prefix_caching=True, extra_args=extra_args,
-            env={"KVSCOPE_COLLECTOR_URL": self._collector.url, "KVSCOPE_POOL": pool,
-                 "KVSCOPE_FLUSH_INTERVAL_S": "0.5"},
-            log_path=self.workdir / f"vllm-{pool}.log")
+            self.model_dir,
+            served_model_name=MODEL_NAME,
+            num_gpu_blocks=num_gpu_blocks,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=True,
+            extra_args=extra_args,
+            env={
+                "KVSCOPE_COLLECTOR_URL": self._collector.url,
+                "KVSCOPE_POOL": pool,
+                "KVSCOPE_FLUSH_INTERVAL_S": "0.5",
+            },
+            log_path=self.workdir / f"vllm-{pool}.log",
+        )
         try:
             server.start()
             self._say(f"{pool}: engine up in {server.startup_s:.0f} s at {server.url}")
@@ -467,12 +499,30 @@ class AdvisorLab:
 
     # -- load and measurement -----------------------------------------------------------
 
-    def _sweep(self, server: VllmServer, concurrency: list[int], duration_s: float,
-               warmup_s: float, seed: int, error_backoff_s: float = 0.1) -> SweepResult:
-        return run_sweep(SweepConfig(
-            url=server.url, model=MODEL_NAME, concurrency=concurrency, duration_s=duration_s,
-            warmup_s=warmup_s, cooldown_s=1.0, prompt_words=(8, 40), output_tokens=(128, 128),
-            seed=seed, error_backoff_s=error_backoff_s, progress=self.progress))
+    def _sweep(
+        self,
+        server: VllmServer,
+        concurrency: list[int],
+        duration_s: float,
+        warmup_s: float,
+        seed: int,
+        error_backoff_s: float = 0.1,
+    ) -> SweepResult:
+        return run_sweep(
+            SweepConfig(
+                url=server.url,
+                model=MODEL_NAME,
+                concurrency=concurrency,
+                duration_s=duration_s,
+                warmup_s=warmup_s,
+                cooldown_s=1.0,
+                prompt_words=(8, 40),
+                output_tokens=(128, 128),
+                seed=seed,
+                error_backoff_s=error_backoff_s,
+                progress=self.progress,
+            )
+        )
 
     def _warm(self, server: VllmServer) -> None:
         """A few seconds of load the analysis leaves out (first requests run slower)."""
@@ -491,25 +541,32 @@ class AdvisorLab:
 
     def _drain(self, server: VllmServer, engine_id: str, timeout_s: float = 30.0) -> None:
         """Wait until the collector holds every token, preemption and request vLLM counted."""
-        keys = {"generation_tokens": "vllm:generation_tokens_total",
-                "prompt_tokens": "vllm:prompt_tokens_total",
-                "preemptions": "vllm:num_preemptions_total"}
+        keys = {
+            "generation_tokens": "vllm:generation_tokens_total",
+            "prompt_tokens": "vllm:prompt_tokens_total",
+            "preemptions": "vllm:num_preemptions_total",
+        }
         deadline = time.monotonic() + timeout_s
         while True:
             vllm = vllm_counter_totals(server.metrics_text())
             rows = self._collector.get_json(
-                "/v1/totals", params={"source": "windows", "engine": engine_id})["rows"]
-            stats = self._collector.get_json("/v1/request_stats", params={
-                "since": "0", "engine": engine_id, "group_by": "engine"})["rows"]
+                "/v1/totals", params={"source": "windows", "engine": engine_id}
+            )["rows"]
+            stats = self._collector.get_json(
+                "/v1/request_stats",
+                params={"since": "0", "engine": engine_id, "group_by": "engine"},
+            )["rows"]
             ours = {k: float(rows[0][k]) if rows else 0.0 for k in keys}
             theirs = {k: vllm[v] for k, v in keys.items()}
             n_req = float(stats[0]["n_requests"]) if stats else 0.0
             if ours == theirs and n_req == vllm["vllm:request_success_total"]:
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"collector short of vLLM's counters for {engine_id}: "
-                                   f"{ours} / {n_req} requests vs {theirs} / "
-                                   f"{vllm['vllm:request_success_total']}")
+                raise RuntimeError(
+                    f"collector short of vLLM's counters for {engine_id}: "
+                    f"{ours} / {n_req} requests vs {theirs} / "
+                    f"{vllm['vllm:request_success_total']}"
+                )
             time.sleep(0.5)
 
     def _measure(self, engine_id: str, levels: list[LevelResult]) -> list[LevelMeasure]:
@@ -522,29 +579,49 @@ class AdvisorLab:
 
     # -- scenarios ------------------------------------------------------------------------
 
-    def _level(self, server: VllmServer, engine_id: str, concurrency: int, duration_s: float,
-               warmup_s: float, seed: int, attempts: int = MAX_ATTEMPTS,
-               admit_limit: int | None = None) -> tuple[LevelMeasure, SweepResult]:
+    def _level(
+        self,
+        server: VllmServer,
+        engine_id: str,
+        concurrency: int,
+        duration_s: float,
+        warmup_s: float,
+        seed: int,
+        attempts: int = MAX_ATTEMPTS,
+        admit_limit: int | None = None,
+    ) -> tuple[LevelMeasure, SweepResult]:
         """One load level, measured; run again (up to ``attempts`` runs) while the engine
         did not see the clients' load: a stalled front end measures nothing of the engine."""
         for attempt in range(1, attempts + 1):
-            sweep = self._sweep(server, [concurrency], duration_s, warmup_s,
-                                seed + 1000 * (attempt - 1),
-                                error_backoff_s=0.1 if admit_limit is None else REFUSED_BACKOFF_S)
+            sweep = self._sweep(
+                server,
+                [concurrency],
+                duration_s,
+                warmup_s,
+                seed + 1000 * (attempt - 1),
+                error_backoff_s=0.1 if admit_limit is None else REFUSED_BACKOFF_S,
+            )
             self._drain(server, engine_id)
             level = self._measure(engine_id, sweep.levels)[0]
             level.attempts = attempt
             level.admit_limit = admit_limit
             if level.delivered:
                 break
-            self._say(f"{concurrency} clients: the engine saw {level.load_mean:.1f} requests "
-                      f"in flight on average, the front end stalled"
-                      f"{'; running the level again' if attempt < attempts else ''}")
+            self._say(
+                f"{concurrency} clients: the engine saw {level.load_mean:.1f} requests "
+                f"in flight on average, the front end stalled"
+                f"{'; running the level again' if attempt < attempts else ''}"
+            )
         return level, sweep
 
-    def _repeated(self, server: VllmServer, engine_id: str,
-                  settings: list[tuple[str, int, int | None]], seed: int,
-                  rounds: int = ROUNDS) -> list[Repeated]:
+    def _repeated(
+        self,
+        server: VllmServer,
+        engine_id: str,
+        settings: list[tuple[str, int, int | None]],
+        seed: int,
+        rounds: int = ROUNDS,
+    ) -> list[Repeated]:
         """Run each setting ``(label, clients, admit_limit)`` once per round, the settings
         interleaved, for ``rounds`` rounds; then one more round at a time (up to
         ``MAX_ROUNDS``) while a setting's runs spread more than ``MAX_SPREAD``."""
@@ -553,12 +630,24 @@ class AdvisorLab:
             if r >= rounds and all(rep.spread <= MAX_SPREAD for rep in out):
                 break
             for i, ((_, clients, admit), rep) in enumerate(zip(settings, out, strict=True)):
-                level, _ = self._level(server, engine_id, clients, self.cap_duration_s,
-                                       self.cap_warmup_s, seed + 10 * r + i,
-                                       admit_limit=admit)
+                level, _ = self._level(
+                    server,
+                    engine_id,
+                    clients,
+                    self.cap_duration_s,
+                    self.cap_warmup_s,
+                    seed + 10 * r + i,
+                    admit_limit=admit,
+                )
                 rep.runs.append(level)
-            self._say("round " + str(r + 1) + ": " + "; ".join(
-                f"{rep.label} {rep.runs[-1].client_tokens_per_s:,.0f} tok/s" for rep in out))
+            self._say(
+                "round "
+                + str(r + 1)
+                + ": "
+                + "; ".join(
+                    f"{rep.label} {rep.runs[-1].client_tokens_per_s:,.0f} tok/s" for rep in out
+                )
+            )
         for rep in out:
             self._say(rep.describe())
         return out
@@ -566,14 +655,19 @@ class AdvisorLab:
     def run_regime(self, scenario: Scenario, *, cap_by_client: bool = False) -> RegimeRun:
         """Start the regime's engine, sweep it, let the advisor judge; with
         ``cap_by_client``, then load the same engine at the recommended cap."""
-        with self.engine(scenario.pool, num_gpu_blocks=scenario.num_gpu_blocks,
-                         max_num_seqs=scenario.max_num_seqs) as server:
+        with self.engine(
+            scenario.pool,
+            num_gpu_blocks=scenario.num_gpu_blocks,
+            max_num_seqs=scenario.max_num_seqs,
+        ) as server:
             self._warm(server)
             engine_id = self._engine_id(scenario.pool)
             top = max(self.concurrency)
-            self._say(f"{scenario.pool}: sweeping {','.join(map(str, self.concurrency))} "
-                      f"clients, {self.warmup_s:g} + {self.duration_s:g} s per level "
-                      f"({self.cap_duration_s:g} s at {top})")
+            self._say(
+                f"{scenario.pool}: sweeping {','.join(map(str, self.concurrency))} "
+                f"clients, {self.warmup_s:g} + {self.duration_s:g} s per level "
+                f"({self.cap_duration_s:g} s at {top})"
+            )
             levels: list[LevelMeasure] = []
             since = until = math.nan
             for i, c in enumerate(self.concurrency):
@@ -583,41 +677,60 @@ class AdvisorLab:
                 # Low levels are run once: a stall there only moves the advisor's windows
                 # to lower loads, and no figure below is read from them.
                 attempts = MAX_ATTEMPTS if c == top else 2 if 4 * c >= top else 1
-                level, sweep = self._level(server, engine_id, c, duration, self.warmup_s,
-                                           self.seed + i, attempts)
+                level, sweep = self._level(
+                    server, engine_id, c, duration, self.warmup_s, self.seed + i, attempts
+                )
                 levels.append(level)
                 if i == 0:
                     since = sweep.started_unix_s
                 until = sweep.finished_unix_s + 1.0
             # Every window of the sweep, stalled attempts included: the advisor reads load
             # at the engine, so a stall only adds windows at a lower load.
-            report = analyze(CollectorSource(self._collector.url), since, until,
-                             pool=scenario.pool)
-            run = RegimeRun(scenario=scenario, engine_id=engine_id,
-                            startup_s=server.startup_s or math.nan, since_unix_s=since,
-                            until_unix_s=until, levels=levels, report=report)
+            report = analyze(CollectorSource(self._collector.url), since, until, pool=scenario.pool)
+            run = RegimeRun(
+                scenario=scenario,
+                engine_id=engine_id,
+                startup_s=server.startup_s or math.nan,
+                since_unix_s=since,
+                until_unix_s=until,
+                levels=levels,
+                report=report,
+            )
             v = run.verdict
-            self._say(f"{scenario.pool}: advisor says {v.bottleneck}"
-                      f"{'' if v.saturated else f' (approaching {v.approaching})'}, knee "
-                      f"{_num(v.knee_concurrency, '.1f')}, plateau "
-                      f"{_num(v.plateau_tokens_per_s, ',.0f')} tok/s, cap "
-                      f"{_num(v.recommended_concurrency_cap, 'd')}")
+            self._say(
+                f"{scenario.pool}: advisor says {v.bottleneck}"
+                f"{'' if v.saturated else f' (approaching {v.approaching})'}, knee "
+                f"{_num(v.knee_concurrency, '.1f')}, plateau "
+                f"{_num(v.plateau_tokens_per_s, ',.0f')} tok/s, cap "
+                f"{_num(v.recommended_concurrency_cap, 'd')}"
+            )
             if cap_by_client:
                 cap = v.recommended_concurrency_cap
                 if cap is None:
-                    raise RuntimeError(f"{scenario.pool}: the advisor recommended no cap\n"
-                                       + levels_table(run))
-                self._say(f"{scenario.pool}: closed loop (a), {cap} clients against {top}, "
-                          f"interleaved, {self.cap_duration_s:g} s each")
+                    raise RuntimeError(
+                        f"{scenario.pool}: the advisor recommended no cap\n" + levels_table(run)
+                    )
+                self._say(
+                    f"{scenario.pool}: closed loop (a), {cap} clients against {top}, "
+                    f"interleaved, {self.cap_duration_s:g} s each"
+                )
                 capped, reference = self._repeated(
-                    server, engine_id, [(f"cap {cap}", cap, None), (f"{top} clients", top, None)],
-                    self.seed + 50)
+                    server,
+                    engine_id,
+                    [(f"cap {cap}", cap, None), (f"{top} clients", top, None)],
+                    self.seed + 50,
+                )
                 run.client_cap = CapRun(
-                    how="client", cap=cap, capped=capped, reference=reference,
+                    how="client",
+                    cap=cap,
+                    capped=capped,
+                    reference=reference,
                     peak_tokens_per_s=run.peak.client_tokens_per_s,
                     predicted_throughput_fraction=v.predicted_throughput_fraction_at_cap,
                     plateau_tokens_per_s=run.measured_plateau_tokens_per_s,
-                    predicted_p99_e2e_s=v.predicted_p99_e2e_s_at_cap, engine_id=engine_id)
+                    predicted_p99_e2e_s=v.predicted_p99_e2e_s_at_cap,
+                    engine_id=engine_id,
+                )
         return run
 
     def run_engine_cap(self, uncapped: RegimeRun) -> CapRun:
@@ -626,9 +739,14 @@ class AdvisorLab:
         requests beyond C+Q in flight are rejected with 503) and drive it at the sweep's
         highest concurrency."""
         sc = uncapped.scenario
-        rec = next((r for r in uncapped.report.recommendations
-                    if r.kind == "concurrency_cap" and r.scope.engine_id == uncapped.engine_id),
-                   None)
+        rec = next(
+            (
+                r
+                for r in uncapped.report.recommendations
+                if r.kind == "concurrency_cap" and r.scope.engine_id == uncapped.engine_id
+            ),
+            None,
+        )
         if rec is None:
             raise RuntimeError(f"{sc.pool}: the advisor recommended no cap")
         flags = [str(f) for f in rec.change.get("vllm_flags", [])]
@@ -638,38 +756,54 @@ class AdvisorLab:
         extra = () if queued is None else ("--max-num-queued-reqs", str(queued))
         pool = f"{sc.pool}-capped"
         top = uncapped.top.concurrency
-        with self.engine(pool, num_gpu_blocks=sc.num_gpu_blocks, max_num_seqs=cap,
-                         extra_args=extra) as server:
+        with self.engine(
+            pool, num_gpu_blocks=sc.num_gpu_blocks, max_num_seqs=cap, extra_args=extra
+        ) as server:
             self._warm(server)
             engine_id = self._engine_id(pool)
             startup_s = server.startup_s
-            self._say(f"{pool}: closed loop (b), {top} clients against {' '.join(flags)} "
-                      f"for {self.cap_duration_s:g} s, {ROUNDS} runs")
-            (capped,) = self._repeated(server, engine_id,
-                                       [(" ".join(flags), top, queued)], self.seed + 60)
+            self._say(
+                f"{pool}: closed loop (b), {top} clients against {' '.join(flags)} "
+                f"for {self.cap_duration_s:g} s, {ROUNDS} runs"
+            )
+            (capped,) = self._repeated(
+                server, engine_id, [(" ".join(flags), top, queued)], self.seed + 60
+            )
         # Engine starts differ by up to 10% here: the uncapped overload is measured again
         # on a restarted engine, so the reference brackets the capped start.
-        before = (uncapped.client_cap.reference.runs if uncapped.client_cap is not None
-                  else [uncapped.top])
+        before = (
+            uncapped.client_cap.reference.runs
+            if uncapped.client_cap is not None
+            else [uncapped.top]
+        )
         again_pool = f"{sc.pool}-again"
-        with self.engine(again_pool, num_gpu_blocks=sc.num_gpu_blocks,
-                         max_num_seqs=sc.max_num_seqs) as server:
+        with self.engine(
+            again_pool, num_gpu_blocks=sc.num_gpu_blocks, max_num_seqs=sc.max_num_seqs
+        ) as server:
             self._warm(server)
             again_id = self._engine_id(again_pool)
             self._say(f"{again_pool}: uncapped again, {top} clients, {ROUNDS} runs")
-            (after,) = self._repeated(server, again_id, [(f"{top} clients", top, None)],
-                                      self.seed + 70)
+            (after,) = self._repeated(
+                server, again_id, [(f"{top} clients", top, None)], self.seed + 70
+            )
         reference = Repeated(f"{top} clients uncapped", [*before, *after.runs])
-        return CapRun(how="engine", cap=cap, capped=capped, reference=reference,
-                      peak_tokens_per_s=uncapped.peak.client_tokens_per_s,
-                      plateau_tokens_per_s=uncapped.measured_plateau_tokens_per_s,
-                      startup_s=startup_s, engine_id=engine_id, flags=flags,
-                      reference_starts=(Repeated("", before).tokens_per_s,
-                                        after.tokens_per_s))
+        return CapRun(
+            how="engine",
+            cap=cap,
+            capped=capped,
+            reference=reference,
+            peak_tokens_per_s=uncapped.peak.client_tokens_per_s,
+            plateau_tokens_per_s=uncapped.measured_plateau_tokens_per_s,
+            startup_s=startup_s,
+            engine_id=engine_id,
+            flags=flags,
+            reference_starts=(Repeated("", before).tokens_per_s, after.tokens_per_s),
+        )
 
 
-def measure_level(lv: LevelResult, windows: pd.DataFrame,
-                  requests: pd.DataFrame | None = None) -> LevelMeasure:
+def measure_level(
+    lv: LevelResult, windows: pd.DataFrame, requests: pd.DataFrame | None = None
+) -> LevelMeasure:
     """A sweep level with the engine's windows that lie inside its measurement window
     and the requests that finished inside it (cancelled ones left out)."""
     w = windows
@@ -680,8 +814,11 @@ def measure_level(lv: LevelResult, windows: pd.DataFrame,
     e2e_p99: float | None = None
     if requests is not None and len(requests):
         fin = pd.to_numeric(requests["finished_unix_s"])
-        done = requests[(fin >= lv.window_start_unix_s) & (fin < lv.window_end_unix_s)
-                        & (requests["finish_reason"] != "abort")]
+        done = requests[
+            (fin >= lv.window_start_unix_s)
+            & (fin < lv.window_end_unix_s)
+            & (requests["finish_reason"] != "abort")
+        ]
         if len(done):
             e2e_p99 = float(pd.to_numeric(done["e2e_s"]).quantile(0.99))
 
@@ -692,15 +829,22 @@ def measure_level(lv: LevelResult, windows: pd.DataFrame,
         return float(col(name).median()) if n else math.nan
 
     return LevelMeasure(
-        concurrency=lv.concurrency, client_tokens_per_s=lv.output_tokens_per_s,
-        e2e_p99_s=lv.e2e_p99_s, ttft_p99_s=lv.ttft_p99_s, completed=lv.requests_completed,
+        concurrency=lv.concurrency,
+        client_tokens_per_s=lv.output_tokens_per_s,
+        e2e_p99_s=lv.e2e_p99_s,
+        ttft_p99_s=lv.ttft_p99_s,
+        completed=lv.requests_completed,
         errors=lv.error_count,
         engine_tokens_per_s=float(col("generation_tokens").sum()) / n if n else math.nan,
         preemptions_per_s=float(col("preemptions").sum()) / n if n else math.nan,
-        batch_median=med("batch_mean"), waiting_median=med("waiting_mean"),
+        batch_median=med("batch_mean"),
+        waiting_median=med("waiting_mean"),
         load_median=float((col("batch_mean") + col("waiting_mean")).median()) if n else math.nan,
         load_mean=float((col("batch_mean") + col("waiting_mean")).mean()) if n else math.nan,
-        kv_usage_median=med("kv_usage_mean"), n_windows=n, engine_e2e_p99_s=e2e_p99)
+        kv_usage_median=med("kv_usage_mean"),
+        n_windows=n,
+        engine_e2e_p99_s=e2e_p99,
+    )
 
 
 # -- presentation ----------------------------------------------------------------------------
@@ -722,9 +866,11 @@ def _pct(v: float | None) -> str:
 
 def regimes_table(runs: list[RegimeRun]) -> str:
     """Per regime: expected vs verdict, knee, plateau measured vs predicted, cap."""
-    head = (f"{'regime':<11} {'expected':<29} {'advisor verdict':<34} {'ok':<3} {'knee':>5} "
-            f"{'last 2x':>7} {'plateau meas':>12} {'advisor':>8} {'KV model':>8} {'err':>5} "
-            f"{'cap':>4}")
+    head = (
+        f"{'regime':<11} {'expected':<29} {'advisor verdict':<34} {'ok':<3} {'knee':>5} "
+        f"{'last 2x':>7} {'plateau meas':>12} {'advisor':>8} {'KV model':>8} {'err':>5} "
+        f"{'cap':>4}"
+    )
     lines = [head, "-" * len(head)]
     for r in runs:
         v = r.verdict
@@ -736,22 +882,29 @@ def regimes_table(runs: list[RegimeRun]) -> str:
             f"{_num(r.measured_plateau_tokens_per_s, ',.0f'):>12} "
             f"{_num(v.plateau_tokens_per_s, ',.0f'):>8} "
             f"{_num(r.predicted_plateau_tokens_per_s, ',.0f'):>8} "
-            f"{_pct(r.prediction_error_ratio):>5} {_num(v.recommended_concurrency_cap, 'd'):>4}")
+            f"{_pct(r.prediction_error_ratio):>5} {_num(v.recommended_concurrency_cap, 'd'):>4}"
+        )
     lines.append(
         "last 2x: client throughput growth from half the top concurrency to the top; "
         f"plateau meas: mean client output tok/s of the levels at >= {SATURATED_MARGIN:g}x the "
         "knee (unsaturated: the top level); advisor: its plateau fitted on the engine's "
-        "windows; KV model: the capacity model's prediction (err vs measured)")
+        "windows; KV model: the capacity model's prediction (err vs measured)"
+    )
     return "\n".join(lines)
 
 
 def levels_table(run: RegimeRun) -> str:
     """One regime's sweep, client and engine side."""
-    head = (f"{'clients':>7} {'in flight':>9} {'client tok/s':>12} {'engine tok/s':>12} "
-            f"{'batch':>6} {'waiting':>7} {'KV used':>7} {'preempt/s':>9} {'TTFT p99':>8} "
-            f"{'e2e p99':>8} {'engine':>7} {'runs':>4}")
-    lines = [f"{run.scenario.name} ({run.engine_id}, engine up in {run.startup_s:.0f} s)",
-             head, "-" * len(head)]
+    head = (
+        f"{'clients':>7} {'in flight':>9} {'client tok/s':>12} {'engine tok/s':>12} "
+        f"{'batch':>6} {'waiting':>7} {'KV used':>7} {'preempt/s':>9} {'TTFT p99':>8} "
+        f"{'e2e p99':>8} {'engine':>7} {'runs':>4}"
+    )
+    lines = [
+        f"{run.scenario.name} ({run.engine_id}, engine up in {run.startup_s:.0f} s)",
+        head,
+        "-" * len(head),
+    ]
     for lv in run.levels:
         lines.append(
             f"{lv.concurrency:>7} {_num(lv.load_mean, '.1f'):>9} "
@@ -759,7 +912,8 @@ def levels_table(run: RegimeRun) -> str:
             f"{_num(lv.engine_tokens_per_s, ',.0f'):>12} {_num(lv.batch_median, '.1f'):>6} "
             f"{_num(lv.waiting_median, '.1f'):>7} {_num(lv.kv_usage_median, '.0%'):>7} "
             f"{_num(lv.preemptions_per_s, '.1f'):>9} {_num(lv.ttft_p99_s):>7}s "
-            f"{_num(lv.e2e_p99_s):>7}s {_num(lv.engine_e2e_p99_s):>6}s {_runs(lv):>4}")
+            f"{_num(lv.e2e_p99_s):>7}s {_num(lv.engine_e2e_p99_s):>6}s {_runs(lv):>4}"
+        )
     return "\n".join(lines)
 
 
@@ -767,41 +921,59 @@ def closed_loop_table(run: RegimeRun, engine_cap: CapRun | None) -> str:
     """The two ways of applying the cap, each against the uncapped overload measured in the
     same stretch of time, on medians of repeated runs."""
     v = run.verdict
-    head = (f"{'setting':<46} {'runs':>4} {'tok/s':>7} {'spread':>6} {'of uncapped':>11} "
-            f"{'in flight':>9} {'e2e p99 engine':>14} {'client':>7} {'preempt/s':>9}")
-    lines = [f"closed loop on {run.scenario.name}: advisor cap {v.recommended_concurrency_cap} "
-             f"(predicted {_num(v.predicted_throughput_fraction_at_cap, '.0%')} of its plateau, "
-             f"e2e P99 {_num(v.predicted_p99_e2e_s_at_cap)} s vs "
-             f"{_num(v.p99_e2e_s_at_max_load)} s uncapped)", head, "-" * len(head)]
+    head = (
+        f"{'setting':<46} {'runs':>4} {'tok/s':>7} {'spread':>6} {'of uncapped':>11} "
+        f"{'in flight':>9} {'e2e p99 engine':>14} {'client':>7} {'preempt/s':>9}"
+    )
+    lines = [
+        f"closed loop on {run.scenario.name}: advisor cap {v.recommended_concurrency_cap} "
+        f"(predicted {_num(v.predicted_throughput_fraction_at_cap, '.0%')} of its plateau, "
+        f"e2e P99 {_num(v.predicted_p99_e2e_s_at_cap)} s vs "
+        f"{_num(v.p99_e2e_s_at_max_load)} s uncapped)",
+        head,
+        "-" * len(head),
+    ]
 
     def row(name: str, rep: Repeated, ref: Repeated | None) -> str:
         lv = rep.typical
         frac = f"{rep.tokens_per_s / ref.tokens_per_s:.0%}" if ref else ""
         p99 = rep.engine_e2e_p99_s
-        ratio = "" if ref is None or p99 is None or not ref.engine_e2e_p99_s else (
-            f" ({p99 / ref.engine_e2e_p99_s:.2f})")
-        return (f"{name:<46} {len(rep.runs):>4} {rep.tokens_per_s:>7,.0f} {rep.spread:>6.0%} "
-                f"{frac:>11} {_num(lv.load_mean, '.1f'):>9} {_num(p99) + 's' + ratio:>14} "
-                f"{_num(lv.e2e_p99_s):>6}s {_num(lv.preemptions_per_s, '.1f'):>9}")
+        ratio = (
+            ""
+            if ref is None or p99 is None or not ref.engine_e2e_p99_s
+            else (f" ({p99 / ref.engine_e2e_p99_s:.2f})")
+        )
+        return (
+            f"{name:<46} {len(rep.runs):>4} {rep.tokens_per_s:>7,.0f} {rep.spread:>6.0%} "
+            f"{frac:>11} {_num(lv.load_mean, '.1f'):>9} {_num(p99) + 's' + ratio:>14} "
+            f"{_num(lv.e2e_p99_s):>6}s {_num(lv.preemptions_per_s, '.1f'):>9}"
+        )
 
     lines.append(row("uncapped sweep, peak level", Repeated("", [run.peak]), None))
     for label, cap in (("(a) client concurrency", run.client_cap), ("(b)", engine_cap)):
         if cap is None:
             continue
-        what = f"{label} {cap.cap}" if cap.how == "client" else f"{label} {' '.join(cap.flags or [])}"
+        what = (
+            f"{label} {cap.cap}" if cap.how == "client" else f"{label} {' '.join(cap.flags or [])}"
+        )
         lines.append(row(what, cap.capped, cap.reference))
         starts = "" if len(cap.reference_starts) < 2 else f", {len(cap.reference_starts)} starts"
-        lines.append(row(f"    vs {cap.uncapped.concurrency} clients uncapped{starts}",
-                         cap.reference, None))
+        lines.append(
+            row(f"    vs {cap.uncapped.concurrency} clients uncapped{starts}", cap.reference, None)
+        )
         if not cap.judged:
             lines.append(f"    NOT JUDGED: runs spread above {MAX_SPREAD:.0%}")
     if engine_cap is not None:
-        lines.append(f"(b): {engine_cap.rejected_share:.0%} of the requests rejected with 503 by "
-                     "admission control")
-    lines.append("runs interleaved (a) or bracketing the capped engine start (b); tok/s: median "
-                 "client output tok/s; spread: (max - min) / median over the runs; of uncapped: "
-                 "median over median; in flight, client e2e p99 and preempt/s: the median run's; "
-                 "e2e p99 engine: median of vLLM's own, in brackets over the uncapped median")
+        lines.append(
+            f"(b): {engine_cap.rejected_share:.0%} of the requests rejected with 503 by "
+            "admission control"
+        )
+    lines.append(
+        "runs interleaved (a) or bracketing the capped engine start (b); tok/s: median "
+        "client output tok/s; spread: (max - min) / median over the runs; of uncapped: "
+        "median over median; in flight, client e2e p99 and preempt/s: the median run's; "
+        "e2e p99 engine: median of vLLM's own, in brackets over the uncapped median"
+    )
     return "\n".join(lines)
 
 
@@ -811,19 +983,26 @@ def summary(runs: list[RegimeRun], engine_cap: CapRun | None) -> dict[str, Any]:
     for r in runs:
         v = r.verdict
         out["regimes"][r.scenario.name] = {
-            "engine_id": r.engine_id, "expected": list(r.scenario.expected),
-            "correct": r.correct, "verdict": v.to_dict(), "startup_s": r.startup_s,
+            "engine_id": r.engine_id,
+            "expected": list(r.scenario.expected),
+            "correct": r.correct,
+            "verdict": v.to_dict(),
+            "startup_s": r.startup_s,
             "measured_plateau_tokens_per_s": r.measured_plateau_tokens_per_s,
             "growth_last_doubling_ratio": r.growth_last_doubling,
             "predicted_plateau_tokens_per_s": r.predicted_plateau_tokens_per_s,
             "prediction_error_ratio_vs_client": r.prediction_error_ratio,
-            "kv_capacity": r.evidence("kv_capacity"), "bottleneck": r.evidence("bottleneck"),
-            "levels": [asdict(lv) for lv in r.levels]}
+            "kv_capacity": r.evidence("kv_capacity"),
+            "bottleneck": r.evidence("bottleneck"),
+            "levels": [asdict(lv) for lv in r.levels],
+        }
         for cap in (r.client_cap, engine_cap if r.scenario.name == "kv-starved" else None):
             if cap is None:
                 continue
             out["closed_loop"][f"{r.scenario.name}/{cap.how}"] = {
-                "cap": cap.cap, "judged": cap.judged, "max_spread": MAX_SPREAD,
+                "cap": cap.cap,
+                "judged": cap.judged,
+                "max_spread": MAX_SPREAD,
                 "capped_runs": [asdict(lv) for lv in cap.capped.runs],
                 "capped_tokens_per_s": cap.capped.tokens_per_s,
                 "capped_spread": cap.capped.spread,
@@ -835,10 +1014,14 @@ def summary(runs: list[RegimeRun], engine_cap: CapRun | None) -> dict[str, Any]:
                 "throughput_fraction": cap.throughput_fraction,
                 "plateau_tokens_per_s": cap.plateau_tokens_per_s,
                 "plateau_fraction": cap.plateau_fraction,
-                "p99_ratio_engine": cap.p99_ratio, "p99_ratio_client": cap.client_p99_ratio,
+                "p99_ratio_engine": cap.p99_ratio,
+                "p99_ratio_client": cap.client_p99_ratio,
                 "predicted_throughput_fraction": cap.predicted_throughput_fraction,
-                "predicted_p99_e2e_s": cap.predicted_p99_e2e_s, "startup_s": cap.startup_s,
-                "flags": cap.flags, "rejected_share": cap.rejected_share}
+                "predicted_p99_e2e_s": cap.predicted_p99_e2e_s,
+                "startup_s": cap.startup_s,
+                "flags": cap.flags,
+                "rejected_share": cap.rejected_share,
+            }
     return json.loads(json.dumps(_nan_to_none(out), default=float))
 
 
@@ -865,14 +1048,24 @@ def format_all(runs: list[RegimeRun], engine_cap: CapRun | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--workdir", default="/tmp/kvscope-advisor-scenarios",
-                   help="collector store, engine and collector logs (default: %(default)s)")
+    p.add_argument(
+        "--workdir",
+        default="/tmp/kvscope-advisor-scenarios",
+        help="collector store, engine and collector logs (default: %(default)s)",
+    )
     p.add_argument("--duration", type=float, default=5.0, help="seconds per sweep level")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds per level")
-    p.add_argument("--cap-duration", type=float, default=10.0,
-                   help="seconds of each capped run (default: %(default)s)")
-    p.add_argument("--regimes", default=",".join(SCENARIOS),
-                   help="comma-separated regimes (default: %(default)s)")
+    p.add_argument(
+        "--cap-duration",
+        type=float,
+        default=10.0,
+        help="seconds of each capped run (default: %(default)s)",
+    )
+    p.add_argument(
+        "--regimes",
+        default=",".join(SCENARIOS),
+        help="comma-separated regimes (default: %(default)s)",
+    )
     p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
     p.add_argument("--no-progress", action="store_true", help="no sweep progress bars")
     args = p.parse_args(argv)
@@ -887,9 +1080,14 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[RegimeRun] = []
     engine_cap: CapRun | None = None
     started = time.monotonic()
-    with AdvisorLab(args.workdir, duration_s=args.duration, warmup_s=args.warmup,
-                    cap_duration_s=args.cap_duration, log=log,
-                    progress=not args.no_progress) as lab:
+    with AdvisorLab(
+        args.workdir,
+        duration_s=args.duration,
+        warmup_s=args.warmup,
+        cap_duration_s=args.cap_duration,
+        log=log,
+        progress=not args.no_progress,
+    ) as lab:
         for i, name in enumerate(names, 1):
             log(f"== regime {i}/{len(names)}: {name}")
             sc = SCENARIOS[name]

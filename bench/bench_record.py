@@ -179,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     cases = {"step, no finished requests": 0, "step, 3 finished requests": 3}
 
-    print(f"vLLM {vllm.__version__}, Python {sys.version.split()[0]}, "
-          f"{args.rounds} rounds x {args.calls} calls, exporter active")  # fmt: skip
+    print(
+        f"vLLM {vllm.__version__}, Python {sys.version.split()[0]}, "
+        f"{args.rounds} rounds x {args.calls} calls, exporter active"
+    )
     print()
     header = f"{'case':<30} {'logger':<27} {'median ns':>10} {'p90 ns':>10}"
     print(header)
@@ -203,15 +205,19 @@ def main(argv: list[str] | None = None) -> int:
 
     for case, ratio in ratios.items():
         verdict = "ok" if ratio <= TARGET_RATIO else "ABOVE TARGET"
-        print(f"ratio kvscope / vLLM Prometheus, {case:<28} {ratio:6.3f}  "
-              f"(target <= {TARGET_RATIO:.2f}: {verdict})")  # fmt: skip
+        print(
+            f"ratio kvscope / vLLM Prometheus, {case:<28} {ratio:6.3f}  "
+            f"(target <= {TARGET_RATIO:.2f}: {verdict})"
+        )
 
     exporter.shutdown(2.0)
     stats = exporter.stats()
     print()
-    print(f"exporter: {stats['batches_sent']} batches sent ({_Sink.batches} received), "
-          f"{stats['steps_sent']} steps sent, {stats['steps_dropped']} dropped by the "
-          f"bounded buffer, {stats['record_errors']} record errors")  # fmt: skip
+    print(
+        f"exporter: {stats['batches_sent']} batches sent ({_Sink.batches} received), "
+        f"{stats['steps_sent']} steps sent, {stats['steps_dropped']} dropped by the "
+        f"bounded buffer, {stats['record_errors']} record errors"
+    )
     sink.shutdown()
     return 0 if all(r <= TARGET_RATIO for r in ratios.values()) else 1
 

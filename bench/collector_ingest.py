@@ -155,8 +155,14 @@ class Level:
     sustained: bool
 
 
-def measure_level(fleet: FleetRun, mon: Monitor, warmup_s: float, steps_per_s: float,
-                  p99_target_s: float, n_loadgen_cores: int) -> Level:  # fmt: skip
+def measure_level(
+    fleet: FleetRun,
+    mon: Monitor,
+    warmup_s: float,
+    steps_per_s: float,
+    p99_target_s: float,
+    n_loadgen_cores: int,
+) -> Level:
     t0 = fleet.started_unix_s + warmup_s
     t1 = fleet.started_unix_s + fleet.duration_s
     window = [p for p in fleet.posts if t0 <= p[0] <= t1]
@@ -176,19 +182,33 @@ def measure_level(fleet: FleetRun, mon: Monitor, warmup_s: float, steps_per_s: f
     wire = sum(p[3] for p in ok_posts) / max(1, st.get("steps_sent", 0))
     batches_per_s = len(window) / max(1e-9, t1 - t0)
     p99 = percentile(acks, 0.99)
-    sustained = (bool(acks) and p99 < p99_target_s and failed == 0 and dropped == 0
-                 and ratio >= DELIVERED_RATIO)  # fmt: skip
+    sustained = (
+        bool(acks)
+        and p99 < p99_target_s
+        and failed == 0
+        and dropped == 0
+        and ratio >= DELIVERED_RATIO
+    )
     return Level(
-        engines=fleet.n_engines, posts=len(fleet.posts),
-        ack_p50_s=percentile(acks, 0.5), ack_p99_s=p99, ack_max_s=max(acks, default=float("nan")),
-        failed_posts=failed, warmup_failed_posts=warmup_failed, failed_statuses=statuses,
-        steps_produced=produced, steps_delivered_ratio=ratio,
-        dropped_steps=dropped, collector_cores=cores, collector_rss_mib=rss / 2**20,
+        engines=fleet.n_engines,
+        posts=len(fleet.posts),
+        ack_p50_s=percentile(acks, 0.5),
+        ack_p99_s=p99,
+        ack_max_s=max(acks, default=float("nan")),
+        failed_posts=failed,
+        warmup_failed_posts=warmup_failed,
+        failed_statuses=statuses,
+        steps_produced=produced,
+        steps_delivered_ratio=ratio,
+        dropped_steps=dropped,
+        collector_cores=cores,
+        collector_rss_mib=rss / 2**20,
         collector_cpu_wait=waited,
         loadgen_cores=fleet.loadgen_cpu_s / max(fleet.loadgen_wall_s, fleet.duration_s),
         collector_cpu_ms_per_batch=1000 * cores / batches_per_s if batches_per_s else float("nan"),
-        wire_bytes_per_step=wire, sustained=sustained,
-    )  # fmt: skip
+        wire_bytes_per_step=wire,
+        sustained=sustained,
+    )
 
 
 def decode_baseline(samples: list[bytes], core: int, rounds: int = 30) -> float:
@@ -212,19 +232,27 @@ def store_rows(path: Path) -> dict[str, int]:
 
     con = duckdb.connect(str(path), read_only=True)
     try:
-        tables = [r[0] for r in con.execute(
-            "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main'").fetchall()]
+        tables = [
+            r[0]
+            for r in con.execute(
+                "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main'"
+            ).fetchall()
+        ]
         return {t: int(con.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0]) for t in tables}
     finally:
         con.close()
 
 
 def warn_if_engine_running() -> None:
-    out = subprocess.run(["pgrep", "-fa", "vllm.entrypoints|vllm serve"], capture_output=True,
-                         text=True).stdout.strip()  # fmt: skip
+    out = subprocess.run(
+        ["pgrep", "-fa", "vllm.entrypoints|vllm serve"], capture_output=True, text=True
+    ).stdout.strip()
     if out:
-        print(f"warning: a vLLM engine is running on this machine (it pins a worker to core "
-              f"0); figures will be noisy:\n{out}", file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: a vLLM engine is running on this machine (it pins a worker to core "
+            f"0); figures will be noisy:\n{out}",
+            file=sys.stderr,
+        )
 
 
 def parse_levels(text: str) -> list[int]:
@@ -232,7 +260,8 @@ def parse_levels(text: str) -> list[int]:
         levels = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated engine counts, got {text!r}") from None
+            f"expected comma-separated engine counts, got {text!r}"
+        ) from None
     if not levels or min(levels) < 1:
         raise argparse.ArgumentTypeError("engine counts must be >= 1")
     return levels
@@ -240,40 +269,81 @@ def parse_levels(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], epilog="See the module docstring for the method.")
-    parser.add_argument("--levels", type=parse_levels, default=parse_levels("100,250,500,1000,1500,2000"),
-                        help="fleet sizes to step through (default: 100,250,500,1000,1500,2000)")
-    parser.add_argument("--duration", type=float, default=20.0,
-                        help="seconds each level runs, warm-up included (default: 20)")
-    parser.add_argument("--warmup", type=float, default=5.0,
-                        help="first seconds of a level not measured (default: 5)")
-    parser.add_argument("--steps-per-s", type=float, default=50.0,
-                        help="engine steps per second per engine (default: 50)")
-    parser.add_argument("--engines-per-worker", type=int, default=250,
-                        help="simulated engines per load-generator process (default: 250)")
-    parser.add_argument("--collector-core", type=int, default=0,
-                        help="the core the collector is pinned to (default: 0); load generators "
-                             "get the others")
-    parser.add_argument("--p99-target", type=float, default=P99_TARGET_S,
-                        help="acknowledgement P99 a sustained level stays under (default: 1 s)")
-    parser.add_argument("--nice", type=int, default=0,
-                        help="nice value for the collector and the load generators (default 0; "
-                             "negative needs root: on a shared machine it keeps other work "
-                             "from taking their cores, which the 'cpu wait' column shows)")
-    parser.add_argument("--keep-going", action="store_true",
-                        help="run every level even after one is not sustained")
-    parser.add_argument("--collector-arg", action="append", default=[], metavar="ARG",
-                        help="extra argument for `kvscope collector` (repeatable)")
-    parser.add_argument("--store", default=None,
-                        help="store file (default: a temporary one, removed afterwards)")
+        description=__doc__.split("\n\n")[0], epilog="See the module docstring for the method."
+    )
+    parser.add_argument(
+        "--levels",
+        type=parse_levels,
+        default=parse_levels("100,250,500,1000,1500,2000"),
+        help="fleet sizes to step through (default: 100,250,500,1000,1500,2000)",
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=20.0,
+        help="seconds each level runs, warm-up included (default: 20)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=5.0,
+        help="first seconds of a level not measured (default: 5)",
+    )
+    parser.add_argument(
+        "--steps-per-s",
+        type=float,
+        default=50.0,
+        help="engine steps per second per engine (default: 50)",
+    )
+    parser.add_argument(
+        "--engines-per-worker",
+        type=int,
+        default=250,
+        help="simulated engines per load-generator process (default: 250)",
+    )
+    parser.add_argument(
+        "--collector-core",
+        type=int,
+        default=0,
+        help="the core the collector is pinned to (default: 0); load generators get the others",
+    )
+    parser.add_argument(
+        "--p99-target",
+        type=float,
+        default=P99_TARGET_S,
+        help="acknowledgement P99 a sustained level stays under (default: 1 s)",
+    )
+    parser.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        help="nice value for the collector and the load generators (default 0; "
+        "negative needs root: on a shared machine it keeps other work "
+        "from taking their cores, which the 'cpu wait' column shows)",
+    )
+    parser.add_argument(
+        "--keep-going", action="store_true", help="run every level even after one is not sustained"
+    )
+    parser.add_argument(
+        "--collector-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for `kvscope collector` (repeatable)",
+    )
+    parser.add_argument(
+        "--store", default=None, help="store file (default: a temporary one, removed afterwards)"
+    )
     parser.add_argument("--json", metavar="FILE", default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
     if args.warmup >= args.duration:
         parser.error("--warmup must be shorter than --duration")
     cores = sorted(os.sched_getaffinity(0))
     if args.collector_core not in cores or len(cores) < 2:
-        parser.error(f"--collector-core must be one of {cores}, and another core must be left "
-                     "for the load generators")
+        parser.error(
+            f"--collector-core must be one of {cores}, and another core must be left "
+            "for the load generators"
+        )
     loadgen_cores = tuple(c for c in cores if c != args.collector_core)
     warn_if_engine_running()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the collector
@@ -288,8 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     except PermissionError:
         parser.error(f"--nice {args.nice}: not permitted (a negative value needs root)")
     try:
-        collector = CollectorProcess(store, extra_args=FLEET_ARGS + args.collector_arg,
-                                     startup_timeout_s=120.0).start()  # fmt: skip
+        collector = CollectorProcess(
+            store, extra_args=FLEET_ARGS + args.collector_arg, startup_timeout_s=120.0
+        ).start()
     finally:
         os.sched_setaffinity(0, main_affinity)
         os.setpriority(os.PRIO_PROCESS, 0, args.nice)
@@ -297,10 +368,12 @@ def main(argv: list[str] | None = None) -> int:
     mon = Monitor(collector.proc.pid).start()
     time.sleep(2.0)
     idle_rss = mon.samples[-1][2]
-    print(f"collector pid {collector.proc.pid} on core {args.collector_core}, idle RSS "
-          f"{idle_rss / 2**20:.0f} MiB; load generators on cores {list(loadgen_cores)}; "
-          f"{args.steps_per_s:g} steps/s per engine, {args.duration:g} s per level "
-          f"({args.warmup:g} s warm-up)")  # fmt: skip
+    print(
+        f"collector pid {collector.proc.pid} on core {args.collector_core}, idle RSS "
+        f"{idle_rss / 2**20:.0f} MiB; load generators on cores {list(loadgen_cores)}; "
+        f"{args.steps_per_s:g} steps/s per engine, {args.duration:g} s per level "
+        f"({args.warmup:g} s warm-up)"
+    )
 
     levels: list[Level] = []
     samples: list[bytes] = []
@@ -309,22 +382,34 @@ def main(argv: list[str] | None = None) -> int:
         bar = tqdm(args.levels, desc="fleet sizes", unit="level", file=sys.stderr)
         for n in bar:
             bar.set_postfix_str(f"{n} engines")
-            fleet = run_workers(collector.url, n, args.duration, steps_per_s=args.steps_per_s,
-                                engines_per_worker=args.engines_per_worker, cores=loadgen_cores,
-                                seed=len(levels))  # fmt: skip
+            fleet = run_workers(
+                collector.url,
+                n,
+                args.duration,
+                steps_per_s=args.steps_per_s,
+                engines_per_worker=args.engines_per_worker,
+                cores=loadgen_cores,
+                seed=len(levels),
+            )
             time.sleep(1.5)
-            level = measure_level(fleet, mon, args.warmup, args.steps_per_s, args.p99_target,
-                                  len(loadgen_cores))  # fmt: skip
+            level = measure_level(
+                fleet, mon, args.warmup, args.steps_per_s, args.p99_target, len(loadgen_cores)
+            )
             levels.append(level)
             samples = fleet.samples or samples
             acked_steps += fleet.stats.get("steps_sent", 0)
             acked_requests += fleet.stats.get("requests_sent", 0)
-            tqdm.write(f"{n:>6} engines: ack P99 {level.ack_p99_s:.3f} s, collector "
-                       f"{level.collector_cores:.2f} cores, "
-                       f"{'sustained' if level.sustained else 'NOT sustained'}"
-                       + (f" (failed POSTs with status {level.failed_statuses}; 0 = timeout)"
-                          if level.failed_statuses else ""),
-                       file=sys.stderr)  # fmt: skip
+            tqdm.write(
+                f"{n:>6} engines: ack P99 {level.ack_p99_s:.3f} s, collector "
+                f"{level.collector_cores:.2f} cores, "
+                f"{'sustained' if level.sustained else 'NOT sustained'}"
+                + (
+                    f" (failed POSTs with status {level.failed_statuses}; 0 = timeout)"
+                    if level.failed_statuses
+                    else ""
+                ),
+                file=sys.stderr,
+            )
             if not level.sustained and not args.keep_going:
                 break
         bar.close()
@@ -334,73 +419,100 @@ def main(argv: list[str] | None = None) -> int:
         mon.stop()
         collector.stop()
     disk_bytes = store.stat().st_size + sum(
-        p.stat().st_size for p in store.parent.glob(store.name + ".wal"))
+        p.stat().st_size for p in store.parent.glob(store.name + ".wal")
+    )
     rows = store_rows(store)
     tmp.cleanup() if not args.store else None
 
     print()
-    header = (f"{'engines':>7} {'batches/s':>9} {'ack p50':>8} {'ack p99':>8} {'ack max':>8} "
-              f"{'failed':>6} {'warmup':>6} {'deliv':>6} {'coll. cores':>11} {'RSS MiB':>8} "
-              f"{'ms/batch':>8} {'x decode':>8} {'eng/core':>8} {'loadgen cores':>13}  sustained")  # fmt: skip
+    header = (
+        f"{'engines':>7} {'batches/s':>9} {'ack p50':>8} {'ack p99':>8} {'ack max':>8} "
+        f"{'failed':>6} {'warmup':>6} {'deliv':>6} {'coll. cores':>11} {'RSS MiB':>8} "
+        f"{'ms/batch':>8} {'x decode':>8} {'eng/core':>8} {'loadgen cores':>13}  sustained"
+    )
     print(header)
     print("-" * len(header))
     for lv in levels:
         bps = lv.collector_cores / (lv.collector_cpu_ms_per_batch / 1000)
-        print(f"{lv.engines:>7} {bps:>9.0f} {lv.ack_p50_s:>8.3f} {lv.ack_p99_s:>8.3f} "
-              f"{lv.ack_max_s:>8.3f} {lv.failed_posts:>6} {lv.warmup_failed_posts:>6} "
-              f"{lv.steps_delivered_ratio:>6.1%} "
-              f"{lv.collector_cores:>11.2f} {lv.collector_cpu_wait:>8.2f} "
-              f"{lv.collector_rss_mib:>8.0f} "
-              f"{lv.collector_cpu_ms_per_batch:>8.2f} "
-              f"{lv.collector_cpu_ms_per_batch / (decode_s * 1000):>8.1f} "
-              f"{1000 / lv.collector_cpu_ms_per_batch:>8.0f} "
-              f"{lv.loadgen_cores:>13.2f}  {'yes' if lv.sustained else 'NO'}")  # fmt: skip
+        print(
+            f"{lv.engines:>7} {bps:>9.0f} {lv.ack_p50_s:>8.3f} {lv.ack_p99_s:>8.3f} "
+            f"{lv.ack_max_s:>8.3f} {lv.failed_posts:>6} {lv.warmup_failed_posts:>6} "
+            f"{lv.steps_delivered_ratio:>6.1%} "
+            f"{lv.collector_cores:>11.2f} {lv.collector_cpu_wait:>8.2f} "
+            f"{lv.collector_rss_mib:>8.0f} "
+            f"{lv.collector_cpu_ms_per_batch:>8.2f} "
+            f"{lv.collector_cpu_ms_per_batch / (decode_s * 1000):>8.1f} "
+            f"{1000 / lv.collector_cpu_ms_per_batch:>8.0f} "
+            f"{lv.loadgen_cores:>13.2f}  {'yes' if lv.sustained else 'NO'}"
+        )
     print()
     sustained = [lv for lv in levels if lv.sustained]
     best = max(sustained, key=lambda lv: lv.engines) if sustained else None
-    print(f"baseline, decode + validate only (parse_body on {len(samples)} of the bodies, "
-          f"core {args.collector_core}): {decode_s * 1e3:.3f} ms per batch "
-          f"= {1 / decode_s:,.0f} batches/s on one core")  # fmt: skip
+    print(
+        f"baseline, decode + validate only (parse_body on {len(samples)} of the bodies, "
+        f"core {args.collector_core}): {decode_s * 1e3:.3f} ms per batch "
+        f"= {1 / decode_s:,.0f} batches/s on one core"
+    )
     if best is not None:
         per_k_cores = best.collector_cores / best.engines * 1000
         per_k_mib = (best.collector_rss_mib - idle_rss / 2**20) / best.engines * 1000
-        print(f"largest sustained fleet: {best.engines} engines (ack P99 {best.ack_p99_s:.3f} s); "
-              f"per 1,000 engines: {per_k_cores:.2f} cores, {per_k_mib:.0f} MiB RSS above idle")
+        print(
+            f"largest sustained fleet: {best.engines} engines (ack P99 {best.ack_p99_s:.3f} s); "
+            f"per 1,000 engines: {per_k_cores:.2f} cores, {per_k_mib:.0f} MiB RSS above idle"
+        )
     else:
         per_k_cores = per_k_mib = float("nan")
         print("no level was sustained")
     quiet = [lv for lv in levels if lv.collector_cpu_wait <= CONTENDED_WAIT]
     if len(quiet) < len(levels):
-        print(f"levels where the collector waited over {CONTENDED_WAIT:g} s per s for its core "
-              "(other processes on it) measured the machine, not the collector")  # fmt: skip
+        print(
+            f"levels where the collector waited over {CONTENDED_WAIT:g} s per s for its core "
+            "(other processes on it) measured the machine, not the collector"
+        )
     if quiet:
         q = min(quiet, key=lambda lv: lv.collector_cpu_ms_per_batch)
-        print(f"CPU-bound capacity from the least contended level ({q.engines} engines): "
-              f"{q.collector_cpu_ms_per_batch:.2f} ms of collector CPU per batch = "
-              f"{1000 / q.collector_cpu_ms_per_batch:,.0f} engines per core at one batch a "
-              f"second")  # fmt: skip
+        print(
+            f"CPU-bound capacity from the least contended level ({q.engines} engines): "
+            f"{q.collector_cpu_ms_per_batch:.2f} ms of collector CPU per batch = "
+            f"{1000 / q.collector_cpu_ms_per_batch:,.0f} engines per core at one batch a "
+            f"second"
+        )
     steps = rows.get("steps", 0)
     wire = statistics.median([lv.wire_bytes_per_step for lv in levels]) if levels else 0.0
-    print(f"wire: {wire:.1f} bytes per step (gzip, requests and envelope included); disk: "
-          f"{disk_bytes / 2**20:.1f} MiB for {steps:,} steps = {disk_bytes / max(1, steps):.1f} "
-          f"bytes per step (all tables)")  # fmt: skip
+    print(
+        f"wire: {wire:.1f} bytes per step (gzip, requests and envelope included); disk: "
+        f"{disk_bytes / 2**20:.1f} MiB for {steps:,} steps = {disk_bytes / max(1, steps):.1f} "
+        f"bytes per step (all tables)"
+    )
     lost_steps = acked_steps - steps
     lost_requests = acked_requests - rows.get("requests", 0)
-    print(f"stored {steps:,} steps and {rows.get('requests', 0):,} requests; the exporters saw "
-          f"{acked_steps:,} and {acked_requests:,} acknowledged"
-          f"{'' if lost_steps <= 0 and lost_requests <= 0 else ': ACKNOWLEDGED ROWS MISSING'}")
+    print(
+        f"stored {steps:,} steps and {rows.get('requests', 0):,} requests; the exporters saw "
+        f"{acked_steps:,} and {acked_requests:,} acknowledged"
+        f"{'' if lost_steps <= 0 and lost_requests <= 0 else ': ACKNOWLEDGED ROWS MISSING'}"
+    )
     target_ok = best is not None and best.engines >= TARGET_ENGINES
-    print(f"target: >= {TARGET_ENGINES} engines on one core with ack P99 < {args.p99_target:g} s: "
-          f"{'met' if target_ok else 'MISSED'}")
-    dump_json(args.json, {
-        "levels": [asdict(lv) for lv in levels], "decode_only_s_per_batch": decode_s,
-        "largest_sustained_engines": best.engines if best else None,
-        "cores_per_1000_engines": per_k_cores, "rss_mib_per_1000_engines": per_k_mib,
-        "idle_rss_mib": idle_rss / 2**20, "wire_bytes_per_step": wire,
-        "disk_bytes": disk_bytes, "store_rows": rows,
-        "disk_bytes_per_step": disk_bytes / max(1, steps),
-        "monitor_samples": mon.samples, "args": {k: v for k, v in vars(args).items()},
-    })  # fmt: skip
+    print(
+        f"target: >= {TARGET_ENGINES} engines on one core with ack P99 < {args.p99_target:g} s: "
+        f"{'met' if target_ok else 'MISSED'}"
+    )
+    dump_json(
+        args.json,
+        {
+            "levels": [asdict(lv) for lv in levels],
+            "decode_only_s_per_batch": decode_s,
+            "largest_sustained_engines": best.engines if best else None,
+            "cores_per_1000_engines": per_k_cores,
+            "rss_mib_per_1000_engines": per_k_mib,
+            "idle_rss_mib": idle_rss / 2**20,
+            "wire_bytes_per_step": wire,
+            "disk_bytes": disk_bytes,
+            "store_rows": rows,
+            "disk_bytes_per_step": disk_bytes / max(1, steps),
+            "monitor_samples": mon.samples,
+            "args": {k: v for k, v in vars(args).items()},
+        },
+    )
     return 0 if target_ok and lost_steps <= 0 and lost_requests <= 0 else 1
 
 

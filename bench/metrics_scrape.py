@@ -59,8 +59,10 @@ def promtool_check(body: str) -> str:
     """``promtool check metrics`` on ``body``: "ok", or its complaints."""
     exe = shutil.which("promtool")
     if exe is None:
-        raise SystemExit("promtool not found: install Debian's `prometheus` package "
-                         "(apt-get install prometheus), as scripts/test does")  # fmt: skip
+        raise SystemExit(
+            "promtool not found: install Debian's `prometheus` package "
+            "(apt-get install prometheus), as scripts/test does"
+        )
     proc = subprocess.run([exe, "check", "metrics"], input=body, capture_output=True, text=True)
     out = (proc.stdout + proc.stderr).strip()
     return "ok" if proc.returncode == 0 and not out else out[:300] or f"exit {proc.returncode}"
@@ -104,10 +106,13 @@ def client_registry(body: str) -> tuple[Any, int]:
     for family, rows in series.items():
         kind = types.get(family, "gauge")
         names = [k for k, _ in next(iter(rows))]
-        base = family[: -len("_total")] if kind == "counter" and family.endswith("_total") else family
+        base = (
+            family[: -len("_total")] if kind == "counter" and family.endswith("_total") else family
+        )
         if kind == "histogram":
-            metric: Any = Histogram(family, "h", names, registry=reg,
-                                    buckets=sorted(buckets.get(family, {1.0})))  # fmt: skip
+            metric: Any = Histogram(
+                family, "h", names, registry=reg, buckets=sorted(buckets.get(family, {1.0}))
+            )
         elif kind == "counter":
             metric = Counter(base, "c", names, registry=reg)
         else:
@@ -136,15 +141,28 @@ def time_generate_latest(reg: Any, n: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="See the module docstring for the method.")
-    parser.add_argument("--engines", type=int, default=1000,
-                        help="engines registered for the measured scrapes (default: 1000)")
-    parser.add_argument("--baseline-engines", type=int, default=10,
-                        help="engines registered for the baseline scrapes (default: 10)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="See the module docstring for the method."
+    )
+    parser.add_argument(
+        "--engines",
+        type=int,
+        default=1000,
+        help="engines registered for the measured scrapes (default: 1000)",
+    )
+    parser.add_argument(
+        "--baseline-engines",
+        type=int,
+        default=10,
+        help="engines registered for the baseline scrapes (default: 10)",
+    )
     parser.add_argument("--scrapes", type=int, default=20, help="scrapes per case (default: 20)")
-    parser.add_argument("--report-s", type=float, default=6.0,
-                        help="seconds the engines report before the scrapes (default: 6)")
+    parser.add_argument(
+        "--report-s",
+        type=float,
+        default=6.0,
+        help="seconds the engines report before the scrapes (default: 6)",
+    )
     parser.add_argument("--json", metavar="FILE", default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
     if not 1 <= args.baseline_engines < args.engines:
@@ -153,53 +171,78 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--scrapes must be >= 2")
 
     rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="kvscope-scrape-") as tmp, \
-            CollectorProcess(Path(tmp) / "s.duckdb", extra_args=FLEET_ARGS) as collector:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvscope-scrape-") as tmp,
+        CollectorProcess(Path(tmp) / "s.duckdb", extra_args=FLEET_ARGS) as collector,
+    ):
         for n in (args.baseline_engines, args.engines):
             print(f"{n} engines reporting for {args.report_s:g} s ...", file=sys.stderr)
             fleet = run_workers(collector.url, n, args.report_s)
             retried = sum(1 for p in fleet.posts if p[2] != 200)
             registered = collector.get_json("/healthz")["engines"]
             if registered < n:
-                raise SystemExit(f"only {registered} of {n} engines registered; see the "
-                                 f"collector log: {collector.log_path}")  # fmt: skip
+                raise SystemExit(
+                    f"only {registered} of {n} engines registered; see the "
+                    f"collector log: {collector.log_path}"
+                )
             if retried:
-                tqdm.write(f"{retried} POSTs were retried (the collector was slow to answer a "
-                           "fleet registering at once)", file=sys.stderr)
+                tqdm.write(
+                    f"{retried} POSTs were retried (the collector was slow to answer a "
+                    "fleet registering at once)",
+                    file=sys.stderr,
+                )
             times, body = scrape(collector, args.scrapes, f"/metrics, {n} engines")
             n_samples = sum(1 for ln in body.splitlines() if ln and not ln.startswith("#"))
-            rows.append({"case": f"kvscope /metrics, {n} engines", "engines": n,
-                         "median_s": statistics.median(times), "p90_s": percentile(times, 0.9),
-                         "bytes": len(body.encode()), "samples": n_samples,
-                         "promtool": promtool_check(body)})  # fmt: skip
+            rows.append(
+                {
+                    "case": f"kvscope /metrics, {n} engines",
+                    "engines": n,
+                    "median_s": statistics.median(times),
+                    "p90_s": percentile(times, 0.9),
+                    "bytes": len(body.encode()),
+                    "samples": n_samples,
+                    "promtool": promtool_check(body),
+                }
+            )
         reg, n_series = client_registry(body)
         gl = time_generate_latest(reg, args.scrapes)
         from prometheus_client import generate_latest
 
         gl_body = generate_latest(reg)
-        rows.append({"case": f"prometheus_client generate_latest, same {n_series} series",
-                     "engines": args.engines, "median_s": statistics.median(gl),
-                     "p90_s": percentile(gl, 0.9), "bytes": len(gl_body),
-                     "samples": sum(1 for ln in gl_body.splitlines()
-                                    if ln and not ln.startswith(b"#")),
-                     "promtool": promtool_check(gl_body.decode())})  # fmt: skip
+        rows.append(
+            {
+                "case": f"prometheus_client generate_latest, same {n_series} series",
+                "engines": args.engines,
+                "median_s": statistics.median(gl),
+                "p90_s": percentile(gl, 0.9),
+                "bytes": len(gl_body),
+                "samples": sum(1 for ln in gl_body.splitlines() if ln and not ln.startswith(b"#")),
+                "promtool": promtool_check(gl_body.decode()),
+            }
+        )
 
     print()
     header = f"{'case':<58} {'median ms':>9} {'p90 ms':>8} {'KiB':>7} {'samples':>8}  promtool"
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['case']:<58} {r['median_s'] * 1e3:>9.1f} {r['p90_s'] * 1e3:>8.1f} "
-              f"{r['bytes'] / 1024:>7.0f} {r['samples']:>8}  {r['promtool']}")  # fmt: skip
+        print(
+            f"{r['case']:<58} {r['median_s'] * 1e3:>9.1f} {r['p90_s'] * 1e3:>8.1f} "
+            f"{r['bytes'] / 1024:>7.0f} {r['samples']:>8}  {r['promtool']}"
+        )
     small, big, client = rows
     print()
-    print(f"ratio {args.engines} / {args.baseline_engines} engines: "
-          f"{big['median_s'] / small['median_s']:.1f}x the time for "
-          f"{big['bytes'] / small['bytes']:.1f}x the bytes; kvscope / prometheus_client on "
-          f"the same series: {big['median_s'] / client['median_s']:.2f}")  # fmt: skip
+    print(
+        f"ratio {args.engines} / {args.baseline_engines} engines: "
+        f"{big['median_s'] / small['median_s']:.1f}x the time for "
+        f"{big['bytes'] / small['bytes']:.1f}x the bytes; kvscope / prometheus_client on "
+        f"the same series: {big['median_s'] / client['median_s']:.2f}"
+    )
     ok = big["median_s"] < TARGET_S and big["promtool"] == "ok"
-    print(f"target: median scrape of {args.engines} engines under {TARGET_S * 1e3:.0f} ms and "
-          f"promtool clean: {'met' if ok else 'MISSED'}")  # fmt: skip
+    print(
+        f"target: median scrape of {args.engines} engines under {TARGET_S * 1e3:.0f} ms and "
+        f"promtool clean: {'met' if ok else 'MISSED'}"
+    )
     dump_json(args.json, {"rows": rows, "args": vars(args)})
     return 0 if ok else 1
 

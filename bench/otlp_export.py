@@ -96,7 +96,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.server.sizes.append(len(body))
             self.server.points = sum(
                 len(getattr(m, m.WhichOneof("data")).data_points)
-                for rm in req.resource_metrics for sm in rm.scope_metrics for m in sm.metrics)
+                for rm in req.resource_metrics
+                for sm in rm.scope_metrics
+                for m in sm.metrics
+            )
         self.send_response(self.server.status)
         self.send_header("Content-Length", "0")
         self.end_headers()
@@ -134,8 +137,9 @@ def bench_export(engine_counts: list[int], repeats: int) -> list[dict[str, Any]]
         prepared = [prepare_batch(copy.deepcopy(b), time.time()) for b in fleet_batches(n)]
         state.apply(prepared, [IngestResult(STORED, False)] * len(prepared))
         with _Receiver() as rx:
-            settings = Settings(otlp_endpoint=rx.url, otlp_interval_s=3600,
-                                max_exported_engines=max(n, 2_000))
+            settings = Settings(
+                otlp_endpoint=rx.url, otlp_interval_s=3600, max_exported_engines=max(n, 2_000)
+            )
             export = OtlpExport(settings, state).start()
             try:
                 assert export.flush(), "the warm-up export failed"
@@ -144,18 +148,28 @@ def bench_export(engine_counts: list[int], repeats: int) -> list[dict[str, Any]]
                 cycle = median_ms(export.flush, repeats)
             finally:
                 export.shutdown()
-            rows.append({"engines": n, "render_ms": render, "snapshot_ms": snapshot,
-                         "export_ms": cycle, "ratio": cycle / render,
-                         "request_kib": statistics.median(rx.sizes) / 1024,
-                         "wire_kib": statistics.median(rx.wire_sizes) / 1024,
-                         "points": rx.points})
+            rows.append(
+                {
+                    "engines": n,
+                    "render_ms": render,
+                    "snapshot_ms": snapshot,
+                    "export_ms": cycle,
+                    "ratio": cycle / render,
+                    "request_kib": statistics.median(rx.sizes) / 1024,
+                    "wire_kib": statistics.median(rx.wire_sizes) / 1024,
+                    "points": rx.points,
+                }
+            )
     return rows
 
 
 def _post(url: str, body: bytes) -> float:
-    req = urllib.request.Request(url + INGEST_PATH, data=body, method="POST",
-                                 headers={"Content-Type": "application/json",
-                                          "Content-Encoding": "gzip"})
+    req = urllib.request.Request(
+        url + INGEST_PATH,
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+    )
     t0 = time.perf_counter()
     with urllib.request.urlopen(req, timeout=30) as resp:
         resp.read()
@@ -165,8 +179,16 @@ def _post(url: str, body: bytes) -> float:
 
 def ingest_run(bodies: list[bytes], otlp_status: int | None, workdir: Path) -> dict[str, float]:
     with _Receiver(otlp_status or 200) as rx:
-        extra = ["--kv-events", "off", "--advise-interval-s", "0", "--raw-retention-s", "0",
-                 "--max-new-engines-per-minute", "100000"]
+        extra = [
+            "--kv-events",
+            "off",
+            "--advise-interval-s",
+            "0",
+            "--raw-retention-s",
+            "0",
+            "--max-new-engines-per-minute",
+            "100000",
+        ]
         if otlp_status is not None:
             extra += ["--otlp-endpoint", rx.url, "--otlp-interval", "1"]
         store = Path(tempfile.mkdtemp(dir=workdir)) / "kvscope.duckdb"
@@ -177,11 +199,17 @@ def ingest_run(bodies: list[bytes], otlp_status: int | None, workdir: Path) -> d
             elapsed = time.perf_counter() - t0
             time.sleep(1.5)  # let an export see the whole fleet
             m = c.get_text("/metrics")
-        exports = {r: _sample(m, f'kvscope_collector_otlp_exports_total{{result="{r}"}}')
-                   for r in ("success", "failure")}
+        exports = {
+            r: _sample(m, f'kvscope_collector_otlp_exports_total{{result="{r}"}}')
+            for r in ("success", "failure")
+        }
     lat.sort()
-    return {"batches_per_s": len(bodies) / elapsed, "ack_p50_ms": lat[len(lat) // 2] * 1000,
-            "ack_p99_ms": lat[int(len(lat) * 0.99)] * 1000, **exports}
+    return {
+        "batches_per_s": len(bodies) / elapsed,
+        "ack_p50_ms": lat[len(lat) // 2] * 1000,
+        "ack_p99_ms": lat[int(len(lat) * 0.99)] * 1000,
+        **exports,
+    }
 
 
 def _sample(text: str, name: str) -> float:
@@ -192,53 +220,76 @@ def _sample(text: str, name: str) -> float:
 
 
 def bench_ingest(n_engines: int, rounds: int) -> dict[str, dict[str, float]]:
-    bodies = [gzip.compress(json.dumps(b, separators=(",", ":")).encode())
-              for b in fleet_batches(n_engines)]
-    configs = {"OTLP off (baseline)": None, "OTLP every 1 s, receiver 200": 200,
-               "OTLP every 1 s, receiver 503": 503}
+    bodies = [
+        gzip.compress(json.dumps(b, separators=(",", ":")).encode())
+        for b in fleet_batches(n_engines)
+    ]
+    configs = {
+        "OTLP off (baseline)": None,
+        "OTLP every 1 s, receiver 200": 200,
+        "OTLP every 1 s, receiver 503": 503,
+    }
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(rounds):
             for name, status in configs.items():
                 print(f"  round {r + 1}/{rounds}: {name}", file=sys.stderr, flush=True)
                 runs[name].append(ingest_run(bodies, status, Path(tmp)))
-    return {name: {k: statistics.median(run[k] for run in rs) for k in rs[0]}
-            for name, rs in runs.items()}
+    return {
+        name: {k: statistics.median(run[k] for run in rs) for k in rs[0]}
+        for name, rs in runs.items()
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--engines", default="100,1000",
-                    help="fleet sizes for the per-export table (default: 100,1000)")
+    ap.add_argument(
+        "--engines",
+        default="100,1000",
+        help="fleet sizes for the per-export table (default: 100,1000)",
+    )
     ap.add_argument("--repeats", type=int, default=7, help="runs per median (default: 7)")
-    ap.add_argument("--ingest-engines", type=int, default=300,
-                    help="engines of the ingest runs, two batches each (default: 300)")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="ingest rounds per configuration (default: 3)")
+    ap.add_argument(
+        "--ingest-engines",
+        type=int,
+        default=300,
+        help="engines of the ingest runs, two batches each (default: 300)",
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="ingest rounds per configuration (default: 3)"
+    )
     args = ap.parse_args()
     print("per export (in process):", file=sys.stderr)
     rows = bench_export([int(x) for x in args.engines.split(",")], args.repeats)
-    print("\n| engines | /metrics render (baseline) | snapshot | OTLP export cycle "
-          "(collect + encode + gzip + POST) | export / render | request (gzip) | data points |")
+    print(
+        "\n| engines | /metrics render (baseline) | snapshot | OTLP export cycle "
+        "(collect + encode + gzip + POST) | export / render | request (gzip) | data points |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['engines']} | {r['render_ms']:.1f} ms | {r['snapshot_ms']:.1f} ms | "
-              f"{r['export_ms']:.1f} ms | {r['ratio']:.2f}x | {r['request_kib']:.0f} KiB "
-              f"({r['wire_kib']:.0f} KiB) | "
-              f"{r['points']} |")
+        print(
+            f"| {r['engines']} | {r['render_ms']:.1f} ms | {r['snapshot_ms']:.1f} ms | "
+            f"{r['export_ms']:.1f} ms | {r['ratio']:.2f}x | {r['request_kib']:.0f} KiB "
+            f"({r['wire_kib']:.0f} KiB) | "
+            f"{r['points']} |"
+        )
     if args.rounds < 1:
         return 0
     n = args.ingest_engines
     print(f"\ningest: {n} engines, {2 * n} real batches, 4 senders", file=sys.stderr)
     res = bench_ingest(n, args.rounds)
     base = res["OTLP off (baseline)"]["batches_per_s"]
-    print("\n| configuration | batches/s | vs baseline | ack p50 | ack p99 | exports ok | "
-          "exports failed |")
+    print(
+        "\n| configuration | batches/s | vs baseline | ack p50 | ack p99 | exports ok | "
+        "exports failed |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, r in res.items():
-        print(f"| {name} | {r['batches_per_s']:.0f} | {r['batches_per_s'] / base:.2f}x | "
-              f"{r['ack_p50_ms']:.1f} ms | {r['ack_p99_ms']:.1f} ms | {r['success']:.0f} | "
-              f"{r['failure']:.0f} |")
+        print(
+            f"| {name} | {r['batches_per_s']:.0f} | {r['batches_per_s'] / base:.2f}x | "
+            f"{r['ack_p50_ms']:.1f} ms | {r['ack_p99_ms']:.1f} ms | {r['success']:.0f} | "
+            f"{r['failure']:.0f} |"
+        )
     return 0
 
 

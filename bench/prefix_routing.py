@@ -116,8 +116,12 @@ class RoutingResult:
 
 
 def _post(url: str, body: dict[str, Any] | None = None, timeout_s: float = 30.0) -> str:
-    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body or {}).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=timeout_s) as resp:
         return resp.read().decode()
 
@@ -125,11 +129,21 @@ def _post(url: str, body: dict[str, Any] | None = None, timeout_s: float = 30.0)
 class RoutingLab:
     """A collector and two engines of one pool with KV-cache events on."""
 
-    def __init__(self, workdir: str | Path, *, model_dir: str | Path | None = None,
-                 concurrency: int = 4, duration_s: float = 40.0, prefix_groups: int = 64,
-                 prefix_words: int = 300, body_words: tuple[int, int] = (8, 24),
-                 output_tokens: int = 16, seed: int = 11, log: Any = None,
-                 progress: bool = False) -> None:
+    def __init__(
+        self,
+        workdir: str | Path,
+        *,
+        model_dir: str | Path | None = None,
+        concurrency: int = 4,
+        duration_s: float = 40.0,
+        prefix_groups: int = 64,
+        prefix_words: int = 300,
+        body_words: tuple[int, int] = (8, 24),
+        output_tokens: int = 16,
+        seed: int = 11,
+        log: Any = None,
+        progress: bool = False,
+    ) -> None:
         self.workdir = Path(workdir)
         self.model_dir = Path(model_dir) if model_dir else None
         self.concurrency = concurrency
@@ -152,25 +166,39 @@ class RoutingLab:
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.model_dir is None:
             self.model_dir = build_model(default_model_dir("mid"), "mid")
-        self.collector = CollectorProcess(self.workdir / "store.duckdb",
-                                          log_path=self.workdir / "collector.log").start()
+        self.collector = CollectorProcess(
+            self.workdir / "store.duckdb", log_path=self.workdir / "collector.log"
+        ).start()
         self._say(f"collector at {self.collector.url}")
         for i in range(2):
             port = free_port("127.0.0.1")
-            events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                      "endpoint": f"tcp://*:{port}", "topic": "kv-events"}
+            events = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{port}",
+                "topic": "kv-events",
+            }
             server = VllmServer(
-                self.model_dir, served_model_name=MODEL_NAME, num_gpu_blocks=NUM_GPU_BLOCKS,
+                self.model_dir,
+                served_model_name=MODEL_NAME,
+                num_gpu_blocks=NUM_GPU_BLOCKS,
                 enable_prefix_caching=True,
                 extra_args=["--kv-events-config", json.dumps(events)],
-                env={"KVSCOPE_COLLECTOR_URL": self.collector.url, "KVSCOPE_POOL": POOL,
-                     "KVSCOPE_FLUSH_INTERVAL_S": "0.5", "VLLM_SERVER_DEV_MODE": "1",
-                     "VLLM_CPU_OMP_THREADS_BIND": str(i)},
-                log_path=self.workdir / f"vllm-{i}.log")
+                env={
+                    "KVSCOPE_COLLECTOR_URL": self.collector.url,
+                    "KVSCOPE_POOL": POOL,
+                    "KVSCOPE_FLUSH_INTERVAL_S": "0.5",
+                    "VLLM_SERVER_DEV_MODE": "1",
+                    "VLLM_CPU_OMP_THREADS_BIND": str(i),
+                },
+                log_path=self.workdir / f"vllm-{i}.log",
+            )
             self.servers.append(server)
             server.start()
-            self._say(f"engine {i} up in {server.startup_s:.0f} s at {server.url}, "
-                      f"KV events on port {port}")
+            self._say(
+                f"engine {i} up in {server.startup_s:.0f} s at {server.url}, "
+                f"KV events on port {port}"
+            )
         self._wait_subscribed()
         return self
 
@@ -198,20 +226,26 @@ class RoutingLab:
         """Until the collector subscribed to both engines' KV events (one request each,
         which also makes each engine send its hello)."""
         for server in self.servers:
-            _post(f"{server.url}/v1/completions",
-                  {"model": MODEL_NAME, "prompt": "warm up", "max_tokens": 2})
+            _post(
+                f"{server.url}/v1/completions",
+                {"model": MODEL_NAME, "prompt": "warm up", "max_tokens": 2},
+            )
         deadline = time.monotonic() + timeout_s
         while True:
             text = self._collector.get_text("/metrics")
-            subscribed = [line for line in text.splitlines()
-                          if line.startswith("kvscope_kv_events_subscribed{")
-                          and line.rstrip().endswith(" 1")]
+            subscribed = [
+                line
+                for line in text.splitlines()
+                if line.startswith("kvscope_kv_events_subscribed{") and line.rstrip().endswith(" 1")
+            ]
             if len(subscribed) >= len(self.servers):
                 self._say(f"collector subscribed to {len(subscribed)} KV event streams")
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError("the collector did not subscribe to both engines' KV "
-                                   f"events; see {self.workdir / 'collector.log'}")
+                raise RuntimeError(
+                    "the collector did not subscribe to both engines' KV "
+                    f"events; see {self.workdir / 'collector.log'}"
+                )
             time.sleep(0.5)
 
     def _reset_caches(self) -> None:
@@ -243,42 +277,72 @@ class RoutingLab:
         self._reset_caches()
         before = self._counters()
         since = time.time()
-        self._say(f"{policy}: {self.concurrency} clients for {self.duration_s:g} s, "
-                  f"{self.prefix_groups} prefixes of {self.prefix_words} words")
-        sweep: SweepResult = run_sweep(SweepConfig(
-            url=self.servers[0].url, replicas=[s.url for s in self.servers[1:]],
-            routing=policy, model=MODEL_NAME, concurrency=[self.concurrency],
-            duration_s=self.duration_s, warmup_s=0.0, cooldown_s=0.0,
-            prompt_words=self.body_words, output_tokens=(self.output_tokens,) * 2,
-            shared_prefix_words=self.prefix_words, prefix_groups=self.prefix_groups,
-            seed=self.seed, progress=self.progress))
+        self._say(
+            f"{policy}: {self.concurrency} clients for {self.duration_s:g} s, "
+            f"{self.prefix_groups} prefixes of {self.prefix_words} words"
+        )
+        sweep: SweepResult = run_sweep(
+            SweepConfig(
+                url=self.servers[0].url,
+                replicas=[s.url for s in self.servers[1:]],
+                routing=policy,
+                model=MODEL_NAME,
+                concurrency=[self.concurrency],
+                duration_s=self.duration_s,
+                warmup_s=0.0,
+                cooldown_s=0.0,
+                prompt_words=self.body_words,
+                output_tokens=(self.output_tokens,) * 2,
+                shared_prefix_words=self.prefix_words,
+                prefix_groups=self.prefix_groups,
+                seed=self.seed,
+                progress=self.progress,
+            )
+        )
         self._drain()
         until = time.time()
         after = self._counters()
         (lv,) = sweep.levels
-        q = [a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
-             for a, b in zip(after, before, strict=True)]
-        h = [a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
-             for a, b in zip(after, before, strict=True)]
-        run = RunMeasure(policy=policy, since_unix_s=since, until_unix_s=until,
-                         requests_per_engine=list(lv.requests_per_target or []), queries=q,
-                         hits=h, completed=lv.requests_completed, errors=lv.error_count,
-                         client_ttft_p50_s=lv.ttft_p50_s)
+        q = [
+            a["vllm:prefix_cache_queries_total"] - b["vllm:prefix_cache_queries_total"]
+            for a, b in zip(after, before, strict=True)
+        ]
+        h = [
+            a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
+            for a, b in zip(after, before, strict=True)
+        ]
+        run = RunMeasure(
+            policy=policy,
+            since_unix_s=since,
+            until_unix_s=until,
+            requests_per_engine=list(lv.requests_per_target or []),
+            queries=q,
+            hits=h,
+            completed=lv.requests_completed,
+            errors=lv.error_count,
+            client_ttft_p50_s=lv.ttft_p50_s,
+        )
         reqs = CollectorSource(self._collector.url).requests(since, until, pool=POOL)
         ttft = [float(x) for x in reqs["ttft_s"].dropna()] if len(reqs) else []
         if ttft:
             run.engine_ttft_mean_s = statistics.fmean(ttft)
             run.engine_ttft_p50_s = statistics.median(ttft)
             run.n_engine_requests = len(ttft)
-        self._say(f"{policy}: hit rate {run.hit_rate:.1%} (per engine "
-                  + ", ".join(f"{x:.1%}" for x in run.hit_rate_per_engine)
-                  + f"), {run.completed} requests, requests per engine "
-                  f"{run.requests_per_engine}")
+        self._say(
+            f"{policy}: hit rate {run.hit_rate:.1%} (per engine "
+            + ", ".join(f"{x:.1%}" for x in run.hit_rate_per_engine)
+            + f"), {run.completed} requests, requests per engine "
+            f"{run.requests_per_engine}"
+        )
         return run
 
     def advise(self, run: RunMeasure) -> Report:
-        return analyze(CollectorSource(self._collector.url), math.floor(run.since_unix_s),
-                       math.ceil(run.until_unix_s), pool=POOL)
+        return analyze(
+            CollectorSource(self._collector.url),
+            math.floor(run.since_unix_s),
+            math.ceil(run.until_unix_s),
+            pool=POOL,
+        )
 
     def scenario(self) -> RoutingResult:
         rr = self.run("round-robin")
@@ -297,16 +361,24 @@ class RoutingLab:
         self._say(f"advisor: {rec.summary if rec else 'no prefix-aware routing recommendation'}")
         affine = self.run("prefix-affine")
         return RoutingResult(
-            round_robin=rr, affine=affine,
+            round_robin=rr,
+            affine=affine,
             predicted_hit_rate=None if predicted is None else float(predicted),
             predicted_ttft_change_s=None if ttft_change is None else float(ttft_change),
             recommendation=None if rec is None else rec.to_dict(),
             pool_evidence=evidence,
             startup_s=[float(s.startup_s or 0.0) for s in self.servers],
-            config={"concurrency": self.concurrency, "duration_s": self.duration_s,
-                    "prefix_groups": self.prefix_groups, "prefix_words": self.prefix_words,
-                    "body_words": list(self.body_words), "output_tokens": self.output_tokens,
-                    "num_gpu_blocks": NUM_GPU_BLOCKS, "seed": self.seed})
+            config={
+                "concurrency": self.concurrency,
+                "duration_s": self.duration_s,
+                "prefix_groups": self.prefix_groups,
+                "prefix_words": self.prefix_words,
+                "body_words": list(self.body_words),
+                "output_tokens": self.output_tokens,
+                "num_gpu_blocks": NUM_GPU_BLOCKS,
+                "seed": self.seed,
+            },
+        )
 
 
 def _pct(x: float | None) -> str:
@@ -318,49 +390,77 @@ def _ms(x: float | None) -> str:
 
 
 def format_result(res: RoutingResult) -> str:
-    rows = [("policy", "hit rate", "per engine", "requests per engine", "TTFT mean (engine)",
-             "TTFT p50 (engine)")]
+    rows = [
+        (
+            "policy",
+            "hit rate",
+            "per engine",
+            "requests per engine",
+            "TTFT mean (engine)",
+            "TTFT p50 (engine)",
+        )
+    ]
     for run in (res.round_robin, res.affine):
         if run is None:
             continue
-        rows.append((run.policy, _pct(run.hit_rate),
-                     " / ".join(_pct(x) for x in run.hit_rate_per_engine),
-                     " / ".join(map(str, run.requests_per_engine)),
-                     _ms(run.engine_ttft_mean_s), _ms(run.engine_ttft_p50_s)))
+        rows.append(
+            (
+                run.policy,
+                _pct(run.hit_rate),
+                " / ".join(_pct(x) for x in run.hit_rate_per_engine),
+                " / ".join(map(str, run.requests_per_engine)),
+                _ms(run.engine_ttft_mean_s),
+                _ms(run.engine_ttft_p50_s),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines.insert(1, "-" * len(lines[0]))
     lines.append("")
-    lines.append(f"advisor's prediction for prefix-affine routing: hit rate "
-                 f"{_pct(res.predicted_hit_rate)}, TTFT change "
-                 f"{'-' if res.predicted_ttft_change_s is None else f'{res.predicted_ttft_change_s * 1e3:+.0f} ms'}")
+    lines.append(
+        f"advisor's prediction for prefix-affine routing: hit rate "
+        f"{_pct(res.predicted_hit_rate)}, TTFT change "
+        f"{'-' if res.predicted_ttft_change_s is None else f'{res.predicted_ttft_change_s * 1e3:+.0f} ms'}"
+    )
     if res.affine is not None and res.predicted_hit_rate is not None:
-        measured_ttft = (None if res.affine.engine_ttft_mean_s is None
-                         or res.round_robin.engine_ttft_mean_s is None
-                         else res.affine.engine_ttft_mean_s - res.round_robin.engine_ttft_mean_s)
-        lines.append(f"measured: hit rate {_pct(res.affine.hit_rate)} "
-                     f"(error {res.hit_rate_error:+.1%} absolute), TTFT change "
-                     f"{'-' if measured_ttft is None else f'{measured_ttft * 1e3:+.0f} ms'}")
+        measured_ttft = (
+            None
+            if res.affine.engine_ttft_mean_s is None or res.round_robin.engine_ttft_mean_s is None
+            else res.affine.engine_ttft_mean_s - res.round_robin.engine_ttft_mean_s
+        )
+        lines.append(
+            f"measured: hit rate {_pct(res.affine.hit_rate)} "
+            f"(error {res.hit_rate_error:+.1%} absolute), TTFT change "
+            f"{'-' if measured_ttft is None else f'{measured_ttft * 1e3:+.0f} ms'}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--duration", type=float, default=40.0, help="seconds per run (default 40)")
     p.add_argument("--concurrency", type=int, default=4, help="clients (default 4)")
     p.add_argument("--groups", type=int, default=64, help="shared prefixes (default 64)")
-    p.add_argument("--prefix-words", type=int, default=300,
-                   help="words per shared prefix (default 300)")
+    p.add_argument(
+        "--prefix-words", type=int, default=300, help="words per shared prefix (default 300)"
+    )
     p.add_argument("--workdir", default=None, help="keep the store and logs here")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = p.parse_args(argv)
     import tempfile
+
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvscope-routing-"))
-    with RoutingLab(workdir, concurrency=args.concurrency, duration_s=args.duration,
-                    prefix_groups=args.groups, prefix_words=args.prefix_words,
-                    log=lambda t: print(t, file=sys.stderr, flush=True),
-                    progress=True) as lab:
+    with RoutingLab(
+        workdir,
+        concurrency=args.concurrency,
+        duration_s=args.duration,
+        prefix_groups=args.groups,
+        prefix_words=args.prefix_words,
+        log=lambda t: print(t, file=sys.stderr, flush=True),
+        progress=True,
+    ) as lab:
         res = lab.scenario()
     print(format_result(res))
     if args.json:

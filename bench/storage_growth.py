@@ -52,8 +52,9 @@ RETAINED = {"steps": "raw_step_retention_s", "ingested_batches": "ledger_retenti
 """Tables with a retention setting (the rest are kept)."""
 
 
-def table_bytes(path: Path, work: Path, min_rows: int = 300_000,
-                max_copies: int = 300) -> tuple[dict[str, int], dict[str, float]]:  # fmt: skip
+def table_bytes(
+    path: Path, work: Path, min_rows: int = 300_000, max_copies: int = 300
+) -> tuple[dict[str, int], dict[str, float]]:
     """Rows per table, and bytes on disk per row of each table.
 
     DuckDB allocates 256 KiB blocks, too coarse for the small tables of a short run,
@@ -66,14 +67,30 @@ def table_bytes(path: Path, work: Path, min_rows: int = 300_000,
 
     src = duckdb.connect(str(path), read_only=True)
     try:
-        tables = [r[0] for r in src.execute(
-            "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main'").fetchall()]
+        tables = [
+            r[0]
+            for r in src.execute(
+                "SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main'"
+            ).fetchall()
+        ]
         rows = {t: int(src.execute(f'SELECT count(*) FROM "{t}"').fetchone()[0]) for t in tables}
-        ddl = {t: src.execute("SELECT sql FROM duckdb_tables() WHERE table_name = ?",
-                              [t]).fetchone()[0] for t in tables}  # fmt: skip
-        cols = {t: [r[0] for r in src.execute(
-            "SELECT column_name FROM duckdb_columns() WHERE table_name = ? "
-            "ORDER BY column_index", [t]).fetchall()] for t in tables}
+        ddl = {
+            t: src.execute("SELECT sql FROM duckdb_tables() WHERE table_name = ?", [t]).fetchone()[
+                0
+            ]
+            for t in tables
+        }
+        cols = {
+            t: [
+                r[0]
+                for r in src.execute(
+                    "SELECT column_name FROM duckdb_columns() WHERE table_name = ? "
+                    "ORDER BY column_index",
+                    [t],
+                ).fetchall()
+            ]
+            for t in tables
+        }
     finally:
         src.close()
     per_row: dict[str, float] = {}
@@ -89,7 +106,8 @@ def table_bytes(path: Path, work: Path, min_rows: int = 300_000,
                 con.execute(ddl[t])
                 con.execute(f"ATTACH '{path}' AS src (READ_ONLY)")
                 select = ", ".join(
-                    "engine_id || '#{k}'" if c == "engine_id" else f'"{c}"' for c in cols[t])
+                    "engine_id || '#{k}'" if c == "engine_id" else f'"{c}"' for c in cols[t]
+                )
                 for k in range(n_copies):
                     con.execute(f'INSERT INTO "{t}" SELECT {select.format(k=k)} FROM src."{t}"')
                 con.execute("DETACH src")
@@ -109,18 +127,30 @@ def fmt_bytes(n: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="See the module docstring for the method.")
-    parser.add_argument("--engines", type=int, default=100,
-                        help="simulated engines reporting (default: 100)")
-    parser.add_argument("--duration", type=float, default=60.0,
-                        help="seconds they report (default: 60)")
-    parser.add_argument("--steps-per-s", type=float, default=50.0,
-                        help="engine steps per second per engine (default: 50)")
-    parser.add_argument("--fleet", type=int, default=100,
-                        help="fleet size of the weekly projection (default: 100)")
-    parser.add_argument("--budget-gib", type=float, default=50.0,
-                        help="store size the retention plan must stay under (default: 50 GiB)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="See the module docstring for the method."
+    )
+    parser.add_argument(
+        "--engines", type=int, default=100, help="simulated engines reporting (default: 100)"
+    )
+    parser.add_argument(
+        "--duration", type=float, default=60.0, help="seconds they report (default: 60)"
+    )
+    parser.add_argument(
+        "--steps-per-s",
+        type=float,
+        default=50.0,
+        help="engine steps per second per engine (default: 50)",
+    )
+    parser.add_argument(
+        "--fleet", type=int, default=100, help="fleet size of the weekly projection (default: 100)"
+    )
+    parser.add_argument(
+        "--budget-gib",
+        type=float,
+        default=50.0,
+        help="store size the retention plan must stay under (default: 50 GiB)",
+    )
     parser.add_argument("--json", metavar="FILE", default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
     if args.engines < 1 or args.duration < 10:
@@ -133,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(f"{args.engines} engines reporting for {args.duration:g} s ...", file=sys.stderr)
             with tqdm(total=1, desc="fleet", unit="run", file=sys.stderr) as bar:
-                fleet = run_workers(collector.url, args.engines, args.duration,
-                                    steps_per_s=args.steps_per_s)  # fmt: skip
+                fleet = run_workers(
+                    collector.url, args.engines, args.duration, steps_per_s=args.steps_per_s
+                )
                 bar.update(1)
             time.sleep(1.0)
         finally:
@@ -145,17 +176,23 @@ def main(argv: list[str] | None = None) -> int:
     engine_s = args.engines * args.duration
     steps_sent = fleet.stats.get("steps_sent", 0)
     if rows.get("steps", 0) < 0.9 * steps_sent or steps_sent == 0:
-        raise SystemExit(f"the store holds {rows.get('steps', 0)} steps of {steps_sent} sent; "
-                         f"the collector did not keep up (see its log)")  # fmt: skip
+        raise SystemExit(
+            f"the store holds {rows.get('steps', 0)} steps of {steps_sent} sent; "
+            f"the collector did not keep up (see its log)"
+        )
     per_day: dict[str, dict[str, Any]] = {}
     for t in sorted(bytes_per_row, key=lambda t: -bytes_per_row[t] * rows[t]):
         b_row = bytes_per_row[t]
         rows_per_engine_day = rows[t] / engine_s * DAY_S
         retention_s = getattr(defaults, RETAINED[t]) if t in RETAINED else 0.0
-        per_day[t] = {"rows": rows[t], "bytes": rows[t] * b_row, "bytes_per_row": b_row,
-                      "rows_per_engine_day": rows_per_engine_day,
-                      "bytes_per_engine_day": rows_per_engine_day * b_row,
-                      "retention_s": retention_s}  # fmt: skip
+        per_day[t] = {
+            "rows": rows[t],
+            "bytes": rows[t] * b_row,
+            "bytes_per_row": b_row,
+            "rows_per_engine_day": rows_per_engine_day,
+            "bytes_per_engine_day": rows_per_engine_day * b_row,
+            "retention_s": retention_s,
+        }
     # Tables whose rows come once per engine or boot (engines, engine_configs, ...) are
     # counted by what they hold now, per engine; they do not grow with time.
     growing = {t for t in per_day if t in ("steps", "ingested_batches", "windows_1s", "requests")}
@@ -174,37 +211,53 @@ def main(argv: list[str] | None = None) -> int:
         return total
 
     print()
-    print(f"{args.engines} engines x {args.duration:g} s at {args.steps_per_s:g} steps/s "
-          f"({steps_sent:,} steps, {fleet.stats.get('requests_sent', 0):,} finished requests "
-          f"acknowledged)")  # fmt: skip
+    print(
+        f"{args.engines} engines x {args.duration:g} s at {args.steps_per_s:g} steps/s "
+        f"({steps_sent:,} steps, {fleet.stats.get('requests_sent', 0):,} finished requests "
+        f"acknowledged)"
+    )
     print()
-    header = (f"{'table':<20} {'rows':>9} {'on disk':>10} {'B/row':>7} {'rows/engine-day':>16} "
-              f"{'per engine-day':>15} {'retention':>10}")  # fmt: skip
+    header = (
+        f"{'table':<20} {'rows':>9} {'on disk':>10} {'B/row':>7} {'rows/engine-day':>16} "
+        f"{'per engine-day':>15} {'retention':>10}"
+    )
     print(header)
     print("-" * len(header))
     for t, d in per_day.items():
-        ret = (f"{d['retention_s'] / 3600:g} h" if d["retention_s"] else "kept") \
-            if t in growing else "per engine"  # one row per engine or boot: no growth
+        ret = (
+            (f"{d['retention_s'] / 3600:g} h" if d["retention_s"] else "kept")
+            if t in growing
+            else "per engine"
+        )  # one row per engine or boot: no growth
         if t in growing:
-            per_engine = (f"{d['rows_per_engine_day']:>16,.0f} "
-                          f"{fmt_bytes(d['bytes_per_engine_day']):>15}")  # fmt: skip
+            per_engine = (
+                f"{d['rows_per_engine_day']:>16,.0f} {fmt_bytes(d['bytes_per_engine_day']):>15}"
+            )
         else:
             per_engine = f"{'':>16} {fmt_bytes(d['bytes'] / args.engines):>15}"
-        print(f"{t:<20} {d['rows']:>9,} {fmt_bytes(d['bytes']):>10} {d['bytes_per_row']:>7.1f} "
-              f"{per_engine} {ret:>10}")  # fmt: skip
+        print(
+            f"{t:<20} {d['rows']:>9,} {fmt_bytes(d['bytes']):>10} {d['bytes_per_row']:>7.1f} "
+            f"{per_engine} {ret:>10}"
+        )
     tables_total = sum(d["bytes"] for d in per_day.values())
-    print(f"{'all tables':<20} {'':>9} {fmt_bytes(tables_total):>10}   the store's file "
-          f"{fmt_bytes(file_bytes)} = {file_bytes / max(1, rows.get('steps', 1)):.1f} B per "
-          f"step stored")  # fmt: skip
+    print(
+        f"{'all tables':<20} {'':>9} {fmt_bytes(tables_total):>10}   the store's file "
+        f"{fmt_bytes(file_bytes)} = {file_bytes / max(1, rows.get('steps', 1)):.1f} B per "
+        f"step stored"
+    )
     day = sum(d["bytes_per_engine_day"] for t, d in per_day.items() if t in growing)
     print()
-    print(f"one engine, one day of reporting: {fmt_bytes(day)} written "
-          f"(steps {fmt_bytes(per_day['steps']['bytes_per_engine_day'])})")  # fmt: skip
+    print(
+        f"one engine, one day of reporting: {fmt_bytes(day)} written "
+        f"(steps {fmt_bytes(per_day['steps']['bytes_per_engine_day'])})"
+    )
     default_week = week_bytes(defaults.raw_step_retention_s, args.fleet)
-    print(f"{args.fleet}-engine week of engines reporting around the clock, default retention (raw steps "
-          f"{defaults.raw_step_retention_s / 3600:g} h, ledger "
-          f"{defaults.ledger_retention_s / 3600:g} h, windows and requests kept): "
-          f"{fmt_bytes(default_week)}")  # fmt: skip
+    print(
+        f"{args.fleet}-engine week of engines reporting around the clock, default retention (raw steps "
+        f"{defaults.raw_step_retention_s / 3600:g} h, ledger "
+        f"{defaults.ledger_retention_s / 3600:g} h, windows and requests kept): "
+        f"{fmt_bytes(default_week)}"
+    )
     budget = args.budget_gib * 2**30
     options = [0.0, 7 * DAY_S, 3 * DAY_S, DAY_S, 12 * 3600.0, 6 * 3600.0, 3600.0]
     print()
@@ -218,15 +271,26 @@ def main(argv: list[str] | None = None) -> int:
             fitting = r
     floor = week_bytes(1e-9, args.fleet)
     if fitting is None:
-        print(f"no raw-step retention keeps a {args.fleet}-engine week under "
-              f"{args.budget_gib:g} GiB: windows and requests alone take {fmt_bytes(floor)}")
+        print(
+            f"no raw-step retention keeps a {args.fleet}-engine week under "
+            f"{args.budget_gib:g} GiB: windows and requests alone take {fmt_bytes(floor)}"
+        )
     else:
-        print(f"to keep a {args.fleet}-engine week under {args.budget_gib:g} GiB: "
-              f"--raw-retention-s {fitting:g} (and the default ledger retention); the "
-              f"windows and requests of the week take {fmt_bytes(floor)} of it")  # fmt: skip
-    dump_json(args.json, {"tables": per_day, "file_bytes": file_bytes,
-                          "week_default_bytes": default_week, "fitting_raw_retention_s": fitting,
-                          "args": vars(args)})  # fmt: skip
+        print(
+            f"to keep a {args.fleet}-engine week under {args.budget_gib:g} GiB: "
+            f"--raw-retention-s {fitting:g} (and the default ledger retention); the "
+            f"windows and requests of the week take {fmt_bytes(floor)} of it"
+        )
+    dump_json(
+        args.json,
+        {
+            "tables": per_day,
+            "file_bytes": file_bytes,
+            "week_default_bytes": default_week,
+            "fitting_raw_retention_s": fitting,
+            "args": vars(args),
+        },
+    )
     return 0
 
 

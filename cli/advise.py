@@ -55,33 +55,74 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     env_url = os.environ.get("KVSCOPE_COLLECTOR_URL")
-    p.add_argument("--collector", metavar="URL", default=env_url,
-                   help="base URL of the kvscope collector (default: $KVSCOPE_COLLECTOR_URL)")
-    p.add_argument("--token", default=os.environ.get("KVSCOPE_TOKEN"),
-                   help="the collector's bearer token (default: $KVSCOPE_TOKEN)")
-    p.add_argument("--since", default="30m",
-                   help="start of the window to analyse (default: 30m, i.e. 30 minutes ago)")
+    p.add_argument(
+        "--collector",
+        metavar="URL",
+        default=env_url,
+        help="base URL of the kvscope collector (default: $KVSCOPE_COLLECTOR_URL)",
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("KVSCOPE_TOKEN"),
+        help="the collector's bearer token (default: $KVSCOPE_TOKEN)",
+    )
+    p.add_argument(
+        "--since",
+        default="30m",
+        help="start of the window to analyse (default: 30m, i.e. 30 minutes ago)",
+    )
     p.add_argument("--until", default=None, help="end of the window (default: now)")
     p.add_argument("--pool", default=None, help="only the engines of this pool")
-    p.add_argument("--slo-ttft-p99", type=positive, default=None, metavar="S",
-                   help="P99 time-to-first-token target in seconds: the cap is lowered to meet it")
-    p.add_argument("--slo-e2e-p99", type=positive, default=None, metavar="S",
-                   help="P99 end-to-end latency target in seconds: the cap is lowered to meet it")
-    p.add_argument("--cap-fraction", type=fraction, default=0.9, metavar="F",
-                   help="share of the plateau throughput the cap must keep (default: 0.9)")
-    p.add_argument("--min-routing-loss", type=fraction, default=0.05, metavar="F",
-                   help="recommend prefix-aware routing when at least this share of the pool's "
-                        "prefix lookups were computed on one replica while another held them "
-                        "(needs vLLM's KV events; default: 0.05)")
-    p.add_argument("--imbalance-threshold", type=ratio, default=1.25, metavar="R",
-                   help="flag a pool whose busiest replica carries R times the mean load "
-                        "(default: 1.25)")
-    p.add_argument("--json", action="store_true",
-                   help="print the report as JSON (schema_version'd) instead of the text view")
-    p.add_argument("--out", metavar="FILE", default=None,
-                   help="also write the JSON report to FILE")
-    p.add_argument("--timeout", type=positive, default=30.0, metavar="S",
-                   help="seconds per HTTP request to the collector (default: 30)")
+    p.add_argument(
+        "--slo-ttft-p99",
+        type=positive,
+        default=None,
+        metavar="S",
+        help="P99 time-to-first-token target in seconds: the cap is lowered to meet it",
+    )
+    p.add_argument(
+        "--slo-e2e-p99",
+        type=positive,
+        default=None,
+        metavar="S",
+        help="P99 end-to-end latency target in seconds: the cap is lowered to meet it",
+    )
+    p.add_argument(
+        "--cap-fraction",
+        type=fraction,
+        default=0.9,
+        metavar="F",
+        help="share of the plateau throughput the cap must keep (default: 0.9)",
+    )
+    p.add_argument(
+        "--min-routing-loss",
+        type=fraction,
+        default=0.05,
+        metavar="F",
+        help="recommend prefix-aware routing when at least this share of the pool's "
+        "prefix lookups were computed on one replica while another held them "
+        "(needs vLLM's KV events; default: 0.05)",
+    )
+    p.add_argument(
+        "--imbalance-threshold",
+        type=ratio,
+        default=1.25,
+        metavar="R",
+        help="flag a pool whose busiest replica carries R times the mean load (default: 1.25)",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report as JSON (schema_version'd) instead of the text view",
+    )
+    p.add_argument("--out", metavar="FILE", default=None, help="also write the JSON report to FILE")
+    p.add_argument(
+        "--timeout",
+        type=positive,
+        default=30.0,
+        metavar="S",
+        help="seconds per HTTP request to the collector (default: 30)",
+    )
     from kvscope.sources.prometheus.target import add_prometheus_arguments
 
     add_prometheus_arguments(p)
@@ -93,8 +134,11 @@ def run(args: argparse.Namespace) -> int:
     if args.prometheus:
         return _run_prometheus(args)
     if not args.collector:
-        print("kvscope advise: give --collector URL (or set KVSCOPE_COLLECTOR_URL) or "
-              "--prometheus URL", file=sys.stderr)
+        print(
+            "kvscope advise: give --collector URL (or set KVSCOPE_COLLECTOR_URL) or "
+            "--prometheus URL",
+            file=sys.stderr,
+        )
         return 2
     from kvscope.advisor import CollectorSource, SourceError, analyze
     from kvscope.advisor.render import no_data_message, source_error_message
@@ -112,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
         report = analyze(source, since, until, args.pool, **analysis_options(args))
     except SourceError as exc:
         return advise_fail(source_error_message(exc, url), 2)
-    return write_advice(args, report, since, until, url,
-                        lambda window: no_data_message(report, url, window, now))
+    return write_advice(
+        args, report, since, until, url, lambda window: no_data_message(report, url, window, now)
+    )
 
 
 def _run_prometheus(args: argparse.Namespace) -> int:
@@ -131,8 +176,9 @@ def _run_prometheus(args: argparse.Namespace) -> int:
         since, until = advise_window(args, now)
         target = prometheus_target(args)
         assert target is not None
-        source = target.source(timeout_s=args.timeout,
-                               lookback_s=max(7 * 86400.0, now - (since or now)))
+        source = target.source(
+            timeout_s=args.timeout, lookback_s=max(7 * 86400.0, now - (since or now))
+        )
     except (ParamError, PromArgError) as exc:
         return advise_fail(str(exc), 2)
     url = target.url
@@ -140,8 +186,14 @@ def _run_prometheus(args: argparse.Namespace) -> int:
         report = analyze_prometheus(source, since, until, args.pool, **analysis_options(args))
     except SourceError as exc:
         return advise_fail(source_error_text(exc, url), 2)
-    return write_advice(args, report, since, until, f"Prometheus {url}",
-                        lambda window: no_data_message(source, report, url, window))
+    return write_advice(
+        args,
+        report,
+        since,
+        until,
+        f"Prometheus {url}",
+        lambda window: no_data_message(source, report, url, window),
+    )
 
 
 def advise_window(args: argparse.Namespace, now: float) -> tuple[float | None, float | None]:
@@ -165,13 +217,23 @@ def advise_fail(message: str, code: int) -> int:
 
 def analysis_options(args: argparse.Namespace) -> dict[str, Any]:
     """The advisor's tuning options of ``kvscope advise`` as keyword arguments."""
-    return {"slo_ttft_p99_s": args.slo_ttft_p99, "slo_e2e_p99_s": args.slo_e2e_p99,
-            "cap_fraction": args.cap_fraction, "min_routing_loss": args.min_routing_loss,
-            "imbalance_threshold": args.imbalance_threshold}
+    return {
+        "slo_ttft_p99_s": args.slo_ttft_p99,
+        "slo_e2e_p99_s": args.slo_e2e_p99,
+        "cap_fraction": args.cap_fraction,
+        "min_routing_loss": args.min_routing_loss,
+        "imbalance_threshold": args.imbalance_threshold,
+    }
 
 
-def write_advice(args: argparse.Namespace, report: Any, since: float | None,
-                 until: float | None, source: str, no_data: Callable[[str], str]) -> int:
+def write_advice(
+    args: argparse.Namespace,
+    report: Any,
+    since: float | None,
+    until: float | None,
+    source: str,
+    no_data: Callable[[str], str],
+) -> int:
     """The report to ``--out`` and to stdout (``--json`` or text); exit 3 with no data,
     saying ``no_data(window)``."""
     from rich.console import Console

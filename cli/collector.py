@@ -23,77 +23,159 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "the advisor, dashboard and report read GET /v1/*."
         ),
     )
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default: 127.0.0.1); any other address needs "
-                        "--token or --allow-unauthenticated")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: 127.0.0.1); any other address needs "
+        "--token or --allow-unauthenticated",
+    )
     p.add_argument("--port", type=int, default=8844, help="port to listen on (default: 8844)")
-    p.add_argument("--store", default="kvscope.duckdb",
-                   help="DuckDB file holding the data (default: ./kvscope.duckdb)")
-    p.add_argument("--token", default=os.environ.get("KVSCOPE_TOKEN") or None,
-                   help="bearer token required on every request but /healthz "
-                        "(default: $KVSCOPE_TOKEN, else none)")
-    p.add_argument("--allow-unauthenticated", action="store_true",
-                   help="listen on a non-loopback address without a token (logs a warning)")
-    p.add_argument("--tls-cert", metavar="PEM", default=None,
-                   help="serve HTTPS with this certificate (chain); needs --tls-key")
-    p.add_argument("--tls-key", metavar="PEM", default=None,
-                   help="private key of --tls-cert")
-    p.add_argument("--max-inflight-mib", type=positive, default=256.0, metavar="MIB",
-                   help="ingest bodies held at once (decompressed); past it ingest answers "
-                        "503 with Retry-After (default: 256)")
-    p.add_argument("--store-memory-mib", type=int, default=2048, metavar="MIB",
-                   help="memory limit of the store (DuckDB); larger queries spill to disk "
-                        "(default: 2048)")
-    p.add_argument("--max-exported-engines", type=int, default=2000, metavar="N",
-                   help="engines with per-engine series on /metrics, the most recently "
-                        "seen (default: 2000); the rest are counted in "
-                        "kvscope_collector_engines_not_exported")
-    p.add_argument("--max-new-engines-per-minute", type=int, default=600, metavar="N",
-                   help="new engine ids accepted per minute; beyond, 429 (default: 600)")
-    p.add_argument("--header-timeout-s", type=positive, default=10.0, metavar="S",
-                   help="close connections whose request headers take longer (default: 10)")
-    p.add_argument("--body-timeout-s", type=positive, default=30.0, metavar="S",
-                   help="answer 408 to an ingest whose body takes longer (default: 30)")
-    p.add_argument("--raw-retention-s", type=float, default=24 * 3600,
-                   help="seconds of raw per-step rows to keep; 1-second windows and "
-                        "requests are kept (default: 86400; 0 keeps them forever)")
-    p.add_argument("--advise-interval-s", type=float, default=60.0,
-                   help="run the advisor over the recent data this often and publish its "
-                        "verdicts on /metrics as kvscope_advisor_* gauges "
-                        "(default: 60; 0 disables)")
-    p.add_argument("--advise-window-s", type=float, default=1800.0,
-                   help="seconds of recent data each advisor run reads (default: 1800)")
-    p.add_argument("--kv-events", choices=("auto", "off"), default="auto",
-                   help="subscribe to vLLM's KV-cache events (ZMQ) of every engine whose "
-                        "hello advertises an endpoint (vLLM --kv-events-config with the zmq "
-                        "publisher) and measure prefix duplication per pool; off never "
-                        "subscribes (default: auto)")
-    p.add_argument("--kv-events-endpoint", metavar="ENGINE_ID=tcp://HOST:PORT",
-                   type=kv_override, action="append", default=[],
-                   help="subscribe to this engine's KV events here instead of the "
-                        "advertised endpoint (repeatable)")
-    p.add_argument("--kv-events-seen-capacity", type=at_least_two, default=2_000_000,
-                   metavar="N",
-                   help="block contents each pool remembers for reseen counting "
-                        "(default: 2000000, about 70 bytes each)")
-    p.add_argument("--otlp-endpoint", metavar="URL", type=otlp_url, default=None,
-                   help="also push the fleet metrics and the advisor's verdicts to this "
-                        "OTLP/HTTP metrics endpoint, e.g. http://otel-collector:4318/v1/metrics "
-                        "(a URL without a path gets /v1/metrics; needs kvscope[otlp]; "
-                        "OTEL_EXPORTER_OTLP_* variables apply; default: off)")
-    p.add_argument("--otlp-interval", metavar="S", type=positive, default=None,
-                   help="seconds between OTLP exports (default: $OTEL_METRIC_EXPORT_INTERVAL "
-                        "in ms, else 60)")
-    p.add_argument("--otlp-header", metavar="'NAME: VALUE'", type=header, action="append",
-                   default=[],
-                   help="HTTP header on every OTLP export, e.g. 'Authorization: Bearer T' "
-                        "(repeatable; added to $OTEL_EXPORTER_OTLP_HEADERS)")
+    p.add_argument(
+        "--store",
+        default="kvscope.duckdb",
+        help="DuckDB file holding the data (default: ./kvscope.duckdb)",
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("KVSCOPE_TOKEN") or None,
+        help="bearer token required on every request but /healthz "
+        "(default: $KVSCOPE_TOKEN, else none)",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        help="listen on a non-loopback address without a token (logs a warning)",
+    )
+    p.add_argument(
+        "--tls-cert",
+        metavar="PEM",
+        default=None,
+        help="serve HTTPS with this certificate (chain); needs --tls-key",
+    )
+    p.add_argument("--tls-key", metavar="PEM", default=None, help="private key of --tls-cert")
+    p.add_argument(
+        "--max-inflight-mib",
+        type=positive,
+        default=256.0,
+        metavar="MIB",
+        help="ingest bodies held at once (decompressed); past it ingest answers "
+        "503 with Retry-After (default: 256)",
+    )
+    p.add_argument(
+        "--store-memory-mib",
+        type=int,
+        default=2048,
+        metavar="MIB",
+        help="memory limit of the store (DuckDB); larger queries spill to disk (default: 2048)",
+    )
+    p.add_argument(
+        "--max-exported-engines",
+        type=int,
+        default=2000,
+        metavar="N",
+        help="engines with per-engine series on /metrics, the most recently "
+        "seen (default: 2000); the rest are counted in "
+        "kvscope_collector_engines_not_exported",
+    )
+    p.add_argument(
+        "--max-new-engines-per-minute",
+        type=int,
+        default=600,
+        metavar="N",
+        help="new engine ids accepted per minute; beyond, 429 (default: 600)",
+    )
+    p.add_argument(
+        "--header-timeout-s",
+        type=positive,
+        default=10.0,
+        metavar="S",
+        help="close connections whose request headers take longer (default: 10)",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=positive,
+        default=30.0,
+        metavar="S",
+        help="answer 408 to an ingest whose body takes longer (default: 30)",
+    )
+    p.add_argument(
+        "--raw-retention-s",
+        type=float,
+        default=24 * 3600,
+        help="seconds of raw per-step rows to keep; 1-second windows and "
+        "requests are kept (default: 86400; 0 keeps them forever)",
+    )
+    p.add_argument(
+        "--advise-interval-s",
+        type=float,
+        default=60.0,
+        help="run the advisor over the recent data this often and publish its "
+        "verdicts on /metrics as kvscope_advisor_* gauges "
+        "(default: 60; 0 disables)",
+    )
+    p.add_argument(
+        "--advise-window-s",
+        type=float,
+        default=1800.0,
+        help="seconds of recent data each advisor run reads (default: 1800)",
+    )
+    p.add_argument(
+        "--kv-events",
+        choices=("auto", "off"),
+        default="auto",
+        help="subscribe to vLLM's KV-cache events (ZMQ) of every engine whose "
+        "hello advertises an endpoint (vLLM --kv-events-config with the zmq "
+        "publisher) and measure prefix duplication per pool; off never "
+        "subscribes (default: auto)",
+    )
+    p.add_argument(
+        "--kv-events-endpoint",
+        metavar="ENGINE_ID=tcp://HOST:PORT",
+        type=kv_override,
+        action="append",
+        default=[],
+        help="subscribe to this engine's KV events here instead of the "
+        "advertised endpoint (repeatable)",
+    )
+    p.add_argument(
+        "--kv-events-seen-capacity",
+        type=at_least_two,
+        default=2_000_000,
+        metavar="N",
+        help="block contents each pool remembers for reseen counting "
+        "(default: 2000000, about 70 bytes each)",
+    )
+    p.add_argument(
+        "--otlp-endpoint",
+        metavar="URL",
+        type=otlp_url,
+        default=None,
+        help="also push the fleet metrics and the advisor's verdicts to this "
+        "OTLP/HTTP metrics endpoint, e.g. http://otel-collector:4318/v1/metrics "
+        "(a URL without a path gets /v1/metrics; needs kvscope[otlp]; "
+        "OTEL_EXPORTER_OTLP_* variables apply; default: off)",
+    )
+    p.add_argument(
+        "--otlp-interval",
+        metavar="S",
+        type=positive,
+        default=None,
+        help="seconds between OTLP exports (default: $OTEL_METRIC_EXPORT_INTERVAL in ms, else 60)",
+    )
+    p.add_argument(
+        "--otlp-header",
+        metavar="'NAME: VALUE'",
+        type=header,
+        action="append",
+        default=[],
+        help="HTTP header on every OTLP export, e.g. 'Authorization: Bearer T' "
+        "(repeatable; added to $OTEL_EXPORTER_OTLP_HEADERS)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    require("collector", "collector",
-             also=("zmq", "msgspec") if args.kv_events != "off" else ())
+    require("collector", "collector", also=("zmq", "msgspec") if args.kv_events != "off" else ())
     if args.otlp_endpoint:
         from kvscope.collector.otlp import MissingOtlpError, require_sdk
 
@@ -109,11 +191,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvscope collector: {exc}", file=sys.stderr)
         return 2
     if settings.token is None and not is_loopback(settings.host) and not args.allow_unauthenticated:
-        print(f"kvscope collector: refusing to listen on {settings.host} without a token: anyone "
-              "who can reach it could write and read all data.\n"
-              "Give --token (or set KVSCOPE_TOKEN) and the same token to the engines "
-              "(KVSCOPE_TOKEN) and readers, or listen on 127.0.0.1, or pass "
-              "--allow-unauthenticated if the network is trusted.", file=sys.stderr)
+        print(
+            f"kvscope collector: refusing to listen on {settings.host} without a token: anyone "
+            "who can reach it could write and read all data.\n"
+            "Give --token (or set KVSCOPE_TOKEN) and the same token to the engines "
+            "(KVSCOPE_TOKEN) and readers, or listen on 127.0.0.1, or pass "
+            "--allow-unauthenticated if the network is trusted.",
+            file=sys.stderr,
+        )
         return 2
     for path in (settings.tls_cert_file, settings.tls_key_file):
         if path is not None and not os.path.isfile(path):
@@ -165,5 +250,6 @@ def otlp_url(text: str) -> str:
     scheme, sep, rest = text.partition("://")
     if scheme not in ("http", "https") or not sep or not rest.strip("/"):
         raise argparse.ArgumentTypeError(
-            f"expected an http(s) URL such as http://otel-collector:4318/v1/metrics, got {text!r}")
+            f"expected an http(s) URL such as http://otel-collector:4318/v1/metrics, got {text!r}"
+        )
     return text

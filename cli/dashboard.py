@@ -29,8 +29,10 @@ from kvscope.dashboard.settings import (
 
 APP = Path(__file__).resolve().parent.parent / "dashboard" / "app.py"
 _NEEDED = ("streamlit", "altair", "pandas", "numpy", "rich", "aiohttp", "duckdb")
-INSTALL_HINT = ("kvscope dashboard: this command needs the 'dashboard' extra ({missing} is "
-                "not installed).\nInstall it with:  pip install 'kvscope[dashboard]'")
+INSTALL_HINT = (
+    "kvscope dashboard: this command needs the 'dashboard' extra ({missing} is "
+    "not installed).\nInstall it with:  pip install 'kvscope[dashboard]'"
+)
 
 
 def missing_dependency() -> str | None:
@@ -67,30 +69,59 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "plateau with knee and cap, the ranked recommendations with the change to copy,\n"
             "and prefix caching and routing."
         ),
-        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     env_url = os.environ.get("KVSCOPE_COLLECTOR_URL")
-    p.add_argument("--collector", metavar="URL", default=env_url,
-                   help="base URL of the kvscope collector (default: $KVSCOPE_COLLECTOR_URL)")
-    p.add_argument("--demo", action="store_true",
-                   help="start a collector on a temporary store, replay the bundled real vLLM "
-                        "recordings into it (three engines, two pools) and show them")
-    p.add_argument("--token", default=os.environ.get("KVSCOPE_TOKEN"),
-                   help="the collector's bearer token (default: $KVSCOPE_TOKEN)")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address the dashboard listens on (default: 127.0.0.1)")
+    p.add_argument(
+        "--collector",
+        metavar="URL",
+        default=env_url,
+        help="base URL of the kvscope collector (default: $KVSCOPE_COLLECTOR_URL)",
+    )
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help="start a collector on a temporary store, replay the bundled real vLLM "
+        "recordings into it (three engines, two pools) and show them",
+    )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("KVSCOPE_TOKEN"),
+        help="the collector's bearer token (default: $KVSCOPE_TOKEN)",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address the dashboard listens on (default: 127.0.0.1)"
+    )
     p.add_argument("--port", type=int, default=8501, help="dashboard port (default: 8501)")
-    p.add_argument("--since", default=None,
-                   help="default window: a duration ago (30m, 2h, 7d) or unix seconds "
-                        "(default: 30m; with --demo 3h)")
+    p.add_argument(
+        "--since",
+        default=None,
+        help="default window: a duration ago (30m, 2h, 7d) or unix seconds "
+        "(default: 30m; with --demo 3h)",
+    )
     p.add_argument("--pool", default=None, help="only the engines of this pool")
-    p.add_argument("--refresh", type=float, default=10.0, metavar="S",
-                   help="seconds between automatic refreshes; 0 turns them off (default: 10)")
-    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
-                   help="seconds per HTTP request to the collector (default: 30)")
-    p.add_argument("--demo-dir", default=None, metavar="DIR",
-                   help="with --demo: keep the store and the collector's log here "
-                        "(default: a temporary folder, removed on exit)")
+    p.add_argument(
+        "--refresh",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between automatic refreshes; 0 turns them off (default: 10)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds per HTTP request to the collector (default: 30)",
+    )
+    p.add_argument(
+        "--demo-dir",
+        default=None,
+        metavar="DIR",
+        help="with --demo: keep the store and the collector's log here "
+        "(default: a temporary folder, removed on exit)",
+    )
     from kvscope.sources.prometheus.target import add_prometheus_arguments
 
     add_prometheus_arguments(p)
@@ -99,12 +130,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def streamlit_command(app_argv: list[str], host: str, port: int) -> list[str]:
     """The ``streamlit run`` command line serving the app with ``app_argv``."""
-    return [sys.executable, "-m", "streamlit", "run", str(APP),
-            "--server.address", host, "--server.port", str(port),
-            "--server.headless", "true", "--browser.gatherUsageStats", "false",
-            "--server.fileWatcherType", "none", "--server.runOnSave", "false",
-            "--client.toolbarMode", "viewer",
-            "--", *app_argv]
+    return [
+        sys.executable,
+        "-m",
+        "streamlit",
+        "run",
+        str(APP),
+        "--server.address",
+        host,
+        "--server.port",
+        str(port),
+        "--server.headless",
+        "true",
+        "--browser.gatherUsageStats",
+        "false",
+        "--server.fileWatcherType",
+        "none",
+        "--server.runOnSave",
+        "false",
+        "--client.toolbarMode",
+        "viewer",
+        "--",
+        *app_argv,
+    ]
 
 
 def _loopback(host: str) -> bool:
@@ -128,14 +176,18 @@ def serve(settings: DashboardSettings, host: str, port: int) -> int:
     if settings.prometheus is not None:
         env.update(settings.prometheus.environ())
     env.setdefault("PYTHONUNBUFFERED", "1")
-    print(f"kvscope dashboard: http://{host}:{port}/ reading {settings.source_label}"
-          f" (window {settings.since}, refresh "
-          f"{f'every {settings.refresh_s:g} s' if settings.refresh_s else 'off'}); Ctrl-C stops",
-          flush=True)
+    print(
+        f"kvscope dashboard: http://{host}:{port}/ reading {settings.source_label}"
+        f" (window {settings.since}, refresh "
+        f"{f'every {settings.refresh_s:g} s' if settings.refresh_s else 'off'}); Ctrl-C stops",
+        flush=True,
+    )
     if not _loopback(host):
-        print(f"kvscope dashboard: listening on {host}: the dashboard has no login; anyone "
-              f"who reaches it sees what the {settings.source_label.split()[0]} holds",
-              file=sys.stderr)
+        print(
+            f"kvscope dashboard: listening on {host}: the dashboard has no login; anyone "
+            f"who reaches it sees what the {settings.source_label.split()[0]} holds",
+            file=sys.stderr,
+        )
     proc = subprocess.Popen(streamlit_command(to_argv(settings), host, port), env=env)
     try:
         return proc.wait()
@@ -181,6 +233,7 @@ def _run(args: argparse.Namespace) -> int:
     if missing:
         print(INSTALL_HINT.format(missing=missing), file=sys.stderr)
         return 2
+
     def fail(message: str) -> int:
         print(f"kvscope dashboard: {message}", file=sys.stderr)
         return 2
@@ -189,12 +242,15 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.demo and args.collector and args.collector != os.environ.get("KVSCOPE_COLLECTOR_URL"):
         return fail("--demo starts its own collector; leave out --collector")
-    if args.prometheus and (args.demo or (args.collector and args.collector != os.environ.get(
-            "KVSCOPE_COLLECTOR_URL"))):
+    if args.prometheus and (
+        args.demo or (args.collector and args.collector != os.environ.get("KVSCOPE_COLLECTOR_URL"))
+    ):
         return fail("--prometheus reads Prometheus; leave out --collector and --demo")
     if not args.demo and not args.collector and not args.prometheus:
-        return fail("pass --collector URL (or set KVSCOPE_COLLECTOR_URL), --prometheus URL, "
-                    "or --demo to look at the bundled recordings")
+        return fail(
+            "pass --collector URL (or set KVSCOPE_COLLECTOR_URL), --prometheus URL, "
+            "or --demo to look at the bundled recordings"
+        )
     try:
         prom = prometheus_target(args)
     except PromArgError as exc:
@@ -208,22 +264,51 @@ def _run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         return fail(str(exc))
     if prom is not None:
-        return serve(DashboardSettings(since=since, refresh_s=args.refresh,
-                                       timeout_s=args.timeout, pool=args.pool, prometheus=prom),
-                     args.host, args.port)
+        return serve(
+            DashboardSettings(
+                since=since,
+                refresh_s=args.refresh,
+                timeout_s=args.timeout,
+                pool=args.pool,
+                prometheus=prom,
+            ),
+            args.host,
+            args.port,
+        )
     if not args.demo:
-        return serve(DashboardSettings(collector_url=normalize_url(args.collector),
-                                       token=args.token, since=since, refresh_s=args.refresh,
-                                       timeout_s=args.timeout, pool=args.pool),
-                     args.host, args.port)
+        return serve(
+            DashboardSettings(
+                collector_url=normalize_url(args.collector),
+                token=args.token,
+                since=since,
+                refresh_s=args.refresh,
+                timeout_s=args.timeout,
+                pool=args.pool,
+            ),
+            args.host,
+            args.port,
+        )
     from kvscope.dashboard.demo import DEMO_FLEET, demo_collector
 
-    print(f"kvscope dashboard --demo: starting a collector and replaying {len(DEMO_FLEET)} "
-          "real vLLM recordings into it (about a minute)...", flush=True)
+    print(
+        f"kvscope dashboard --demo: starting a collector and replaying {len(DEMO_FLEET)} "
+        "real vLLM recordings into it (about a minute)...",
+        flush=True,
+    )
     with demo_collector(args.demo_dir) as c:
-        print(f"kvscope dashboard --demo: collector {c.url} (store {c.store_path}) holds "
-              + ", ".join(f"{e.engine_id} ({e.recording}, pool {e.pool})" for e in DEMO_FLEET),
-              flush=True)
-        return serve(DashboardSettings(collector_url=c.url, since=since,
-                                       refresh_s=args.refresh, timeout_s=args.timeout,
-                                       pool=args.pool), args.host, args.port)
+        print(
+            f"kvscope dashboard --demo: collector {c.url} (store {c.store_path}) holds "
+            + ", ".join(f"{e.engine_id} ({e.recording}, pool {e.pool})" for e in DEMO_FLEET),
+            flush=True,
+        )
+        return serve(
+            DashboardSettings(
+                collector_url=c.url,
+                since=since,
+                refresh_s=args.refresh,
+                timeout_s=args.timeout,
+                pool=args.pool,
+            ),
+            args.host,
+            args.port,
+        )

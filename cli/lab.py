@@ -25,8 +25,9 @@ def add_sweep(sub: argparse._SubParsersAction) -> None:
         p.add_argument("rest", nargs=argparse.REMAINDER)
     else:
         add_sweep_arguments(p)
-    p.add_argument("--allow-errors", action="store_true",
-                   help="exit 0 even when some requests failed")
+    p.add_argument(
+        "--allow-errors", action="store_true", help="exit 0 even when some requests failed"
+    )
     p.set_defaults(func=run_sweep_command)
 
 
@@ -55,17 +56,32 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
             "where to look."
         ),
     )
-    p.add_argument("--live", action="store_true",
-                   help="start the real vLLM CPU engine and a sweep instead of replaying")
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="start the real vLLM CPU engine and a sweep instead of replaying",
+    )
     p.add_argument("--port", type=int, default=8844, help="collector port (default: 8844)")
-    p.add_argument("--store", default=".kvscope/demo.duckdb",
-                   help="store file, recreated on each run (default: .kvscope/demo.duckdb)")
-    p.add_argument("--recording", default=None,
-                   help="recording to replay (default: the bundled real overload run)")
-    p.add_argument("--serve", action="store_true",
-                   help="keep the collector running after the demo until Ctrl-C")
-    p.add_argument("--workdir", default=".kvscope",
-                   help="where --live builds its model and keeps logs (default: .kvscope)")
+    p.add_argument(
+        "--store",
+        default=".kvscope/demo.duckdb",
+        help="store file, recreated on each run (default: .kvscope/demo.duckdb)",
+    )
+    p.add_argument(
+        "--recording",
+        default=None,
+        help="recording to replay (default: the bundled real overload run)",
+    )
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="keep the collector running after the demo until Ctrl-C",
+    )
+    p.add_argument(
+        "--workdir",
+        default=".kvscope",
+        help="where --live builds its model and keeps logs (default: .kvscope)",
+    )
     p.set_defaults(func=run_demo_command)
 
 
@@ -87,17 +103,30 @@ def add_record(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--out", required=True, help="output file (.jsonl.gz)")
-    p.add_argument("--regime", default="kv-starved",
-                   choices=["kv-starved", "ample-kv", "seq-capped"],
-                   help="engine configuration to record (default: kv-starved)")
-    p.add_argument("--concurrency", default="1,2,4,8,16,32",
-                   help="comma-separated concurrency levels (default: 1,2,4,8,16,32)")
-    p.add_argument("--duration", type=float, default=10.0,
-                   help="seconds per level (default: 10)")
-    p.add_argument("--shared-prefix-words", type=int, default=40,
-                   help="words of shared prompt prefix, to exercise the prefix cache (default: 40)")
-    p.add_argument("--prefix-groups", type=int, default=4,
-                   help="number of distinct shared prefixes (default: 4)")
+    p.add_argument(
+        "--regime",
+        default="kv-starved",
+        choices=["kv-starved", "ample-kv", "seq-capped"],
+        help="engine configuration to record (default: kv-starved)",
+    )
+    p.add_argument(
+        "--concurrency",
+        default="1,2,4,8,16,32",
+        help="comma-separated concurrency levels (default: 1,2,4,8,16,32)",
+    )
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per level (default: 10)")
+    p.add_argument(
+        "--shared-prefix-words",
+        type=int,
+        default=40,
+        help="words of shared prompt prefix, to exercise the prefix cache (default: 40)",
+    )
+    p.add_argument(
+        "--prefix-groups",
+        type=int,
+        default=4,
+        help="number of distinct shared prefixes (default: 4)",
+    )
     p.add_argument("--workdir", default=".kvscope", help="model and log folder")
     p.set_defaults(func=run_record_command)
 

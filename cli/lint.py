@@ -39,12 +39,26 @@ from kvscope.args import duration
 from kvscope.sources.prometheus.promql import Expr, PromQLError, scan
 from kvscope.sources.prometheus.vllm_metrics import change_for, replacement
 
-__all__ = ["Exposure", "LintError", "Problem", "Query", "add_parser", "check", "load_queries",
-           "run"]
+__all__ = [
+    "Exposure",
+    "LintError",
+    "Problem",
+    "Query",
+    "add_parser",
+    "check",
+    "load_queries",
+    "run",
+]
 
 SCRAPE_LABELS = frozenset({"job", "instance"})
-_GRAFANA_VARS = (("$__rate_interval", "1m"), ("$__interval", "1m"), ("$__range", "1h"),
-                 ("${__rate_interval}", "1m"), ("${__interval}", "1m"), ("${__range}", "1h"))
+_GRAFANA_VARS = (
+    ("$__rate_interval", "1m"),
+    ("$__interval", "1m"),
+    ("$__range", "1h"),
+    ("${__rate_interval}", "1m"),
+    ("${__interval}", "1m"),
+    ("${__range}", "1h"),
+)
 
 
 class LintError(ValueError):
@@ -118,8 +132,12 @@ def _dashboard_queries(doc: dict[str, Any]) -> list[Query]:
     for p in _panels(panels):
         title = p.get("title") or f"panel {p.get('id', '?')}"
         for t in p.get("targets") or []:
-            if isinstance(t, dict) and isinstance(t.get("expr"), str) and t["expr"].strip() \
-                    and _is_prometheus(t.get("datasource", p.get("datasource"))):
+            if (
+                isinstance(t, dict)
+                and isinstance(t.get("expr"), str)
+                and t["expr"].strip()
+                and _is_prometheus(t.get("datasource", p.get("datasource")))
+            ):
                 out.append(Query(f"panel {title!r} [{t.get('refId', '?')}]", t["expr"]))
     for v in (dash.get("templating") or {}).get("list") or []:
         if isinstance(v, dict) and v.get("type") == "query" and _is_prometheus(v.get("datasource")):
@@ -174,8 +192,9 @@ def load_queries(path: str | Path) -> tuple[list[Query], set[str]]:
             raise LintError(f"{p}: not valid YAML: {e}") from e
         queries, records = _rules_queries(doc)
     if not queries:
-        raise LintError(f"{p}: no PromQL expressions found (panel targets, template "
-                        "queries or rules)")
+        raise LintError(
+            f"{p}: no PromQL expressions found (panel targets, template queries or rules)"
+        )
     return queries, records
 
 
@@ -208,8 +227,7 @@ class Exposure:
         except ValueError as e:
             raise LintError(f"{source}: not a Prometheus text exposition: {e}") from None
         if not exp.labels:
-            raise LintError(f"{source}: no samples found: is it a Prometheus /metrics "
-                            "exposition?")
+            raise LintError(f"{source}: no samples found: is it a Prometheus /metrics exposition?")
         # Families declared without a series yet (a counter nothing incremented, a gauge
         # for a feature not in use): their names exist, their labels are unknown.
         for fam, kind in exp.types.items():
@@ -228,8 +246,10 @@ class Exposure:
 
     def family_type(self, name: str) -> str | None:
         for fam, kind in self.types.items():
-            if name == fam or (name.startswith(fam) and name[len(fam):] in (
-                    "_total", "_bucket", "_sum", "_count", "_created")):
+            if name == fam or (
+                name.startswith(fam)
+                and name[len(fam) :] in ("_total", "_bucket", "_sum", "_count", "_created")
+            ):
                 return kind
         return None
 
@@ -269,9 +289,15 @@ def exposure_of_target(target: str, timeout_s: float = 10.0) -> Exposure:
         raise LintError(f"cannot read {target}: {e.strerror or e}") from e
 
 
-def exposure_of_prometheus(url: str, wanted: Iterable[str], *, selector: str | None = None,
-                           since_s: float = 3600.0, timeout_s: float = 30.0,
-                           auth: Any = None) -> Exposure:
+def exposure_of_prometheus(
+    url: str,
+    wanted: Iterable[str],
+    *,
+    selector: str | None = None,
+    since_s: float = 3600.0,
+    timeout_s: float = 30.0,
+    auth: Any = None,
+) -> Exposure:
     """Names stored in a Prometheus over the last ``since_s``, with the label names of the
     ``wanted`` ones (those a file references) and the families' types (metadata API)."""
     from kvscope.advisor.sources import SourceError
@@ -285,8 +311,9 @@ def exposure_of_prometheus(url: str, wanted: Iterable[str], *, selector: str | N
     client = PromClient(url, timeout_s=timeout_s, auth=auth)
     now = time.time()
     try:
-        names = client.label_values("__name__", with_matchers("", inner, '__name__=~".+"'),
-                                    now - since_s, now)
+        names = client.label_values(
+            "__name__", with_matchers("", inner, '__name__=~".+"'), now - since_s, now
+        )
         exp = Exposure(f"Prometheus {url}", implicit_labels=frozenset())
         for n in names:
             exp.labels[n] = set()
@@ -330,31 +357,48 @@ def _metric_fix(name: str, exp: Exposure) -> tuple[str, str, str]:
         when = f"deprecated in vLLM {c.deprecated}, removed {c.removed}"
         if new:
             there = "" if new in have else f" (not exposed by {exp.source} either)"
-            return ("renamed", f"{name} is not exposed: vLLM renamed it ({when})",
-                    f"use {new}{there}" + (f"; {c.note}" if c.note else ""))
-        return ("removed", f"{name} is not exposed: vLLM removed it ({when})",
-                (f"use {c.promql}" if c.promql else "no replacement")
-                + (f" ({c.note})" if c.note else ""))
+            return (
+                "renamed",
+                f"{name} is not exposed: vLLM renamed it ({when})",
+                f"use {new}{there}" + (f"; {c.note}" if c.note else ""),
+            )
+        return (
+            "removed",
+            f"{name} is not exposed: vLLM removed it ({when})",
+            (f"use {c.promql}" if c.promql else "no replacement")
+            + (f" ({c.note})" if c.note else ""),
+        )
     if f"{name}_total" in have:
-        return ("missing_total", f"{name} is not exposed: it is a counter, exposed as "
-                f"{name}_total", f"add _total: {name}_total")
+        return (
+            "missing_total",
+            f"{name} is not exposed: it is a counter, exposed as {name}_total",
+            f"add _total: {name}_total",
+        )
     if f"{name}_bucket" in have:
-        return ("histogram_base", f"{name} is not exposed: it is a histogram",
-                f"use {name}_bucket (with histogram_quantile), {name}_sum or {name}_count")
+        return (
+            "histogram_base",
+            f"{name} is not exposed: it is a histogram",
+            f"use {name}_bucket (with histogram_quantile), {name}_sum or {name}_count",
+        )
     if name.endswith("_total") and name[:-6] in have:
         return ("extra_total", f"{name} is not exposed", f"remove _total: {name[:-6]}")
     close = difflib.get_close_matches(name, sorted(have), n=3, cutoff=0.75)
-    return ("missing_metric", f"{name} is not exposed by {exp.source}",
-            f"closest: {', '.join(close)}" if close else "")
+    return (
+        "missing_metric",
+        f"{name} is not exposed by {exp.source}",
+        f"closest: {', '.join(close)}" if close else "",
+    )
 
 
-def _check_expr(file: str, q: Query, exp: Exposure, records: set[str],
-                unchecked: set[str]) -> list[Problem]:
+def _check_expr(
+    file: str, q: Query, exp: Exposure, records: set[str], unchecked: set[str]
+) -> list[Problem]:
     try:
         ex: Expr = scan(_substitute(q.expr))
     except PromQLError as e:
-        return [Problem(file, q.where, q.expr, "parse_error", "", f"cannot read the "
-                        f"expression: {e}")]
+        return [
+            Problem(file, q.where, q.expr, "parse_error", "", f"cannot read the expression: {e}")
+        ]
     out: list[Problem] = []
     prefixes = exp.prefixes()
     found: list[str] = []
@@ -369,8 +413,16 @@ def _check_expr(file: str, q: Query, exp: Exposure, records: set[str],
                 except re.error:
                     ok = True
                 if not ok:
-                    out.append(Problem(file, q.where, q.expr, "regex_no_match", rx,
-                                       f'{{__name__=~"{rx}"}} matches no exposed metric'))
+                    out.append(
+                        Problem(
+                            file,
+                            q.where,
+                            q.expr,
+                            "regex_no_match",
+                            rx,
+                            f'{{__name__=~"{rx}"}} matches no exposed metric',
+                        )
+                    )
             continue
         name = sel.name
         if name in records:
@@ -388,25 +440,41 @@ def _check_expr(file: str, q: Query, exp: Exposure, records: set[str],
         have = exp.labels[name] | exp.implicit_labels
         for m in sel.label_matchers():
             if m.label not in have and not _matches_empty(m.op, m.value):
-                out.append(Problem(
-                    file, q.where, q.expr, "missing_label", f"{name}{{{m.label}}}",
-                    f"label {m.label} is not present on {name}",
-                    f"available: {', '.join(sorted(have)) or 'none'}"))
+                out.append(
+                    Problem(
+                        file,
+                        q.where,
+                        q.expr,
+                        "missing_label",
+                        f"{name}{{{m.label}}}",
+                        f"label {m.label} is not present on {name}",
+                        f"available: {', '.join(sorted(have)) or 'none'}",
+                    )
+                )
     if found:
-        have = set().union(*(exp.labels[n] for n in found)) | exp.implicit_labels \
-            | ex.created_labels
+        have = (
+            set().union(*(exp.labels[n] for n in found)) | exp.implicit_labels | ex.created_labels
+        )
         for keyword, label in ex.grouping:
             if label not in have and not label.startswith("$"):
-                out.append(Problem(
-                    file, q.where, q.expr, "grouping_label", label,
-                    f"label {label} (in {keyword}(...)) is not present on "
-                    f"{', '.join(sorted(set(found)))}",
-                    f"available: {', '.join(sorted(have)) or 'none'}"))
+                out.append(
+                    Problem(
+                        file,
+                        q.where,
+                        q.expr,
+                        "grouping_label",
+                        label,
+                        f"label {label} (in {keyword}(...)) is not present on "
+                        f"{', '.join(sorted(set(found)))}",
+                        f"available: {', '.join(sorted(have)) or 'none'}",
+                    )
+                )
     return out
 
 
-def check(file: str, queries: list[Query], exp: Exposure, records: set[str] | None = None
-          ) -> tuple[list[Problem], set[str]]:
+def check(
+    file: str, queries: list[Query], exp: Exposure, records: set[str] | None = None
+) -> tuple[list[Problem], set[str]]:
     """Problems of every query, and the metric names left unchecked (foreign prefixes)."""
     unchecked: set[str] = set()
     out: list[Problem] = []
@@ -427,24 +495,47 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "rules file (YAML) against what a target exposes: each metric that does not\n"
             "exist (renamed by vLLM, a counter without _total, a histogram without _bucket)\n"
             "and each label that is not there is reported with the fix.\n"
-            "Exit codes: 0 clean, 1 problems found, 2 bad input."),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("files", nargs="+", metavar="DASHBOARD_OR_RULES",
-                   help="Grafana dashboard JSON or Prometheus rules YAML")
+            "Exit codes: 0 clean, 1 problems found, 2 bad input."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "files",
+        nargs="+",
+        metavar="DASHBOARD_OR_RULES",
+        help="Grafana dashboard JSON or Prometheus rules YAML",
+    )
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--against", metavar="URL_OR_FILE",
-                       help="a live /metrics URL (http://host:8000/metrics) or a saved exposition")
+    where.add_argument(
+        "--against",
+        metavar="URL_OR_FILE",
+        help="a live /metrics URL (http://host:8000/metrics) or a saved exposition",
+    )
     from kvscope.sources.prometheus.target import add_prometheus_arguments
 
     add_prometheus_arguments(p, url_group=where, analysis=False)
-    p.add_argument("--since", type=duration, default=3600.0, metavar="DURATION",
-                   help="with --prometheus: how much history to look at, e.g. 30m, 6h or "
-                        "seconds (default: 1h)")
-    p.add_argument("--extra-labels", default="", metavar="A,B",
-                   help="labels the scrape adds besides job and instance (relabeling)")
+    p.add_argument(
+        "--since",
+        type=duration,
+        default=3600.0,
+        metavar="DURATION",
+        help="with --prometheus: how much history to look at, e.g. 30m, 6h or "
+        "seconds (default: 1h)",
+    )
+    p.add_argument(
+        "--extra-labels",
+        default="",
+        metavar="A,B",
+        help="labels the scrape adds besides job and instance (relabeling)",
+    )
     p.add_argument("--json", action="store_true", help="print the problems as JSON")
-    p.add_argument("--timeout", type=float, default=10.0, metavar="S",
-                   help="seconds per HTTP request (default 10)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds per HTTP request (default 10)",
+    )
     p.set_defaults(func=run)
 
 
@@ -467,11 +558,17 @@ def run(args: argparse.Namespace) -> int:
             except PromArgError as e:
                 raise LintError(str(e)) from None
             assert target is not None
-            names = {s.name for _, qs, _ in loaded for q in qs
-                     for s in _safe_selectors(q.expr) if s.name}
-            exp = exposure_of_prometheus(target.url, names, selector=target.selector,
-                                         since_s=args.since, timeout_s=args.timeout,
-                                         auth=target.auth)
+            names = {
+                s.name for _, qs, _ in loaded for q in qs for s in _safe_selectors(q.expr) if s.name
+            }
+            exp = exposure_of_prometheus(
+                target.url,
+                names,
+                selector=target.selector,
+                since_s=args.since,
+                timeout_s=args.timeout,
+                auth=target.auth,
+            )
         else:
             exp = exposure_of_target(args.against, args.timeout)
     except LintError as e:
@@ -487,17 +584,31 @@ def run(args: argparse.Namespace) -> int:
         unchecked |= skipped
         n_queries += len(queries)
     if args.json:
-        print(json.dumps({"target": exp.source, "queries": n_queries,
-                          "problems": [asdict(p) for p in problems],
-                          "unchecked_metrics": sorted(unchecked)}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "target": exp.source,
+                    "queries": n_queries,
+                    "problems": [asdict(p) for p in problems],
+                    "unchecked_metrics": sorted(unchecked),
+                },
+                indent=2,
+            )
+        )
     else:
         for p in problems:
             print(p.line())
-        tail = (f"; {len(unchecked)} metric(s) of other exporters not checked: "
-                f"{', '.join(sorted(unchecked))}" if unchecked else "")
+        tail = (
+            f"; {len(unchecked)} metric(s) of other exporters not checked: "
+            f"{', '.join(sorted(unchecked))}"
+            if unchecked
+            else ""
+        )
         verdict = f"{len(problems)} problem(s)" if problems else "clean"
-        print(f"{verdict}: {n_queries} queries in {len(args.files)} file(s) checked against "
-              f"{exp.source}{tail}")
+        print(
+            f"{verdict}: {n_queries} queries in {len(args.files)} file(s) checked against "
+            f"{exp.source}{tail}"
+        )
     return 1 if problems else 0
 
 

@@ -21,15 +21,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvscope",
         description=(
-            "kvscope: where a vLLM server's throughput stops growing, why, and what "
-            "to change."
+            "kvscope: where a vLLM server's throughput stops growing, why, and what to change."
         ),
     )
     parser.add_argument("--version", action="version", version=f"kvscope {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (lab.add_demo, collector.add_parser, advise.add_parser, report.add_parser,
-                dashboard.add_parser, lab.add_sweep, lab.add_record, lint.add_parser):
+    for add in (
+        lab.add_demo,
+        collector.add_parser,
+        advise.add_parser,
+        report.add_parser,
+        dashboard.add_parser,
+        lab.add_sweep,
+        lab.add_record,
+        lint.add_parser,
+    ):
         add(sub)
     return parser
 

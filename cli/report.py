@@ -44,44 +44,91 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "changed since the week before (configuration, knee and plateau moves, new\n"
             "and resolved problems)."
         ),
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--collector", metavar="URL", default=None,
-                       help="base URL of the kvscope collector (default: "
-                            "$KVSCOPE_COLLECTOR_URL)")
-    where.add_argument("--store", metavar="PATH", default=None,
-                       help="read a store file offline instead (read-only; not while a "
-                            "collector has it open)")
+    where.add_argument(
+        "--collector",
+        metavar="URL",
+        default=None,
+        help="base URL of the kvscope collector (default: $KVSCOPE_COLLECTOR_URL)",
+    )
+    where.add_argument(
+        "--store",
+        metavar="PATH",
+        default=None,
+        help="read a store file offline instead (read-only; not while a collector has it open)",
+    )
     from kvscope.sources.prometheus.target import add_prometheus_arguments
 
     add_prometheus_arguments(p, url_group=where)
-    p.add_argument("--token", default=os.environ.get("KVSCOPE_TOKEN"),
-                   help="the collector's bearer token (default: $KVSCOPE_TOKEN)")
+    p.add_argument(
+        "--token",
+        default=os.environ.get("KVSCOPE_TOKEN"),
+        help="the collector's bearer token (default: $KVSCOPE_TOKEN)",
+    )
     p.add_argument("--since", default="7d", help="start of the week (default: 7d)")
     p.add_argument("--until", default=None, help="end of the week (default: now)")
     p.add_argument("--pool", default=None, help="only the engines of this pool")
-    p.add_argument("--out", metavar="DIR", default="kvscope-report",
-                   help="folder for report.html, report.md, report.json "
-                        "(default: ./kvscope-report)")
-    p.add_argument("--slo-ttft-p99", type=positive, default=None, metavar="S",
-                   help="P99 time-to-first-token target in seconds (lowers the cap)")
-    p.add_argument("--slo-e2e-p99", type=positive, default=None, metavar="S",
-                   help="P99 end-to-end latency target in seconds (lowers the cap)")
-    p.add_argument("--cap-fraction", type=fraction, default=0.9, metavar="F",
-                   help="share of the plateau the cap must keep (default: 0.9)")
-    p.add_argument("--min-routing-loss", type=fraction, default=0.05,
-                   metavar="F", help="routing loss that calls for prefix-aware routing "
-                                     "(default: 0.05)")
-    p.add_argument("--imbalance-threshold", type=ratio, default=1.25,
-                   metavar="R", help="busiest / mean load flagged (default: 1.25)")
-    p.add_argument("--max-windows-per-engine", type=count, default=None, metavar="N",
-                   help="with --store: the advisor's fits read at most about N 1-second "
-                        "windows per engine, in whole 5-minute blocks (default: 30000; 0 "
-                        "reads every window into memory); usage per day always counts "
-                        "every window")
-    p.add_argument("--timeout", type=positive, default=60.0, metavar="S",
-                   help="seconds per HTTP request to the collector or Prometheus (default: 60)")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default="kvscope-report",
+        help="folder for report.html, report.md, report.json (default: ./kvscope-report)",
+    )
+    p.add_argument(
+        "--slo-ttft-p99",
+        type=positive,
+        default=None,
+        metavar="S",
+        help="P99 time-to-first-token target in seconds (lowers the cap)",
+    )
+    p.add_argument(
+        "--slo-e2e-p99",
+        type=positive,
+        default=None,
+        metavar="S",
+        help="P99 end-to-end latency target in seconds (lowers the cap)",
+    )
+    p.add_argument(
+        "--cap-fraction",
+        type=fraction,
+        default=0.9,
+        metavar="F",
+        help="share of the plateau the cap must keep (default: 0.9)",
+    )
+    p.add_argument(
+        "--min-routing-loss",
+        type=fraction,
+        default=0.05,
+        metavar="F",
+        help="routing loss that calls for prefix-aware routing (default: 0.05)",
+    )
+    p.add_argument(
+        "--imbalance-threshold",
+        type=ratio,
+        default=1.25,
+        metavar="R",
+        help="busiest / mean load flagged (default: 1.25)",
+    )
+    p.add_argument(
+        "--max-windows-per-engine",
+        type=count,
+        default=None,
+        metavar="N",
+        help="with --store: the advisor's fits read at most about N 1-second "
+        "windows per engine, in whole 5-minute blocks (default: 30000; 0 "
+        "reads every window into memory); usage per day always counts "
+        "every window",
+    )
+    p.add_argument(
+        "--timeout",
+        type=positive,
+        default=60.0,
+        metavar="S",
+        help="seconds per HTTP request to the collector or Prometheus (default: 60)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=run)
 
@@ -121,16 +168,20 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc), 2)
     if since >= until:
         return fail(f"--since ({args.since}) must be before --until ({args.until or 'now'})", 2)
-    url = args.collector or (None if args.store or args.prometheus
-                             else os.environ.get("KVSCOPE_COLLECTOR_URL"))
+    url = args.collector or (
+        None if args.store or args.prometheus else os.environ.get("KVSCOPE_COLLECTOR_URL")
+    )
     source: HttpSource | StoreSource | PromReportSource
     prom: PromReportSource | None = None
     if args.prometheus:
         try:
             target = prometheus_target(args)
             assert target is not None
-            prom = source = PromReportSource(target.source(
-                timeout_s=args.timeout, lookback_s=max(7 * 86400.0, 2 * (until - since))))
+            prom = source = PromReportSource(
+                target.source(
+                    timeout_s=args.timeout, lookback_s=max(7 * 86400.0, 2 * (until - since))
+                )
+            )
         except PromArgError as exc:
             return fail(str(exc), 2)
         url = target.url
@@ -146,28 +197,48 @@ def run(args: argparse.Namespace) -> int:
         source = HttpSource(url, token=args.token, timeout_s=args.timeout)
         label = f"collector {url}"
     else:
-        return fail("give --collector URL (or set KVSCOPE_COLLECTOR_URL), --store PATH or "
-                    "--prometheus URL", 2)
-    bar = tqdm(total=BUILD_STEPS + WRITE_STEPS, desc="kvscope report", unit="step",
-               file=sys.stderr, disable=args.no_progress, leave=False)
+        return fail(
+            "give --collector URL (or set KVSCOPE_COLLECTOR_URL), --store PATH or --prometheus URL",
+            2,
+        )
+    bar = tqdm(
+        total=BUILD_STEPS + WRITE_STEPS,
+        desc="kvscope report",
+        unit="step",
+        file=sys.stderr,
+        disable=args.no_progress,
+        leave=False,
+    )
     try:
         if prom is not None:
             bar.set_description("reading two weeks from Prometheus")
             prom.read(since - (until - since), until)
-        sample_kw = ({} if args.max_windows_per_engine is None else
-                     {"max_windows_per_engine": args.max_windows_per_engine or None})
+        sample_kw = (
+            {}
+            if args.max_windows_per_engine is None
+            else {"max_windows_per_engine": args.max_windows_per_engine or None}
+        )
         report = build_weekly_report(
-            source, since, until, pool=args.pool, source_label=label, progress=bar,
+            source,
+            since,
+            until,
+            pool=args.pool,
+            source_label=label,
+            progress=bar,
             **sample_kw,
-            slo_ttft_p99_s=args.slo_ttft_p99, slo_e2e_p99_s=args.slo_e2e_p99,
-            cap_fraction=args.cap_fraction, min_routing_loss=args.min_routing_loss,
-            imbalance_threshold=args.imbalance_threshold)
+            slo_ttft_p99_s=args.slo_ttft_p99,
+            slo_e2e_p99_s=args.slo_e2e_p99,
+            cap_fraction=args.cap_fraction,
+            min_routing_loss=args.min_routing_loss,
+            imbalance_threshold=args.imbalance_threshold,
+        )
         if prom is not None:
             annotate_weeks(report, prom)
         if not report.current.has_data:
             bar.close()
-            window = window_text(since, None if args.until is None else until, args.since,
-                                 args.until)
+            window = window_text(
+                since, None if args.until is None else until, args.since, args.until
+            )
             if prom is not None:
                 return fail(prom_no_data(prom.source, report.current, str(url), window), 3)
             return fail(no_data_message(report.current, url or str(args.store), window, now), 3)
@@ -183,9 +254,11 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
         source.close()
     changes = report.comparison.changes
-    print(f"weekly report for {len(report.current.engines)} engine(s) in "
-          f"{len(report.current.pools)} pool(s): {len(report.current.recommendations)} "
-          f"recommendation(s), {len(changes)} change(s) since the week before")
+    print(
+        f"weekly report for {len(report.current.engines)} engine(s) in "
+        f"{len(report.current.pools)} pool(s): {len(report.current.recommendations)} "
+        f"recommendation(s), {len(changes)} change(s) since the week before"
+    )
     for p in paths:
         print(f"  {p}")
     return 0

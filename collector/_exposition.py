@@ -72,8 +72,9 @@ class TextWriter:
         else:
             self.lines.append(f"{name} {fmt(value)}\n")
 
-    def histogram(self, name: str, labels: str, les: Sequence[str],
-                  counts: Sequence[int], total: float) -> None:
+    def histogram(
+        self, name: str, labels: str, les: Sequence[str], counts: Sequence[int], total: float
+    ) -> None:
         """Samples of one histogram: ``counts`` per bucket (not cumulative, +Inf last)."""
         sep = "," if labels else ""
         cum = 0

@@ -70,8 +70,12 @@ class Lease:
 class NewEngineGate:
     """Admits at most ``per_minute`` new engine ids per sliding minute."""
 
-    def __init__(self, per_minute: int, known: Callable[[str], bool],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        per_minute: int,
+        known: Callable[[str], bool],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.per_minute = per_minute
         self._known = known
         self._clock = clock
@@ -125,8 +129,9 @@ class _GuardedHandler(RequestHandler):
     def _kvs_arm(self) -> None:
         if self._kvs_deadline is None and hasattr(self, "_request_count"):
             server: Any = self._manager
-            self._kvs_deadline = self._loop.call_later(server.kvscope_header_timeout_s,
-                                                       self._kvs_expire)
+            self._kvs_deadline = self._loop.call_later(
+                server.kvscope_header_timeout_s, self._kvs_expire
+            )
 
     def _kvs_disarm(self) -> None:
         if self._kvs_deadline is not None:

@@ -79,18 +79,26 @@ def _hold(lease: Lease | None, n: int) -> None:
         try:
             lease.take(n)
         except Overbudget as exc:
-            raise BodyError(503, "overloaded", f"collector overloaded: {exc}; retry later") \
-                from None
+            raise BodyError(
+                503, "overloaded", f"collector overloaded: {exc}; retry later"
+            ) from None
 
 
-async def read_body(request: web.Request, max_body_bytes: int,
-                    max_decompressed_bytes: int, lease: Lease | None = None) -> bytes:
+async def read_body(
+    request: web.Request,
+    max_body_bytes: int,
+    max_decompressed_bytes: int,
+    lease: Lease | None = None,
+) -> bytes:
     """Return the decoded body or raise :class:`BodyError` (413, 415, 400, or 503 when
     holding it would pass ``lease``'s budget: the decoded bytes are taken from it)."""
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding not in GZIP_ENCODINGS and encoding not in IDENTITY_ENCODINGS:
-        raise BodyError(415, "unsupported_encoding",
-                        f"Content-Encoding {encoding!r} is not supported; send gzip or identity")
+        raise BodyError(
+            415,
+            "unsupported_encoding",
+            f"Content-Encoding {encoding!r} is not supported; send gzip or identity",
+        )
     gzip = encoding in GZIP_ENCODINGS
     length = request.content_length
     if length is not None and length > max_body_bytes:

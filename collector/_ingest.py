@@ -82,19 +82,27 @@ class WriteCache:
         """Read the cache from the store (at open); ``max_seq`` only for boots with a
         batch received since ``recent_since_unix_s`` (older boots take the slow path)."""
         c = cls()
-        c.hello_keys = {(r[0], r[1]) for r in
-                        con.execute("SELECT engine_id, boot_id FROM engine_configs").fetchall()}
-        c.max_seq = {(r[0], r[1]): int(r[2]) for r in con.execute(
-            "SELECT engine_id, boot_id, max(seq) FROM ingested_batches "
-            "WHERE received_unix_s >= ? GROUP BY engine_id, boot_id",
-            [recent_since_unix_s]).fetchall()}
+        c.hello_keys = {
+            (r[0], r[1])
+            for r in con.execute("SELECT engine_id, boot_id FROM engine_configs").fetchall()
+        }
+        c.max_seq = {
+            (r[0], r[1]): int(r[2])
+            for r in con.execute(
+                "SELECT engine_id, boot_id, max(seq) FROM ingested_batches "
+                "WHERE received_unix_s >= ? GROUP BY engine_id, boot_id",
+                [recent_since_unix_s],
+            ).fetchall()
+        }
         c.engines = {r[0] for r in con.execute("SELECT engine_id FROM engines").fetchall()}
-        c.window_max_s = dict(con.execute(
-            "SELECT engine_id, max(ts_s) FROM windows_1s GROUP BY engine_id").fetchall())
+        c.window_max_s = dict(
+            con.execute("SELECT engine_id, max(ts_s) FROM windows_1s GROUP BY engine_id").fetchall()
+        )
         cols = ", ".join(EXPORTER_KEYS)
         for r in con.execute(f"SELECT engine_id, boot_id, {cols} FROM exporter_stats").fetchall():
-            c.exporter[(r[0], r[1])] = {k: v for k, v in zip(EXPORTER_KEYS, r[2:], strict=True)
-                                        if v is not None}
+            c.exporter[(r[0], r[1])] = {
+                k: v for k, v in zip(EXPORTER_KEYS, r[2:], strict=True) if v is not None
+            }
         return c
 
     def update(self, other: WriteCache) -> None:
@@ -130,8 +138,9 @@ def _ledger_rows(candidates: list[PreparedBatch]) -> dict[str, np.ndarray]:
     }
 
 
-def _claim_keys(con: Any, candidates: list[PreparedBatch], out: WriteCache,
-                known: WriteCache) -> set[BatchKey]:
+def _claim_keys(
+    con: Any, candidates: list[PreparedBatch], out: WriteCache, known: WriteCache
+) -> set[BatchKey]:
     """Insert the ledger rows; return the keys that were not stored before.
 
     A seq above the highest stored for its (cached) boot cannot be a duplicate: plain
@@ -217,8 +226,11 @@ def _write_engines(con: Any, new: list[PreparedBatch], out: WriteCache, known: W
         r = per.get(b.engine_id)
         if r is None:
             r = per[b.engine_id] = {
-                "first_seen_unix_s": b.received_unix_s, "last_seen_unix_s": b.received_unix_s,
-                "last_step_unix_s": None, "hello": None, "hello_unix_s": None,
+                "first_seen_unix_s": b.received_unix_s,
+                "last_seen_unix_s": b.received_unix_s,
+                "last_step_unix_s": None,
+                "hello": None,
+                "hello_unix_s": None,
             }
         r["first_seen_unix_s"] = min(r["first_seen_unix_s"], b.received_unix_s)
         r["last_seen_unix_s"] = max(r["last_seen_unix_s"], b.received_unix_s)
@@ -228,8 +240,9 @@ def _write_engines(con: Any, new: list[PreparedBatch], out: WriteCache, known: W
             prev = r["last_step_unix_s"]
             r["last_step_unix_s"] = ts if prev is None else max(ts, prev)
         h = b.hello
-        if h is not None and (r["hello"] is None
-                              or h["started_unix_s"] >= r["hello"]["started_unix_s"]):
+        if h is not None and (
+            r["hello"] is None or h["started_unix_s"] >= r["hello"]["started_unix_s"]
+        ):
             r["hello"], r["hello_unix_s"] = h, b.received_unix_s
     full = [e for e, r in per.items() if r["hello"] is not None or e not in known.engines]
     touch = [e for e, r in per.items() if r["hello"] is None and e in known.engines]
@@ -245,8 +258,10 @@ def _write_engines(con: Any, new: list[PreparedBatch], out: WriteCache, known: W
     if full:
         rows = [per[e] for e in full]
         hellos = [r["hello"] for r in rows]
-        data: dict[str, Any] = {"engine_id": obj_array(full),
-                                "boot_id": obj_array([h["boot_id"] if h else None for h in hellos])}
+        data: dict[str, Any] = {
+            "engine_id": obj_array(full),
+            "boot_id": obj_array([h["boot_id"] if h else None for h in hellos]),
+        }
         for c in HELLO_DATA_COLUMNS:
             data[c] = typed_column(_KIND_OF[c], [h[c] if h else None for h in hellos])
         data["has_hello"] = np.array([h is not None for h in hellos], dtype=np.bool_)
@@ -291,13 +306,18 @@ def _write_exporter(con: Any, new: list[PreparedBatch], out: WriteCache, known: 
         for name, v in b.exporter.items():
             r[name] = max(v, r.get(name, v))
         r["_updated"] = max(b.received_unix_s, r.get("_updated", 0.0))
-    changed = {k: r for k, r in merged.items()
-               if {n: v for n, v in r.items() if n != "_updated"} != known.exporter.get(k)}
+    changed = {
+        k: r
+        for k, r in merged.items()
+        if {n: v for n, v in r.items() if n != "_updated"} != known.exporter.get(k)
+    }
     if not changed:
         return
     rows = list(changed.values())
-    data: dict[str, Any] = {"engine_id": obj_array([k[0] for k in changed]),
-                            "boot_id": obj_array([k[1] for k in changed])}
+    data: dict[str, Any] = {
+        "engine_id": obj_array([k[0] for k in changed]),
+        "boot_id": obj_array([k[1] for k in changed]),
+    }
     for c in EXPORTER_KEYS:
         data[c] = typed_column(INT, [r.get(c) for r in rows])
     data["updated_unix_s"] = typed_column(FLOAT, [r["_updated"] for r in rows])
@@ -307,8 +327,9 @@ def _write_exporter(con: Any, new: list[PreparedBatch], out: WriteCache, known: 
         out.exporter[k] = {n: v for n, v in r.items() if n != "_updated"}
 
 
-def ingest_in_transaction(con: Any, batches: list[PreparedBatch],
-                          cache: WriteCache) -> tuple[list[IngestResult], WriteCache]:
+def ingest_in_transaction(
+    con: Any, batches: list[PreparedBatch], cache: WriteCache
+) -> tuple[list[IngestResult], WriteCache]:
     """Write the group; return per-batch results and what to add to ``cache`` after COMMIT.
 
     ``cache`` is only read here.
@@ -330,7 +351,10 @@ def ingest_in_transaction(con: Any, batches: list[PreparedBatch],
     for i, b in enumerate(batches):
         stored = first[b.key] == i and b.key in claimed
         hk = (b.engine_id, b.boot_id)
-        results.append(IngestResult(STORED if stored else DUPLICATE,
-                                    need_hello=hk not in cache.hello_keys
-                                    and hk not in added.hello_keys))
+        results.append(
+            IngestResult(
+                STORED if stored else DUPLICATE,
+                need_hello=hk not in cache.hello_keys and hk not in added.hello_keys,
+            )
+        )
     return results, added

@@ -14,11 +14,27 @@ from kvscope.collector.tables import (
 )
 from kvscope.engine_plugins.schema import EXPORTER_KEYS, REQUEST_COLUMNS, STEP_COLUMNS
 
-_ADD = ("n_steps", "n_parts", "batch_sum", "kv_usage_sum", "waiting_sum", "deferred_sum",
-        "preemptions", "prompt_tokens", "generation_tokens", "prefix_queries", "prefix_hits",
-        "iteration_n", "iteration_s_sum")
-_MEAN_OF = {"batch_mean": "batch_sum", "kv_usage_mean": "kv_usage_sum",
-            "waiting_mean": "waiting_sum", "deferred_mean": "deferred_sum"}
+_ADD = (
+    "n_steps",
+    "n_parts",
+    "batch_sum",
+    "kv_usage_sum",
+    "waiting_sum",
+    "deferred_sum",
+    "preemptions",
+    "prompt_tokens",
+    "generation_tokens",
+    "prefix_queries",
+    "prefix_hits",
+    "iteration_n",
+    "iteration_s_sum",
+)
+_MEAN_OF = {
+    "batch_mean": "batch_sum",
+    "kv_usage_mean": "kv_usage_sum",
+    "waiting_mean": "waiting_sum",
+    "deferred_mean": "deferred_sum",
+}
 
 
 def _window_merge(col: str) -> str:
@@ -34,9 +50,11 @@ def _window_merge(col: str) -> str:
         s = _MEAN_OF[col]
         return f"(windows_1s.{s} + excluded.{s}) / ({n_w} + {n_e})"
     if col == "iteration_s_mean":
-        return ("CASE WHEN windows_1s.iteration_n + excluded.iteration_n > 0 THEN "
-                "(windows_1s.iteration_s_sum + excluded.iteration_s_sum) / "
-                "(windows_1s.iteration_n + excluded.iteration_n) END")
+        return (
+            "CASE WHEN windows_1s.iteration_n + excluded.iteration_n > 0 THEN "
+            "(windows_1s.iteration_s_sum + excluded.iteration_s_sum) / "
+            "(windows_1s.iteration_n + excluded.iteration_n) END"
+        )
     if col.startswith("batch_p"):
         return f"({w} * {n_w} + {e} * {n_e}) / ({n_w} + {n_e})"
     raise AssertionError(f"no merge rule for window column {col}")  # pragma: no cover
@@ -51,8 +69,10 @@ WINDOW_MERGE = (
 )
 
 _ENGINE_HELLO_COLS = ("boot_id", *HELLO_DATA_COLUMNS, "hello_unix_s")
-_NEWER_HELLO = ("(excluded.has_hello AND (NOT coalesce(engines.has_hello, false) "
-                "OR excluded.started_unix_s >= engines.started_unix_s))")
+_NEWER_HELLO = (
+    "(excluded.has_hello AND (NOT coalesce(engines.has_hello, false) "
+    "OR excluded.started_unix_s >= engines.started_unix_s))"
+)
 ENGINE_UPSERT = (
     f"INSERT INTO engines ({', '.join(ENGINE_COLUMNS)}) "
     f"SELECT {', '.join(ENGINE_COLUMNS)} FROM _kv_engines "
@@ -83,11 +103,21 @@ EXPORTER_UPSERT = (
     f"INSERT INTO exporter_stats ({', '.join(_EXPORTER_COLS)}) "
     f"SELECT {', '.join(_EXPORTER_COLS)} FROM _kv_exporter "
     "ON CONFLICT (engine_id, boot_id) DO UPDATE SET "
-    + ", ".join(f"{c} = greatest(exporter_stats.{c}, excluded.{c})"
-                for c in (*EXPORTER_KEYS, "updated_unix_s"))
+    + ", ".join(
+        f"{c} = greatest(exporter_stats.{c}, excluded.{c})"
+        for c in (*EXPORTER_KEYS, "updated_unix_s")
+    )
 )
-_LEDGER_COLS = ("engine_id", "boot_id", "seq", "received_unix_s", "sent_unix_s", "n_steps",
-                "n_requests", "has_hello")
+_LEDGER_COLS = (
+    "engine_id",
+    "boot_id",
+    "seq",
+    "received_unix_s",
+    "sent_unix_s",
+    "n_steps",
+    "n_requests",
+    "has_hello",
+)
 LEDGER_INSERT = (
     f"INSERT INTO ingested_batches ({', '.join(_LEDGER_COLS)}) "
     f"SELECT {', '.join(_LEDGER_COLS)} FROM _kv_ledger"
@@ -101,5 +131,4 @@ LEDGER_CLAIM = (
 _STEP_COLS = ", ".join(("engine_id", "boot_id", *STEP_COLUMNS))
 STEPS_INSERT = f"INSERT INTO steps ({_STEP_COLS}) SELECT {_STEP_COLS} FROM _kv_steps"
 _REQUEST_COLS = ", ".join(("engine_id", "boot_id", *REQUEST_COLUMNS))
-REQUESTS_INSERT = (f"INSERT INTO requests ({_REQUEST_COLS}) "
-                   f"SELECT {_REQUEST_COLS} FROM _kv_requests")
+REQUESTS_INSERT = f"INSERT INTO requests ({_REQUEST_COLS}) SELECT {_REQUEST_COLS} FROM _kv_requests"

@@ -50,8 +50,19 @@ from kvscope.collector._kv_wire import BlockRemoved, BlockStored, Message
 from kvscope.collector.tables import KV_EVENT_FIELDS
 
 ROW_FIELDS: tuple[str, ...] = tuple(c for c, _ in KV_EVENT_FIELDS)
-(N_BATCHES, STORED, DUP, RESEEN, ORPHAN, REMOVED, CLEARED, MISSED, HELD, HELD_SHARED,
- BLOCK_SIZE) = range(len(ROW_FIELDS))
+(
+    N_BATCHES,
+    STORED,
+    DUP,
+    RESEEN,
+    ORPHAN,
+    REMOVED,
+    CLEARED,
+    MISSED,
+    HELD,
+    HELD_SHARED,
+    BLOCK_SIZE,
+) = range(len(ROW_FIELDS))
 assert ROW_FIELDS[BLOCK_SIZE] == "block_size" and ROW_FIELDS[STORED] == "stored_blocks"
 
 ROOT = 0
@@ -68,8 +79,14 @@ def _digest(h: Any) -> int:
     return int.from_bytes(h.digest(), "big") >> 1
 
 
-def content_id(parent: int, group: int, lora: object, extra: object, tokens: list[int],
-               index: int | None = None) -> int:
+def content_id(
+    parent: int,
+    group: int,
+    lora: object,
+    extra: object,
+    tokens: list[int],
+    index: int | None = None,
+) -> int:
     """Canonical id of a block: its parent's id and its own content (see module doc)."""
     h = blake2b(parent.to_bytes(8, "big"), digest_size=8)
     h.update(f"{group}|{lora!r}|{extra!r}|{index}|".encode())
@@ -222,9 +239,14 @@ class EngineBlocks:
             if have is not None:  # a prefix-cache hit reported again, not a new store
                 pcid = have
                 continue
-            cid = content_id(pcid, g, lora, extra[i] if i < len(extra) else None,
-                             toks[i * bs:(i + 1) * bs] if aligned else toks,
-                             None if aligned else i)
+            cid = content_id(
+                pcid,
+                g,
+                lora,
+                extra[i] if i < len(extra) else None,
+                toks[i * bs : (i + 1) * bs] if aligned else toks,
+                None if aligned else i,
+            )
             row[STORED] += 1
             if orphan:
                 row[ORPHAN] += 1

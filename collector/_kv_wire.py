@@ -104,8 +104,13 @@ def _decode_leniently(seq: int, payload: bytes) -> Message:
         raw = _GENERIC.decode(payload)
     except msgspec.DecodeError as exc:
         raise WireError(f"payload is not msgpack: {exc}") from None
-    if (not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list)
-            or isinstance(raw[0], bool) or not isinstance(raw[0], (int, float))):
+    if (
+        not isinstance(raw, list)
+        or len(raw) < 2
+        or not isinstance(raw[1], list)
+        or isinstance(raw[0], bool)
+        or not isinstance(raw[0], (int, float))
+    ):
         raise WireError("payload is not a [ts, events, ...] batch")
     events: list[Event] = []
     unknown = 0

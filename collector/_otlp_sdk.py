@@ -59,8 +59,16 @@ CARDINALITY_FLOOR = 2_000
 exported (``max_exported_engines``) the limit grows so that none folds into the SDK's
 overflow point, with room for label values that changed (a new bottleneck, pool)."""
 _CUMULATIVE: dict[type, AggregationTemporality] = dict.fromkeys(
-    (Counter, UpDownCounter, Histogram, ObservableCounter, ObservableUpDownCounter,
-     ObservableGauge), AggregationTemporality.CUMULATIVE)
+    (
+        Counter,
+        UpDownCounter,
+        Histogram,
+        ObservableCounter,
+        ObservableUpDownCounter,
+        ObservableGauge,
+    ),
+    AggregationTemporality.CUMULATIVE,
+)
 """Always cumulative: the counters are totals kept across collector restarts."""
 
 
@@ -68,10 +76,15 @@ def build_provider(export: OtlpExport) -> MeterProvider:
     """A started MeterProvider pushing ``export``'s state to ``export.endpoint``."""
     resource = Resource.create(export.resource_attributes).merge(OTELResourceDetector().detect())
     # gzip unless the environment says otherwise: a batch is ~3.5 KB per engine as is.
-    configured = any(os.environ.get(v) for v in ("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION",
-                                                 "OTEL_EXPORTER_OTLP_COMPRESSION"))
-    otlp = OTLPMetricExporter(endpoint=export.endpoint, headers=export.headers or None,
-                              compression=None if configured else Compression.Gzip)
+    configured = any(
+        os.environ.get(v)
+        for v in ("OTEL_EXPORTER_OTLP_METRICS_COMPRESSION", "OTEL_EXPORTER_OTLP_COMPRESSION")
+    )
+    otlp = OTLPMetricExporter(
+        endpoint=export.endpoint,
+        headers=export.headers or None,
+        compression=None if configured else Compression.Gzip,
+    )
     scope = InstrumentationScope(SCOPE, __version__)
     exporter = _Exporter(otlp, export, resource, scope)
     limit = 2 * max(CARDINALITY_FLOOR, export.state.max_exported_engines)
@@ -81,8 +94,12 @@ def build_provider(export: OtlpExport) -> MeterProvider:
         cardinality_limits={ObservableGauge: limit, ObservableCounter: limit},
     )
     # Observations come from callbacks outside any trace: exemplars would only cost time.
-    provider = MeterProvider(metric_readers=[reader], resource=resource,
-                             exemplar_filter=AlwaysOffExemplarFilter(), shutdown_on_exit=False)
+    provider = MeterProvider(
+        metric_readers=[reader],
+        resource=resource,
+        exemplar_filter=AlwaysOffExemplarFilter(),
+        shutdown_on_exit=False,
+    )
     meter = provider.get_meter(SCOPE, __version__)
     families = list(ENGINE_FAMILIES)
     if export.verdicts is not None:
@@ -91,13 +108,11 @@ def build_provider(export: OtlpExport) -> MeterProvider:
         if kind == "gauge":
             meter.create_observable_gauge(name, [_callback(export, name)], description=help_text)
         elif kind == "counter":
-            meter.create_observable_counter(name, [_callback(export, name)],
-                                            description=help_text)
+            meter.create_observable_counter(name, [_callback(export, name)], description=help_text)
     return provider
 
 
-def _callback(export: OtlpExport,
-              name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+def _callback(export: OtlpExport, name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
     def observe(options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(value, dict(attrs)) for attrs, value in export.samples(name)]
 
@@ -107,8 +122,13 @@ def _callback(export: OtlpExport,
 class _Exporter(MetricExporter):
     """Adds the histograms to each batch, sends it with the OTLP exporter, reports."""
 
-    def __init__(self, otlp: OTLPMetricExporter, export: OtlpExport, resource: Resource,
-                 scope: InstrumentationScope) -> None:
+    def __init__(
+        self,
+        otlp: OTLPMetricExporter,
+        export: OtlpExport,
+        resource: Resource,
+        scope: InstrumentationScope,
+    ) -> None:
         super().__init__(preferred_temporality=_CUMULATIVE)
         self._otlp = otlp
         self._export = export
@@ -116,8 +136,9 @@ class _Exporter(MetricExporter):
         self._scope = scope
         self._start_ns = int(export.state.start_unix_s * 1e9)
 
-    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000,
-               **kwargs: Any) -> MetricExportResult:
+    def export(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+    ) -> MetricExportResult:
         try:
             data = self._with_histograms(metrics_data)
             result = self._otlp.export(data, timeout_millis=timeout_millis)
@@ -136,16 +157,30 @@ class _Exporter(MetricExporter):
             bounds = [float(b) for b in HISTOGRAM_BOUNDS[name]]
             points = [
                 # min and max are optional in OTLP and unknown here: left unset.
-                HistogramDataPoint(attributes=dict(attrs), start_time_unix_nano=self._start_ns,
-                                   time_unix_nano=now_ns, count=sum(counts), sum=total,
-                                   bucket_counts=counts, explicit_bounds=bounds,
-                                   min=None, max=None)  # type: ignore[arg-type]
-                for attrs, counts, total in rows]
+                HistogramDataPoint(
+                    attributes=dict(attrs),
+                    start_time_unix_nano=self._start_ns,
+                    time_unix_nano=now_ns,
+                    count=sum(counts),
+                    sum=total,
+                    bucket_counts=counts,
+                    explicit_bounds=bounds,
+                    min=None,  # type: ignore[arg-type]
+                    max=None,  # type: ignore[arg-type]
+                )
+                for attrs, counts, total in rows
+            ]
             if points:
-                out.append(Metric(name=name, description=help_texts[name], unit="",
-                                  data=HistogramData(data_points=points,
-                                                     aggregation_temporality=_CUMULATIVE[
-                                                         Histogram])))
+                out.append(
+                    Metric(
+                        name=name,
+                        description=help_texts[name],
+                        unit="",
+                        data=HistogramData(
+                            data_points=points, aggregation_temporality=_CUMULATIVE[Histogram]
+                        ),
+                    )
+                )
         return out
 
     def _with_histograms(self, data: MetricsData) -> MetricsData:
@@ -153,18 +188,21 @@ class _Exporter(MetricExporter):
         if not extra:
             return data
         resource_metrics = list(data.resource_metrics) or [
-            ResourceMetrics(resource=self._resource, scope_metrics=[], schema_url="")]
+            ResourceMetrics(resource=self._resource, scope_metrics=[], schema_url="")
+        ]
         first = resource_metrics[0]
         scopes = list(first.scope_metrics)
         for i, sm in enumerate(scopes):
             if sm.scope.name == SCOPE:
-                scopes[i] = ScopeMetrics(scope=sm.scope, metrics=[*sm.metrics, *extra],
-                                         schema_url=sm.schema_url)
+                scopes[i] = ScopeMetrics(
+                    scope=sm.scope, metrics=[*sm.metrics, *extra], schema_url=sm.schema_url
+                )
                 break
         else:
             scopes.append(ScopeMetrics(scope=self._scope, metrics=extra, schema_url=""))
-        resource_metrics[0] = ResourceMetrics(resource=first.resource, scope_metrics=scopes,
-                                              schema_url=first.schema_url)
+        resource_metrics[0] = ResourceMetrics(
+            resource=first.resource, scope_metrics=scopes, schema_url=first.schema_url
+        )
         return MetricsData(resource_metrics=resource_metrics)
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:

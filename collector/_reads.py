@@ -17,15 +17,32 @@ from kvscope.engine_plugins.schema import EXPORTER_KEYS
 
 _PCTS = ((50, 0.5), (90, 0.9), (99, 0.99))
 GROUP_BY = ("engine", "pool", "all")
-TOTAL_COLUMNS = ("n_steps", "preemptions", "prompt_tokens", "generation_tokens",
-                 "prefix_queries", "prefix_hits", "waiting_steps", "deferred_steps")
+TOTAL_COLUMNS = (
+    "n_steps",
+    "preemptions",
+    "prompt_tokens",
+    "generation_tokens",
+    "prefix_queries",
+    "prefix_hits",
+    "waiting_steps",
+    "deferred_steps",
+)
 #: Column of ``steps`` / ``windows_1s`` summed into each total (beside n_steps).
-_TOTAL_OF = {"steps": {"waiting_steps": "waiting", "deferred_steps": "deferred"},
-             "windows": {"waiting_steps": "waiting_sum", "deferred_steps": "deferred_sum"}}
+_TOTAL_OF = {
+    "steps": {"waiting_steps": "waiting", "deferred_steps": "deferred"},
+    "windows": {"waiting_steps": "waiting_sum", "deferred_steps": "deferred_sum"},
+}
 
 
-def _where(engine_id: str | None, pool: str | None, ts_col: str,
-           since: float | None, until: float | None, *, alias: str = "") -> tuple[str, list[Any]]:
+def _where(
+    engine_id: str | None,
+    pool: str | None,
+    ts_col: str,
+    since: float | None,
+    until: float | None,
+    *,
+    alias: str = "",
+) -> tuple[str, list[Any]]:
     p = f"{alias}." if alias else ""
     conds: list[str] = []
     args: list[Any] = []
@@ -60,29 +77,50 @@ def engines(cur: Any) -> pd.DataFrame:
 def engine_configs(cur: Any, engine_id: str | None = None) -> pd.DataFrame:
     """Configuration history: one row per (engine_id, boot_id) hello, oldest first."""
     where, args = _where(engine_id, None, "received_unix_s", None, None)
-    return _df(cur, f"SELECT * FROM engine_configs{where} "
-                    "ORDER BY engine_id, started_unix_s, received_unix_s", args)
+    return _df(
+        cur,
+        f"SELECT * FROM engine_configs{where} ORDER BY engine_id, started_unix_s, received_unix_s",
+        args,
+    )
 
 
-def windows(cur: Any, engine_id: str | None = None, pool: str | None = None,
-            since: float | None = None, until: float | None = None,
-            limit: int | None = None) -> pd.DataFrame:
+def windows(
+    cur: Any,
+    engine_id: str | None = None,
+    pool: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    limit: int | None = None,
+) -> pd.DataFrame:
     """1-second windows (all ``windows_1s`` columns, plus the engine's pool and model)."""
     where, args = _where(engine_id, pool, "ts_s", since, until, alias="w")
-    return _df(cur, "SELECT w.*, e.pool, e.model FROM windows_1s w "
-                    f"LEFT JOIN engines e ON e.engine_id = w.engine_id{where} "
-                    f"ORDER BY w.ts_s, w.engine_id{_limit(limit)}", args)
+    return _df(
+        cur,
+        "SELECT w.*, e.pool, e.model FROM windows_1s w "
+        f"LEFT JOIN engines e ON e.engine_id = w.engine_id{where} "
+        f"ORDER BY w.ts_s, w.engine_id{_limit(limit)}",
+        args,
+    )
 
 
-def kv_event_windows(cur: Any, engine_id: str | None = None, pool: str | None = None,
-                     since: float | None = None, until: float | None = None,
-                     limit: int | None = None) -> pd.DataFrame:
+def kv_event_windows(
+    cur: Any,
+    engine_id: str | None = None,
+    pool: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    limit: int | None = None,
+) -> pd.DataFrame:
     """Per engine-second KV-event counters (all ``kv_event_windows`` columns and the
     engine's pool), oldest first."""
     where, args = _where(engine_id, pool, "ts_s", since, until, alias="k")
-    return _df(cur, "SELECT k.*, e.pool FROM kv_event_windows k "
-                    f"LEFT JOIN engines e ON e.engine_id = k.engine_id{where} "
-                    f"ORDER BY k.ts_s, k.engine_id{_limit(limit)}", args)
+    return _df(
+        cur,
+        "SELECT k.*, e.pool FROM kv_event_windows k "
+        f"LEFT JOIN engines e ON e.engine_id = k.engine_id{where} "
+        f"ORDER BY k.ts_s, k.engine_id{_limit(limit)}",
+        args,
+    )
 
 
 KV_EVENT_SUMS: tuple[str, ...] = tuple(c for c, _ in KV_EVENT_FIELDS if c not in KV_EVENT_LAST)
@@ -91,31 +129,51 @@ KV_EVENT_SUMS: tuple[str, ...] = tuple(c for c, _ in KV_EVENT_FIELDS if c not in
 def kv_event_totals(cur: Any) -> pd.DataFrame:
     """Per-engine sums of the additive KV-event counters (``KV_EVENT_SUMS``)."""
     sel = ", ".join(f"CAST(coalesce(sum({c}), 0) AS BIGINT) AS {c}" for c in KV_EVENT_SUMS)
-    return _df(cur, f"SELECT engine_id, {sel} FROM kv_event_windows "
-                    "GROUP BY engine_id ORDER BY engine_id")
+    return _df(
+        cur, f"SELECT engine_id, {sel} FROM kv_event_windows GROUP BY engine_id ORDER BY engine_id"
+    )
 
 
-def steps(cur: Any, engine_id: str | None = None, pool: str | None = None,
-          since: float | None = None, until: float | None = None,
-          limit: int | None = None) -> pd.DataFrame:
+def steps(
+    cur: Any,
+    engine_id: str | None = None,
+    pool: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    limit: int | None = None,
+) -> pd.DataFrame:
     """Raw steps (engine_id, boot_id and the wire STEP_FIELDS), oldest first."""
     where, args = _where(engine_id, pool, "ts_unix_s", since, until)
-    return _df(cur, f"SELECT * FROM steps{where} ORDER BY ts_unix_s, engine_id{_limit(limit)}",
-               args)
+    return _df(
+        cur, f"SELECT * FROM steps{where} ORDER BY ts_unix_s, engine_id{_limit(limit)}", args
+    )
 
 
-def requests(cur: Any, engine_id: str | None = None, pool: str | None = None,
-             since: float | None = None, until: float | None = None,
-             limit: int | None = None) -> pd.DataFrame:
+def requests(
+    cur: Any,
+    engine_id: str | None = None,
+    pool: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    limit: int | None = None,
+) -> pd.DataFrame:
     """Finished requests (engine_id, boot_id and the wire REQUEST_FIELDS), oldest first."""
     where, args = _where(engine_id, pool, "finished_unix_s", since, until)
-    return _df(cur, f"SELECT * FROM requests{where} "
-                    f"ORDER BY finished_unix_s, engine_id{_limit(limit)}", args)
+    return _df(
+        cur,
+        f"SELECT * FROM requests{where} ORDER BY finished_unix_s, engine_id{_limit(limit)}",
+        args,
+    )
 
 
-def request_stats(cur: Any, engine_id: str | None = None, pool: str | None = None,
-                  since: float | None = None, until: float | None = None,
-                  group_by: str = "engine") -> pd.DataFrame:
+def request_stats(
+    cur: Any,
+    engine_id: str | None = None,
+    pool: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    group_by: str = "engine",
+) -> pd.DataFrame:
     """Latency and token statistics of finished requests, per engine, per pool or overall.
 
     Columns: the group key (``engine_id``, ``pool``, ``model`` for ``engine``; ``pool``
@@ -131,21 +189,26 @@ def request_stats(cur: Any, engine_id: str | None = None, pool: str | None = Non
     aggs = ["count(*) AS n_requests", "avg(r.e2e_s) AS e2e_s_mean"]
     for col in ("e2e_s", "ttft_s", "queue_s"):
         aggs += [f"quantile_cont(r.{col}, {q}) AS {col}_p{p}" for p, q in _PCTS]
-    aggs += ["avg(r.prefill_s) AS prefill_s_mean", "avg(r.decode_s) AS decode_s_mean",
-             "avg(r.prompt_tokens) AS prompt_tokens_mean",
-             "avg(r.generation_tokens) AS generation_tokens_mean",
-             "CAST(sum(r.prompt_tokens) AS BIGINT) AS prompt_tokens_sum",
-             "CAST(sum(r.generation_tokens) AS BIGINT) AS generation_tokens_sum",
-             "CAST(sum(r.cached_tokens) AS BIGINT) AS cached_tokens_sum",
-             "CAST(sum(r.preemptions) AS BIGINT) AS preemptions_sum",
-             "count(*) FILTER (WHERE r.preemptions > 0) AS n_preempted",
-             "min(r.finished_unix_s) AS first_finished_unix_s",
-             "max(r.finished_unix_s) AS last_finished_unix_s"]
+    aggs += [
+        "avg(r.prefill_s) AS prefill_s_mean",
+        "avg(r.decode_s) AS decode_s_mean",
+        "avg(r.prompt_tokens) AS prompt_tokens_mean",
+        "avg(r.generation_tokens) AS generation_tokens_mean",
+        "CAST(sum(r.prompt_tokens) AS BIGINT) AS prompt_tokens_sum",
+        "CAST(sum(r.generation_tokens) AS BIGINT) AS generation_tokens_sum",
+        "CAST(sum(r.cached_tokens) AS BIGINT) AS cached_tokens_sum",
+        "CAST(sum(r.preemptions) AS BIGINT) AS preemptions_sum",
+        "count(*) FILTER (WHERE r.preemptions > 0) AS n_preempted",
+        "min(r.finished_unix_s) AS first_finished_unix_s",
+        "max(r.finished_unix_s) AS last_finished_unix_s",
+    ]
     where, args = _where(engine_id, pool, "finished_unix_s", since, until, alias="r")
     sel = ", ".join([*(f"{k} AS {k.split('.')[1]}" for k in keys), *aggs])
     group = f" GROUP BY {', '.join(keys)} ORDER BY {', '.join(keys)}" if keys else ""
-    sql = (f"SELECT {sel} FROM requests r LEFT JOIN engines e ON e.engine_id = r.engine_id"
-           f"{where}{group}")
+    sql = (
+        f"SELECT {sel} FROM requests r LEFT JOIN engines e ON e.engine_id = r.engine_id"
+        f"{where}{group}"
+    )
     df = _df(cur, sql, args)
     if not keys and len(df) and int(df["n_requests"].iloc[0]) == 0:
         return df.iloc[0:0]
@@ -163,26 +226,40 @@ def totals(cur: Any, source: str = "windows", engine_id: str | None = None) -> p
         raise ValueError(f"source: expected 'steps' or 'windows', got {source!r}")
     of = _TOTAL_OF[source]
     table = "steps" if source == "steps" else "windows_1s"
-    aggs = ["count(*)" if source == "steps" else "sum(n_steps)",
-            *(f"sum({of.get(c, c)})" for c in TOTAL_COLUMNS[1:])]
-    sel = ", ".join(f"CAST(coalesce({a}, 0) AS BIGINT) AS {c}" for a, c in zip(aggs, TOTAL_COLUMNS, strict=True))
+    aggs = [
+        "count(*)" if source == "steps" else "sum(n_steps)",
+        *(f"sum({of.get(c, c)})" for c in TOTAL_COLUMNS[1:]),
+    ]
+    sel = ", ".join(
+        f"CAST(coalesce({a}, 0) AS BIGINT) AS {c}" for a, c in zip(aggs, TOTAL_COLUMNS, strict=True)
+    )
     where, args = _where(engine_id, None, "", None, None)
-    return _df(cur, f"SELECT engine_id, {sel} FROM {table}{where} "
-                    "GROUP BY engine_id ORDER BY engine_id", args)
+    return _df(
+        cur,
+        f"SELECT engine_id, {sel} FROM {table}{where} GROUP BY engine_id ORDER BY engine_id",
+        args,
+    )
 
 
 def finished_request_counts(cur: Any) -> pd.DataFrame:
     """Columns: engine_id, n_requests (all stored finished requests)."""
-    return _df(cur, "SELECT engine_id, count(*) AS n_requests FROM requests "
-                    "GROUP BY engine_id ORDER BY engine_id")
+    return _df(
+        cur,
+        "SELECT engine_id, count(*) AS n_requests FROM requests "
+        "GROUP BY engine_id ORDER BY engine_id",
+    )
 
 
 def exporter_stats(cur: Any, engine_id: str | None = None) -> pd.DataFrame:
     """Latest exporter counters per (engine_id, boot_id): EXPORTER_FIELDS, updated_unix_s."""
     where, args = _where(engine_id, None, "", None, None)
     cols = ", ".join(EXPORTER_KEYS)
-    return _df(cur, f"SELECT engine_id, boot_id, {cols}, updated_unix_s FROM exporter_stats"
-                    f"{where} ORDER BY engine_id, boot_id", args)
+    return _df(
+        cur,
+        f"SELECT engine_id, boot_id, {cols}, updated_unix_s FROM exporter_stats"
+        f"{where} ORDER BY engine_id, boot_id",
+        args,
+    )
 
 
 def table_counts(cur: Any, tables: tuple[str, ...]) -> dict[str, int]:
@@ -197,25 +274,46 @@ SAMPLE_BLOCK_S = 300
 _PPM = 1_000_000
 
 
-def window_counts(cur: Any, pool: str | None = None, since: float | None = None,
-                  until: float | None = None) -> pd.DataFrame:
+def window_counts(
+    cur: Any, pool: str | None = None, since: float | None = None, until: float | None = None
+) -> pd.DataFrame:
     """Per engine with windows in the range: engine_id, n_windows, first_ts_s, last_ts_s,
     n_requests (finished requests in the range)."""
     where, args = _where(None, pool, "ts_s", since, until)
     rwhere, rargs = _where(None, pool, "finished_unix_s", since, until)
-    return _df(cur, "SELECT w.*, coalesce(r.n_requests, 0) AS n_requests FROM ("
-                    "SELECT engine_id, count(*) AS n_windows, min(ts_s) AS first_ts_s, "
-                    f"max(ts_s) AS last_ts_s FROM windows_1s{where} GROUP BY engine_id) w "
-                    "LEFT JOIN (SELECT engine_id, count(*) AS n_requests FROM requests"
-                    f"{rwhere} GROUP BY engine_id) r USING (engine_id) ORDER BY engine_id",
-               [*args, *rargs])
+    return _df(
+        cur,
+        "SELECT w.*, coalesce(r.n_requests, 0) AS n_requests FROM ("
+        "SELECT engine_id, count(*) AS n_windows, min(ts_s) AS first_ts_s, "
+        f"max(ts_s) AS last_ts_s FROM windows_1s{where} GROUP BY engine_id) w "
+        "LEFT JOIN (SELECT engine_id, count(*) AS n_requests FROM requests"
+        f"{rwhere} GROUP BY engine_id) r USING (engine_id) ORDER BY engine_id",
+        [*args, *rargs],
+    )
 
 
 ANALYSIS_COLUMNS: tuple[str, ...] = (
-    "engine_id", "ts_s", "n_steps", "first_step_unix_s", "last_step_unix_s", "batch_sum",
-    "batch_mean", "batch_min", "batch_max", "batch_p50", "batch_p90", "kv_usage_mean",
-    "kv_usage_max", "waiting_mean", "deferred_mean", "preemptions", "prompt_tokens",
-    "generation_tokens", "prefix_queries", "prefix_hits")
+    "engine_id",
+    "ts_s",
+    "n_steps",
+    "first_step_unix_s",
+    "last_step_unix_s",
+    "batch_sum",
+    "batch_mean",
+    "batch_min",
+    "batch_max",
+    "batch_p50",
+    "batch_p90",
+    "kv_usage_mean",
+    "kv_usage_max",
+    "waiting_mean",
+    "deferred_mean",
+    "preemptions",
+    "prompt_tokens",
+    "generation_tokens",
+    "prefix_queries",
+    "prefix_hits",
+)
 """The ``windows_1s`` columns the advisor's analyses read (a sample reads only these)."""
 
 
@@ -249,9 +347,14 @@ def _and(where: str, cond: str) -> str:
     return f"{where} AND ({cond})" if where else f" WHERE ({cond})"
 
 
-def window_sample(cur: Any, keep: pd.DataFrame, pool: str | None = None,
-                  since: float | None = None, until: float | None = None,
-                  block_s: int = SAMPLE_BLOCK_S) -> dict[str, pd.DataFrame]:
+def window_sample(
+    cur: Any,
+    keep: pd.DataFrame,
+    pool: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    block_s: int = SAMPLE_BLOCK_S,
+) -> dict[str, pd.DataFrame]:
     """Windows (:data:`ANALYSIS_COLUMNS`, pool and model), finished requests and
     KV-event windows of whole time blocks.
 
@@ -265,40 +368,59 @@ def window_sample(cur: Any, keep: pd.DataFrame, pool: str | None = None,
     cols = ", ".join(f"w.{c}" for c in ANALYSIS_COLUMNS)
     where, args = _where(None, pool, "ts_s", since, until, alias="w")
     cond, cargs = _keep(keep, f"w.ts_s // {int(block_s)}", "w")
-    windows_df = _sorted(_df(cur, f"SELECT {cols} FROM windows_1s w{_and(where, cond)}",
-                             [*args, *cargs]))
+    windows_df = _sorted(
+        _df(cur, f"SELECT {cols} FROM windows_1s w{_and(where, cond)}", [*args, *cargs])
+    )
     # pool and model from the engines table, joined here rather than once per row in SQL
     names = _df(cur, "SELECT engine_id, pool, model FROM engines").set_index("engine_id")
     windows_df["pool"] = windows_df["engine_id"].map(names["pool"])
     windows_df["model"] = windows_df["engine_id"].map(names["model"])
     where, args = _where(None, pool, "finished_unix_s", since, until, alias="r")
     cond, cargs = _keep(keep, f"CAST(floor(r.finished_unix_s / {int(block_s)}) AS BIGINT)", "r")
-    requests_df = _df(cur, f"SELECT r.* FROM requests r{_and(where, cond)} "
-                           "ORDER BY r.finished_unix_s, r.engine_id", [*args, *cargs])
+    requests_df = _df(
+        cur,
+        f"SELECT r.* FROM requests r{_and(where, cond)} ORDER BY r.finished_unix_s, r.engine_id",
+        [*args, *cargs],
+    )
     kv_df = pd.DataFrame()
-    if cur.execute("SELECT count(*) FROM information_schema.tables "
-                   "WHERE table_name = 'kv_event_windows'").fetchone()[0]:
+    if cur.execute(
+        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'kv_event_windows'"
+    ).fetchone()[0]:
         where, args = _where(None, pool, "ts_s", since, until, alias="x")
         cond, cargs = _keep(keep, f"x.ts_s // {int(block_s)}", "x")
-        kv_df = _df(cur, "SELECT x.*, e.pool FROM kv_event_windows x "
-                         f"LEFT JOIN engines e ON e.engine_id = x.engine_id{_and(where, cond)} "
-                         "ORDER BY x.ts_s, x.engine_id", [*args, *cargs])
+        kv_df = _df(
+            cur,
+            "SELECT x.*, e.pool FROM kv_event_windows x "
+            f"LEFT JOIN engines e ON e.engine_id = x.engine_id{_and(where, cond)} "
+            "ORDER BY x.ts_s, x.engine_id",
+            [*args, *cargs],
+        )
     return {"windows": windows_df, "requests": requests_df, "kv_events": kv_df}
 
 
-def usage_days(cur: Any, knees: pd.DataFrame, since: float, until: float,
-               day_s: float = 86400.0) -> pd.DataFrame:
+def usage_days(
+    cur: Any, knees: pd.DataFrame, since: float, until: float, day_s: float = 86400.0
+) -> pd.DataFrame:
     """Per engine of ``knees`` (engine_id, knee: the load past which a second counts as
     saturated, null for none) and UTC day: the ``kvscope.advisor.usage.DAY_COLUMNS`` sums of the
     1-second windows in ``[since, until)`` and the requests finished then, in one scan."""
     _knees = knees[["engine_id", "knee"]].astype({"knee": "float64"})
     cur.register("_knees", _knees)
     try:
-        load = ("(coalesce(w.batch_mean, 0.0) + coalesce(w.waiting_mean, 0.0) "
-                "+ coalesce(w.deferred_mean, 0.0))")
-        sums = ", ".join(f"CAST(coalesce(sum(w.{c}), 0) AS DOUBLE) AS {c}"
-                         for c in ("generation_tokens", "prompt_tokens", "preemptions",
-                                   "prefix_queries", "prefix_hits"))
+        load = (
+            "(coalesce(w.batch_mean, 0.0) + coalesce(w.waiting_mean, 0.0) "
+            "+ coalesce(w.deferred_mean, 0.0))"
+        )
+        sums = ", ".join(
+            f"CAST(coalesce(sum(w.{c}), 0) AS DOUBLE) AS {c}"
+            for c in (
+                "generation_tokens",
+                "prompt_tokens",
+                "preemptions",
+                "prefix_queries",
+                "prefix_hits",
+            )
+        )
         day = f"floor(w.ts_s / {float(day_s)}) * {float(day_s)}"
         rday = f"floor(r.finished_unix_s / {float(day_s)}) * {float(day_s)}"
         sql = (
@@ -316,21 +438,34 @@ def usage_days(cur: Any, knees: pd.DataFrame, since: float, until: float,
             "WHERE r.finished_unix_s >= ? AND r.finished_unix_s < ? GROUP BY 1, 2) "
             "SELECT engine_id, day_start_unix_s, coalesce(active_s, 0) AS active_s, "
             "coalesce(saturated_s, 0) AS saturated_s, "
-            + ", ".join(f"coalesce({c}, 0) AS {c}" for c in
-                        ("generation_tokens", "prompt_tokens", "preemptions", "prefix_queries",
-                         "prefix_hits"))
+            + ", ".join(
+                f"coalesce({c}, 0) AS {c}"
+                for c in (
+                    "generation_tokens",
+                    "prompt_tokens",
+                    "preemptions",
+                    "prefix_queries",
+                    "prefix_hits",
+                )
+            )
             + ", coalesce(rd.requests, 0) AS requests, gen_tokens_per_s_peak, load_max, "
             "first_window_s, last_window_s "
             "FROM wd FULL OUTER JOIN rd USING (engine_id, day_start_unix_s) "
-            "ORDER BY engine_id, day_start_unix_s")
+            "ORDER BY engine_id, day_start_unix_s"
+        )
         return _df(cur, sql, [math.floor(since), until, since, until])
     finally:
         cur.unregister("_knees")
 
 
-def sample(cur: Any, max_windows_per_engine: int, pool: str | None = None,
-           since: float | None = None, until: float | None = None,
-           block_s: int = SAMPLE_BLOCK_S) -> dict[str, pd.DataFrame]:
+def sample(
+    cur: Any,
+    max_windows_per_engine: int,
+    pool: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    block_s: int = SAMPLE_BLOCK_S,
+) -> dict[str, pd.DataFrame]:
     """:func:`window_sample` keeping about ``max_windows_per_engine`` windows per engine
     (all of an engine that has fewer), plus ``counts``: :func:`window_counts` with
     ``keep_ratio``, the share of blocks kept (1.0: every window read)."""
@@ -338,6 +473,7 @@ def sample(cur: Any, max_windows_per_engine: int, pool: str | None = None,
     n = counts["n_windows"].to_numpy(float)
     ratio = [min(1.0, max_windows_per_engine / v) if v > 0 else 1.0 for v in n]
     counts = counts.assign(keep_ratio=ratio)
-    keep = counts.assign(keep_ppm=[_PPM if r >= 1.0 else max(1, math.ceil(r * _PPM))
-                                   for r in ratio])
+    keep = counts.assign(
+        keep_ppm=[_PPM if r >= 1.0 else max(1, math.ceil(r * _PPM)) for r in ratio]
+    )
     return {**window_sample(cur, keep, pool, since, until, block_s), "counts": counts}

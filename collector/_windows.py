@@ -14,22 +14,42 @@ from __future__ import annotations
 
 import numpy as np
 
-PERCENTILES: tuple[tuple[str, float], ...] = (("batch_p50", 0.5), ("batch_p90", 0.9),
-                                              ("batch_p99", 0.99))
-_SUMS = (("batch_sum", "batch_size"), ("kv_usage_sum", "kv_usage_ratio"),
-         ("waiting_sum", "waiting"), ("deferred_sum", "deferred"),
-         ("preemptions", "preemptions"), ("prompt_tokens", "prompt_tokens"),
-         ("generation_tokens", "generation_tokens"), ("prefix_queries", "prefix_queries"),
-         ("prefix_hits", "prefix_hits"))
-_MAXES = (("batch_max", "batch_size"), ("kv_usage_max", "kv_usage_ratio"),
-          ("kv_blocks_max", "kv_blocks_used"), ("waiting_max", "waiting"),
-          ("deferred_max", "deferred"), ("last_step_unix_s", "ts_unix_s"))
+PERCENTILES: tuple[tuple[str, float], ...] = (
+    ("batch_p50", 0.5),
+    ("batch_p90", 0.9),
+    ("batch_p99", 0.99),
+)
+_SUMS = (
+    ("batch_sum", "batch_size"),
+    ("kv_usage_sum", "kv_usage_ratio"),
+    ("waiting_sum", "waiting"),
+    ("deferred_sum", "deferred"),
+    ("preemptions", "preemptions"),
+    ("prompt_tokens", "prompt_tokens"),
+    ("generation_tokens", "generation_tokens"),
+    ("prefix_queries", "prefix_queries"),
+    ("prefix_hits", "prefix_hits"),
+)
+_MAXES = (
+    ("batch_max", "batch_size"),
+    ("kv_usage_max", "kv_usage_ratio"),
+    ("kv_blocks_max", "kv_blocks_used"),
+    ("waiting_max", "waiting"),
+    ("deferred_max", "deferred"),
+    ("last_step_unix_s", "ts_unix_s"),
+)
 _MINS = (("batch_min", "batch_size"), ("first_step_unix_s", "ts_unix_s"))
-_MEANS = (("batch_mean", "batch_sum"), ("kv_usage_mean", "kv_usage_sum"),
-          ("waiting_mean", "waiting_sum"), ("deferred_mean", "deferred_sum"))
+_MEANS = (
+    ("batch_mean", "batch_sum"),
+    ("kv_usage_mean", "kv_usage_sum"),
+    ("waiting_mean", "waiting_sum"),
+    ("deferred_mean", "deferred_sum"),
+)
 
 
-def aggregate(codes: np.ndarray, steps: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def aggregate(
+    codes: np.ndarray, steps: dict[str, np.ndarray]
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Return ``(engine code per window, columns)``; columns include ``ts_s``.
 
     ``codes`` holds an integer engine code per step row; ``steps`` the STEP_FIELDS
@@ -46,8 +66,11 @@ def aggregate(codes: np.ndarray, steps: dict[str, np.ndarray]) -> tuple[np.ndarr
     new[1:] = (c_sorted[1:] != c_sorted[:-1]) | (s_sorted[1:] != s_sorted[:-1])
     starts = np.flatnonzero(new)
     n = np.diff(np.append(starts, len(order)))
-    out: dict[str, np.ndarray] = {"ts_s": s_sorted[starts], "n_steps": n,
-                                  "n_parts": np.ones(len(starts), dtype=np.int64)}
+    out: dict[str, np.ndarray] = {
+        "ts_s": s_sorted[starts],
+        "n_steps": n,
+        "n_parts": np.ones(len(starts), dtype=np.int64),
+    }
     for name, col in _SUMS:
         out[name] = np.add.reduceat(steps[col][order], starts)
     for name, col in _MAXES:

@@ -44,9 +44,15 @@ _STOP = object()
 class GroupCommitWriter:
     """One daemon thread that owns every store write."""
 
-    def __init__(self, store: Store, *, max_group_batches: int = 512,
-                 max_pending_batches: int = 20_000, linger_s: float = 0.0,
-                 on_committed: OnCommitted | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        max_group_batches: int = 512,
+        max_pending_batches: int = 20_000,
+        linger_s: float = 0.0,
+        on_committed: OnCommitted | None = None,
+    ) -> None:
         self._store = store
         self._max_group = max_group_batches
         self._max_pending = max_pending_batches

@@ -99,7 +99,9 @@ def _to_array(where: str, f: Field, col: list[Any]) -> np.ndarray:
     raise AssertionError(f"unknown field kind {f.kind!r}")  # pragma: no cover
 
 
-def _columns(where: str, fields: tuple[Field, ...], cols: dict[str, list[Any]]) -> dict[str, np.ndarray]:
+def _columns(
+    where: str, fields: tuple[Field, ...], cols: dict[str, list[Any]]
+) -> dict[str, np.ndarray]:
     if not cols:
         return {f.name: _to_array(f"{where}.{f.name}", f, []) for f in fields}
     return {f.name: _to_array(f"{where}.{f.name}", f, cols[f.name]) for f in fields}

@@ -71,18 +71,36 @@ MAX_MESSAGES_PER_POLL = 1_000
 RCVHWM = 100_000
 
 _TOTALS = (  # (metric, column, help)
-    ("kvscope_kv_events_blocks_stored_total", "stored_blocks",
-     "KV-cache blocks the engine stored (computed and cached), from its KV events."),
-    ("kvscope_kv_events_blocks_duplicated_total", "dup_blocks",
-     "Stored blocks whose content another engine of the pool held at that moment."),
-    ("kvscope_kv_events_blocks_reseen_total", "reseen_blocks",
-     "Stored blocks whose content the pool had stored before (within its seen memory)."),
-    ("kvscope_kv_events_orphan_blocks_total", "orphan_blocks",
-     "Stored blocks whose parent block was unknown (joined mid-stream or messages lost)."),
-    ("kvscope_kv_events_blocks_removed_total", "removed_blocks",
-     "KV-cache blocks the engine evicted, from its KV events."),
-    ("kvscope_kv_events_missed_batches_total", "missed_batches",
-     "KV-event batches missed (gaps in the publisher's sequence numbers)."),
+    (
+        "kvscope_kv_events_blocks_stored_total",
+        "stored_blocks",
+        "KV-cache blocks the engine stored (computed and cached), from its KV events.",
+    ),
+    (
+        "kvscope_kv_events_blocks_duplicated_total",
+        "dup_blocks",
+        "Stored blocks whose content another engine of the pool held at that moment.",
+    ),
+    (
+        "kvscope_kv_events_blocks_reseen_total",
+        "reseen_blocks",
+        "Stored blocks whose content the pool had stored before (within its seen memory).",
+    ),
+    (
+        "kvscope_kv_events_orphan_blocks_total",
+        "orphan_blocks",
+        "Stored blocks whose parent block was unknown (joined mid-stream or messages lost).",
+    ),
+    (
+        "kvscope_kv_events_blocks_removed_total",
+        "removed_blocks",
+        "KV-cache blocks the engine evicted, from its KV events.",
+    ),
+    (
+        "kvscope_kv_events_missed_batches_total",
+        "missed_batches",
+        "KV-event batches missed (gaps in the publisher's sequence numbers).",
+    ),
 )
 
 
@@ -127,8 +145,7 @@ class KvEventsManager:
         self._noted: dict[str, tuple[str | None, float]] = {}  # event-loop thread only
         self._note_every_s = min(NOTE_EVERY_S, settings.kv_events_idle_s / 4)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvscope-kv-events",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kvscope-kv-events", daemon=True)
         # Manager thread only:
         self._engines: dict[str, _Engine] = {}
         self._pools: dict[str, Pool] = {}
@@ -155,8 +172,9 @@ class KvEventsManager:
             e.pool = _str(r.get("pool")) or ""
             e.advertised = _str(r.get("kv_events_endpoint"))
             started = r.get("started_unix_s")
-            e.started_unix_s = float(started) if started is not None and started == started \
-                else -math.inf
+            e.started_unix_s = (
+                float(started) if started is not None and started == started else -math.inf
+            )
             with self._lock:
                 self._pool_of[e.engine_id] = e.pool
         for r in self._store.kv_event_totals().to_dict("records"):
@@ -183,17 +201,25 @@ class KvEventsManager:
 
     # -- from the HTTP side ---------------------------------------------------------------
 
-    def note_batch(self, engine_id: str, boot_id: str, hello: dict[str, Any] | None,
-                   remote: str | None) -> None:
+    def note_batch(
+        self, engine_id: str, boot_id: str, hello: dict[str, Any] | None, remote: str | None
+    ) -> None:
         """An ingest batch of ``engine_id`` came from ``remote``. O(1); never blocks."""
         now = time.monotonic()
         prev = self._noted.get(engine_id)
-        if (hello is None and prev is not None and prev[0] == remote
-                and now - prev[1] < self._note_every_s):
+        if (
+            hello is None
+            and prev is not None
+            and prev[0] == remote
+            and now - prev[1] < self._note_every_s
+        ):
             return
         self._noted[engine_id] = (remote, now)
-        info = None if hello is None else (hello.get("pool"), hello.get("kv_events_endpoint"),
-                                           hello.get("started_unix_s"))
+        info = (
+            None
+            if hello is None
+            else (hello.get("pool"), hello.get("kv_events_endpoint"), hello.get("started_unix_s"))
+        )
         try:
             self._control.put_nowait((engine_id, boot_id, info, remote, now))
         except queue.Full:
@@ -289,8 +315,12 @@ class KvEventsManager:
             if pool is None:
                 pool = self._pools[e.pool] = Pool(e.pool, self._s.kv_events_seen_capacity)
             e.generation += 1
-            e.blocks = EngineBlocks(e.engine_id, f"{e.engine_id}|{e.boot_id}|{e.generation}",
-                                    pool, self._s.kv_events_max_engine_blocks)
+            e.blocks = EngineBlocks(
+                e.engine_id,
+                f"{e.engine_id}|{e.boot_id}|{e.generation}",
+                pool,
+                self._s.kv_events_max_engine_blocks,
+            )
         log.info("subscribed to the KV events of %s (pool %r) at %s", e.engine_id, e.pool, want)
 
     def _close(self, e: _Engine) -> None:
@@ -323,8 +353,11 @@ class KvEventsManager:
                 continue
             last = max(e.last_msg_mono, e.last_note_mono, e.subscribed_mono)
             if now - last > limit:
-                log.info("%s sent nothing for %.0f s: unsubscribed from its KV events",
-                         e.engine_id, now - last)
+                log.info(
+                    "%s sent nothing for %.0f s: unsubscribed from its KV events",
+                    e.engine_id,
+                    now - last,
+                )
                 self._forget(e)
                 e.idle = True
 
@@ -372,8 +405,10 @@ class KvEventsManager:
         if not self._pending:
             return
         pending, self._pending = self._pending, {}
-        data: dict[str, list[Any]] = {"engine_id": [k[0] for k in pending],
-                                      "ts_s": [k[1] for k in pending]}
+        data: dict[str, list[Any]] = {
+            "engine_id": [k[0] for k in pending],
+            "ts_s": [k[1] for k in pending],
+        }
         for i, name in enumerate(ROW_FIELDS):
             data[name] = [r[i] for r in pending.values()]
         df = pd.DataFrame(data)
@@ -413,8 +448,9 @@ class KvEventsManager:
         for e in sorted(self._engines.values(), key=lambda x: x.engine_id):
             raw = self._overrides.get(e.engine_id) or e.advertised
             if raw is not None:
-                snap.subscribed.append((e.engine_id, e.pool, e.endpoint or raw,
-                                        int(e.sock is not None)))
+                snap.subscribed.append(
+                    (e.engine_id, e.pool, e.endpoint or raw, int(e.sock is not None))
+                )
             if e.blocks is not None:
                 snap.held.append((e.engine_id, e.pool, len(e.blocks.blocks)))
                 drops.update(_engine_drops(e.blocks))
@@ -435,31 +471,56 @@ class KvEventsManager:
         for name, col, help_text in _TOTALS:
             w.family(name, "counter", help_text)
             for engine_id, t in totals:
-                w.sample(name, label_str((("engine", engine_id),
-                                          ("pool", pools.get(engine_id, "")))), t.get(col, 0))
-        w.family("kvscope_kv_events_held_blocks", "gauge",
-                 "KV-cache blocks the engine holds, as known from its KV events.")
+                w.sample(
+                    name,
+                    label_str((("engine", engine_id), ("pool", pools.get(engine_id, "")))),
+                    t.get(col, 0),
+                )
+        w.family(
+            "kvscope_kv_events_held_blocks",
+            "gauge",
+            "KV-cache blocks the engine holds, as known from its KV events.",
+        )
         for engine_id, pool, n in snap.held:
-            w.sample("kvscope_kv_events_held_blocks",
-                     label_str((("engine", engine_id), ("pool", pool))), n)
-        w.family("kvscope_pool_kv_distinct_blocks", "gauge",
-                 "Distinct block contents held across the engines of the pool.")
+            w.sample(
+                "kvscope_kv_events_held_blocks",
+                label_str((("engine", engine_id), ("pool", pool))),
+                n,
+            )
+        w.family(
+            "kvscope_pool_kv_distinct_blocks",
+            "gauge",
+            "Distinct block contents held across the engines of the pool.",
+        )
         for pool, n in snap.distinct:
             w.sample("kvscope_pool_kv_distinct_blocks", label_str((("pool", pool),)), n)
-        w.family("kvscope_kv_events_subscribed", "gauge",
-                 "1 while the collector is subscribed to the engine's KV events, else 0.")
+        w.family(
+            "kvscope_kv_events_subscribed",
+            "gauge",
+            "1 while the collector is subscribed to the engine's KV events, else 0.",
+        )
         for engine_id, pool, endpoint, v in snap.subscribed:
-            w.sample("kvscope_kv_events_subscribed", label_str(
-                (("engine", engine_id), ("pool", pool), ("endpoint", endpoint))), v)
-        w.family("kvscope_kv_events_dropped_total", "counter",
-                 "What KV-event accounting dropped or could not read, by reason.")
+            w.sample(
+                "kvscope_kv_events_subscribed",
+                label_str((("engine", engine_id), ("pool", pool), ("endpoint", endpoint))),
+                v,
+            )
+        w.family(
+            "kvscope_kv_events_dropped_total",
+            "counter",
+            "What KV-event accounting dropped or could not read, by reason.",
+        )
         for reason, n in sorted(snap.dropped.items()):
             w.sample("kvscope_kv_events_dropped_total", label_str((("reason", reason),)), n)
 
 
 def _engine_drops(b: EngineBlocks) -> dict[str, int]:
-    return {"untracked_blocks": b.untracked, "other_medium_blocks": b.ignored,
-            "bad_events": b.bad_events, "publisher_restarts": b.restarts}
+    return {
+        "untracked_blocks": b.untracked,
+        "other_medium_blocks": b.ignored,
+        "bad_events": b.bad_events,
+        "publisher_restarts": b.restarts,
+    }
 
 
 def _str(v: Any) -> str | None:

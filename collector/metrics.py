@@ -62,15 +62,49 @@ from kvscope.collector._ingest import DUPLICATE, STORED, IngestResult
 from kvscope.collector.batch import PreparedBatch
 from kvscope.engine_plugins.schema import BOOL, EXPORTER_FIELDS, FLOAT, HELLO_FIELDS, INT
 
-__all__ = ["BATCH_SIZE_BUCKETS", "CONTENT_TYPE", "ENGINE_FAMILIES", "HISTOGRAM_BOUNDS",
-           "KV_USAGE_BUCKETS", "FleetState", "Snapshot"]
+__all__ = [
+    "BATCH_SIZE_BUCKETS",
+    "CONTENT_TYPE",
+    "ENGINE_FAMILIES",
+    "HISTOGRAM_BOUNDS",
+    "KV_USAGE_BUCKETS",
+    "FleetState",
+    "Snapshot",
+]
 
-BATCH_SIZE_BUCKETS: tuple[float, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256,
-                                         384, 512, 768, 1024)
-KV_USAGE_BUCKETS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95,
-                                       0.99, 1.0)
-ACK_SECONDS_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
-                                          2.5, 5.0, 10.0)
+BATCH_SIZE_BUCKETS: tuple[float, ...] = (
+    1,
+    2,
+    4,
+    8,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    192,
+    256,
+    384,
+    512,
+    768,
+    1024,
+)
+KV_USAGE_BUCKETS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0)
+ACK_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 _BATCH_BOUNDS = np.array(BATCH_SIZE_BUCKETS, dtype=np.float64)
 _KV_BOUNDS = np.array(KV_USAGE_BUCKETS, dtype=np.float64)
 _BATCH_LES = bound_strs(BATCH_SIZE_BUCKETS)
@@ -79,66 +113,139 @@ _ACK_LES = bound_strs(ACK_SECONDS_BUCKETS)
 
 #: Hello fields shown as labels of kvscope_engine_info (beside engine, pool, model).
 INFO_KEYS: tuple[str, ...] = tuple(
-    f.name for f in HELLO_FIELDS
-    if f.name not in ("engine_id", "boot_id", "pool", "model", "pid", "port", "engine_index",
-                      "started_unix_s")
+    f.name
+    for f in HELLO_FIELDS
+    if f.name
+    not in (
+        "engine_id",
+        "boot_id",
+        "pool",
+        "model",
+        "pid",
+        "port",
+        "engine_index",
+        "started_unix_s",
+    )
 )
 _SAVED_KEY = "metrics.histograms.v1"
 
 #: Reasons of ``kvscope_collector_rejected_batches_total``, exported at 0 from the start.
 REJECT_REASONS: tuple[str, ...] = (
-    "bad_encoding", "bad_json", "engine_limit", "overloaded", "schema", "shutting_down",
-    "timeout", "too_large", "unauthorized", "unsupported_encoding",
+    "bad_encoding",
+    "bad_json",
+    "engine_limit",
+    "overloaded",
+    "schema",
+    "shutting_down",
+    "timeout",
+    "too_large",
+    "unauthorized",
+    "unsupported_encoding",
 )
 #: Reasons of ``kvscope_collector_rejected_reads_total`` (read API and /metrics).
 READ_REJECT_REASONS: tuple[str, ...] = ("bad_params", "unauthorized")
 
 _GAUGES = (  # (metric, attribute, help)
-    ("kvscope_engine_batch_size", "batch_size",
-     "Running requests (the batch) in the engine's latest step."),
-    ("kvscope_engine_waiting_requests", "waiting",
-     "Waiting requests (not deferred) in the engine's latest step."),
-    ("kvscope_engine_deferred_requests", "deferred",
-     "Waiting requests deferred by transient constraints in the latest step."),
-    ("kvscope_engine_kv_usage_ratio", "kv_usage_ratio",
-     "Fraction of KV-cache blocks in use in the latest step."),
-    ("kvscope_engine_kv_used_blocks", "kv_blocks_used",
-     "KV-cache blocks in use in the latest step."),
-    ("kvscope_engine_prefix_hit_ratio", "prefix_hit_ratio",
-     "Prefix-cache hit tokens / query tokens over the latest batch (about 1 s) with queries."),
-    ("kvscope_engine_last_step_timestamp_seconds", "last_step_unix_s",
-     "Wall-clock time of the latest step (engine clock)."),
-    ("kvscope_engine_last_seen_timestamp_seconds", "last_seen_unix_s",
-     "When the collector last stored a batch of this engine (collector clock)."),
+    (
+        "kvscope_engine_batch_size",
+        "batch_size",
+        "Running requests (the batch) in the engine's latest step.",
+    ),
+    (
+        "kvscope_engine_waiting_requests",
+        "waiting",
+        "Waiting requests (not deferred) in the engine's latest step.",
+    ),
+    (
+        "kvscope_engine_deferred_requests",
+        "deferred",
+        "Waiting requests deferred by transient constraints in the latest step.",
+    ),
+    (
+        "kvscope_engine_kv_usage_ratio",
+        "kv_usage_ratio",
+        "Fraction of KV-cache blocks in use in the latest step.",
+    ),
+    (
+        "kvscope_engine_kv_used_blocks",
+        "kv_blocks_used",
+        "KV-cache blocks in use in the latest step.",
+    ),
+    (
+        "kvscope_engine_prefix_hit_ratio",
+        "prefix_hit_ratio",
+        "Prefix-cache hit tokens / query tokens over the latest batch (about 1 s) with queries.",
+    ),
+    (
+        "kvscope_engine_last_step_timestamp_seconds",
+        "last_step_unix_s",
+        "Wall-clock time of the latest step (engine clock).",
+    ),
+    (
+        "kvscope_engine_last_seen_timestamp_seconds",
+        "last_seen_unix_s",
+        "When the collector last stored a batch of this engine (collector clock).",
+    ),
 )
 _COUNTERS = (  # (metric, attribute, help)
     ("kvscope_engine_steps_total", "steps", "Engine steps recorded."),
     ("kvscope_engine_prompt_tokens_total", "prompt_tokens", "Prompt tokens processed."),
     ("kvscope_engine_generation_tokens_total", "generation_tokens", "Tokens generated."),
     ("kvscope_engine_preemptions_total", "preemptions", "Requests preempted."),
-    ("kvscope_engine_prefix_cache_query_tokens_total", "prefix_queries",
-     "Prefix-cache lookups, in tokens."),
-    ("kvscope_engine_prefix_cache_hit_tokens_total", "prefix_hits",
-     "Prefix-cache hits, in tokens."),
+    (
+        "kvscope_engine_prefix_cache_query_tokens_total",
+        "prefix_queries",
+        "Prefix-cache lookups, in tokens.",
+    ),
+    (
+        "kvscope_engine_prefix_cache_hit_tokens_total",
+        "prefix_hits",
+        "Prefix-cache hits, in tokens.",
+    ),
     ("kvscope_engine_finished_requests_total", "finished_requests", "Requests finished."),
-    ("kvscope_engine_waiting_request_steps_total", "waiting_steps",
-     "Waiting requests summed over the engine's steps; its increase over the increase of "
-     "kvscope_engine_steps_total is the mean queue per step."),
-    ("kvscope_engine_deferred_request_steps_total", "deferred_steps",
-     "Deferred waiting requests summed over the engine's steps (as waiting_request_steps)."),
+    (
+        "kvscope_engine_waiting_request_steps_total",
+        "waiting_steps",
+        "Waiting requests summed over the engine's steps; its increase over the increase of "
+        "kvscope_engine_steps_total is the mean queue per step.",
+    ),
+    (
+        "kvscope_engine_deferred_request_steps_total",
+        "deferred_steps",
+        "Deferred waiting requests summed over the engine's steps (as waiting_request_steps).",
+    ),
 )
 _CONFIG_GAUGES = (  # (metric, hello field, help)
-    ("kvscope_engine_max_num_seqs", "max_num_seqs",
-     "The engine's max_num_seqs: most requests one step runs (from its latest hello)."),
-    ("kvscope_engine_max_num_batched_tokens", "max_num_batched_tokens",
-     "The engine's token budget per step, max_num_batched_tokens (from its latest hello)."),
-    ("kvscope_engine_kv_capacity_blocks", "num_gpu_blocks",
-     "KV-cache blocks the engine has, num_gpu_blocks (from its latest hello)."),
-    ("kvscope_engine_kv_block_size_tokens", "block_size",
-     "Tokens per KV-cache block (from its latest hello)."),
+    (
+        "kvscope_engine_max_num_seqs",
+        "max_num_seqs",
+        "The engine's max_num_seqs: most requests one step runs (from its latest hello).",
+    ),
+    (
+        "kvscope_engine_max_num_batched_tokens",
+        "max_num_batched_tokens",
+        "The engine's token budget per step, max_num_batched_tokens (from its latest hello).",
+    ),
+    (
+        "kvscope_engine_kv_capacity_blocks",
+        "num_gpu_blocks",
+        "KV-cache blocks the engine has, num_gpu_blocks (from its latest hello).",
+    ),
+    (
+        "kvscope_engine_kv_block_size_tokens",
+        "block_size",
+        "Tokens per KV-cache block (from its latest hello).",
+    ),
 )
-_STEP_SUMS = ("prompt_tokens", "generation_tokens", "preemptions", "prefix_queries",
-              "prefix_hits", "waiting_steps", "deferred_steps")
+_STEP_SUMS = (
+    "prompt_tokens",
+    "generation_tokens",
+    "preemptions",
+    "prefix_queries",
+    "prefix_hits",
+    "waiting_steps",
+    "deferred_steps",
+)
 #: Step column summed into each _STEP_SUMS attribute (the same name unless listed).
 _STEP_COLUMN = {"waiting_steps": "waiting", "deferred_steps": "deferred"}
 _BATCH_HIST_HELP = "Running requests per engine step (one observation per step)."
@@ -157,8 +264,14 @@ ENGINE_FAMILIES: tuple[tuple[str, str, str], ...] = (
     ("kvscope_engine_step_kv_usage_ratio", "histogram", _KV_HIST_HELP),
     ("kvscope_engine_info", "gauge", _INFO_HELP),
     *((name, "gauge", h) for name, _, h in _CONFIG_GAUGES),
-    *((f"kvscope_exporter_{f.name}_total", "counter",
-       f"Engine plugin: {f.doc} (summed over boots).") for f in EXPORTER_FIELDS),
+    *(
+        (
+            f"kvscope_exporter_{f.name}_total",
+            "counter",
+            f"Engine plugin: {f.doc} (summed over boots).",
+        )
+        for f in EXPORTER_FIELDS
+    ),
 )
 """(name, kind, help) of every per-engine family of :meth:`FleetState.snapshot`."""
 
@@ -180,14 +293,38 @@ class Snapshot:
 class _Engine:
     """Metric values of one engine."""
 
-    __slots__ = ("attrs", "batch_hist", "batch_size", "batch_sum", "config", "deferred",
-                 "deferred_steps", "engine_id", "exporter",
-                 "finished_requests", "gauge_boot_id", "generation_tokens", "hello_started",
-                 "info", "info_attrs",
-                 "kv_blocks_used", "kv_hist", "kv_sum", "kv_usage_ratio", "labels",
-                 "last_seen_unix_s", "last_step_unix_s", "preemptions", "prefix_hit_ratio",
-                 "prefix_hits", "prefix_queries", "prompt_tokens", "steps", "waiting",
-                 "waiting_steps")
+    __slots__ = (
+        "attrs",
+        "batch_hist",
+        "batch_size",
+        "batch_sum",
+        "config",
+        "deferred",
+        "deferred_steps",
+        "engine_id",
+        "exporter",
+        "finished_requests",
+        "gauge_boot_id",
+        "generation_tokens",
+        "hello_started",
+        "info",
+        "info_attrs",
+        "kv_blocks_used",
+        "kv_hist",
+        "kv_sum",
+        "kv_usage_ratio",
+        "labels",
+        "last_seen_unix_s",
+        "last_step_unix_s",
+        "preemptions",
+        "prefix_hit_ratio",
+        "prefix_hits",
+        "prefix_queries",
+        "prompt_tokens",
+        "steps",
+        "waiting",
+        "waiting_steps",
+    )
 
     def __init__(self, engine_id: str) -> None:
         self.engine_id = engine_id
@@ -219,15 +356,21 @@ class _Engine:
         if started < self.hello_started:
             return
         self.hello_started = started
-        base = (("engine", self.engine_id), ("pool", ident.get("pool")),
-                ("model", ident.get("model")))
+        base = (
+            ("engine", self.engine_id),
+            ("pool", ident.get("pool")),
+            ("model", ident.get("model")),
+        )
         self.labels = label_str(base)
         info = (*base, *((k, ident.get(k)) for k in INFO_KEYS))
         self.info = label_str(info)
         self.attrs = {k: label_value(v) for k, v in base}
         self.info_attrs = {k: label_value(v) for k, v in info}
-        self.config = {f: float(v) for _, f, _ in _CONFIG_GAUGES
-                       if isinstance(v := ident.get(f), int | float) and not isinstance(v, bool)}
+        self.config = {
+            f: float(v)
+            for _, f, _ in _CONFIG_GAUGES
+            if isinstance(v := ident.get(f), int | float) and not isinstance(v, bool)
+        }
 
 
 class FleetState:
@@ -301,8 +444,11 @@ class FleetState:
         i = int(ts.argmax())
         # The latest step by step time sets the gauges; a new boot takes over even if
         # its clock is behind the previous boot's.
-        if (e.last_step_unix_s is None or ts[i] >= e.last_step_unix_s
-                or b.boot_id != e.gauge_boot_id):
+        if (
+            e.last_step_unix_s is None
+            or ts[i] >= e.last_step_unix_s
+            or b.boot_id != e.gauge_boot_id
+        ):
             e.last_step_unix_s = float(ts[i])
             e.gauge_boot_id = b.boot_id
             for a in ("batch_size", "waiting", "deferred", "kv_blocks_used"):
@@ -381,10 +527,17 @@ class FleetState:
         """Save the histograms (at a clean shutdown) for :meth:`rebuild`."""
         with self._lock:
             data = {
-                "batch_les": _BATCH_LES, "kv_les": _KV_LES,
-                "engines": {e.engine_id: {"batch": e.batch_hist.tolist(), "kv": e.kv_hist.tolist(),
-                                          "batch_sum": e.batch_sum, "kv_sum": e.kv_sum}
-                            for e in self._engines.values()},
+                "batch_les": _BATCH_LES,
+                "kv_les": _KV_LES,
+                "engines": {
+                    e.engine_id: {
+                        "batch": e.batch_hist.tolist(),
+                        "kv": e.kv_hist.tolist(),
+                        "batch_sum": e.batch_sum,
+                        "kv_sum": e.kv_sum,
+                    }
+                    for e in self._engines.values()
+                },
             }
         store.save_state(_SAVED_KEY, json.dumps(data))
 
@@ -407,12 +560,22 @@ class FleetState:
                     w.sample(name, e.labels, getattr(e, attr))
             w.family("kvscope_engine_step_batch_size", "histogram", _BATCH_HIST_HELP)
             for e in engines:
-                w.histogram("kvscope_engine_step_batch_size", e.labels, _BATCH_LES,
-                            e.batch_hist.tolist(), e.batch_sum)
+                w.histogram(
+                    "kvscope_engine_step_batch_size",
+                    e.labels,
+                    _BATCH_LES,
+                    e.batch_hist.tolist(),
+                    e.batch_sum,
+                )
             w.family("kvscope_engine_step_kv_usage_ratio", "histogram", _KV_HIST_HELP)
             for e in engines:
-                w.histogram("kvscope_engine_step_kv_usage_ratio", e.labels, _KV_LES,
-                            e.kv_hist.tolist(), e.kv_sum)
+                w.histogram(
+                    "kvscope_engine_step_kv_usage_ratio",
+                    e.labels,
+                    _KV_LES,
+                    e.kv_hist.tolist(),
+                    e.kv_sum,
+                )
             w.family("kvscope_engine_info", "gauge", _INFO_HELP)
             for e in engines:
                 if e.info is not None:
@@ -450,51 +613,80 @@ class FleetState:
         with self._lock:
             engines = self._exported()
             for name, attr, _ in _GAUGES:
-                samples[name] = [(e.attrs, v) for e in engines
-                                 if (v := getattr(e, attr)) is not None]
+                samples[name] = [
+                    (e.attrs, v) for e in engines if (v := getattr(e, attr)) is not None
+                ]
             for name, attr, _ in _COUNTERS:
                 samples[name] = [(e.attrs, getattr(e, attr)) for e in engines]
-            samples["kvscope_engine_info"] = [(e.info_attrs, 1) for e in engines
-                                              if e.info_attrs is not None]
+            samples["kvscope_engine_info"] = [
+                (e.info_attrs, 1) for e in engines if e.info_attrs is not None
+            ]
             for name, key, _ in _CONFIG_GAUGES:
                 samples[name] = [(e.attrs, e.config[key]) for e in engines if key in e.config]
             for f in EXPORTER_FIELDS:
                 samples[f"kvscope_exporter_{f.name}_total"] = [
-                    (e.attrs, sum(b.get(f.name, 0) for b in e.exporter.values()))
-                    for e in engines]
+                    (e.attrs, sum(b.get(f.name, 0) for b in e.exporter.values())) for e in engines
+                ]
             histograms: dict[str, list[tuple[Attrs, list[int], float]]] = {
                 "kvscope_engine_step_batch_size": [
-                    (e.attrs, e.batch_hist.tolist(), e.batch_sum) for e in engines],
+                    (e.attrs, e.batch_hist.tolist(), e.batch_sum) for e in engines
+                ],
                 "kvscope_engine_step_kv_usage_ratio": [
-                    (e.attrs, e.kv_hist.tolist(), e.kv_sum) for e in engines],
+                    (e.attrs, e.kv_hist.tolist(), e.kv_sum) for e in engines
+                ],
             }
         return Snapshot(samples, histograms)
 
     def _render_collector(self, w: TextWriter, n_engines: int) -> None:
-        w.family("kvscope_collector_ingest_batches_total", "counter",
-                 "Ingest requests by outcome (stored, duplicate, rejected, failed).")
+        w.family(
+            "kvscope_collector_ingest_batches_total",
+            "counter",
+            "Ingest requests by outcome (stored, duplicate, rejected, failed).",
+        )
         for result, n in self._batches.items():
             w.sample("kvscope_collector_ingest_batches_total", label_str((("result", result),)), n)
-        w.family("kvscope_collector_rejected_batches_total", "counter",
-                 "Ingest requests rejected before reaching the store, by reason.")
+        w.family(
+            "kvscope_collector_rejected_batches_total",
+            "counter",
+            "Ingest requests rejected before reaching the store, by reason.",
+        )
         for reason, n in sorted(self._rejected.items()):
-            w.sample("kvscope_collector_rejected_batches_total", label_str((("reason", reason),)), n)
-        w.family("kvscope_collector_rejected_reads_total", "counter",
-                 "Read-API and /metrics requests answered 400 (bad_params) or 401, by reason.")
+            w.sample(
+                "kvscope_collector_rejected_batches_total", label_str((("reason", reason),)), n
+            )
+        w.family(
+            "kvscope_collector_rejected_reads_total",
+            "counter",
+            "Read-API and /metrics requests answered 400 (bad_params) or 401, by reason.",
+        )
         for reason, n in sorted(self._read_rejected.items()):
             w.sample("kvscope_collector_rejected_reads_total", label_str((("reason", reason),)), n)
-        w.family("kvscope_collector_engines_not_exported", "gauge",
-                 "Known engines left out of this scrape's per-engine series "
-                 "(over max_exported_engines; the least recently seen go first).")
+        w.family(
+            "kvscope_collector_engines_not_exported",
+            "gauge",
+            "Known engines left out of this scrape's per-engine series "
+            "(over max_exported_engines; the least recently seen go first).",
+        )
         w.sample("kvscope_collector_engines_not_exported", "", self._not_exported)
-        w.family("kvscope_collector_ingest_ack_duration_seconds", "histogram",
-                 "Time from an ingest request's start to its answer (after commit).")
-        w.histogram("kvscope_collector_ingest_ack_duration_seconds", "", _ACK_LES,
-                    self._ack_hist.tolist(), self._ack_sum)
+        w.family(
+            "kvscope_collector_ingest_ack_duration_seconds",
+            "histogram",
+            "Time from an ingest request's start to its answer (after commit).",
+        )
+        w.histogram(
+            "kvscope_collector_ingest_ack_duration_seconds",
+            "",
+            _ACK_LES,
+            self._ack_hist.tolist(),
+            self._ack_sum,
+        )
         w.family("kvscope_collector_engines", "gauge", "Engines known to the collector.")
         w.sample("kvscope_collector_engines", "", n_engines)
-        w.family("kvscope_collector_start_time_seconds", "gauge",
-                 "When this collector process started (unix seconds).")
+        w.family(
+            "kvscope_collector_start_time_seconds",
+            "gauge",
+            "When this collector process started (unix seconds).",
+        )
         w.sample("kvscope_collector_start_time_seconds", "", self.start_unix_s)
         for name, (kind, help_text, fn) in sorted(self.extra.items()):
             w.family(name, kind, help_text)

@@ -48,8 +48,14 @@ from kvscope.engine_plugins import __version__
 if TYPE_CHECKING:
     from opentelemetry.sdk.metrics import MeterProvider
 
-__all__ = ["EXTRA", "SHUTDOWN_TIMEOUT_S", "MissingOtlpError", "OtlpExport", "metrics_url",
-           "require_sdk"]
+__all__ = [
+    "EXTRA",
+    "SHUTDOWN_TIMEOUT_S",
+    "MissingOtlpError",
+    "OtlpExport",
+    "metrics_url",
+    "require_sdk",
+]
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +93,8 @@ def require_sdk(what: str = "the OTLP export (--otlp-endpoint)") -> None:
         if not found:
             raise MissingOtlpError(
                 f"{what} needs the '{EXTRA}' extra ({mod} is not installed).\n"
-                f"Install it with:  pip install 'kvscope[{EXTRA}]'")
+                f"Install it with:  pip install 'kvscope[{EXTRA}]'"
+            )
 
 
 def metrics_url(endpoint: str) -> str:
@@ -122,8 +129,9 @@ class OtlpExport:
     """The collector's OTLP push: build with the settings and the state, :meth:`start`,
     :meth:`shutdown` at the end. :meth:`render` adds its own counters to ``/metrics``."""
 
-    def __init__(self, settings: Settings, state: FleetState,
-                 verdicts: VerdictLoop | None = None) -> None:
+    def __init__(
+        self, settings: Settings, state: FleetState, verdicts: VerdictLoop | None = None
+    ) -> None:
         if settings.otlp_endpoint is None:
             raise ValueError("OtlpExport needs settings.otlp_endpoint")
         self.endpoint = metrics_url(settings.otlp_endpoint)
@@ -162,10 +170,14 @@ class OtlpExport:
         except BaseException:
             self._remove_filter()
             raise
-        log.info("OTLP export to %s every %s", self.endpoint,
-                 f"{self.interval_s:g} s" if self.interval_s else
-                 f"{os.environ.get('OTEL_METRIC_EXPORT_INTERVAL', '60000')} ms "
-                 "($OTEL_METRIC_EXPORT_INTERVAL, default 60000)")
+        log.info(
+            "OTLP export to %s every %s",
+            self.endpoint,
+            f"{self.interval_s:g} s"
+            if self.interval_s
+            else f"{os.environ.get('OTEL_METRIC_EXPORT_INTERVAL', '60000')} ms "
+            "($OTEL_METRIC_EXPORT_INTERVAL, default 60000)",
+        )
         return self
 
     def flush(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
@@ -232,12 +244,17 @@ class OtlpExport:
                 "OTLP export to %s failed (%s%s); ingest and /metrics are not affected, the "
                 "next export sends the cumulative values again; further failures of this "
                 "kind are only counted in kvscope_collector_otlp_exports_total"
-                '{result="failure"}', self.endpoint,
+                '{result="failure"}',
+                self.endpoint,
                 "the endpoint did not accept the batch" if error is None else kind,
-                f": {error}" if error is not None else "")
+                f": {error}" if error is not None else "",
+            )
         if recovered:
-            log.info("OTLP export to %s works again (%d failed export(s) so far)",
-                     self.endpoint, failures)
+            log.info(
+                "OTLP export to %s works again (%d failed export(s) so far)",
+                self.endpoint,
+                failures,
+            )
 
     # -- /metrics ----------------------------------------------------------------------
 
@@ -246,12 +263,21 @@ class OtlpExport:
         with self._lock:
             exports = dict(self.exports)
             last = self.last_success_unix_s
-        w.family("kvscope_collector_otlp_exports_total", "counter",
-                 "OTLP metric exports by result (success, failure after the SDK's retries).")
+        w.family(
+            "kvscope_collector_otlp_exports_total",
+            "counter",
+            "OTLP metric exports by result (success, failure after the SDK's retries).",
+        )
         for result in RESULTS:
-            w.sample("kvscope_collector_otlp_exports_total", label_str((("result", result),)),
-                     exports[result])
-        w.family("kvscope_collector_otlp_last_success_timestamp_seconds", "gauge",
-                 "When an OTLP export last succeeded (unix seconds).")
+            w.sample(
+                "kvscope_collector_otlp_exports_total",
+                label_str((("result", result),)),
+                exports[result],
+            )
+        w.family(
+            "kvscope_collector_otlp_last_success_timestamp_seconds",
+            "gauge",
+            "When an OTLP export last succeeded (unix seconds).",
+        )
         if last is not None:
             w.sample("kvscope_collector_otlp_last_success_timestamp_seconds", "", last)

@@ -32,14 +32,22 @@ class Query:
     """Columns to return (all when None)."""
 
 
-def parse_query(params: Mapping[str, str], allowed: Iterable[str], *, default_since: str | None,
-                max_limit: int, now_unix_s: float | None = None) -> Query:
+def parse_query(
+    params: Mapping[str, str],
+    allowed: Iterable[str],
+    *,
+    default_since: str | None,
+    max_limit: int,
+    now_unix_s: float | None = None,
+) -> Query:
     """Check the parameter names against ``allowed`` and parse their values."""
     allowed = tuple(allowed)
     unknown = sorted(set(params) - set(allowed))
     if unknown:
-        raise ParamError(f"unknown parameter(s) {', '.join(map(repr, unknown))}; "
-                         f"this endpoint takes {', '.join(allowed) or 'none'}")
+        raise ParamError(
+            f"unknown parameter(s) {', '.join(map(repr, unknown))}; "
+            f"this endpoint takes {', '.join(allowed) or 'none'}"
+        )
     now = time.time() if now_unix_s is None else now_unix_s
     since_text = params.get("since", default_since)
     since = parse_time("since", since_text, now) if since_text else None
@@ -51,7 +59,9 @@ def parse_query(params: Mapping[str, str], allowed: Iterable[str], *, default_si
         try:
             limit = int(params["limit"])
         except ValueError:
-            raise ParamError(f"limit: expected a positive integer, got {params['limit']!r}") from None
+            raise ParamError(
+                f"limit: expected a positive integer, got {params['limit']!r}"
+            ) from None
         if not 0 < limit <= max_limit:
             raise ParamError(f"limit: must be in 1..{max_limit}, got {limit}")
     fmt = params.get("format", "records")
@@ -71,6 +81,14 @@ def parse_query(params: Mapping[str, str], allowed: Iterable[str], *, default_si
         fields = tuple(f.strip() for f in params["fields"].split(",") if f.strip())
         if not fields:
             raise ParamError("fields: expected a comma-separated list of column names")
-    return Query(engine_id=params.get("engine"), pool=params.get("pool"), since_unix_s=since,
-                 until_unix_s=until, limit=limit, format=fmt, group_by=group_by, source=source,
-                 fields=fields)
+    return Query(
+        engine_id=params.get("engine"),
+        pool=params.get("pool"),
+        since_unix_s=since,
+        until_unix_s=until,
+        limit=limit,
+        format=fmt,
+        group_by=group_by,
+        source=source,
+        fields=fields,
+    )

@@ -39,10 +39,18 @@ class CollectorProcess:
     ...     c.get_json("/v1/engines")
     """
 
-    def __init__(self, store_path: str | Path, *, host: str = "127.0.0.1",
-                 port: int | None = None, token: str | None = None,
-                 log_path: str | Path | None = None, extra_args: list[str] | None = None,
-                 startup_timeout_s: float = 30.0, ca_file: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        store_path: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        token: str | None = None,
+        log_path: str | Path | None = None,
+        extra_args: list[str] | None = None,
+        startup_timeout_s: float = 30.0,
+        ca_file: str | Path | None = None,
+    ) -> None:
         self.store_path = Path(store_path)
         self.host = host
         self.port = port or free_port(host)
@@ -60,14 +68,26 @@ class CollectorProcess:
         return f"{'https' if self.tls else 'http'}://{self.host}:{self.port}"
 
     def start(self) -> CollectorProcess:
-        cmd = [sys.executable, "-m", "kvscope.cli.main", "collector", "--host", self.host,
-               "--port", str(self.port), "--store", str(self.store_path), *self.extra_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvscope.cli.main",
+            "collector",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--store",
+            str(self.store_path),
+            *self.extra_args,
+        ]
         if self.token:
             cmd += ["--token", self.token]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child process
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         log.close()
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
@@ -102,8 +122,9 @@ class CollectorProcess:
         except ProcessLookupError:
             return self.proc.wait()
 
-    def request(self, path: str, *, params: dict[str, Any] | None = None,
-                timeout_s: float = 30.0) -> tuple[int, bytes]:
+    def request(
+        self, path: str, *, params: dict[str, Any] | None = None, timeout_s: float = 30.0
+    ) -> tuple[int, bytes]:
         url = self.url + path
         if params:
             url += "?" + urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
@@ -116,8 +137,9 @@ class CollectorProcess:
         except urllib.error.HTTPError as e:
             return int(e.code), e.read()
 
-    def get_json(self, path: str, *, params: dict[str, Any] | None = None,
-                 timeout_s: float = 30.0) -> Any:
+    def get_json(
+        self, path: str, *, params: dict[str, Any] | None = None, timeout_s: float = 30.0
+    ) -> Any:
         status, body = self.request(path, params=params, timeout_s=timeout_s)
         if status != 200:
             raise CollectorError(f"GET {path} answered {status}: {body[:300]!r}")

@@ -69,8 +69,17 @@ if TYPE_CHECKING:
     from kvscope.collector.kv_events import KvEventsManager
     from kvscope.collector.otlp import OtlpExport
 
-__all__ = ["Context", "RunningCollector", "context", "create_app", "create_runner", "is_loopback",
-           "serve", "ssl_context", "start"]
+__all__ = [
+    "Context",
+    "RunningCollector",
+    "context",
+    "create_app",
+    "create_runner",
+    "is_loopback",
+    "serve",
+    "ssl_context",
+    "start",
+]
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +142,12 @@ async def _ingest(request: web.Request) -> web.Response:
         return _error(status, message, headers or None)
 
     if s.token is not None and not _authorized(request, s.token):
-        return reject(401, "unauthorized", "missing or wrong bearer token",
-                      **{"WWW-Authenticate": 'Bearer realm="kvscope"'})
+        return reject(
+            401,
+            "unauthorized",
+            "missing or wrong bearer token",
+            **{"WWW-Authenticate": 'Bearer realm="kvscope"'},
+        )
     lease = ctx.inflight.lease()
     try:
         return await _ingest_body(request, ctx, reject, lease, t0)
@@ -142,8 +155,9 @@ async def _ingest(request: web.Request) -> web.Response:
         lease.release()
 
 
-async def _ingest_body(request: web.Request, ctx: Context, reject: Callable[..., web.Response],
-                       lease: Lease, t0: float) -> web.Response:
+async def _ingest_body(
+    request: web.Request, ctx: Context, reject: Callable[..., web.Response], lease: Lease, t0: float
+) -> web.Response:
     s = ctx.settings
     try:
         async with asyncio.timeout(s.body_timeout_s):
@@ -152,14 +166,19 @@ async def _ingest_body(request: web.Request, ctx: Context, reject: Callable[...,
         extra = {"Retry-After": "1"} if exc.status == 503 else {}
         return reject(exc.status, exc.reason, exc.message, **extra)
     except TimeoutError:
-        return reject(408, "timeout", f"body: not received within {s.body_timeout_s:g} s",
-                      **{"Retry-After": "1"})
+        return reject(
+            408,
+            "timeout",
+            f"body: not received within {s.body_timeout_s:g} s",
+            **{"Retry-After": "1"},
+        )
     received = time.time()
     try:
         if len(body) > s.inline_parse_bytes:
             loop = asyncio.get_running_loop()
-            batch: PreparedBatch = await loop.run_in_executor(ctx.executor, parse_body, body,
-                                                              received)
+            batch: PreparedBatch = await loop.run_in_executor(
+                ctx.executor, parse_body, body, received
+            )
         else:
             batch = parse_body(body, received)
     except SchemaError as exc:
@@ -168,32 +187,43 @@ async def _ingest_body(request: web.Request, ctx: Context, reject: Callable[...,
     try:
         lease.take(batch.nbytes)  # the arrays are held too until the commit
     except Overbudget as exc:
-        return reject(503, "overloaded", f"collector overloaded: {exc}; retry later",
-                      **{"Retry-After": "1"})
+        return reject(
+            503, "overloaded", f"collector overloaded: {exc}; retry later", **{"Retry-After": "1"}
+        )
     if ctx.new_engines is not None and not ctx.new_engines.admit(batch.engine_id):
-        return reject(429, "engine_limit",
-                      f"more than {s.max_new_engines_per_minute} new engine ids in the last "
-                      "minute; retry later", **{"Retry-After": "60"})
+        return reject(
+            429,
+            "engine_limit",
+            f"more than {s.max_new_engines_per_minute} new engine ids in the last "
+            "minute; retry later",
+            **{"Retry-After": "60"},
+        )
     try:
         fut = ctx.writer.submit(batch)
     except Overloaded as exc:
-        return reject(503, "overloaded", f"collector overloaded: {exc}; retry later",
-                      **{"Retry-After": "1"})
+        return reject(
+            503, "overloaded", f"collector overloaded: {exc}; retry later", **{"Retry-After": "1"}
+        )
     except WriterClosed as exc:
         return reject(503, "shutting_down", str(exc), **{"Retry-After": "5"})
     try:
         result = await asyncio.wrap_future(fut)
     except Exception as exc:
-        log.error("storing batch %s/%s/%d failed: %s", batch.engine_id, batch.boot_id,
-                  batch.seq, exc)
+        log.error(
+            "storing batch %s/%s/%d failed: %s", batch.engine_id, batch.boot_id, batch.seq, exc
+        )
         return _error(500, f"store: the batch was not stored ({type(exc).__name__})")
     ctx.state.observe_ack(time.perf_counter() - t0)
     if ctx.kv_events is not None:
         try:
             ctx.kv_events.note_batch(batch.engine_id, batch.boot_id, batch.hello, request.remote)
         except Exception:  # KV-event subscription must never fail an ingest
-            log.exception("handing batch %s/%s/%d to the KV-event subscriber failed",
-                          batch.engine_id, batch.boot_id, batch.seq)
+            log.exception(
+                "handing batch %s/%s/%d to the KV-event subscriber failed",
+                batch.engine_id,
+                batch.boot_id,
+                batch.seq,
+            )
     return web.json_response({"status": result.status, "need_hello": result.need_hello})
 
 
@@ -205,19 +235,28 @@ _RANGE = ("engine", "pool", "since", "until", "limit", "format", "fields")
 def _frame_json(df: pd.DataFrame, fmt: str, truncated: bool) -> str:
     head = f'{{"n_rows": {len(df)}, "truncated": {"true" if truncated else "false"}'
     if fmt == "columns":
-        cols = ",".join(f"{json.dumps(str(c))}:{df[c].to_json(orient='records')}"
-                        for c in df.columns)
+        cols = ",".join(
+            f"{json.dumps(str(c))}:{df[c].to_json(orient='records')}" for c in df.columns
+        )
         return f'{head}, "columns": {{{cols}}}}}'
     return f'{head}, "rows": {df.to_json(orient="records")}}}'
 
 
-async def _read(request: web.Request, allowed: tuple[str, ...], default_since: str | None,
-                fn: Callable[[Store, Query], pd.DataFrame],
-                params: Mapping[str, str] | None = None) -> web.Response:
+async def _read(
+    request: web.Request,
+    allowed: tuple[str, ...],
+    default_since: str | None,
+    fn: Callable[[Store, Query], pd.DataFrame],
+    params: Mapping[str, str] | None = None,
+) -> web.Response:
     ctx = context(request.app)
     try:
-        q = parse_query(request.query if params is None else params, allowed,
-                        default_since=default_since, max_limit=ctx.settings.read_row_limit)
+        q = parse_query(
+            request.query if params is None else params,
+            allowed,
+            default_since=default_since,
+            max_limit=ctx.settings.read_row_limit,
+        )
     except ParamError as exc:
         ctx.state.record_read_rejection("bad_params")
         return _error(400, str(exc))
@@ -233,8 +272,11 @@ async def _read(request: web.Request, allowed: tuple[str, ...], default_since: s
         unknown = [f for f in q.fields if f not in df.columns]
         if unknown:
             ctx.state.record_read_rejection("bad_params")
-            return _error(400, f"fields: unknown column(s) {', '.join(map(repr, unknown))}; "
-                               f"available: {', '.join(map(str, df.columns))}")
+            return _error(
+                400,
+                f"fields: unknown column(s) {', '.join(map(repr, unknown))}; "
+                f"available: {', '.join(map(str, df.columns))}",
+            )
         df = df[list(q.fields)]
     text = await loop.run_in_executor(ctx.executor, _frame_json, df, q.format, truncated)
     return web.Response(text=text, content_type="application/json")
@@ -251,13 +293,13 @@ async def _configs(request: web.Request) -> web.Response:
     engines = await loop.run_in_executor(ctx.executor, ctx.store.engines)
     if engine_id not in set(engines["engine_id"]):
         return _error(404, f"engine {engine_id!r} is not known")
-    return await _read(request, ("format",), None,
-                       lambda st, q: st.engine_configs(engine_id))
+    return await _read(request, ("format",), None, lambda st, q: st.engine_configs(engine_id))
 
 
 def _range_reader(method: str) -> Callable[[Store, Query], pd.DataFrame]:
     def run(st: Store, q: Query) -> pd.DataFrame:
         return getattr(st, method)(q.engine_id, q.pool, q.since_unix_s, q.until_unix_s, q.limit)
+
     return run
 
 
@@ -286,13 +328,23 @@ async def _kv_events(request: web.Request) -> web.Response:
 
 async def _request_stats(request: web.Request) -> web.Response:
     allowed = ("engine", "pool", "since", "until", "group_by", "format", "fields")
-    return await _read(request, allowed, "1h", lambda st, q: st.request_stats(
-        q.engine_id, q.pool, q.since_unix_s, q.until_unix_s, q.group_by))
+    return await _read(
+        request,
+        allowed,
+        "1h",
+        lambda st, q: st.request_stats(
+            q.engine_id, q.pool, q.since_unix_s, q.until_unix_s, q.group_by
+        ),
+    )
 
 
 async def _totals(request: web.Request) -> web.Response:
-    return await _read(request, ("engine", "source", "format"), None,
-                       lambda st, q: st.totals(q.source, q.engine_id))
+    return await _read(
+        request,
+        ("engine", "source", "format"),
+        None,
+        lambda st, q: st.totals(q.source, q.engine_id),
+    )
 
 
 # -- metrics and health ------------------------------------------------------------
@@ -307,11 +359,16 @@ async def _metrics(request: web.Request) -> web.Response:
 async def _healthz(request: web.Request) -> web.Response:
     ctx = context(request.app)
     ok = ctx.writer.alive and not ctx.store.closed
-    return web.json_response({
-        "status": "ok" if ok else "unavailable", "writer_alive": ctx.writer.alive,
-        "pending_batches": ctx.writer.pending_batches, "engines": ctx.state.n_engines,
-        "store_path": ctx.settings.store_path,
-    }, status=200 if ok else 503)
+    return web.json_response(
+        {
+            "status": "ok" if ok else "unavailable",
+            "writer_alive": ctx.writer.alive,
+            "pending_batches": ctx.writer.pending_batches,
+            "engines": ctx.state.n_engines,
+            "store_path": ctx.settings.store_path,
+        },
+        status=200 if ok else 503,
+    )
 
 
 # -- lifecycle ---------------------------------------------------------------------
@@ -321,8 +378,10 @@ async def _retention_loop(ctx: Context) -> None:
     s = ctx.settings
 
     def job() -> dict[str, int]:
-        return {**ctx.store.apply_retention(s.raw_step_retention_s, s.ledger_retention_s),
-                **ctx.store.apply_kv_event_retention(s.raw_step_retention_s)}
+        return {
+            **ctx.store.apply_retention(s.raw_step_retention_s, s.ledger_retention_s),
+            **ctx.store.apply_kv_event_retention(s.raw_step_retention_s),
+        }
 
     while True:
         try:
@@ -336,8 +395,9 @@ async def _retention_loop(ctx: Context) -> None:
         await asyncio.sleep(s.retention_interval_s)
 
 
-def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Application],
-                                                                     AsyncIterator[None]]:
+def _lifecycle(
+    settings: Settings, given: Store | None
+) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ctx_manager(app: web.Application) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
         if settings.otlp_endpoint is not None:
@@ -349,30 +409,42 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
         state = FleetState(max_exported_engines=settings.max_exported_engines)
         try:
             if store is None:
-                store = await loop.run_in_executor(executor, Store, settings.store_path,
-                                                   settings.store_memory_limit_mib)
+                store = await loop.run_in_executor(
+                    executor, Store, settings.store_path, settings.store_memory_limit_mib
+                )
             await loop.run_in_executor(executor, state.rebuild, store)
         except BaseException:
             if store is not None and given is None:
                 store.close()
             executor.shutdown(wait=False)
             raise
-        writer = GroupCommitWriter(store, max_group_batches=settings.max_group_batches,
-                                   max_pending_batches=settings.max_pending_batches,
-                                   linger_s=settings.group_commit_linger_s,
-                                   on_committed=state.apply).start()
+        writer = GroupCommitWriter(
+            store,
+            max_group_batches=settings.max_group_batches,
+            max_pending_batches=settings.max_pending_batches,
+            linger_s=settings.group_commit_linger_s,
+            on_committed=state.apply,
+        ).start()
         state.extra["kvscope_collector_pending_batches"] = (
-            "gauge", "Batches received and waiting to be committed.",
-            lambda: writer.pending_batches)
+            "gauge",
+            "Batches received and waiting to be committed.",
+            lambda: writer.pending_batches,
+        )
         state.extra["kvscope_collector_commit_groups_total"] = (
-            "counter", "Transactions (groups of batches) the writer has run.",
-            lambda: writer.groups_committed)
+            "counter",
+            "Transactions (groups of batches) the writer has run.",
+            lambda: writer.groups_committed,
+        )
         state.extra["kvscope_collector_last_commit_duration_seconds"] = (
-            "gauge", "Duration of the writer's latest group transaction.",
-            lambda: writer.last_group_s)
+            "gauge",
+            "Duration of the writer's latest group transaction.",
+            lambda: writer.last_group_s,
+        )
         state.extra["kvscope_collector_last_commit_batches"] = (
-            "gauge", "Batches in the writer's latest group transaction.",
-            lambda: writer.last_group_size)
+            "gauge",
+            "Batches in the writer's latest group transaction.",
+            lambda: writer.last_group_size,
+        )
         kv_events: KvEventsManager | None = None
         if settings.kv_events != "off":
             from kvscope.collector.kv_events import KvEventsManager
@@ -385,24 +457,40 @@ def _lifecycle(settings: Settings, given: Store | None) -> Callable[[web.Applica
             except Exception:  # the collector serves on without KV events
                 log.exception("the KV-event subscriber could not start")
                 kv_events = None
-        ctx = app[_SLOT].ctx = Context(settings, store, writer, state, executor, kv_events,
-                                       ByteBudget(settings.max_inflight_bytes))
+        ctx = app[_SLOT].ctx = Context(
+            settings,
+            store,
+            writer,
+            state,
+            executor,
+            kv_events,
+            ByteBudget(settings.max_inflight_bytes),
+        )
         ctx.new_engines = NewEngineGate(settings.max_new_engines_per_minute, state.knows)
         state.extra["kvscope_collector_inflight_ingest_bytes"] = (
-            "gauge", "Ingest bytes (decompressed) held: being read, parsed or waiting for the "
-            "writer.", lambda: ctx.inflight.used)
+            "gauge",
+            "Ingest bytes (decompressed) held: being read, parsed or waiting for the writer.",
+            lambda: ctx.inflight.used,
+        )
         state.extra["kvscope_collector_store_memory_bytes"] = (
-            "gauge", "Memory held by the store's buffer manager (DuckDB).",
-            store.memory_bytes)
+            "gauge",
+            "Memory held by the store's buffer manager (DuckDB).",
+            store.memory_bytes,
+        )
         state.extra["kvscope_collector_inflight_ingest_bytes_limit"] = (
-            "gauge", "The limit on in-flight ingest bytes; past it ingest answers 503.",
-            lambda: ctx.inflight.limit)
+            "gauge",
+            "The limit on in-flight ingest bytes; past it ingest answers 503.",
+            lambda: ctx.inflight.limit,
+        )
         retention = asyncio.create_task(_retention_loop(ctx), name="kvscope-retention")
         verdicts: VerdictLoop | None = None
         if settings.advise_interval_s > 0:
-            verdicts = VerdictLoop(store, interval_s=settings.advise_interval_s,
-                                   window_s=settings.advise_window_s,
-                                   cap_fraction=settings.advise_cap_fraction)
+            verdicts = VerdictLoop(
+                store,
+                interval_s=settings.advise_interval_s,
+                window_s=settings.advise_window_s,
+                cap_fraction=settings.advise_cap_fraction,
+            )
             state.sections.append(verdicts.render)
             verdicts.start()
         otlp: OtlpExport | None = None
@@ -441,12 +529,17 @@ def _read_auth(token: str | None) -> Callable[..., Any]:
 
     @web.middleware
     async def middleware(request: web.Request, handler: Callable[..., Any]) -> Any:
-        if (token is not None and request.method != "POST" and request.path != "/healthz"
-                and not _authorized(request, token)):
+        if (
+            token is not None
+            and request.method != "POST"
+            and request.path != "/healthz"
+            and not _authorized(request, token)
+        ):
             if request.app[_SLOT].ctx is not None:
                 context(request.app).state.record_read_rejection("unauthorized")
-            return _error(401, "missing or wrong bearer token",
-                          {"WWW-Authenticate": 'Bearer realm="kvscope"'})
+            return _error(
+                401, "missing or wrong bearer token", {"WWW-Authenticate": 'Bearer realm="kvscope"'}
+            )
         return await handler(request)
 
     return middleware
@@ -455,8 +548,9 @@ def _read_auth(token: str | None) -> Callable[..., Any]:
 def create_app(settings: Settings, store: Store | None = None) -> web.Application:
     """Build the application. With ``store=None`` the app opens ``settings.store_path``
     at startup and closes it at cleanup; a given store stays open (the caller owns it)."""
-    app = web.Application(client_max_size=settings.max_body_bytes,
-                          middlewares=[_read_auth(settings.token)])
+    app = web.Application(
+        client_max_size=settings.max_body_bytes, middlewares=[_read_auth(settings.token)]
+    )
     app[_SLOT] = _Slot()
     app.cleanup_ctx.append(_lifecycle(settings, store))
     app.router.add_post(INGEST_PATH, _ingest)
@@ -473,14 +567,14 @@ def create_app(settings: Settings, store: Store | None = None) -> web.Applicatio
     return app
 
 
-def create_runner(app: web.Application, header_timeout_s: float = 10.0,
-                  **kwargs: Any) -> web.AppRunner:
+def create_runner(
+    app: web.Application, header_timeout_s: float = 10.0, **kwargs: Any
+) -> web.AppRunner:
     """An AppRunner with the settings the ingest path relies on (no auto-decompression,
     no per-request access log, a deadline for each request head)."""
     kwargs.setdefault("access_log", None)
     kwargs.setdefault("shutdown_timeout", 10.0)
-    return GuardedRunner(app, header_timeout_s=header_timeout_s, auto_decompress=False,
-                         **kwargs)
+    return GuardedRunner(app, header_timeout_s=header_timeout_s, auto_decompress=False, **kwargs)
 
 
 def ssl_context(settings: Settings) -> ssl.SSLContext | None:
@@ -527,8 +621,10 @@ async def start(settings: Settings, store: Store | None = None) -> RunningCollec
     if isinstance(runner, GuardedRunner):
         guarded = runner
         context(app).state.extra["kvscope_collector_slow_connections_closed_total"] = (
-            "counter", "Connections closed because a request head did not arrive within "
-            "header_timeout_s.", lambda: guarded.slow_connections_closed)
+            "counter",
+            "Connections closed because a request head did not arrive within header_timeout_s.",
+            lambda: guarded.slow_connections_closed,
+        )
     site = web.TCPSite(runner, settings.host, settings.port, ssl_context=tls)
     try:
         await site.start()
@@ -554,7 +650,9 @@ def is_loopback(host: str) -> bool:
 def serve(settings: Settings) -> None:
     """Run the collector until SIGINT or SIGTERM; then shut down gracefully."""
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
     asyncio.run(_serve(settings))
 
 
@@ -565,10 +663,17 @@ async def _serve(settings: Settings) -> None:
         loop.add_signal_handler(sig, stop.set)
     running = await start(settings)
     if settings.token is None and not is_loopback(settings.host):
-        log.warning("!!! kvscope collector on %s WITHOUT AUTHENTICATION: anyone who can reach "
-                    "it can write and read all data; set --token !!!", running.url)
-    log.info("kvscope collector listening on %s (store %s, ingest %s, metrics /metrics)",
-             running.url, settings.store_path, INGEST_PATH)
+        log.warning(
+            "!!! kvscope collector on %s WITHOUT AUTHENTICATION: anyone who can reach "
+            "it can write and read all data; set --token !!!",
+            running.url,
+        )
+    log.info(
+        "kvscope collector listening on %s (store %s, ingest %s, metrics /metrics)",
+        running.url,
+        settings.store_path,
+        INGEST_PATH,
+    )
     try:
         await stop.wait()
     finally:

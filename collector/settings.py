@@ -125,10 +125,19 @@ class Settings:
             raise ValueError("retention_interval_s: must be > 0")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file: give both or neither")
-        positive = ("max_body_bytes", "max_decompressed_bytes", "max_group_batches",
-                    "max_pending_batches", "read_row_limit", "max_inflight_bytes",
-                    "header_timeout_s", "body_timeout_s", "max_exported_engines",
-                    "max_new_engines_per_minute", "store_memory_limit_mib")
+        positive = (
+            "max_body_bytes",
+            "max_decompressed_bytes",
+            "max_group_batches",
+            "max_pending_batches",
+            "read_row_limit",
+            "max_inflight_bytes",
+            "header_timeout_s",
+            "body_timeout_s",
+            "max_exported_engines",
+            "max_new_engines_per_minute",
+            "store_memory_limit_mib",
+        )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
@@ -146,8 +155,10 @@ class Settings:
             raise ValueError(f"kv_events: expected auto or off, got {self.kv_events!r}")
         for engine_id, endpoint in self.kv_events_endpoints:
             if not engine_id or "://" not in endpoint:
-                raise ValueError(f"kv_events_endpoints: expected (engine_id, "
-                                 f"tcp://host:port), got ({engine_id!r}, {endpoint!r})")
+                raise ValueError(
+                    f"kv_events_endpoints: expected (engine_id, "
+                    f"tcp://host:port), got ({engine_id!r}, {endpoint!r})"
+                )
         for name in ("kv_events_seen_capacity", "kv_events_max_engine_blocks"):
             if getattr(self, name) < 2:
                 raise ValueError(f"{name}: must be >= 2")
@@ -158,9 +169,11 @@ class Settings:
         if self.otlp_endpoint is not None:
             scheme, sep, rest = self.otlp_endpoint.partition("://")
             if scheme not in ("http", "https") or not sep or not rest.strip("/"):
-                raise ValueError(f"otlp_endpoint: expected an http(s) URL such as "
-                                 f"http://otel-collector:4318/v1/metrics, got "
-                                 f"{self.otlp_endpoint!r}")
+                raise ValueError(
+                    f"otlp_endpoint: expected an http(s) URL such as "
+                    f"http://otel-collector:4318/v1/metrics, got "
+                    f"{self.otlp_endpoint!r}"
+                )
         if self.otlp_interval_s is not None and not self.otlp_interval_s > 0:
             raise ValueError("otlp_interval_s: must be > 0")
         for key, _ in self.otlp_headers:

@@ -61,7 +61,8 @@ KV_EVENT_UPSERT = (
     f"INSERT INTO kv_event_windows ({_KV_COLS}) SELECT {_KV_COLS} FROM _kv_rows "
     "ON CONFLICT (engine_id, ts_s) DO UPDATE SET "
     + ", ".join(
-        f"{c} = coalesce(excluded.{c}, kv_event_windows.{c})" if c in KV_EVENT_LAST
+        f"{c} = coalesce(excluded.{c}, kv_event_windows.{c})"
+        if c in KV_EVENT_LAST
         else f"{c} = kv_event_windows.{c} + excluded.{c}"
         for c, _ in KV_EVENT_FIELDS
     )
@@ -77,7 +78,8 @@ class Store:
     def __init__(self, path: str, memory_limit_mib: int | None = None) -> None:
         self.path = path
         config: dict[str, str | bool | int | float | list[str]] = (
-            {} if memory_limit_mib is None else {"memory_limit": f"{memory_limit_mib}MiB"})
+            {} if memory_limit_mib is None else {"memory_limit": f"{memory_limit_mib}MiB"}
+        )
         self._con = duckdb.connect(path, config=config)
         try:
             ensure_schema(self._con)
@@ -136,8 +138,9 @@ class Store:
             except Exception as exc:
                 if len(batches) == 1:
                     return [exc]
-                log.warning("group of %d batches failed (%s); retrying one by one",
-                            len(batches), exc)
+                log.warning(
+                    "group of %d batches failed (%s); retrying one by one", len(batches), exc
+                )
             out: list[IngestResult | Exception] = []
             for b in batches:
                 try:
@@ -181,8 +184,12 @@ class Store:
             row = self._con.execute(f"DELETE FROM {table} WHERE {col} < ?", [cutoff]).fetchone()
             return int(row[0]) if row else 0
 
-    def apply_retention(self, raw_step_retention_s: float, ledger_retention_s: float,
-                        now_unix_s: float | None = None) -> dict[str, int]:
+    def apply_retention(
+        self,
+        raw_step_retention_s: float,
+        ledger_retention_s: float,
+        now_unix_s: float | None = None,
+    ) -> dict[str, int]:
         """Delete steps and ledger rows past their retention (0 = keep); return counts."""
         now = time.time() if now_unix_s is None else now_unix_s
         out = {"steps": 0, "ingested_batches": 0}
@@ -204,8 +211,9 @@ class Store:
             self._con.execute(KV_EVENT_UPSERT)
             return len(_kv_rows)
 
-    def apply_kv_event_retention(self, retention_s: float,
-                                 now_unix_s: float | None = None) -> dict[str, int]:
+    def apply_kv_event_retention(
+        self, retention_s: float, now_unix_s: float | None = None
+    ) -> dict[str, int]:
         """Delete KV-event windows older than ``retention_s`` (0 = keep); return the count."""
         if retention_s <= 0:
             return {"kv_event_windows": 0}
@@ -226,8 +234,9 @@ class Store:
         """Return a value saved by :meth:`save_state` and delete it (None if absent)."""
         with self._write_lock:
             self._check_open()
-            row = self._con.execute("DELETE FROM saved_state WHERE key = ? RETURNING value",
-                                    [key]).fetchone()
+            row = self._con.execute(
+                "DELETE FROM saved_state WHERE key = ? RETURNING value", [key]
+            ).fetchone()
             return None if row is None else str(row[0])
 
     def has_hello(self, engine_id: str, boot_id: str) -> bool:
@@ -260,44 +269,69 @@ class Store:
         """Columns: engine_id, boot_id, received_unix_s and the hello fields."""
         return _reads.engine_configs(self._cursor(), engine_id)
 
-    def windows(self, engine_id: str | None = None, pool: str | None = None,
-                since_unix_s: float | None = None, until_unix_s: float | None = None,
-                limit: int | None = None) -> pd.DataFrame:
+    def windows(
+        self,
+        engine_id: str | None = None,
+        pool: str | None = None,
+        since_unix_s: float | None = None,
+        until_unix_s: float | None = None,
+        limit: int | None = None,
+    ) -> pd.DataFrame:
         """Columns: engine_id, ts_s and the window aggregates (see :mod:`kvscope.collector.tables`), pool, model."""
-        return _reads.windows(self._cursor(), engine_id, pool, since_unix_s, until_unix_s,
-                              limit)
+        return _reads.windows(self._cursor(), engine_id, pool, since_unix_s, until_unix_s, limit)
 
-    def steps(self, engine_id: str | None = None, pool: str | None = None,
-              since_unix_s: float | None = None, until_unix_s: float | None = None,
-              limit: int | None = None) -> pd.DataFrame:
+    def steps(
+        self,
+        engine_id: str | None = None,
+        pool: str | None = None,
+        since_unix_s: float | None = None,
+        until_unix_s: float | None = None,
+        limit: int | None = None,
+    ) -> pd.DataFrame:
         """Columns: engine_id, boot_id and the wire's STEP_FIELDS."""
         return _reads.steps(self._cursor(), engine_id, pool, since_unix_s, until_unix_s, limit)
 
-    def requests(self, engine_id: str | None = None, pool: str | None = None,
-                 since_unix_s: float | None = None, until_unix_s: float | None = None,
-                 limit: int | None = None) -> pd.DataFrame:
+    def requests(
+        self,
+        engine_id: str | None = None,
+        pool: str | None = None,
+        since_unix_s: float | None = None,
+        until_unix_s: float | None = None,
+        limit: int | None = None,
+    ) -> pd.DataFrame:
         """Columns: engine_id, boot_id and the wire's REQUEST_FIELDS."""
-        return _reads.requests(self._cursor(), engine_id, pool, since_unix_s, until_unix_s,
-                               limit)
+        return _reads.requests(self._cursor(), engine_id, pool, since_unix_s, until_unix_s, limit)
 
-    def request_stats(self, engine_id: str | None = None, pool: str | None = None,
-                      since_unix_s: float | None = None, until_unix_s: float | None = None,
-                      group_by: str = "engine") -> pd.DataFrame:
+    def request_stats(
+        self,
+        engine_id: str | None = None,
+        pool: str | None = None,
+        since_unix_s: float | None = None,
+        until_unix_s: float | None = None,
+        group_by: str = "engine",
+    ) -> pd.DataFrame:
         """Latency percentiles and token sums of finished requests (see ``_reads``)."""
-        return _reads.request_stats(self._cursor(), engine_id, pool, since_unix_s,
-                                    until_unix_s, group_by)
+        return _reads.request_stats(
+            self._cursor(), engine_id, pool, since_unix_s, until_unix_s, group_by
+        )
 
     def totals(self, source: str = "windows", engine_id: str | None = None) -> pd.DataFrame:
         """Per-engine sums: engine_id, n_steps, preemptions, prompt_tokens,
         generation_tokens, prefix_queries, prefix_hits; ``source`` steps or windows."""
         return _reads.totals(self._cursor(), source, engine_id)
 
-    def kv_event_windows(self, engine_id: str | None = None, pool: str | None = None,
-                         since_unix_s: float | None = None, until_unix_s: float | None = None,
-                         limit: int | None = None) -> pd.DataFrame:
+    def kv_event_windows(
+        self,
+        engine_id: str | None = None,
+        pool: str | None = None,
+        since_unix_s: float | None = None,
+        until_unix_s: float | None = None,
+        limit: int | None = None,
+    ) -> pd.DataFrame:
         """Columns: engine_id, ts_s, the KV-event counters (see :mod:`kvscope.collector.tables`), pool."""
-        return _reads.kv_event_windows(self._cursor(), engine_id, pool, since_unix_s,
-                                       until_unix_s, limit)
+        return _reads.kv_event_windows(
+            self._cursor(), engine_id, pool, since_unix_s, until_unix_s, limit
+        )
 
     def kv_event_totals(self) -> pd.DataFrame:
         """Per-engine sums of the KV-event counters (engine_id and the additive columns)."""
@@ -307,17 +341,23 @@ class Store:
         """Columns: engine_id, n_requests."""
         return _reads.finished_request_counts(self._cursor())
 
-    def window_sample(self, max_windows_per_engine: int, pool: str | None = None,
-                      since_unix_s: float | None = None,
-                      until_unix_s: float | None = None) -> dict[str, pd.DataFrame]:
+    def window_sample(
+        self,
+        max_windows_per_engine: int,
+        pool: str | None = None,
+        since_unix_s: float | None = None,
+        until_unix_s: float | None = None,
+    ) -> dict[str, pd.DataFrame]:
         """Windows, requests and KV-event windows of whole 5-minute blocks, about
         ``max_windows_per_engine`` windows per engine, and the true ``counts`` per engine
         (see ``_reads.sample``): the advisor's input at fleet scale."""
-        return _reads.sample(self._cursor(), max_windows_per_engine, pool, since_unix_s,
-                             until_unix_s)
+        return _reads.sample(
+            self._cursor(), max_windows_per_engine, pool, since_unix_s, until_unix_s
+        )
 
-    def usage_days(self, knees: pd.DataFrame, since_unix_s: float,
-                   until_unix_s: float) -> pd.DataFrame:
+    def usage_days(
+        self, knees: pd.DataFrame, since_unix_s: float, until_unix_s: float
+    ) -> pd.DataFrame:
         """Per engine (``knees``: engine_id, knee) and UTC day: window sums, seconds past
         the knee and requests finished (``kvscope.advisor.usage.DAY_COLUMNS``), in SQL."""
         return _reads.usage_days(self._cursor(), knees, since_unix_s, until_unix_s)
@@ -328,7 +368,9 @@ class Store:
 
     def memory_bytes(self) -> int:
         """Memory DuckDB's buffer manager holds now (bounded by ``memory_limit_mib``)."""
-        row = self._cursor().execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()
+        row = (
+            self._cursor().execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()
+        )
         return int(row[0] or 0) if row else 0
 
     def table_counts(self) -> dict[str, int]:

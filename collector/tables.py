@@ -114,14 +114,17 @@ TABLES: dict[str, dict[str, Any]] = {
     "meta": {"cols": [("key", "VARCHAR"), ("value", "VARCHAR")], "pk": ("key",)},
     "engines": {"cols": [("engine_id", "VARCHAR"), *ENGINE_EXTRA], "pk": ("engine_id",)},
     "engine_configs": {
-        "cols": [("engine_id", "VARCHAR"), ("boot_id", "VARCHAR"), ("received_unix_s", "DOUBLE"),
-                 *_cols(HELLO_FIELDS, skip=("engine_id", "boot_id"))],
+        "cols": [
+            ("engine_id", "VARCHAR"),
+            ("boot_id", "VARCHAR"),
+            ("received_unix_s", "DOUBLE"),
+            *_cols(HELLO_FIELDS, skip=("engine_id", "boot_id")),
+        ],
         "pk": ("engine_id", "boot_id"),
     },
     "steps": {"cols": [("engine_id", "VARCHAR"), ("boot_id", "VARCHAR"), *_cols(STEP_FIELDS)]},
     "windows_1s": {
-        "cols": [("engine_id", "VARCHAR"), ("ts_s", "BIGINT"),
-                 *WINDOW_FIELDS],
+        "cols": [("engine_id", "VARCHAR"), ("ts_s", "BIGINT"), *WINDOW_FIELDS],
         "pk": ("engine_id", "ts_s"),
     },
     "requests": {
@@ -132,14 +135,25 @@ TABLES: dict[str, dict[str, Any]] = {
         "pk": ("engine_id", "ts_s"),
     },
     "ingested_batches": {
-        "cols": [("engine_id", "VARCHAR"), ("boot_id", "VARCHAR"), ("seq", "BIGINT"),
-                 ("received_unix_s", "DOUBLE"), ("sent_unix_s", "DOUBLE"),
-                 ("n_steps", "BIGINT"), ("n_requests", "BIGINT"), ("has_hello", "BOOLEAN")],
+        "cols": [
+            ("engine_id", "VARCHAR"),
+            ("boot_id", "VARCHAR"),
+            ("seq", "BIGINT"),
+            ("received_unix_s", "DOUBLE"),
+            ("sent_unix_s", "DOUBLE"),
+            ("n_steps", "BIGINT"),
+            ("n_requests", "BIGINT"),
+            ("has_hello", "BOOLEAN"),
+        ],
         "pk": ("engine_id", "boot_id", "seq"),
     },
     "exporter_stats": {
-        "cols": [("engine_id", "VARCHAR"), ("boot_id", "VARCHAR"), *_cols(EXPORTER_FIELDS),
-                 ("updated_unix_s", "DOUBLE")],
+        "cols": [
+            ("engine_id", "VARCHAR"),
+            ("boot_id", "VARCHAR"),
+            *_cols(EXPORTER_FIELDS),
+            ("updated_unix_s", "DOUBLE"),
+        ],
         "pk": ("engine_id", "boot_id"),
     },
     "saved_state": {
@@ -172,9 +186,11 @@ def ensure_schema(con: Any) -> None:
         for name in TABLES:
             con.execute(create_statement(name))
             have = {
-                r[0] for r in con.execute(
+                r[0]
+                for r in con.execute(
                     "SELECT column_name FROM information_schema.columns "
-                    "WHERE table_name = ? AND table_schema = current_schema()", [name]
+                    "WHERE table_name = ? AND table_schema = current_schema()",
+                    [name],
                 ).fetchall()
             }
             for col, typ in TABLES[name]["cols"]:

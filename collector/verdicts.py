@@ -54,46 +54,94 @@ SETTLE_S = 5.0
 send about once a second) and would read as seconds of low throughput."""
 
 _ENGINE_GAUGES = (  # (metric, verdict attribute, help)
-    ("kvscope_advisor_knee_concurrency", "knee_concurrency",
-     "Requests in flight where the engine's throughput reaches the cap fraction (default 0.9) "
-     "of its plateau: the knee."),
-    ("kvscope_advisor_plateau_tokens_per_second", "plateau_tokens_per_s",
-     "Generated tokens per second at the engine's throughput plateau."),
-    ("kvscope_advisor_saturated", "saturated",
-     "1 when load went well past the knee (throughput seen not to grow), else 0."),
-    ("kvscope_advisor_preemption_thrash", "preemption_thrash",
-     "1 when preemptions make throughput fall past its peak, else 0."),
-    ("kvscope_advisor_recommended_concurrency_cap", "recommended_concurrency_cap",
-     "Recommended cap on requests in flight per engine (saturated engines only)."),
-    ("kvscope_advisor_cap_throughput_ratio", "predicted_throughput_fraction_at_cap",
-     "Predicted share of the plateau throughput kept at the recommended cap."),
-    ("kvscope_advisor_cap_p99_e2e_seconds", "predicted_p99_e2e_s_at_cap",
-     "End-to-end P99 latency the engine showed at the load of the recommended cap."),
+    (
+        "kvscope_advisor_knee_concurrency",
+        "knee_concurrency",
+        "Requests in flight where the engine's throughput reaches the cap fraction (default 0.9) "
+        "of its plateau: the knee.",
+    ),
+    (
+        "kvscope_advisor_plateau_tokens_per_second",
+        "plateau_tokens_per_s",
+        "Generated tokens per second at the engine's throughput plateau.",
+    ),
+    (
+        "kvscope_advisor_saturated",
+        "saturated",
+        "1 when load went well past the knee (throughput seen not to grow), else 0.",
+    ),
+    (
+        "kvscope_advisor_preemption_thrash",
+        "preemption_thrash",
+        "1 when preemptions make throughput fall past its peak, else 0.",
+    ),
+    (
+        "kvscope_advisor_recommended_concurrency_cap",
+        "recommended_concurrency_cap",
+        "Recommended cap on requests in flight per engine (saturated engines only).",
+    ),
+    (
+        "kvscope_advisor_cap_throughput_ratio",
+        "predicted_throughput_fraction_at_cap",
+        "Predicted share of the plateau throughput kept at the recommended cap.",
+    ),
+    (
+        "kvscope_advisor_cap_p99_e2e_seconds",
+        "predicted_p99_e2e_s_at_cap",
+        "End-to-end P99 latency the engine showed at the load of the recommended cap.",
+    ),
 )
 _POOL_GAUGES = (
-    ("kvscope_advisor_pool_recommended_concurrency_cap", "recommended_concurrency_cap",
-     "Recommended caps summed over the pool's saturated engines."),
-    ("kvscope_advisor_pool_plateau_tokens_per_second", "plateau_tokens_per_s",
-     "Plateau generated tokens per second summed over the pool's engines."),
-    ("kvscope_advisor_pool_prefix_hit_ratio", "prefix_hit_rate",
-     "Prefix-cache hits over lookups (tokens), summed over the pool's engines."),
-    ("kvscope_advisor_pool_prefix_routing_loss_ratio", "prefix_routing_loss",
-     "Share of the pool's prefix lookups that prefix-aware routing would turn into hits "
-     "(blocks one replica computed while another held them; needs KV events)."),
-    ("kvscope_advisor_pool_predicted_prefix_hit_ratio_affine", "predicted_prefix_hit_rate_affine",
-     "The pool's predicted prefix hit ratio under prefix-aware routing (needs KV events)."),
-    ("kvscope_advisor_pool_load_imbalance_ratio", "load_imbalance",
-     "Busiest replica's mean requests in flight over the pool mean (1 = balanced)."),
+    (
+        "kvscope_advisor_pool_recommended_concurrency_cap",
+        "recommended_concurrency_cap",
+        "Recommended caps summed over the pool's saturated engines.",
+    ),
+    (
+        "kvscope_advisor_pool_plateau_tokens_per_second",
+        "plateau_tokens_per_s",
+        "Plateau generated tokens per second summed over the pool's engines.",
+    ),
+    (
+        "kvscope_advisor_pool_prefix_hit_ratio",
+        "prefix_hit_rate",
+        "Prefix-cache hits over lookups (tokens), summed over the pool's engines.",
+    ),
+    (
+        "kvscope_advisor_pool_prefix_routing_loss_ratio",
+        "prefix_routing_loss",
+        "Share of the pool's prefix lookups that prefix-aware routing would turn into hits "
+        "(blocks one replica computed while another held them; needs KV events).",
+    ),
+    (
+        "kvscope_advisor_pool_predicted_prefix_hit_ratio_affine",
+        "predicted_prefix_hit_rate_affine",
+        "The pool's predicted prefix hit ratio under prefix-aware routing (needs KV events).",
+    ),
+    (
+        "kvscope_advisor_pool_load_imbalance_ratio",
+        "load_imbalance",
+        "Busiest replica's mean requests in flight over the pool mean (1 = balanced).",
+    ),
 )
 _BOTTLENECK_HELP = "The engine's bottleneck at its plateau, as the bottleneck label (value 1)."
 _RUNS_HELP = "Advisor runs over the recent data, by result (ok, no_data, error)."
 _LOOP_GAUGES = (  # (metric, attribute, help)
-    ("kvscope_advisor_last_run_timestamp_seconds", "last_run_unix_s",
-     "When the advisor last ran (unix seconds), whatever its result."),
-    ("kvscope_advisor_last_success_timestamp_seconds", "last_success_unix_s",
-     "When the advisor last ran without error (unix seconds)."),
-    ("kvscope_advisor_last_run_duration_seconds", "last_duration_s",
-     "How long the advisor's latest run took."),
+    (
+        "kvscope_advisor_last_run_timestamp_seconds",
+        "last_run_unix_s",
+        "When the advisor last ran (unix seconds), whatever its result.",
+    ),
+    (
+        "kvscope_advisor_last_success_timestamp_seconds",
+        "last_success_unix_s",
+        "When the advisor last ran without error (unix seconds).",
+    ),
+    (
+        "kvscope_advisor_last_run_duration_seconds",
+        "last_duration_s",
+        "How long the advisor's latest run took.",
+    ),
 )
 VERDICT_FAMILIES: tuple[tuple[str, str, str], ...] = (
     *((name, "gauge", h) for name, _, h in _ENGINE_GAUGES),
@@ -127,8 +175,15 @@ class VerdictLoop:
     ``requests(...)``; ``clock`` gives unix seconds (tests move it).
     """
 
-    def __init__(self, store: Store, *, interval_s: float, window_s: float,
-                 cap_fraction: float = 0.9, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        interval_s: float,
+        window_s: float,
+        cap_fraction: float = 0.9,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.store = store
         self.interval_s = interval_s
         self.window_s = window_s
@@ -194,8 +249,9 @@ class VerdictLoop:
             except Exception as exc:
                 failed.append(pool)
                 errors.append(exc)
-        result = "error" if errors else ("ok" if any(p.engines for p in fresh.values())
-                                         else "no_data")
+        result = (
+            "error" if errors else ("ok" if any(p.engines for p in fresh.values()) else "no_data")
+        )
         with self._lock:
             if errors and not groups:
                 fresh = dict(self._pools)  # nothing could be read: keep what was shown
@@ -223,22 +279,36 @@ class VerdictLoop:
             out.setdefault(None if k is None else str(k), []).append(i)
         return [(k, engines.iloc[idx]) for k, idx in sorted(out.items(), key=lambda kv: str(kv[0]))]
 
-    def _run_pool(self, pool: str | None, engines: pd.DataFrame, since: float,
-                  until: float) -> _PoolVerdicts:
+    def _run_pool(
+        self, pool: str | None, engines: pd.DataFrame, since: float, until: float
+    ) -> _PoolVerdicts:
         if pool is not None:
             windows = self.store.windows(pool=pool, since_unix_s=since, until_unix_s=until)
             requests = self.store.requests(pool=pool, since_unix_s=since, until_unix_s=until)
         else:  # engines without a hello yet: no pool to filter on
             ids = [str(e) for e in engines["engine_id"]]
-            windows = pd.concat([self.store.windows(engine_id=e, since_unix_s=since,
-                                                    until_unix_s=until) for e in ids],
-                                ignore_index=True)
-            requests = pd.concat([self.store.requests(engine_id=e, since_unix_s=since,
-                                                      until_unix_s=until) for e in ids],
-                                 ignore_index=True)
+            windows = pd.concat(
+                [
+                    self.store.windows(engine_id=e, since_unix_s=since, until_unix_s=until)
+                    for e in ids
+                ],
+                ignore_index=True,
+            )
+            requests = pd.concat(
+                [
+                    self.store.requests(engine_id=e, since_unix_s=since, until_unix_s=until)
+                    for e in ids
+                ],
+                ignore_index=True,
+            )
         kv_events = self._kv_events(pool, engines, since, until)
-        report = analyze(FrameSource(engines, windows, requests, kv_events), since, until, pool,
-                         cap_fraction=self.cap_fraction)
+        report = analyze(
+            FrameSource(engines, windows, requests, kv_events),
+            since,
+            until,
+            pool,
+            cap_fraction=self.cap_fraction,
+        )
         models = {str(r["engine_id"]): _py(r.get("model")) for r in engines.to_dict("records")}
         out = _PoolVerdicts(pool=report.pools[0] if report.pools else None)
         for v in report.engines:
@@ -246,16 +316,19 @@ class VerdictLoop:
             out.engines.append((label_str(pairs), {k: label_value(x) for k, x in pairs}, v))
         return out
 
-    def _kv_events(self, pool: str | None, engines: pd.DataFrame, since: float,
-                   until: float) -> pd.DataFrame | None:
+    def _kv_events(
+        self, pool: str | None, engines: pd.DataFrame, since: float, until: float
+    ) -> pd.DataFrame | None:
         """The pool's KV-event seconds (``None`` for a store without them)."""
         read = getattr(self.store, "kv_event_windows", None)
         if read is None:
             return None
         if pool is not None:
             return read(pool=pool, since_unix_s=since, until_unix_s=until)
-        frames = [read(engine_id=str(e), since_unix_s=since, until_unix_s=until)
-                  for e in engines["engine_id"]]
+        frames = [
+            read(engine_id=str(e), since_unix_s=since, until_unix_s=until)
+            for e in engines["engine_id"]
+        ]
         return pd.concat(frames, ignore_index=True) if frames else None
 
     def _log_failure(self, exc: BaseException, n: int) -> None:
@@ -264,8 +337,13 @@ class VerdictLoop:
         if now - self._last_log < LOG_EVERY_S:
             return
         first = self._last_log == -math.inf
-        log.error("advisor run failed (%d failure(s) since the last report): %s: %s",
-                  self._unlogged, type(exc).__name__, exc, exc_info=exc if first else None)
+        log.error(
+            "advisor run failed (%d failure(s) since the last report): %s: %s",
+            self._unlogged,
+            type(exc).__name__,
+            exc,
+            exc_info=exc if first else None,
+        )
         self._last_log = now
         self._unlogged = 0
 
@@ -280,24 +358,32 @@ class VerdictLoop:
                 w.family(name, "gauge", help_text)
                 for labels, _, v in engines:
                     value = getattr(v, attr)
-                    if value is not None and not (isinstance(value, float)
-                                                  and not math.isfinite(value)):
+                    if value is not None and not (
+                        isinstance(value, float) and not math.isfinite(value)
+                    ):
                         w.sample(name, labels, int(value) if isinstance(value, bool) else value)
             w.family("kvscope_advisor_bottleneck", "gauge", _BOTTLENECK_HELP)
             for labels, _, v in engines:
-                w.sample("kvscope_advisor_bottleneck",
-                         f"{labels},{label_str((('bottleneck', v.bottleneck),))}", 1)
+                w.sample(
+                    "kvscope_advisor_bottleneck",
+                    f"{labels},{label_str((('bottleneck', v.bottleneck),))}",
+                    1,
+                )
             for name, attr, help_text in _POOL_GAUGES:
                 w.family(name, "gauge", help_text)
                 for p in pools:
                     value = getattr(p.pool, attr) if p.pool is not None else None
                     if value is not None and math.isfinite(float(value)):
-                        w.sample(name, label_str((("pool", p.pool.pool if p.pool else None),)),
-                                 value)
+                        w.sample(
+                            name, label_str((("pool", p.pool.pool if p.pool else None),)), value
+                        )
             w.family("kvscope_advisor_runs_total", "counter", _RUNS_HELP)
             for result in RESULTS:
-                w.sample("kvscope_advisor_runs_total", label_str((("result", result),)),
-                         self.runs[result])
+                w.sample(
+                    "kvscope_advisor_runs_total",
+                    label_str((("result", result),)),
+                    self.runs[result],
+                )
             for name, attr, help_text in _LOOP_GAUGES:
                 w.family(name, "gauge", help_text)
                 value = getattr(self, attr)
@@ -312,16 +398,22 @@ class VerdictLoop:
             pools = [self._pools[k] for k in sorted(self._pools, key=str)]
             engines = [e for p in pools for e in p.engines]
             for name, attr, _ in _ENGINE_GAUGES:
-                out[name] = [(attrs, float(value)) for _, attrs, v in engines
-                             if (value := getattr(v, attr)) is not None
-                             and math.isfinite(float(value))]
+                out[name] = [
+                    (attrs, float(value))
+                    for _, attrs, v in engines
+                    if (value := getattr(v, attr)) is not None and math.isfinite(float(value))
+                ]
             out["kvscope_advisor_bottleneck"] = [
-                ({**attrs, "bottleneck": label_value(v.bottleneck)}, 1) for _, attrs, v in engines]
+                ({**attrs, "bottleneck": label_value(v.bottleneck)}, 1) for _, attrs, v in engines
+            ]
             for name, attr, _ in _POOL_GAUGES:
-                out[name] = [({"pool": label_value(p.pool.pool)}, float(value)) for p in pools
-                             if p.pool is not None
-                             and (value := getattr(p.pool, attr)) is not None
-                             and math.isfinite(float(value))]
+                out[name] = [
+                    ({"pool": label_value(p.pool.pool)}, float(value))
+                    for p in pools
+                    if p.pool is not None
+                    and (value := getattr(p.pool, attr)) is not None
+                    and math.isfinite(float(value))
+                ]
             out["kvscope_advisor_runs_total"] = [({"result": r}, self.runs[r]) for r in RESULTS]
             for name, attr, _ in _LOOP_GAUGES:
                 value = getattr(self, attr)

@@ -13,8 +13,11 @@ from typing import Any
 
 from kvscope.advisor import render
 
-EFFECT_LABELS = {**render.EFFECT_LABELS, "throughput_fraction": "throughput (share of peak)",
-                 "step_ms": "step time"}
+EFFECT_LABELS = {
+    **render.EFFECT_LABELS,
+    "throughput_fraction": "throughput (share of peak)",
+    "step_ms": "step time",
+}
 """The terminal view's labels of expected effects, two of them spelled out."""
 
 
@@ -62,8 +65,20 @@ def value(key: str, v: Any) -> str:
             return f"{v * 1e3:+,.0f} ms"
         if key.endswith("_s") or "_s_" in key:
             return sec(v)
-        if key.endswith(("_ratio", "fraction", "_share", "hit_rate", "hit_rate_max", "_loss",
-                         "available", "captured", "usage_median", "usage_max")):
+        if key.endswith(
+            (
+                "_ratio",
+                "fraction",
+                "_share",
+                "hit_rate",
+                "hit_rate_max",
+                "_loss",
+                "available",
+                "captured",
+                "usage_median",
+                "usage_max",
+            )
+        ):
             return pct(v)
         if key.endswith("_r2"):
             return num(v, ".2f")

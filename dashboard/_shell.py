@@ -41,8 +41,9 @@ def settings() -> DashboardSettings:
 
 
 @st.cache_data(ttl=3600, max_entries=16, show_spinner="Reading the data...")
-def _cached_snapshot(_settings: DashboardSettings, key: str, since: str, pool: str | None,
-                     tick: int) -> Snapshot:
+def _cached_snapshot(
+    _settings: DashboardSettings, key: str, since: str, pool: str | None, tick: int
+) -> Snapshot:
     # ``key`` stands for the settings (secrets digested); ``tick`` changes
     # every refresh period: a new key, a new read.
     del key, tick
@@ -91,16 +92,26 @@ def sidebar() -> None:
         choices = list(WINDOW_CHOICES)
         if s.since not in choices:
             choices.insert(0, s.since)
-        st.selectbox("Window (data since)", choices, index=choices.index(s.since),
-                     key=_WINDOW, help="how far back the advisor and the charts read")
+        st.selectbox(
+            "Window (data since)",
+            choices,
+            index=choices.index(s.since),
+            key=_WINDOW,
+            help="how far back the advisor and the charts read",
+        )
         if s.refresh_s > 0:
             st.toggle(f"Refresh every {s.refresh_s:g} s", value=True, key=_AUTO)
         if st.button("Refresh now", icon=":material/refresh:"):
             _cached_snapshot.clear()
-        st.caption("Verdicts, findings and recommendations are the advisor's "
-                   "(`kvscope advise`); charts plot the "
-                   + ("windows read from Prometheus (one per scrape interval)."
-                      if s.prometheus is not None else "collector's rows."))
+        st.caption(
+            "Verdicts, findings and recommendations are the advisor's "
+            "(`kvscope advise`); charts plot the "
+            + (
+                "windows read from Prometheus (one per scrape interval)."
+                if s.prometheus is not None
+                else "collector's rows."
+            )
+        )
 
 
 def _utc(t: float) -> str:
@@ -115,13 +126,17 @@ def show_problem(snap: Snapshot) -> bool:
     if snap.error is not None:
         if snap.error_status is None:
             st.error(f"**Collector unreachable.** {snap.error}.")
-            st.info("Start one with `kvscope collector --store kvscope.duckdb`, point "
-                    "`kvscope dashboard --collector URL` at it, or look at the recorded "
-                    "demo data with `kvscope dashboard --demo`.")
+            st.info(
+                "Start one with `kvscope collector --store kvscope.duckdb`, point "
+                "`kvscope dashboard --collector URL` at it, or look at the recorded "
+                "demo data with `kvscope dashboard --demo`."
+            )
         elif snap.error_status == 401:
             st.error(f"**Not authorized (401).** {snap.error}.")
-            st.info("Restart the dashboard with `kvscope dashboard --collector URL "
-                    "--token T` (or set `KVSCOPE_TOKEN`), T being the collector's `--token`.")
+            st.info(
+                "Restart the dashboard with `kvscope dashboard --collector URL "
+                "--token T` (or set `KVSCOPE_TOKEN`), T being the collector's `--token`."
+            )
         else:
             st.error(f"**The collector answered {snap.error_status}.** {snap.error}.")
         return True
@@ -136,9 +151,11 @@ def _prometheus_problem(snap: Snapshot) -> None:
         st.error(f"**Prometheus unreachable.** {snap.error}.")
     elif snap.error_status in (401, 403):
         st.error(f"**Prometheus refused the credentials ({snap.error_status}).** {snap.error}.")
-        st.info("Restart the dashboard with `--prometheus-bearer-token-file FILE`, or "
-                "`--prometheus-user U --prometheus-password-file FILE` (or the "
-                "`KVSCOPE_PROMETHEUS_*` variables).")
+        st.info(
+            "Restart the dashboard with `--prometheus-bearer-token-file FILE`, or "
+            "`--prometheus-user U --prometheus-password-file FILE` (or the "
+            "`KVSCOPE_PROMETHEUS_*` variables)."
+        )
     else:
         st.error(f"**Prometheus answered {snap.error_status}.** {snap.error}.")
 
@@ -152,18 +169,29 @@ def run_page(render: Callable[[Snapshot], None], title: str) -> None:
         snap = snapshot()
         cov = snap.report.coverage if snap.report is not None else {}
         period = read_period_s()
-        again = (f"; read again every {period:.0f} s" if refresh_s() is not None
-                 else "; automatic refresh off")
-        kind = (f"{snap.window_s:g}-second windows (Prometheus, confidences scaled by "
-                f"{cov.get('confidence_factor') or 1:.2f})" if snap.from_prometheus
-                else "one-second windows")
-        st.caption(f"read {_utc(snap.fetched_unix_s)} from {snap.collector_url} in "
-                   f"{snap.read_s:.1f} s{again}; {snap.window}"
-                   + (f"; {cov.get('n_engines_analyzed', 0)} engine(s), "
-                      f"{cov.get('n_windows', 0):,} {kind}, "
-                      f"{cov.get('n_requests', 0):,} finished requests"
-                      + (" (estimated from histograms)" if snap.from_prometheus else "")
-                      if cov else ""))
+        again = (
+            f"; read again every {period:.0f} s"
+            if refresh_s() is not None
+            else "; automatic refresh off"
+        )
+        kind = (
+            f"{snap.window_s:g}-second windows (Prometheus, confidences scaled by "
+            f"{cov.get('confidence_factor') or 1:.2f})"
+            if snap.from_prometheus
+            else "one-second windows"
+        )
+        st.caption(
+            f"read {_utc(snap.fetched_unix_s)} from {snap.collector_url} in "
+            f"{snap.read_s:.1f} s{again}; {snap.window}"
+            + (
+                f"; {cov.get('n_engines_analyzed', 0)} engine(s), "
+                f"{cov.get('n_windows', 0):,} {kind}, "
+                f"{cov.get('n_requests', 0):,} finished requests"
+                + (" (estimated from histograms)" if snap.from_prometheus else "")
+                if cov
+                else ""
+            )
+        )
         if show_problem(snap):
             return
         render(snap)

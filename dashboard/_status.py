@@ -62,15 +62,16 @@ def pool_attention(report: Report, pv: PoolVerdict) -> Attention:
         a = engine_attention(v)
         score = max(score, a.score)
         reasons += [r for r in a.reasons if r not in reasons]
-    pool_findings = [f for f in report.findings
-                     if f.scope.pool == pv.pool and f.scope.engine_id is None]
+    pool_findings = [
+        f for f in report.findings if f.scope.pool == pv.pool and f.scope.engine_id is None
+    ]
     if any(f.kind == "load_imbalance" and f.severity != "info" for f in pool_findings):
         score += _IMBALANCE
         reasons.append("load imbalance")
     routing = ("prefix_routing", "kv_events_missing")
-    if (any(f.kind in routing and f.severity != "info" for f in pool_findings)
-            or any(f.kind == "prefix_caching_off" and f.scope.pool == pv.pool
-                   for f in report.findings)):
+    if any(f.kind in routing and f.severity != "info" for f in pool_findings) or any(
+        f.kind == "prefix_caching_off" and f.scope.pool == pv.pool for f in report.findings
+    ):
         score += _ROUTING
         reasons.append("prefix/routing")
     return Attention(score, tuple(reasons))
@@ -137,8 +138,7 @@ def recent(windows: pd.DataFrame, seconds: int = RECENT_S, window_s: float = 1.0
     ts = pd.to_numeric(windows["ts_s"], errors="coerce")
     end = float(ts.max())
     w = windows[ts > end - max(seconds, window_s)]
-    span = int(min(max(seconds, window_s), end - float(pd.to_numeric(w["ts_s"]).min())
-                   + window_s))
+    span = int(min(max(seconds, window_s), end - float(pd.to_numeric(w["ts_s"]).min()) + window_s))
 
     def mean(col: str) -> float | None:
         return float(pd.to_numeric(w[col], errors="coerce").mean()) if col in w else None
@@ -148,5 +148,12 @@ def recent(windows: pd.DataFrame, seconds: int = RECENT_S, window_s: float = 1.0
             return None
         return float(pd.to_numeric(w[col], errors="coerce").sum()) * window_s / span
 
-    return Recent(span, mean("batch_mean"), mean("kv_usage_mean"), rate("preemptions"),
-                  rate("generation_tokens"), mean("waiting_mean"), end + window_s)
+    return Recent(
+        span,
+        mean("batch_mean"),
+        mean("kv_usage_mean"),
+        rate("preemptions"),
+        rate("generation_tokens"),
+        mean("waiting_mean"),
+        end + window_s,
+    )

@@ -40,18 +40,29 @@ class _KeepingSource:
         self.frames["engines"] = self.source.engines()
         return self.frames["engines"]
 
-    def windows(self, since: float | None = None, until: float | None = None,
-                engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+    def windows(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
         self.frames["windows"] = self.source.windows(since, until, engine, pool)
         return self.frames["windows"]
 
-    def requests(self, since: float | None = None, until: float | None = None,
-                 engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+    def requests(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
         self.frames["requests"] = self.source.requests(since, until, engine, pool)
         return self.frames["requests"]
 
-    def kv_events(self, since: float | None = None, until: float | None = None,
-                  pool: str | None = None) -> pd.DataFrame:
+    def kv_events(
+        self, since: float | None = None, until: float | None = None, pool: str | None = None
+    ) -> pd.DataFrame:
         self.frames["kv_events"] = self.source.kv_events(since, until, pool)
         return self.frames["kv_events"]
 
@@ -59,8 +70,9 @@ class _KeepingSource:
 class _StepSource(CollectorSource):
     """The collector source with the raw steps too (``GET /v1/steps``)."""
 
-    def steps(self, since: float | None = None, until: float | None = None,
-              engine: str | None = None) -> pd.DataFrame:
+    def steps(
+        self, since: float | None = None, until: float | None = None, engine: str | None = None
+    ) -> pd.DataFrame:
         return self._ranged("/v1/steps", "ts_unix_s", since, until, engine, None)
 
 
@@ -127,8 +139,9 @@ class Snapshot:
         if self.prom_no_data is not None:
             text = self.prom_no_data
         else:
-            text = no_data_message(self.report, self.collector_url, self.window,
-                                   self.fetched_unix_s)
+            text = no_data_message(
+                self.report, self.collector_url, self.window, self.fetched_unix_s
+            )
         if self.report.coverage.get("n_engines_known"):
             text += "; or pick a longer window in the sidebar"
         return text
@@ -140,8 +153,10 @@ class Snapshot:
         rows = self.engines[self.engines["engine_id"] == engine_id]
         if not len(rows):
             return {}
-        return {k: (None if isinstance(v, float) and v != v else v)
-                for k, v in rows.iloc[0].to_dict().items()}
+        return {
+            k: (None if isinstance(v, float) and v != v else v)
+            for k, v in rows.iloc[0].to_dict().items()
+        }
 
     def engine_windows(self, engine_id: str) -> pd.DataFrame:
         """The engine's 1-second windows, oldest first."""
@@ -156,8 +171,9 @@ class Snapshot:
         return {}
 
 
-def _part(df: pd.DataFrame, engine_id: str, cache: dict[str, dict[str, pd.DataFrame]],
-          name: str) -> pd.DataFrame:
+def _part(
+    df: pd.DataFrame, engine_id: str, cache: dict[str, dict[str, pd.DataFrame]], name: str
+) -> pd.DataFrame:
     """One engine's rows, the frame split by engine once (fleets have many engines)."""
     if "engine_id" not in df:
         return df.iloc[0:0]
@@ -175,19 +191,30 @@ def resolve_since(since_text: str, now_unix_s: float) -> float | None:
     return parse_time("since", since_text, now_unix_s)
 
 
-def load_snapshot(settings: DashboardSettings, since_text: str | None = None,
-                  pool: str | None = None, *, now_unix_s: float | None = None) -> Snapshot:
+def load_snapshot(
+    settings: DashboardSettings,
+    since_text: str | None = None,
+    pool: str | None = None,
+    *,
+    now_unix_s: float | None = None,
+) -> Snapshot:
     """Read the collector once and run the advisor on what was read."""
     now = time.time() if now_unix_s is None else now_unix_s
     since_text = since_text or settings.since
     pool = pool if pool is not None else settings.pool
     since = resolve_since(since_text, now)
-    snap = Snapshot(settings=settings, since_text=since_text,
-                    since_unix_s=since, until_unix_s=None, fetched_unix_s=now)
+    snap = Snapshot(
+        settings=settings,
+        since_text=since_text,
+        since_unix_s=since,
+        until_unix_s=None,
+        fetched_unix_s=now,
+    )
     if settings.prometheus is not None:
         return _load_prometheus(snap, settings, since, pool, now)
-    source = _KeepingSource(CollectorSource(settings.collector_url, token=settings.token,
-                                            timeout_s=settings.timeout_s))
+    source = _KeepingSource(
+        CollectorSource(settings.collector_url, token=settings.token, timeout_s=settings.timeout_s)
+    )
     t0 = time.monotonic()
     try:
         snap.report = analyze(source, since, None, pool)
@@ -203,8 +230,9 @@ def load_snapshot(settings: DashboardSettings, since_text: str | None = None,
     return snap
 
 
-def _load_prometheus(snap: Snapshot, settings: DashboardSettings, since: float | None,
-                     pool: str | None, now: float) -> Snapshot:
+def _load_prometheus(
+    snap: Snapshot, settings: DashboardSettings, since: float | None, pool: str | None, now: float
+) -> Snapshot:
     """:func:`load_snapshot` over Prometheus: one range read, analysed and annotated."""
     from kvscope.sources.prometheus.source import annotate_report, source_error_text
     from kvscope.sources.prometheus.source import no_data_message as prom_no_data
@@ -214,8 +242,10 @@ def _load_prometheus(snap: Snapshot, settings: DashboardSettings, since: float |
     t0 = time.monotonic()
     try:
         prom = settings.prometheus.source(
-            timeout_s=settings.timeout_s, clock=lambda: now,
-            lookback_s=max(7 * 86400.0, now - (since if since is not None else now)))
+            timeout_s=settings.timeout_s,
+            clock=lambda: now,
+            lookback_s=max(7 * 86400.0, now - (since if since is not None else now)),
+        )
         f = prom.prefetch(since, None)
         source = _KeepingSource(prom)
         snap.report = annotate_report(analyze(source, f.since, f.until, pool), prom)
@@ -237,13 +267,19 @@ def _load_prometheus(snap: Snapshot, settings: DashboardSettings, since: float |
     return snap
 
 
-def recent_steps(settings: DashboardSettings, engine_id: str, last_step_unix_s: float,
-                 seconds: float = 30.0, limit: int = 20_000) -> pd.DataFrame:
+def recent_steps(
+    settings: DashboardSettings,
+    engine_id: str,
+    last_step_unix_s: float,
+    seconds: float = 30.0,
+    limit: int = 20_000,
+) -> pd.DataFrame:
     """The engine's raw steps of the ``seconds`` before its newest step (``/v1/steps``).
 
     Empty when the collector no longer holds them (raw steps are kept
     ``--raw-retention-s``). Raises :class:`advisor.SourceError` on a failed read.
     """
-    source = _StepSource(settings.collector_url, token=settings.token,
-                         timeout_s=settings.timeout_s, page_rows=limit)
+    source = _StepSource(
+        settings.collector_url, token=settings.token, timeout_s=settings.timeout_s, page_rows=limit
+    )
     return source.steps(last_step_unix_s - seconds, last_step_unix_s + 1.0, engine_id)

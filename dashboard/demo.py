@@ -57,15 +57,21 @@ def relabeled(recording: Recording, engine: DemoEngine) -> Recording:
         nb = copy.deepcopy(b)
         nb["engine_id"] = engine.engine_id
         if nb.get("hello"):
-            nb["hello"].update(engine_id=engine.engine_id, host=engine.host, port=engine.port,
-                               pool=engine.pool)
+            nb["hello"].update(
+                engine_id=engine.engine_id, host=engine.host, port=engine.port, pool=engine.pool
+            )
         batches.append(nb)
     return Recording(dict(recording.header), batches)
 
 
-def feed_demo_fleet(url: str, *, token: str | None = None, end_at_unix_s: float | None = None,
-                    progress: bool = True, fleet: tuple[DemoEngine, ...] = DEMO_FLEET
-                    ) -> dict[str, dict[str, int]]:
+def feed_demo_fleet(
+    url: str,
+    *,
+    token: str | None = None,
+    end_at_unix_s: float | None = None,
+    progress: bool = True,
+    fleet: tuple[DemoEngine, ...] = DEMO_FLEET,
+) -> dict[str, dict[str, int]]:
     """Replay every recording of ``fleet`` into the collector at ``url``, each ending in
     the second before ``end_at_unix_s`` (default: now). Returns the stored/duplicate
     counts per engine.
@@ -79,14 +85,16 @@ def feed_demo_fleet(url: str, *, token: str | None = None, end_at_unix_s: float 
     for e in fleet:
         rec = relabeled(load_recording(e.path), e)
         _, last = rec.span_unix_s
-        out[e.engine_id] = replay(rec, url, token=token, end_at_unix_s=end + last % 1.0,
-                                  progress=progress)
+        out[e.engine_id] = replay(
+            rec, url, token=token, end_at_unix_s=end + last % 1.0, progress=progress
+        )
     return out
 
 
 @contextlib.contextmanager
-def demo_collector(workdir: str | Path | None = None, *, progress: bool = True
-                   ) -> Iterator[CollectorProcess]:
+def demo_collector(
+    workdir: str | Path | None = None, *, progress: bool = True
+) -> Iterator[CollectorProcess]:
     """A collector on a fresh store (in ``workdir``, else a temporary folder) holding the
     demo fleet; stopped, and a temporary folder removed, on exit."""
     with contextlib.ExitStack() as stack:
@@ -98,7 +106,10 @@ def demo_collector(workdir: str | Path | None = None, *, progress: bool = True
         store = folder / "dashboard-demo.duckdb"
         for p in (store, Path(f"{store}.wal")):
             p.unlink(missing_ok=True)
-        c = stack.enter_context(CollectorProcess(
-            store, extra_args=["--raw-retention-s", "0", "--advise-interval-s", "0"]))
+        c = stack.enter_context(
+            CollectorProcess(
+                store, extra_args=["--raw-retention-s", "0", "--advise-interval-s", "0"]
+            )
+        )
         feed_demo_fleet(c.url, progress=progress)
         yield c

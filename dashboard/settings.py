@@ -96,8 +96,9 @@ def check_since(text: str) -> str:
     return text.strip()
 
 
-def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
-                   ) -> DashboardSettings:
+def parse_settings(
+    argv: Sequence[str], environ: Mapping[str, str] | None = None
+) -> DashboardSettings:
     """Settings from the app's arguments, with ``KVSCOPE_*`` variables as defaults.
 
     ``--collector`` defaults to ``$KVSCOPE_COLLECTOR_URL``, ``--token`` to
@@ -124,22 +125,38 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
     except PromArgError as exc:
         raise SettingsError(str(exc)) from None
     if prom is None and not args.collector:
-        raise SettingsError("no collector: pass --collector URL (or set KVSCOPE_COLLECTOR_URL), "
-                            "or --prometheus URL")
-    return DashboardSettings(collector_url="" if prom else normalize_url(args.collector),
-                             token=None if prom else args.token,
-                             since=check_since(args.since), refresh_s=args.refresh,
-                             timeout_s=args.timeout, pool=args.pool or None, prometheus=prom)
+        raise SettingsError(
+            "no collector: pass --collector URL (or set KVSCOPE_COLLECTOR_URL), or --prometheus URL"
+        )
+    return DashboardSettings(
+        collector_url="" if prom else normalize_url(args.collector),
+        token=None if prom else args.token,
+        since=check_since(args.since),
+        refresh_s=args.refresh,
+        timeout_s=args.timeout,
+        pool=args.pool or None,
+        prometheus=prom,
+    )
 
 
 def to_argv(settings: DashboardSettings) -> list[str]:
     """The app arguments that :func:`parse_settings` turns back into ``settings``
     (secrets are left out: pass them as ``KVSCOPE_TOKEN`` and
     ``settings.prometheus.environ()``)."""
-    where = (settings.prometheus.argv() if settings.prometheus is not None
-             else ["--collector", settings.collector_url])
-    argv = [*where, "--since", settings.since,
-            "--refresh", f"{settings.refresh_s:g}", "--timeout", f"{settings.timeout_s:g}"]
+    where = (
+        settings.prometheus.argv()
+        if settings.prometheus is not None
+        else ["--collector", settings.collector_url]
+    )
+    argv = [
+        *where,
+        "--since",
+        settings.since,
+        "--refresh",
+        f"{settings.refresh_s:g}",
+        "--timeout",
+        f"{settings.timeout_s:g}",
+    ]
     if settings.pool:
         argv += ["--pool", settings.pool]
     return argv

@@ -270,8 +270,13 @@ class Accounting:
     def stats_document(self) -> dict[str, Any]:
         """What ``KVSCOPE_STATS_FILE`` holds: the totals and each engine's stats."""
         engines = {engine_id: self.stats(engine_id) for engine_id in self._engines}
-        return {"pid": self.pid, "boot_id": self.boot_id, "written_unix_s": time.time(),
-                "total": self.stats(), "engines": engines}  # fmt: skip
+        return {
+            "pid": self.pid,
+            "boot_id": self.boot_id,
+            "written_unix_s": time.time(),
+            "total": self.stats(),
+            "engines": engines,
+        }
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -143,9 +143,19 @@ def _step_row_compat(ts_unix_s: float, step: int, sched: Any, it: Any) -> tuple[
     elapsed_ms = None if details is None else getattr(details, "elapsed_ms", None)
     prompt, gen, preempted = _iteration_counts(it)
     return (
-        ts_unix_s, step, running, waiting, deferred, kv, queries, hits,
-        preempted, prompt, gen, elapsed_ms,
-    )  # fmt: skip
+        ts_unix_s,
+        step,
+        running,
+        waiting,
+        deferred,
+        kv,
+        queries,
+        hits,
+        preempted,
+        prompt,
+        gen,
+        elapsed_ms,
+    )
 
 
 def tokens_row(ts_unix_s: float, step: int, it: Any) -> tuple[Any, ...]:

@@ -39,8 +39,13 @@ class Batch:
 
     def spool_meta(self) -> dict[str, Any]:
         """What the spool stores beside the body (:mod:`kvscope.engine_plugins._spool`)."""
-        return {"engine_id": self.engine_id, "boot_id": self.boot_id, "seq": self.seq,
-                "n_steps": self.n_steps, "n_requests": self.n_requests}  # fmt: skip
+        return {
+            "engine_id": self.engine_id,
+            "boot_id": self.boot_id,
+            "seq": self.seq,
+            "n_steps": self.n_steps,
+            "n_requests": self.n_requests,
+        }
 
 
 class BatchQueue:

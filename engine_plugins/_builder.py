@@ -38,8 +38,7 @@ MAX_ROWS_PER_BATCH = 50_000
 #: An idle engine still sends an (empty) batch this often, as a sign of life.
 HEARTBEAT_S = 15.0
 #: Counters whose change makes an idle engine send a batch without waiting a heartbeat.
-LOSS_COUNTERS = ("dropped_steps", "dropped_requests", "dropped_batches",
-                 "spool_corrupt_records")  # fmt: skip
+LOSS_COUNTERS = ("dropped_steps", "dropped_requests", "dropped_batches", "spool_corrupt_records")
 _GZIP_LEVEL = 5
 
 
@@ -81,8 +80,7 @@ class BatchBuilder:
 
     # -- building ------------------------------------------------------------------------
 
-    def build(self, engines: Iterable[EngineBuffer], now_unix_s: float,
-              final: bool) -> list[Batch]:  # fmt: skip
+    def build(self, engines: Iterable[EngineBuffer], now_unix_s: float, final: bool) -> list[Batch]:
         """Drain ``engines`` and return their new batches, in order (reported as built)."""
         batches: list[Batch] = []
         for eng in engines:
@@ -93,8 +91,15 @@ class BatchBuilder:
     def hello_batch(self, eng: EngineBuffer, now_unix_s: float) -> Batch:
         """An empty batch of ``eng`` carrying its current hello (reported as built)."""
         hello_version = eng.hello_version if eng.hello is not None else 0
-        return self._batch(eng, self._stream(eng.engine_id), [], [], now_unix_s,
-                           self._accounting.counters(eng.engine_id), hello_version)  # fmt: skip
+        return self._batch(
+            eng,
+            self._stream(eng.engine_id),
+            [],
+            [],
+            now_unix_s,
+            self._accounting.counters(eng.engine_id),
+            hello_version,
+        )
 
     def _build_engine(self, eng: EngineBuffer, now_unix_s: float, final: bool) -> list[Batch]:
         stream = self._stream(eng.engine_id)
@@ -104,8 +109,11 @@ class BatchBuilder:
         # An idle engine sends an empty batch for its hello, as a heartbeat, and when it
         # dropped something since the last batch was built (e.g. to make room for it).
         last = stream.last_counters
-        idle_due = (self.hello_due(eng) or now_mono - stream.last_built_mono_s >= HEARTBEAT_S
-                    or any(counters[k] != last.get(k, 0) for k in LOSS_COUNTERS))  # fmt: skip
+        idle_due = (
+            self.hello_due(eng)
+            or now_mono - stream.last_built_mono_s >= HEARTBEAT_S
+            or any(counters[k] != last.get(k, 0) for k in LOSS_COUNTERS)
+        )
         waiting = self._accounting.pending_batches(eng.engine_id)
         if not (steps or reqs or (idle_due and waiting == 0)):
             return []
@@ -113,14 +121,22 @@ class BatchBuilder:
         batches = []
         for start in range(0, max(len(steps), len(reqs), 1), MAX_ROWS_PER_BATCH):
             hello_version = eng.hello_version if self.hello_due(eng) else 0
-            batches.append(self._batch(
-                eng, stream, steps[start : start + MAX_ROWS_PER_BATCH],
-                reqs[start : start + MAX_ROWS_PER_BATCH], now_unix_s, counters, hello_version,
-            ))  # fmt: skip
+            batches.append(
+                self._batch(
+                    eng,
+                    stream,
+                    steps[start : start + MAX_ROWS_PER_BATCH],
+                    reqs[start : start + MAX_ROWS_PER_BATCH],
+                    now_unix_s,
+                    counters,
+                    hello_version,
+                )
+            )
         return batches
 
-    def _drain(self, eng: EngineBuffer, stream: _Stream, now_unix_s: float,
-               final: bool) -> tuple[list[Any], list[Any]]:  # fmt: skip
+    def _drain(
+        self, eng: EngineBuffer, stream: _Stream, now_unix_s: float, final: bool
+    ) -> tuple[list[Any], list[Any]]:
         """Take the buffer's rows; return the step rows ready to go and the request rows."""
         steps, n = eng.steps, len(eng.steps)
         eng.steps_taken += n
@@ -143,14 +159,21 @@ class BatchBuilder:
             stream.held = (
                 [] if len(ready) == len(held) else [r for r in held if not is_ready(r, cutoff)]
             )
-        self._accounting.rows_held(eng.engine_id, len(stream.held) + folder.carry_rows,
-                                   folder.merged_rows)  # fmt: skip
+        self._accounting.rows_held(
+            eng.engine_id, len(stream.held) + folder.carry_rows, folder.merged_rows
+        )
         return ready, req_rows
 
     def _batch(
-        self, eng: EngineBuffer, stream: _Stream, steps: list[Any], reqs: list[Any],
-        now_unix_s: float, counters: dict[str, int], hello_version: int,
-    ) -> Batch:  # fmt: skip
+        self,
+        eng: EngineBuffer,
+        stream: _Stream,
+        steps: list[Any],
+        reqs: list[Any],
+        now_unix_s: float,
+        counters: dict[str, int],
+        hello_version: int,
+    ) -> Batch:
         """Encode one batch with the next seq."""
         hello = eng.hello
         blocks = hello.get("num_gpu_blocks") if hello else None
@@ -166,8 +189,15 @@ class BatchBuilder:
             "exporter": counters,
         }
         stream.last_counters = counters
-        batch = Batch(eng.engine_id, eng.boot_id, stream.next_seq, encode_batch(payload),
-                      len(steps), len(reqs), hello_version)  # fmt: skip
+        batch = Batch(
+            eng.engine_id,
+            eng.boot_id,
+            stream.next_seq,
+            encode_batch(payload),
+            len(steps),
+            len(reqs),
+            hello_version,
+        )
         stream.next_seq += 1
         self._accounting.built(batch)
         return batch

@@ -90,8 +90,7 @@ def retry_after_s(value: str | None, now_unix_s: float | None = None) -> float |
 class IngestClient:
     """POSTs gzip-compressed JSON batches to ``{base_url}/v1/ingest``."""
 
-    def __init__(self, base_url: str, token: str | None = None,
-                 ca_file: str | None = None) -> None:
+    def __init__(self, base_url: str, token: str | None = None, ca_file: str | None = None) -> None:
         parts = urlsplit(base_url)
         self._ca_file = ca_file
         self._ssl: ssl.SSLContext | None = None
@@ -114,8 +113,9 @@ class IngestClient:
             if self._https:
                 if self._ssl is None:  # built once: loading CAs costs milliseconds
                     self._ssl = ssl.create_default_context(cafile=self._ca_file)
-                conn = http.client.HTTPSConnection(self._host, self._port, timeout=timeout_s,
-                                                   context=self._ssl)
+                conn = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=timeout_s, context=self._ssl
+                )
             else:
                 conn = http.client.HTTPConnection(self._host, self._port, timeout=timeout_s)
             self._conn = conn

@@ -84,8 +84,10 @@ class Sender:
             return Reply(RETRY, resp.status)
         if verdict == OK:
             if self.failures:
-                LOGGER.info("kvscope: delivery to the collector resumed after %d failed "
-                            "attempt(s)", self.failures)  # fmt: skip
+                LOGGER.info(
+                    "kvscope: delivery to the collector resumed after %d failed attempt(s)",
+                    self.failures,
+                )
                 self.failures = 0
             return Reply(OK, resp.status, resp.need_hello())
         return Reply(DROP, resp.status, resp.need_hello(), resp.message())
@@ -94,8 +96,7 @@ class Sender:
         """Close the connection to the collector."""
         self._client.close()
 
-    def _back_off(self, resp: Response | None, error: BaseException | None,
-                  waiting: int) -> None:  # fmt: skip
+    def _back_off(self, resp: Response | None, error: BaseException | None, waiting: int) -> None:
         self.failures += 1
         if resp is not None and resp.retry_after_s is not None:
             delay_s = resp.retry_after_s * self._rng.uniform(1.0, 1.1)
@@ -108,5 +109,8 @@ class Sender:
             "http:retry",
             "kvscope: cannot deliver to the collector at %s (%s); retrying in %.1f s, "
             "%d batch(es) waiting",
-            self._settings.collector_url, what, delay_s, waiting,
-        )  # fmt: skip
+            self._settings.collector_url,
+            what,
+            delay_s,
+            waiting,
+        )

@@ -98,8 +98,9 @@ def read_records(data: bytes) -> tuple[list[tuple[int, int, dict[str, Any], byte
 class Spool:
     """An ordered, size-capped, crash-tolerant queue of batches on disk."""
 
-    def __init__(self, directory: str | os.PathLike[str], max_bytes: int,
-                 segment_bytes: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, directory: str | os.PathLike[str], max_bytes: int, segment_bytes: int | None = None
+    ) -> None:
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes or min(max(max_bytes // 8, 4096), 16 << 20)

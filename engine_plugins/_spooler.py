@@ -38,17 +38,30 @@ class Spooler:
         try:
             store = Spool(path, settings.spool_max_bytes)
         except SpoolBusy as exc:
-            ERRORS.warning("spool:busy", "kvscope: %s; this process keeps undeliverable "
-                           "batches in memory only", exc)  # fmt: skip
+            ERRORS.warning(
+                "spool:busy",
+                "kvscope: %s; this process keeps undeliverable batches in memory only",
+                exc,
+            )
             return None
         except OSError as exc:
-            ERRORS.warning("spool:open", "kvscope: cannot open the spool %s (%s); this process "
-                           "keeps undeliverable batches in memory only", path, exc)  # fmt: skip
+            ERRORS.warning(
+                "spool:open",
+                "kvscope: cannot open the spool %s (%s); this process "
+                "keeps undeliverable batches in memory only",
+                path,
+                exc,
+            )
             return None
         if len(store) or store.corrupt_records:
-            LOGGER.info("kvscope: spool %s holds %d batch(es) (%d bytes) to replay; %d torn or "
-                        "corrupt record(s) skipped", path, len(store), store.size_bytes,
-                        store.corrupt_records)  # fmt: skip
+            LOGGER.info(
+                "kvscope: spool %s holds %d batch(es) (%d bytes) to replay; %d torn or "
+                "corrupt record(s) skipped",
+                path,
+                len(store),
+                store.size_bytes,
+                store.corrupt_records,
+            )
         return cls(store, accounting)
 
     def __len__(self) -> int:
@@ -59,8 +72,11 @@ class Spooler:
         try:
             evicted = self.store.append(batch.spool_meta(), batch.body)
         except OSError as exc:
-            ERRORS.warning("spool:write", "kvscope: cannot write to the spool (%s); "
-                           "batches stay in memory", exc)  # fmt: skip
+            ERRORS.warning(
+                "spool:write",
+                "kvscope: cannot write to the spool (%s); batches stay in memory",
+                exc,
+            )
             return False
         self._accounting.spooled(batch)
         for entry in evicted:
@@ -85,8 +101,9 @@ class Spooler:
 
     def report_size(self) -> None:
         """Tell the accounting the spool's size and its count of corrupt records."""
-        self._accounting.spool_size(len(self.store), self.store.size_bytes,
-                                    self.store.corrupt_records)  # fmt: skip
+        self._accounting.spool_size(
+            len(self.store), self.store.size_bytes, self.store.corrupt_records
+        )
 
     def sync(self, *, close: bool) -> None:
         """Make what was stored durable (``fsync``); ``close`` also releases the spool."""

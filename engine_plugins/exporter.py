@@ -91,10 +91,19 @@ TICK_OFFSET_S = 0.05
 
 # The tunables are re-exported for reading; each is used (and patched) in its own module.
 __all__ = [
-    "HEARTBEAT_S", "INITIAL_BACKOFF_S", "MAX_BACKOFF_S", "MAX_PENDING_BYTES",
-    "MAX_ROWS_PER_BATCH", "SPOOL_EXIT_RESERVE", "SPOOL_REPLAY_SHARE", "TICK_OFFSET_S",
-    "EngineBuffer", "Exporter", "current_exporter", "get_exporter",
-]  # fmt: skip
+    "HEARTBEAT_S",
+    "INITIAL_BACKOFF_S",
+    "MAX_BACKOFF_S",
+    "MAX_PENDING_BYTES",
+    "MAX_ROWS_PER_BATCH",
+    "SPOOL_EXIT_RESERVE",
+    "SPOOL_REPLAY_SHARE",
+    "TICK_OFFSET_S",
+    "EngineBuffer",
+    "Exporter",
+    "current_exporter",
+    "get_exporter",
+]
 
 
 class Exporter:
@@ -141,9 +150,11 @@ class Exporter:
             eng = self._engines.get(engine_id)
             if eng is None:
                 eng = EngineBuffer(
-                    engine_id, self.boot_id, self.settings.buffer_steps,
+                    engine_id,
+                    self.boot_id,
+                    self.settings.buffer_steps,
                     self.settings.buffer_requests,
-                )  # fmt: skip
+                )
                 self._engines[engine_id] = eng
                 self._accounting.add_engine(eng)
             eng.set_hello(hello)
@@ -186,16 +197,20 @@ class Exporter:
 
     # -- one cycle -------------------------------------------------------------------
 
-    def tick(self, *, now_unix_s: float | None = None, final: bool = False,
-             deadline_mono_s: float | None = None) -> None:  # fmt: skip
+    def tick(
+        self,
+        *,
+        now_unix_s: float | None = None,
+        final: bool = False,
+        deadline_mono_s: float | None = None,
+    ) -> None:
         """Run one cycle in the calling thread: build batches, then send what is due.
 
         ``final`` sends every row (no hold-back), ignores the backoff, and counts
         what still could not be delivered (nor spooled) as dropped.
         """
         with self._tick_lock:
-            self._tick(time.time() if now_unix_s is None else now_unix_s, final,
-                       deadline_mono_s)  # fmt: skip
+            self._tick(time.time() if now_unix_s is None else now_unix_s, final, deadline_mono_s)
 
     def _tick(self, now_unix_s: float, final: bool, deadline_mono_s: float | None) -> None:
         """One cycle: build every engine's batches, deliver in order, keep what failed."""
@@ -267,9 +282,13 @@ class Exporter:
             f"http:{reply.status}",
             "kvscope: the collector refused batch %d of %s with HTTP %d (%s); dropped it "
             "(%d steps, %d requests)",
-            batch.seq, batch.engine_id, reply.status, reply.message, batch.n_steps,
+            batch.seq,
+            batch.engine_id,
+            reply.status,
+            reply.message,
+            batch.n_steps,
             batch.n_requests,
-        )  # fmt: skip
+        )
         return True
 
     def _replay_spool(self, spool: Spooler, final: bool, deadline_mono_s: float | None) -> bool:
@@ -307,9 +326,12 @@ class Exporter:
         self._accounting.send_failed(engine_id)
         ERRORS.warning(
             f"http:{reply.status}",
-            "kvscope: the collector refused spooled batch %s of %s with HTTP %d (%s); "
-            "dropped it", entry.meta.get("seq"), engine_id, reply.status, reply.message,
-        )  # fmt: skip
+            "kvscope: the collector refused spooled batch %s of %s with HTTP %d (%s); dropped it",
+            entry.meta.get("seq"),
+            engine_id,
+            reply.status,
+            reply.message,
+        )
         return True
 
     def _waiting(self) -> int:

@@ -98,8 +98,10 @@ def kv_events_endpoint(kv_events_config: Any, engine_index: int) -> str | None:
     None unless ``enable_kv_cache_events`` is on with the ``zmq`` publisher, and for a
     tcp port 0 (vLLM picks the port when it binds; this process never learns it).
     """
-    if kv_events_config is None or getattr(kv_events_config, "enable_kv_cache_events",
-                                           False) is not True:
+    if (
+        kv_events_config is None
+        or getattr(kv_events_config, "enable_kv_cache_events", False) is not True
+    ):
         return None
     if getattr(kv_events_config, "publisher", None) != "zmq":
         return None

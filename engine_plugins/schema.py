@@ -134,10 +134,15 @@ HELLO_FIELDS: tuple[Field, ...] = (
     Field("tensor_parallel_size", INT, "tensor-parallel size", nullable=True),
     Field("pipeline_parallel_size", INT, "pipeline-parallel size", nullable=True),
     Field("data_parallel_size", INT, "data-parallel size", nullable=True),
-    Field("kv_events_endpoint", STR,
-          "ZMQ endpoint of vLLM's KV-cache event publisher for this engine (with the "
-          "data-parallel port offset), when it publishes over ZMQ",
-          nullable=True, optional=True, max_chars=MAX_TEXT_CHARS),
+    Field(
+        "kv_events_endpoint",
+        STR,
+        "ZMQ endpoint of vLLM's KV-cache event publisher for this engine (with the "
+        "data-parallel port offset), when it publishes over ZMQ",
+        nullable=True,
+        optional=True,
+        max_chars=MAX_TEXT_CHARS,
+    ),
 )
 
 # Exporter counters, cumulative since the process started.
@@ -148,22 +153,44 @@ EXPORTER_FIELDS: tuple[Field, ...] = (
     Field("send_failures", INT, "failed delivery attempts (retried or not)"),
     Field("record_errors", INT, "exceptions caught inside record()"),
     # Added after release (optional): dropped batches by reason, and the on-disk spool.
-    Field("dropped_batches_full", INT,
-          "batches dropped because the pending queue (memory, or the spool's size cap) was "
-          "full", nullable=True, optional=True),
-    Field("dropped_batches_rejected", INT,
-          "batches the collector refused with a status that is not retried",
-          nullable=True, optional=True),
-    Field("spooled_batches", INT, "batches written to the on-disk spool",
-          nullable=True, optional=True),
-    Field("spool_corrupt_records", INT,
-          "torn or corrupt spool records skipped (e.g. after a kill mid-write)",
-          nullable=True, optional=True),
+    Field(
+        "dropped_batches_full",
+        INT,
+        "batches dropped because the pending queue (memory, or the spool's size cap) was full",
+        nullable=True,
+        optional=True,
+    ),
+    Field(
+        "dropped_batches_rejected",
+        INT,
+        "batches the collector refused with a status that is not retried",
+        nullable=True,
+        optional=True,
+    ),
+    Field(
+        "spooled_batches", INT, "batches written to the on-disk spool", nullable=True, optional=True
+    ),
+    Field(
+        "spool_corrupt_records",
+        INT,
+        "torn or corrupt spool records skipped (e.g. after a kill mid-write)",
+        nullable=True,
+        optional=True,
+    ),
 )
 
 ENVELOPE_KEYS = frozenset(
-    {"schema_version", "engine_id", "boot_id", "seq", "sent_unix_s", "hello", "steps",
-     "requests", "exporter"}
+    {
+        "schema_version",
+        "engine_id",
+        "boot_id",
+        "seq",
+        "sent_unix_s",
+        "hello",
+        "steps",
+        "requests",
+        "exporter",
+    }
 )
 
 STEP_COLUMNS: tuple[str, ...] = tuple(f.name for f in STEP_FIELDS)
@@ -193,11 +220,7 @@ def _check_value(where: str, f: Field, v: Any) -> None:
         return
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise SchemaError(f"{where}: expected a number, got {type(v).__name__}")
-    if (
-        f.kind == INT
-        and not isinstance(v, int)
-        and not (isinstance(v, float) and v.is_integer())
-    ):
+    if f.kind == INT and not isinstance(v, int) and not (isinstance(v, float) and v.is_integer()):
         raise SchemaError(f"{where}: expected an integer, got {v!r}")
     if isinstance(v, float) and not math.isfinite(v):
         raise SchemaError(f"{where}: must be finite, got {v!r}")

@@ -16,8 +16,20 @@ import argparse
 import math
 import re
 
-__all__ = ["ParamError", "at_least_two", "count", "duration", "fraction", "header",
-           "non_negative", "parse_duration", "parse_header", "parse_time", "positive", "ratio"]
+__all__ = [
+    "ParamError",
+    "at_least_two",
+    "count",
+    "duration",
+    "fraction",
+    "header",
+    "non_negative",
+    "parse_duration",
+    "parse_header",
+    "parse_time",
+    "positive",
+    "ratio",
+]
 
 _UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
@@ -56,8 +68,9 @@ def parse_time(name: str, text: str, now_unix_s: float) -> float:
     except ValueError:
         v = math.nan
     if not math.isfinite(v) or v < 0:
-        raise ParamError(f"{name}: expected unix seconds, 'now' or {_DURATION_HINT} ago; "
-                         f"got {text!r}")
+        raise ParamError(
+            f"{name}: expected unix seconds, 'now' or {_DURATION_HINT} ago; got {text!r}"
+        )
     return v
 
 
@@ -69,8 +82,10 @@ def parse_header(name: str, text: str) -> tuple[str, str]:
     key = key.strip()
     if not sep or not key or any(c.isspace() or c == "=" for c in key):
         shown = f" (starting {key[:20]!r})" if key and sep else ""
-        raise ParamError(f"{name}: expected 'Name: value', e.g. 'Authorization: Bearer T'; "
-                         f"got a value without a header name{shown}")
+        raise ParamError(
+            f"{name}: expected 'Name: value', e.g. 'Authorization: Bearer T'; "
+            f"got a value without a header name{shown}"
+        )
     return key, value.strip()
 
 
@@ -144,8 +159,9 @@ def duration(text: str) -> float:
     try:
         return parse_duration("duration", text)
     except ParamError:
-        raise argparse.ArgumentTypeError(f"expected {_DURATION_HINT} or seconds, got {text!r}"
-                                         ) from None
+        raise argparse.ArgumentTypeError(
+            f"expected {_DURATION_HINT} or seconds, got {text!r}"
+        ) from None
 
 
 def header(text: str) -> tuple[str, str]:

@@ -39,9 +39,11 @@ def _fmt(v: float | None, spec: str = ".0f") -> str:
 
 def level_table(levels: list[dict[str, Any]], windows: dict[str, list[Any]]) -> str:
     """Per sweep level: the client's view beside the engine's, from the stored windows."""
-    head = (f"{'clients':>7} {'batch':>6} {'waiting':>7} {'KV used':>8} {'KV max':>6} "
-            f"{'preempt/s':>9} {'gen tok/s':>9} {'client tok/s':>12} {'TTFT p99':>8} "
-            f"{'e2e p99':>8}")
+    head = (
+        f"{'clients':>7} {'batch':>6} {'waiting':>7} {'KV used':>8} {'KV max':>6} "
+        f"{'preempt/s':>9} {'gen tok/s':>9} {'client tok/s':>12} {'TTFT p99':>8} "
+        f"{'e2e p99':>8}"
+    )
     lines = [head, "-" * len(head)]
     ts = windows.get("ts_s", [])
     for lv in levels:
@@ -77,17 +79,23 @@ def summarize(collector: CollectorProcess, levels: list[dict[str, Any]], out: An
     p("")
     for e in engines:
         kv_tokens = (e.get("num_gpu_blocks") or 0) * (e.get("block_size") or 0)
-        p(f"engine {e['engine_id']}  pool={e['pool']}  model={e['model']}  "
-          f"vLLM {e['vllm_version']}")
-        p(f"  KV cache: {e.get('num_gpu_blocks')} blocks x {e.get('block_size')} tokens "
-          f"= {kv_tokens:,} tokens; max_num_seqs {e.get('max_num_seqs')}, "
-          f"max_num_batched_tokens {e.get('max_num_batched_tokens')}, "
-          f"prefix caching {'on' if e.get('enable_prefix_caching') else 'off'}")
+        p(
+            f"engine {e['engine_id']}  pool={e['pool']}  model={e['model']}  "
+            f"vLLM {e['vllm_version']}"
+        )
+        p(
+            f"  KV cache: {e.get('num_gpu_blocks')} blocks x {e.get('block_size')} tokens "
+            f"= {kv_tokens:,} tokens; max_num_seqs {e.get('max_num_seqs')}, "
+            f"max_num_batched_tokens {e.get('max_num_batched_tokens')}, "
+            f"prefix caching {'on' if e.get('enable_prefix_caching') else 'off'}"
+        )
     for t in totals:
         hit = t["prefix_hits"] / t["prefix_queries"] if t["prefix_queries"] else 0.0
-        p(f"  stored: {t['n_steps']:,} engine steps in {windows['n_rows']:,} one-second "
-          f"windows, {n_req:,} finished requests; {t['generation_tokens']:,} tokens "
-          f"generated, {t['preemptions']:,} preemptions, prefix-cache hit rate {hit:.0%}")
+        p(
+            f"  stored: {t['n_steps']:,} engine steps in {windows['n_rows']:,} one-second "
+            f"windows, {n_req:,} finished requests; {t['generation_tokens']:,} tokens "
+            f"generated, {t['preemptions']:,} preemptions, prefix-cache hit rate {hit:.0%}"
+        )
     if levels:
         p("\nPer load level (client side from the sweep, engine side from kvscope's windows):")
         p(level_table(levels, windows["columns"]))
@@ -98,10 +106,18 @@ def summarize(collector: CollectorProcess, levels: list[dict[str, Any]], out: An
     p(f"  {collector.url}/v1/request_stats        latency percentiles of finished requests")
     p(f"  kvscope advise --collector {collector.url}   the verdict: knee, bottleneck, cap, flags")
     text = collector.get_text("/metrics")
-    sample = [ln for ln in text.splitlines()
-              if ln.startswith(("kvscope_engine_kv_usage_ratio{", "kvscope_engine_batch_size{",
-                                "kvscope_engine_preemptions_total{",
-                                "kvscope_engine_step_kv_usage_ratio_bucket{"))][:8]
+    sample = [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith(
+            (
+                "kvscope_engine_kv_usage_ratio{",
+                "kvscope_engine_batch_size{",
+                "kvscope_engine_preemptions_total{",
+                "kvscope_engine_step_kv_usage_ratio_bucket{",
+            )
+        )
+    ][:8]
     if sample:
         p("\nA few lines of /metrics:")
         for ln in sample:
@@ -115,8 +131,10 @@ def show_verdict(collector: CollectorProcess) -> None:
     from kvscope.advisor import CollectorSource, analyze
     from kvscope.advisor.render import render_report
 
-    print("\nThe advisor's verdict (what `kvscope advise --collector "
-          f"{collector.url} --since 0` prints):\n")
+    print(
+        "\nThe advisor's verdict (what `kvscope advise --collector "
+        f"{collector.url} --since 0` prints):\n"
+    )
     report = analyze(CollectorSource(collector.url))
     render_report(report, Console(highlight=False), source=collector.url, window="all data")
 
@@ -124,8 +142,10 @@ def show_verdict(collector: CollectorProcess) -> None:
 def _feed_recording(collector: CollectorProcess, path: Path) -> list[dict[str, Any]]:
     recording = load_recording(path)
     src = recording.header.get("source", {})
-    print(f"Replaying {path.name}: a real vLLM {src.get('vllm_version', '')} run "
-          f"({src.get('regime', '?')}), {len(recording.batches)} ingest batches.")
+    print(
+        f"Replaying {path.name}: a real vLLM {src.get('vllm_version', '')} run "
+        f"({src.get('regime', '?')}), {len(recording.batches)} ingest batches."
+    )
     _, last = recording.span_unix_s
     end = time.time()
     counts = replay(recording, collector.url, end_at_unix_s=end)
@@ -141,12 +161,23 @@ def _feed_live(collector: CollectorProcess, args: argparse.Namespace) -> list[di
     print("Building the local model and starting the real vLLM CPU engine (about a minute)...")
     model = build_model(workdir / "models" / "llama-mid", "mid")
     env = {"KVSCOPE_COLLECTOR_URL": collector.url, "KVSCOPE_POOL": "demo"}
-    with VllmServer(model, served_model_name="kvscope-demo", env=env,
-                    enable_prefix_caching=True, log_path=workdir / "vllm-demo.log",
-                    **REGIMES["kv-starved"]) as server:
+    with VllmServer(
+        model,
+        served_model_name="kvscope-demo",
+        env=env,
+        enable_prefix_caching=True,
+        log_path=workdir / "vllm-demo.log",
+        **REGIMES["kv-starved"],
+    ) as server:
         print(f"vLLM is serving at {server.url} (log: {server.log_path}); sweeping...")
-        result = run_sweep(SweepConfig(url=server.url, model="kvscope-demo",
-                                       concurrency=[1, 2, 4, 8, 16, 32], duration_s=8.0))
+        result = run_sweep(
+            SweepConfig(
+                url=server.url,
+                model="kvscope-demo",
+                concurrency=[1, 2, 4, 8, 16, 32],
+                duration_s=8.0,
+            )
+        )
         print_table(result)
         time.sleep(2.5)  # the plugin ships each completed second about a second later
     return [lv.__dict__ for lv in result.levels]
@@ -160,8 +191,11 @@ def run_demo(args: argparse.Namespace) -> int:
     if not args.live:
         recording = Path(args.recording) if args.recording else BUNDLED_RECORDING
         if not recording.exists():
-            print(f"kvscope demo: no recording at {recording}; run with --live or give "
-                  "--recording FILE", file=sys.stderr)
+            print(
+                f"kvscope demo: no recording at {recording}; run with --live or give "
+                "--recording FILE",
+                file=sys.stderr,
+            )
             return 2
     with CollectorProcess(store, port=args.port, log_path=store.with_suffix(".log")) as c:
         print(f"kvscope collector listening on {c.url}, store {store}")

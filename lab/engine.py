@@ -383,7 +383,8 @@ class VllmServer:
         self.startup_s = time.monotonic() - started
         if self.engine_core_nice:
             self.reniced_threads = renice_process_group(
-                self._proc.pid, ENGINE_CORE_COMM, self.engine_core_nice)
+                self._proc.pid, ENGINE_CORE_COMM, self.engine_core_nice
+            )
         return self
 
     def _wait_healthy(self, started: float) -> None:
@@ -481,6 +482,7 @@ VLLM_COUNTERS: tuple[str, ...] = (
 """The counters :func:`vllm_counter_totals` sums (names as in vLLM 0.32's exposition)."""
 
 Sample = tuple[str, frozenset[tuple[str, str]]]
+
 
 def parse_prometheus_text(text: str) -> dict[Sample, float]:
     """A Prometheus text exposition as ``{(name, frozenset(labels)): value}``, read with

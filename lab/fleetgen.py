@@ -74,8 +74,12 @@ def _templates() -> dict[str, dict[str, pd.DataFrame]]:
         try:
             for b in rec.batches:
                 store.ingest_one(prepare_batch(b, float(b["sent_unix_s"])))
-            out[name] = {"windows": store.windows(), "requests": store.requests(),
-                         "engines": store.engines(), "configs": store.engine_configs()}
+            out[name] = {
+                "windows": store.windows(),
+                "requests": store.requests(),
+                "engines": store.engines(),
+                "configs": store.engine_configs(),
+            }
         finally:
             store.close()
     return out
@@ -89,17 +93,28 @@ def _engines(spec: FleetSpec, tpl: dict[str, dict[str, pd.DataFrame]]) -> pd.Dat
         name = TEMPLATES[pool % len(TEMPLATES)]
         w = tpl[name]["windows"]
         length = int(w["ts_s"].max() - w["ts_s"].min() + 1)
-        rows.append({"engine_id": f"fleet-{j:03d}:8000:0", "host": f"fleet-{j:03d}",
-                     "pool": f"pool-{pool}", "template": name, "tpl_len": length,
-                     "phase": int(rng.integers(0, length)),
-                     "speed": float(rng.uniform(0.85, 1.15)),
-                     "req_offset": int(rng.integers(0, spec.request_every)),
-                     "boot_id": uuid.UUID(int=int(rng.integers(0, 2**62))).hex})
+        rows.append(
+            {
+                "engine_id": f"fleet-{j:03d}:8000:0",
+                "host": f"fleet-{j:03d}",
+                "pool": f"pool-{pool}",
+                "template": name,
+                "tpl_len": length,
+                "phase": int(rng.integers(0, length)),
+                "speed": float(rng.uniform(0.85, 1.15)),
+                "req_offset": int(rng.integers(0, spec.request_every)),
+                "boot_id": uuid.UUID(int=int(rng.integers(0, 2**62))).hex,
+            }
+        )
     return pd.DataFrame(rows)
 
 
-def generate_fleet_store(path: str | Path, spec: FleetSpec | None = None, *,
-                         progress: Callable[[str, int, int], None] | None = None) -> FleetSpec:
+def generate_fleet_store(
+    path: str | Path,
+    spec: FleetSpec | None = None,
+    *,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> FleetSpec:
     """Write a new store file at ``path`` (which must not exist) holding the fleet of
     ``spec`` (see the module docstring); ``progress(stage, done, total)`` is called as
     engines are written. Returns the spec."""
@@ -119,20 +134,26 @@ def generate_fleet_store(path: str | Path, spec: FleetSpec | None = None, *,
     return spec
 
 
-def _write(con: duckdb.DuckDBPyConnection, spec: FleetSpec,
-           tpl: dict[str, dict[str, pd.DataFrame]], eng: pd.DataFrame,
-           progress: Callable[[str, int, int], None] | None) -> None:
+def _write(
+    con: duckdb.DuckDBPyConnection,
+    spec: FleetSpec,
+    tpl: dict[str, dict[str, pd.DataFrame]],
+    eng: pd.DataFrame,
+    progress: Callable[[str, int, int], None] | None,
+) -> None:
     wcols = [c for c in WINDOW_COLUMNS if c not in ("engine_id", "ts_s")]
     tw = []
     tr = []
     for name, t in tpl.items():
         w = t["windows"]
         t0 = int(w["ts_s"].min())
-        tw.append(w[wcols].assign(template=name, k=(w["ts_s"] - t0).astype("int64"),
-                                  t0=float(t0)))
+        tw.append(w[wcols].assign(template=name, k=(w["ts_s"] - t0).astype("int64"), t0=float(t0)))
         r = t["requests"]
-        tr.append(r[[f.name for f in REQUEST_FIELDS]].assign(
-            template=name, rel_s=r["finished_unix_s"] - float(t0)))
+        tr.append(
+            r[[f.name for f in REQUEST_FIELDS]].assign(
+                template=name, rel_s=r["finished_unix_s"] - float(t0)
+            )
+        )
     tpl_windows = pd.concat(tw, ignore_index=True)  # noqa: F841 (read by DuckDB)
     tpl_requests = pd.concat(tr, ignore_index=True)  # noqa: F841
     engines_df = eng  # noqa: F841
@@ -147,19 +168,25 @@ def _write(con: duckdb.DuckDBPyConnection, spec: FleetSpec,
             sel.append(f"w.{c} - w.t0 - w.k + {spec.start_unix_s} + s.t AS {c}")
         else:
             sel.append(f"w.{c}")
-    sql = (f"INSERT INTO windows_1s (engine_id, ts_s, {', '.join(wcols)}) "
-           f"SELECT e.engine_id, {spec.start_unix_s} + s.t, {', '.join(sel)} "
-           "FROM engines_df e CROSS JOIN (SELECT range AS t FROM range(?)) s "
-           "JOIN tpl_windows w ON w.template = e.template AND w.k = (s.t + e.phase) % e.tpl_len "
-           "WHERE e.engine_id = ? ORDER BY s.t")
+    sql = (
+        f"INSERT INTO windows_1s (engine_id, ts_s, {', '.join(wcols)}) "
+        f"SELECT e.engine_id, {spec.start_unix_s} + s.t, {', '.join(sel)} "
+        "FROM engines_df e CROSS JOIN (SELECT range AS t FROM range(?)) s "
+        "JOIN tpl_windows w ON w.template = e.template AND w.k = (s.t + e.phase) % e.tpl_len "
+        "WHERE e.engine_id = ? ORDER BY s.t"
+    )
     total = len(eng)
     for i, eid in enumerate(eng["engine_id"]):
         con.execute(sql, [n_seconds, eid])
         if progress:
             progress("windows", i + 1, total)
     rcols = [f.name for f in REQUEST_FIELDS]
-    rsel = [f"{spec.start_unix_s} + r.rel_s - e.phase + rep.r * e.tpl_len" if c ==
-            "finished_unix_s" else f"r.{c}" for c in rcols]
+    rsel = [
+        f"{spec.start_unix_s} + r.rel_s - e.phase + rep.r * e.tpl_len"
+        if c == "finished_unix_s"
+        else f"r.{c}"
+        for c in rcols
+    ]
     reps = math.ceil(n_seconds / eng["tpl_len"].min()) + 2
     con.execute(
         f"INSERT INTO requests (engine_id, boot_id, {', '.join(rcols)}) "
@@ -169,28 +196,53 @@ def _write(con: duckdb.DuckDBPyConnection, spec: FleetSpec,
         f"WHERE rep.r % {spec.request_every} = e.req_offset "
         f"AND {spec.start_unix_s} + r.rel_s - e.phase + rep.r * e.tpl_len "
         f"BETWEEN {spec.start_unix_s} AND {spec.end_unix_s - 1} "
-        f"ORDER BY 3")
+        f"ORDER BY 3"
+    )
     if progress:
         progress("requests", 1, 1)
     _write_engines(con, spec, tpl, eng)
 
 
-def _write_engines(con: duckdb.DuckDBPyConnection, spec: FleetSpec,
-                   tpl: dict[str, dict[str, pd.DataFrame]], eng: pd.DataFrame) -> None:
+def _write_engines(
+    con: duckdb.DuckDBPyConnection,
+    spec: FleetSpec,
+    tpl: dict[str, dict[str, pd.DataFrame]],
+    eng: pd.DataFrame,
+) -> None:
     now = time.time()
     erows, crows = [], []
     for e in eng.itertuples():
         base = tpl[str(e.template)]["engines"].iloc[0].to_dict()
-        hello = {**{c: base.get(c) for c in HELLO_DATA_COLUMNS}, "host": e.host, "port": 8000,
-                 "engine_index": 0, "pool": e.pool, "started_unix_s": float(spec.start_unix_s)}
-        erows.append({**{c: base.get(c) for c in ENGINE_COLUMNS}, **hello,
-                      "engine_id": e.engine_id, "boot_id": e.boot_id, "has_hello": True,
-                      "hello_unix_s": float(spec.start_unix_s),
-                      "first_seen_unix_s": float(spec.start_unix_s), "last_seen_unix_s": now,
-                      "last_step_unix_s": float(spec.end_unix_s - 1),
-                      "last_boot_id": e.boot_id})
-        crows.append({"engine_id": e.engine_id, "boot_id": e.boot_id,
-                      "received_unix_s": float(spec.start_unix_s), **hello})
+        hello = {
+            **{c: base.get(c) for c in HELLO_DATA_COLUMNS},
+            "host": e.host,
+            "port": 8000,
+            "engine_index": 0,
+            "pool": e.pool,
+            "started_unix_s": float(spec.start_unix_s),
+        }
+        erows.append(
+            {
+                **{c: base.get(c) for c in ENGINE_COLUMNS},
+                **hello,
+                "engine_id": e.engine_id,
+                "boot_id": e.boot_id,
+                "has_hello": True,
+                "hello_unix_s": float(spec.start_unix_s),
+                "first_seen_unix_s": float(spec.start_unix_s),
+                "last_seen_unix_s": now,
+                "last_step_unix_s": float(spec.end_unix_s - 1),
+                "last_boot_id": e.boot_id,
+            }
+        )
+        crows.append(
+            {
+                "engine_id": e.engine_id,
+                "boot_id": e.boot_id,
+                "received_unix_s": float(spec.start_unix_s),
+                **hello,
+            }
+        )
     for table, rows in (("engines", erows), ("engine_configs", crows)):
         cols = [c for c, _ in TABLES[table]["cols"]]
         frame = pd.DataFrame(rows)[cols]  # noqa: F841 (read by DuckDB)

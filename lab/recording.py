@@ -92,8 +92,9 @@ def load_recording(path: str | Path) -> Recording:
     return Recording(header=header, batches=batches)
 
 
-def rebased(batches: Iterable[dict[str, Any]], *, shift_s: float,
-            boot_ids: dict[str, str]) -> Iterator[dict[str, Any]]:
+def rebased(
+    batches: Iterable[dict[str, Any]], *, shift_s: float, boot_ids: dict[str, str]
+) -> Iterator[dict[str, Any]]:
     """Yield copies of batches with every timestamp moved by ``shift_s`` and boot ids
     replaced through ``boot_ids`` (old -> new, filled in as new ones are met)."""
     for b in batches:
@@ -113,12 +114,15 @@ def rebased(batches: Iterable[dict[str, Any]], *, shift_s: float,
         yield nb
 
 
-def post_batch(url: str, batch: dict[str, Any], *, token: str | None = None,
-               timeout_s: float = 10.0) -> dict[str, Any]:
+def post_batch(
+    url: str, batch: dict[str, Any], *, token: str | None = None, timeout_s: float = 10.0
+) -> dict[str, Any]:
     """POST one batch, gzip-compressed, to a collector's ingest endpoint."""
     body = gzip.compress(json.dumps(batch, separators=(",", ":")).encode())
     req = urllib.request.Request(
-        url.rstrip("/") + INGEST_PATH, data=body, method="POST",
+        url.rstrip("/") + INGEST_PATH,
+        data=body,
+        method="POST",
         headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
     )
     if token:
@@ -131,8 +135,14 @@ def post_batch(url: str, batch: dict[str, Any], *, token: str | None = None,
         raise RecordingError(f"collector answered {e.code}: {detail}") from e
 
 
-def replay(recording: Recording, url: str, *, token: str | None = None,
-           end_at_unix_s: float | None = None, progress: bool = True) -> dict[str, int]:
+def replay(
+    recording: Recording,
+    url: str,
+    *,
+    token: str | None = None,
+    end_at_unix_s: float | None = None,
+    progress: bool = True,
+) -> dict[str, int]:
     """Send every batch of a recording to the collector at ``url``.
 
     Timestamps are moved so that the recorded run ends at ``end_at_unix_s``
@@ -233,17 +243,32 @@ def record_real_run(args: Any) -> int:
     levels = [int(x) for x in str(args.concurrency).split(",") if x.strip()]
     model = build_model(workdir / "models" / "llama-mid", "mid")
     with Recorder() as recorder:
-        env = {"KVSCOPE_COLLECTOR_URL": recorder.url, "KVSCOPE_POOL": "demo",
-               "KVSCOPE_HOST": "demo-host", "KVSCOPE_PORT": "8000"}
-        with VllmServer(model, served_model_name="kvscope-demo", env=env,
-                        enable_prefix_caching=True, log_path=workdir / "vllm-record.log",
-                        **regime) as server:
+        env = {
+            "KVSCOPE_COLLECTOR_URL": recorder.url,
+            "KVSCOPE_POOL": "demo",
+            "KVSCOPE_HOST": "demo-host",
+            "KVSCOPE_PORT": "8000",
+        }
+        with VllmServer(
+            model,
+            served_model_name="kvscope-demo",
+            env=env,
+            enable_prefix_caching=True,
+            log_path=workdir / "vllm-record.log",
+            **regime,
+        ) as server:
             before = vllm_counter_totals(server.metrics_text())
-            sweep = run_sweep(SweepConfig(
-                url=server.url, model="kvscope-demo", concurrency=levels,
-                duration_s=float(args.duration), shared_prefix_words=args.shared_prefix_words,
-                prefix_groups=args.prefix_groups,
-                seed=1))
+            sweep = run_sweep(
+                SweepConfig(
+                    url=server.url,
+                    model="kvscope-demo",
+                    concurrency=levels,
+                    duration_s=float(args.duration),
+                    shared_prefix_words=args.shared_prefix_words,
+                    prefix_groups=args.prefix_groups,
+                    seed=1,
+                )
+            )
             print_table(sweep)
             time.sleep(3.0)  # let the exporter ship the last complete seconds
             after = vllm_counter_totals(server.metrics_text())
@@ -267,6 +292,8 @@ def record_real_run(args: Any) -> int:
     }
     save_recording(args.out, Recording(header=header, batches=batches))
     n_steps = sum(len(b["steps"].get("ts_unix_s", [])) for b in batches)
-    print(f"recorded {len(batches)} batches, {n_steps} steps -> {args.out} "
-          f"({Path(args.out).stat().st_size / 1024:.0f} KiB)")
+    print(
+        f"recorded {len(batches)} batches, {n_steps} steps -> {args.out} "
+        f"({Path(args.out).stat().st_size / 1024:.0f} KiB)"
+    )
     return 0

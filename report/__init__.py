@@ -27,10 +27,18 @@ if TYPE_CHECKING:
     )
 
 _WHERE = {
-    "build_weekly_report": "build", "write_report_files": "build", "render_html": "html",
-    "render_markdown": "markdown", "REPORT_SCHEMA_VERSION": "model", "WeeklyReport": "model",
-    "HttpSource": "sources", "ReadOnlyStore": "sources", "StoreLockedError": "sources",
-    "StoreOpenError": "sources", "StoreSource": "sources", "open_store": "sources",
+    "build_weekly_report": "build",
+    "write_report_files": "build",
+    "render_html": "html",
+    "render_markdown": "markdown",
+    "REPORT_SCHEMA_VERSION": "model",
+    "WeeklyReport": "model",
+    "HttpSource": "sources",
+    "ReadOnlyStore": "sources",
+    "StoreLockedError": "sources",
+    "StoreOpenError": "sources",
+    "StoreSource": "sources",
+    "open_store": "sources",
 }
 
 __all__ = [

@@ -10,8 +10,7 @@ from html import escape
 from typing import Any
 
 CURRENT, PREVIOUS, KNEE, CAP = "#2563eb", "#94a3b8", "#d97706", "#dc2626"
-PALETTE = ("#2563eb", "#0d9488", "#9333ea", "#ea580c", "#db2777", "#65a30d", "#0891b2",
-           "#a16207")
+PALETTE = ("#2563eb", "#0d9488", "#9333ea", "#ea580c", "#db2777", "#65a30d", "#0891b2", "#a16207")
 _FONT = 'font-family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif"'
 
 
@@ -52,20 +51,40 @@ def _points(frame: dict[str, list[Any]] | None, ycol: str) -> list[tuple[float, 
     if not frame:
         return []
     xs, ys = frame.get("load") or [], frame.get(ycol) or []
-    return [(float(x), float(y)) for x, y in zip(xs, ys, strict=False)
-            if x is not None and y is not None and x > 0 and math.isfinite(float(y))]
+    return [
+        (float(x), float(y))
+        for x, y in zip(xs, ys, strict=False)
+        if x is not None and y is not None and x > 0 and math.isfinite(float(y))
+    ]
 
 
-def _text(x: float, y: float, s: str, *, size: int = 11, anchor: str = "start",
-          fill: str = "#334155", weight: str = "normal") -> str:
-    return (f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" '
-            f'fill="{fill}" font-weight="{weight}">{escape(s)}</text>')
+def _text(
+    x: float,
+    y: float,
+    s: str,
+    *,
+    size: int = 11,
+    anchor: str = "start",
+    fill: str = "#334155",
+    weight: str = "normal",
+) -> str:
+    return (
+        f'<text x="{x:.1f}" y="{y:.1f}" font-size="{size}" text-anchor="{anchor}" '
+        f'fill="{fill}" font-weight="{weight}">{escape(s)}</text>'
+    )
 
 
-def curve_svg(current: dict[str, list[Any]] | None, previous: dict[str, list[Any]] | None,
-              *, knee: float | None = None, cap: float | None = None,
-              previous_knee: float | None = None, label: str = "",
-              width: int = 560, height: int = 300) -> str:
+def curve_svg(
+    current: dict[str, list[Any]] | None,
+    previous: dict[str, list[Any]] | None,
+    *,
+    knee: float | None = None,
+    cap: float | None = None,
+    previous_knee: float | None = None,
+    label: str = "",
+    width: int = 560,
+    height: int = 300,
+) -> str:
     """Generated tok/s against requests in flight (log axis): this week's load-bin
     medians and monotone fit, last week's in grey, the knee and the cap as lines."""
     cur, cur_fit = _points(current, "gen_tokens_per_s"), _points(current, "gen_fit")
@@ -87,47 +106,63 @@ def curve_svg(current: dict[str, list[Any]] | None, previous: dict[str, list[Any
     def sy(y: float) -> float:
         return top + ph - y / ytop * ph
 
-    out = [f'<svg viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
-           f'role="img" aria-label="{escape(label or "throughput against load")}" {_FONT}>',
-           f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#f8fafc" '
-           'stroke="#e2e8f0"/>']
+    out = [
+        f'<svg viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
+        f'role="img" aria-label="{escape(label or "throughput against load")}" {_FONT}>',
+        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#f8fafc" stroke="#e2e8f0"/>',
+    ]
     y = 0.0
     while y <= ytop + 1e-9:
-        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
-                   'stroke="#e2e8f0"/>')
+        out.append(
+            f'<line x1="{left}" x2="{left + pw}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
+            'stroke="#e2e8f0"/>'
+        )
         out.append(_text(left - 6, sy(y) + 4, short_number(y), anchor="end"))
         y += ystep
     x = 2.0 ** math.floor(math.log2(lo))
     while x <= hi:
         if x >= lo:
-            out.append(f'<line x1="{sx(x):.1f}" x2="{sx(x):.1f}" y1="{top}" y2="{top + ph}" '
-                       'stroke="#eef2f7"/>')
+            out.append(
+                f'<line x1="{sx(x):.1f}" x2="{sx(x):.1f}" y1="{top}" y2="{top + ph}" '
+                'stroke="#eef2f7"/>'
+            )
             out.append(_text(sx(x), top + ph + 16, short_number(x), anchor="middle"))
         x *= 2
-    out.append(_text(left + pw / 2, height - 8, "requests in flight (log scale)",
-                     anchor="middle"))
-    out.append(f'<text transform="translate(14 {top + ph / 2:.0f}) rotate(-90)" '
-               'font-size="11" text-anchor="middle" fill="#334155">generated tok/s</text>')
-    for value, color, name, dash in ((previous_knee, PREVIOUS, "knee last week", "4 3"),
-                                     (knee, KNEE, "knee", "6 3"), (cap, CAP, "cap", "")):
+    out.append(_text(left + pw / 2, height - 8, "requests in flight (log scale)", anchor="middle"))
+    out.append(
+        f'<text transform="translate(14 {top + ph / 2:.0f}) rotate(-90)" '
+        'font-size="11" text-anchor="middle" fill="#334155">generated tok/s</text>'
+    )
+    for value, color, name, dash in (
+        (previous_knee, PREVIOUS, "knee last week", "4 3"),
+        (knee, KNEE, "knee", "6 3"),
+        (cap, CAP, "cap", ""),
+    ):
         if value is None or value <= 0:
             continue
         dash_attr = f' stroke-dasharray="{dash}"' if dash else ""
-        out.append(f'<line x1="{sx(value):.1f}" x2="{sx(value):.1f}" y1="{top}" '
-                   f'y2="{top + ph}" stroke="{color}" stroke-width="1.5"{dash_attr}>'
-                   f'<title>{escape(name)} {value:.1f}</title></line>')
-    for fit, color, dash in ((prev_fit, PREVIOUS, ' stroke-dasharray="5 4"'),
-                             (cur_fit, CURRENT, "")):
+        out.append(
+            f'<line x1="{sx(value):.1f}" x2="{sx(value):.1f}" y1="{top}" '
+            f'y2="{top + ph}" stroke="{color}" stroke-width="1.5"{dash_attr}>'
+            f"<title>{escape(name)} {value:.1f}</title></line>"
+        )
+    for fit, color, dash in (
+        (prev_fit, PREVIOUS, ' stroke-dasharray="5 4"'),
+        (cur_fit, CURRENT, ""),
+    ):
         if len(fit) > 1:
             line = " ".join(f"{sx(a):.1f},{sy(b):.1f}" for a, b in fit)
-            out.append(f'<polyline points="{line}" fill="none" stroke="{color}" '
-                       f'stroke-width="2"{dash}/>')
+            out.append(
+                f'<polyline points="{line}" fill="none" stroke="{color}" stroke-width="2"{dash}/>'
+            )
     for pts, color, filled in ((prev, PREVIOUS, False), (cur, CURRENT, True)):
         for a, b in pts:
             fill = color if filled else "#ffffff"
-            out.append(f'<circle cx="{sx(a):.1f}" cy="{sy(b):.1f}" r="3.5" fill="{fill}" '
-                       f'stroke="{color}" stroke-width="1.5"><title>{a:.1f} in flight: '
-                       f'{b:,.0f} tok/s</title></circle>')
+            out.append(
+                f'<circle cx="{sx(a):.1f}" cy="{sy(b):.1f}" r="3.5" fill="{fill}" '
+                f'stroke="{color}" stroke-width="1.5"><title>{a:.1f} in flight: '
+                f"{b:,.0f} tok/s</title></circle>"
+            )
     legend = [("this week", CURRENT, "line"), ("last week", PREVIOUS, "dash")]
     if knee is not None:
         legend.append((f"knee {knee:.1f}", KNEE, "vdash"))
@@ -139,21 +174,32 @@ def curve_svg(current: dict[str, list[Any]] | None, previous: dict[str, list[Any
     for name, color, style in legend:
         if style in ("line", "dash"):
             dash = ' stroke-dasharray="5 4"' if style == "dash" else ""
-            out.append(f'<line x1="{lx:.0f}" x2="{lx + 18:.0f}" y1="14" y2="14" stroke="{color}" '
-                       f'stroke-width="2"{dash}/>')
+            out.append(
+                f'<line x1="{lx:.0f}" x2="{lx + 18:.0f}" y1="14" y2="14" stroke="{color}" '
+                f'stroke-width="2"{dash}/>'
+            )
         else:
             dash = ' stroke-dasharray="3 2"' if style == "vdash" else ""
-            out.append(f'<line x1="{lx + 9:.0f}" x2="{lx + 9:.0f}" y1="6" y2="22" stroke="{color}" '
-                       f'stroke-width="1.5"{dash}/>')
+            out.append(
+                f'<line x1="{lx + 9:.0f}" x2="{lx + 9:.0f}" y1="6" y2="22" stroke="{color}" '
+                f'stroke-width="1.5"{dash}/>'
+            )
         out.append(_text(lx + 23, 18, name))
         lx += 30 + 6.2 * len(name)
     out.append("</svg>")
     return "\n".join(out)
 
 
-def stacked_bars_svg(categories: Sequence[str], series: Sequence[tuple[str, Sequence[float]]],
-                     *, value_text: Callable[[float], str] = short_number, label: str = "",
-                     title: str = "", width: int = 540, height: int = 230) -> str:
+def stacked_bars_svg(
+    categories: Sequence[str],
+    series: Sequence[tuple[str, Sequence[float]]],
+    *,
+    value_text: Callable[[float], str] = short_number,
+    label: str = "",
+    title: str = "",
+    width: int = 540,
+    height: int = 230,
+) -> str:
     """One stacked bar per category (a day), one colour per series (an engine)."""
     if not categories or not series:
         return ""
@@ -178,14 +224,18 @@ def stacked_bars_svg(categories: Sequence[str], series: Sequence[tuple[str, Sequ
     def sy(y: float) -> float:
         return top + ph - y / ytop * ph
 
-    out = [f'<svg viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
-           f'role="img" aria-label="{escape(label or title)}" {_FONT}>']
+    out = [
+        f'<svg viewBox="0 0 {width} {height}" width="{width}" height="{height}" '
+        f'role="img" aria-label="{escape(label or title)}" {_FONT}>'
+    ]
     if title:
         out.append(_text(left, 16, title, size=12, weight="600", fill="#0f172a"))
     y = 0.0
     while y <= ytop + 1e-9:
-        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
-                   'stroke="#e2e8f0"/>')
+        out.append(
+            f'<line x1="{left}" x2="{left + pw}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
+            'stroke="#e2e8f0"/>'
+        )
         out.append(_text(left - 6, sy(y) + 4, value_text(y), anchor="end"))
         y += ystep
     for i, cat in enumerate(categories):
@@ -196,18 +246,30 @@ def stacked_bars_svg(categories: Sequence[str], series: Sequence[tuple[str, Sequ
             if v <= 0:
                 continue
             y0, y1 = sy(base), sy(base + v)
-            out.append(f'<rect x="{cx - bw / 2:.1f}" y="{y1:.1f}" width="{bw:.1f}" '
-                       f'height="{max(0.5, y0 - y1):.1f}" fill="{PALETTE[j % len(PALETTE)]}">'
-                       f'<title>{escape(name)}, {escape(cat)}: {escape(value_text(v))}</title>'
-                       '</rect>')
+            out.append(
+                f'<rect x="{cx - bw / 2:.1f}" y="{y1:.1f}" width="{bw:.1f}" '
+                f'height="{max(0.5, y0 - y1):.1f}" fill="{PALETTE[j % len(PALETTE)]}">'
+                f"<title>{escape(name)}, {escape(cat)}: {escape(value_text(v))}</title>"
+                "</rect>"
+            )
             base += v
         if totals[i] > 0:
-            out.append(_text(cx, sy(totals[i]) - 4, value_text(totals[i]), size=10,
-                             anchor="middle", fill="#475569"))
+            out.append(
+                _text(
+                    cx,
+                    sy(totals[i]) - 4,
+                    value_text(totals[i]),
+                    size=10,
+                    anchor="middle",
+                    fill="#475569",
+                )
+            )
         out.append(_text(cx, top + ph + 15, cat, size=10, anchor="middle"))
     for lx, ly, j, name in legend:
-        out.append(f'<rect x="{lx:.0f}" y="{ly - 9:.0f}" width="10" height="10" '
-                   f'fill="{PALETTE[j % len(PALETTE)]}"/>')
+        out.append(
+            f'<rect x="{lx:.0f}" y="{ly - 9:.0f}" width="10" height="10" '
+            f'fill="{PALETTE[j % len(PALETTE)]}"/>'
+        )
         out.append(_text(lx + 14, ly, name, size=10))
     out.append("</svg>")
     return "\n".join(out)

@@ -112,14 +112,24 @@ def pools(wr: WeeklyReport) -> list[str | None]:
 
 def engines_of(wr: WeeklyReport, pool: str | None) -> list[str]:
     ids = [v.engine_id for v in wr.current.engines if v.pool == pool]
-    return ids + [v.engine_id for v in wr.previous.engines
-                  if v.pool == pool and v.engine_id not in ids]
+    return ids + [
+        v.engine_id for v in wr.previous.engines if v.pool == pool and v.engine_id not in ids
+    ]
 
 
-def finding(findings: list[Finding], kind: str, engine_id: str | None,
-            pool: str | None = None) -> Finding | None:
-    return next((f for f in findings if f.kind == kind and f.scope.engine_id == engine_id
-                 and (engine_id is not None or f.scope.pool == pool)), None)
+def finding(
+    findings: list[Finding], kind: str, engine_id: str | None, pool: str | None = None
+) -> Finding | None:
+    return next(
+        (
+            f
+            for f in findings
+            if f.kind == kind
+            and f.scope.engine_id == engine_id
+            and (engine_id is not None or f.scope.pool == pool)
+        ),
+        None,
+    )
 
 
 def resolution_note(wr: WeeklyReport) -> str | None:
@@ -131,10 +141,14 @@ def resolution_note(wr: WeeklyReport) -> str | None:
 def pool_findings(wr: WeeklyReport, pool: str | None) -> list[Finding]:
     """This week's pool-level prefix, routing and balance findings."""
     kinds = ("prefix_cache", "prefix_routing", "kv_events_missing", "load_imbalance")
-    out = [f for f in wr.current.findings if f.kind in kinds and f.scope.pool == pool
-           and f.scope.engine_id is None]
-    out += [f for f in wr.current.findings if f.kind == "prefix_caching_off"
-            and f.scope.pool == pool]
+    out = [
+        f
+        for f in wr.current.findings
+        if f.kind in kinds and f.scope.pool == pool and f.scope.engine_id is None
+    ]
+    out += [
+        f for f in wr.current.findings if f.kind == "prefix_caching_off" and f.scope.pool == pool
+    ]
     return out
 
 
@@ -178,8 +192,7 @@ def _saturated_time(u: dict[str, Any]) -> str:
     return f"{duration(u['saturated_s'])} ({pct(u.get('saturated_share'))} of active time)"
 
 
-def _usage_rows(before: dict[str, Any], after: dict[str, Any], *,
-                pool: bool = False) -> list[Row]:
+def _usage_rows(before: dict[str, Any], after: dict[str, Any], *, pool: bool = False) -> list[Row]:
     def pair(fn: Callable[[dict[str, Any]], str]) -> tuple[str, str]:
         return (fn(before) if before else "–", fn(after) if after else "–")
 
@@ -195,16 +208,18 @@ def _usage_rows(before: dict[str, Any], after: dict[str, Any], *,
         ("mean generation rate while active", *pair(lambda u: tok(u["gen_tokens_per_s_mean"]))),
     ]
     if pool:
-        rows.append(("time past the knee (all engines)",
-                     *pair(lambda u: f"{duration(u['saturated_s'])} "
-                                     f"({pct(u.get('saturated_share'))})")))
+        rows.append(
+            (
+                "time past the knee (all engines)",
+                *pair(lambda u: f"{duration(u['saturated_s'])} ({pct(u.get('saturated_share'))})"),
+            )
+        )
     else:
         rows.append(("busiest second", *pair(lambda u: tok(u.get("gen_tokens_per_s_peak")))))
         rows.append(("most requests in flight", *pair(lambda u: num(u.get("load_max")))))
         rows.append(("time past the knee", *pair(_saturated_time)))
     rows.append(("preemptions", *pair(lambda u: count(u["preemptions"]))))
-    rows.append(("prefix-cache hit rate (tokens)",
-                 *pair(lambda u: pct(u.get("prefix_hit_rate")))))
+    rows.append(("prefix-cache hit rate (tokens)", *pair(lambda u: pct(u.get("prefix_hit_rate")))))
     return rows
 
 
@@ -218,13 +233,23 @@ def engine_rows(wr: WeeklyReport, engine_id: str) -> list[Row]:
     after = verdict(wr.current.engines, engine_id)
     rows: list[Row] = [
         ("bottleneck", _bottleneck(before), _bottleneck(after)),
-        ("knee", *_both(lambda v: "–" if v.knee_concurrency is None
-                        else f"{num(v.knee_concurrency)} in flight", before, after)),
+        (
+            "knee",
+            *_both(
+                lambda v: (
+                    "–" if v.knee_concurrency is None else f"{num(v.knee_concurrency)} in flight"
+                ),
+                before,
+                after,
+            ),
+        ),
         ("plateau (generated)", *_both(lambda v: tok(v.plateau_tokens_per_s), before, after)),
         ("recommended cap", _cap(before), _cap(after)),
         ("e2e P99 at the highest load", _p99_at_max(before), _p99_at_max(after)),
-        ("preemption thrash", *_both(lambda v: "yes" if v.preemption_thrash else "no",
-                                     before, after)),
+        (
+            "preemption thrash",
+            *_both(lambda v: "yes" if v.preemption_thrash else "no", before, after),
+        ),
     ]
     cfg_b = wr.week_configs.get("previous", {}).get(engine_id, {}) if before else {}
     cfg_a = wr.week_configs.get("current", {}).get(engine_id, {}) if after else {}
@@ -235,6 +260,7 @@ def engine_rows(wr: WeeklyReport, engine_id: str) -> list[Row]:
 def _config_rows(before: dict[str, Any], after: dict[str, Any]) -> list[Row]:
     """``max_num_seqs``, the KV cache and the token budget always; the other
     configuration fields where the weeks differ."""
+
     def kv(c: dict[str, Any]) -> str:
         if not c or missing(c.get("num_gpu_blocks")):
             return "–"
@@ -244,8 +270,11 @@ def _config_rows(before: dict[str, Any], after: dict[str, Any]) -> list[Row]:
     rows: list[Row] = [
         ("max_num_seqs", _cfg(before.get("max_num_seqs")), _cfg(after.get("max_num_seqs"))),
         ("KV cache", kv(before), kv(after)),
-        ("max_num_batched_tokens", _cfg(before.get("max_num_batched_tokens")),
-         _cfg(after.get("max_num_batched_tokens"))),
+        (
+            "max_num_batched_tokens",
+            _cfg(before.get("max_num_batched_tokens")),
+            _cfg(after.get("max_num_batched_tokens")),
+        ),
     ]
     shown = {"max_num_seqs", "num_gpu_blocks", "block_size", "max_num_batched_tokens"}
     for key in CONFIG_FIELDS:
@@ -272,25 +301,39 @@ def pool_rows(wr: WeeklyReport, pool: str | None) -> list[Row]:
     def bn(p: PoolVerdict | None) -> str:
         if p is None:
             return "no data"
-        return ", ".join(f"{k} ×{n}" for k, n in sorted(p.bottlenecks.items(),
-                                                         key=lambda kv: -kv[1]))
+        return ", ".join(
+            f"{k} ×{n}" for k, n in sorted(p.bottlenecks.items(), key=lambda kv: -kv[1])
+        )
 
     rows: list[Row] = [
         ("engines", *_both(lambda p: str(len(p.engine_ids)), before, after)),
         ("bottlenecks", bn(before), bn(after)),
         ("summed plateau", *_both(lambda p: tok(p.plateau_tokens_per_s), before, after)),
-        ("summed recommended cap", *_both(lambda p: num(p.recommended_concurrency_cap, "d"),
-                                          before, after)),
-        ("load imbalance (busiest / mean)",
-         *_both(lambda p: "–" if missing(p.load_imbalance)
-                else f"{num(p.load_imbalance, '.2f')}×", before, after)),
+        (
+            "summed recommended cap",
+            *_both(lambda p: num(p.recommended_concurrency_cap, "d"), before, after),
+        ),
+        (
+            "load imbalance (busiest / mean)",
+            *_both(
+                lambda p: "–" if missing(p.load_imbalance) else f"{num(p.load_imbalance, '.2f')}×",
+                before,
+                after,
+            ),
+        ),
     ]
     if (after and after.prefix_routing_loss is not None) or (
-            before and before.prefix_routing_loss is not None):
-        rows.append(("prefix routing loss",
-                     *_both(lambda p: pct(p.prefix_routing_loss), before, after)))
-        rows.append(("predicted hit rate, prefix-aware routing",
-                     *_both(lambda p: pct(p.predicted_prefix_hit_rate_affine), before, after)))
+        before and before.prefix_routing_loss is not None
+    ):
+        rows.append(
+            ("prefix routing loss", *_both(lambda p: pct(p.prefix_routing_loss), before, after))
+        )
+        rows.append(
+            (
+                "predicted hit rate, prefix-aware routing",
+                *_both(lambda p: pct(p.predicted_prefix_hit_rate_affine), before, after),
+            )
+        )
     return rows + _usage_rows(wr.previous_usage.pool(pool), wr.usage.pool(pool), pool=True)
 
 
@@ -304,8 +347,9 @@ def change_groups(wr: WeeklyReport) -> list[tuple[str, str, list[Change]]]:
         if key == "config":
             items = [c for c in wr.comparison.changes if c.kind == "config_change"]
         else:
-            items = [c for c in wr.comparison.changes
-                     if c.kind != "config_change" and c.direction == key]
+            items = [
+                c for c in wr.comparison.changes if c.kind != "config_change" and c.direction == key
+            ]
         if items:
             out.append((key, title, items))
     return out
@@ -313,29 +357,41 @@ def change_groups(wr: WeeklyReport) -> list[tuple[str, str, list[Change]]]:
 
 def glance(wr: WeeklyReport) -> list[tuple[str, str, str]]:
     """(label, value, note) figures for the top of the report."""
+
     def total(u: Usage, col: str) -> float:
         return float(sum(x or 0.0 for x in u.pools.get(col, [])))
 
     req, req0 = total(wr.usage, "requests"), total(wr.previous_usage, "requests")
-    gen, gen0 = total(wr.usage, "generation_tokens"), total(wr.previous_usage,
-                                                             "generation_tokens")
+    gen, gen0 = total(wr.usage, "generation_tokens"), total(wr.previous_usage, "generation_tokens")
     sat, act = total(wr.usage, "saturated_s"), total(wr.usage, "active_s")
     status = wr.comparison.recommendation_status
     worse = sum(1 for c in wr.comparison.changes if c.direction == "worse")
     better = sum(1 for c in wr.comparison.changes if c.direction == "better")
     saturated = sum(1 for v in wr.current.engines if v.saturated)
     return [
-        ("engines", str(len(wr.current.engines)),
-         f"{len(wr.current.pools)} pool(s); {saturated} saturated"),
+        (
+            "engines",
+            str(len(wr.current.engines)),
+            f"{len(wr.current.pools)} pool(s); {saturated} saturated",
+        ),
         ("requests finished", count(req), f"{delta(req0, req) or 'n/a'} vs last week"),
         ("generated tokens", count(gen), f"{delta(gen0, gen) or 'n/a'} vs last week"),
-        ("time past the knee", duration(sat), f"{pct(sat / act if act else None)} of active "
-                                              "engine time"),
-        ("recommendations", str(len(wr.current.recommendations)),
-         f"{status.count('new')} new this week"),
-        ("worse / better", f"{worse} / {better}",
-         f"{sum(1 for c in wr.comparison.changes if c.kind == 'config_change')} "
-         "configuration change(s)"),
+        (
+            "time past the knee",
+            duration(sat),
+            f"{pct(sat / act if act else None)} of active engine time",
+        ),
+        (
+            "recommendations",
+            str(len(wr.current.recommendations)),
+            f"{status.count('new')} new this week",
+        ),
+        (
+            "worse / better",
+            f"{worse} / {better}",
+            f"{sum(1 for c in wr.comparison.changes if c.kind == 'config_change')} "
+            "configuration change(s)",
+        ),
     ]
 
 
@@ -355,8 +411,9 @@ def scope_text(scope: Any) -> str:
     return scope.engine_id or (f"pool {scope.pool}" if scope.pool is not None else "fleet")
 
 
-def daily(usage: Usage, pool: str | None, column: str) -> tuple[list[str],
-                                                                 list[tuple[str, list[float]]]]:
+def daily(
+    usage: Usage, pool: str | None, column: str
+) -> tuple[list[str], list[tuple[str, list[float]]]]:
     """Day labels and one series per engine of ``pool`` for a daily ``column``."""
     d = usage.days
     n = len(d.get("engine_id", []))
@@ -366,25 +423,49 @@ def daily(usage: Usage, pool: str | None, column: str) -> tuple[list[str],
         if d["pool"][i] != pool:
             continue
         series.setdefault(d["engine_id"][i], {})[d["day_start_unix_s"][i]] = float(
-            d[column][i] or 0.0)
-    return ([day_label(t) for t in starts],
-            [(eid, [vals.get(t, 0.0) for t in starts]) for eid, vals in sorted(series.items())])
+            d[column][i] or 0.0
+        )
+    return (
+        [day_label(t) for t in starts],
+        [(eid, [vals.get(t, 0.0) for t in starts]) for eid, vals in sorted(series.items())],
+    )
 
 
 def day_table(usage: Usage, pool: str | None) -> tuple[list[str], list[list[str]]]:
     """Per engine and day: the head and the rows of the per-day table."""
     d = usage.days
-    head = ["day", "engine", "requests", "generated tokens", "mean tok/s while active",
-            "busiest second", "active", "past the knee", "preemptions", "prefix hit rate"]
+    head = [
+        "day",
+        "engine",
+        "requests",
+        "generated tokens",
+        "mean tok/s while active",
+        "busiest second",
+        "active",
+        "past the knee",
+        "preemptions",
+        "prefix hit rate",
+    ]
     rows = []
-    order = sorted(range(len(d.get("engine_id", []))),
-                   key=lambda i: (d["day_start_unix_s"][i], d["engine_id"][i]))
+    order = sorted(
+        range(len(d.get("engine_id", []))),
+        key=lambda i: (d["day_start_unix_s"][i], d["engine_id"][i]),
+    )
     for i in order:
         if d["pool"][i] != pool or not d["active_s"][i]:
             continue
-        rows.append([utc(d["day_start_unix_s"][i], "%a %Y-%m-%d"), d["engine_id"][i],
-                     count(d["requests"][i]), count(d["generation_tokens"][i]),
-                     tok(d["gen_tokens_per_s_mean"][i]), tok(d["gen_tokens_per_s_peak"][i]),
-                     duration(d["active_s"][i]), duration(d["saturated_s"][i]),
-                     count(d["preemptions"][i]), pct(d["prefix_hit_rate"][i])])
+        rows.append(
+            [
+                utc(d["day_start_unix_s"][i], "%a %Y-%m-%d"),
+                d["engine_id"][i],
+                count(d["requests"][i]),
+                count(d["generation_tokens"][i]),
+                tok(d["gen_tokens_per_s_mean"][i]),
+                tok(d["gen_tokens_per_s_peak"][i]),
+                duration(d["active_s"][i]),
+                duration(d["saturated_s"][i]),
+                count(d["preemptions"][i]),
+                pct(d["prefix_hit_rate"][i]),
+            ]
+        )
     return head, rows

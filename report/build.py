@@ -59,11 +59,17 @@ class ReportSource(Source, Protocol):
     def engine_configs(self) -> pd.DataFrame: ...
 
 
-def build_weekly_report(source: ReportSource, since: float, until: float, *,
-                        pool: str | None = None, source_label: str = "",
-                        progress: Progress | None = None,
-                        max_windows_per_engine: int | None = MAX_WINDOWS_PER_ENGINE,
-                        **analyze_kw: Any) -> WeeklyReport:
+def build_weekly_report(
+    source: ReportSource,
+    since: float,
+    until: float,
+    *,
+    pool: str | None = None,
+    source_label: str = "",
+    progress: Progress | None = None,
+    max_windows_per_engine: int | None = MAX_WINDOWS_PER_ENGINE,
+    **analyze_kw: Any,
+) -> WeeklyReport:
     """Read, analyse and compare (see the module docstring). ``analyze_kw`` go to
     :func:`kvscope.advisor.analyze` for both weeks (SLOs, ``cap_fraction``...);
     ``max_windows_per_engine`` bounds a sampling source's read (``None``: read every
@@ -79,17 +85,21 @@ def build_weekly_report(source: ReportSource, since: float, until: float, *,
     engines = source.engines()
     configs = source.engine_configs()
     if len(configs) and "engine_id" in configs and pool is not None and "pool" in engines:
-        configs = configs[configs["engine_id"].isin(
-            set(engines.loc[engines["pool"] == pool, "engine_id"]))]
+        configs = configs[
+            configs["engine_id"].isin(set(engines.loc[engines["pool"] == pool, "engine_id"]))
+        ]
     bar.update(1)
     sampler = getattr(source, "window_sample", None)
     samples: dict[str, WindowSample] = {}
     if sampler is not None and max_windows_per_engine:
         for name, start, end in (("current", since, until), ("previous", prev_since, since)):
-            step(f"reading {'this week' if name == 'current' else 'the week before'}: "
-                 "windows, requests, KV-cache events")
-            samples[name] = sampler(start, end, pool=pool,
-                                    max_windows_per_engine=max_windows_per_engine)
+            step(
+                f"reading {'this week' if name == 'current' else 'the week before'}: "
+                "windows, requests, KV-cache events"
+            )
+            samples[name] = sampler(
+                start, end, pool=pool, max_windows_per_engine=max_windows_per_engine
+            )
             bar.update(1)
         bar.update(1)
         windows = requests = kv_events = pd.DataFrame()
@@ -110,10 +120,12 @@ def build_weekly_report(source: ReportSource, since: float, until: float, *,
         as_of = config_as_of(engines, configs, end)
         week_configs[name] = {
             str(r["engine_id"]): {f: r.get(f) for f in CONFIG_FIELDS if f in r}
-            for r in (as_of.to_dict("records") if "engine_id" in as_of else [])}
+            for r in (as_of.to_dict("records") if "engine_id" in as_of else [])
+        }
         if name in samples:
-            return analyze_sample(as_of, samples[name], since=start, until=end, pool=pool,
-                                  **analyze_kw)
+            return analyze_sample(
+                as_of, samples[name], since=start, until=end, pool=pool, **analyze_kw
+            )
         frames = FrameSource(as_of, windows, requests, kv_events)
         return analyze(frames, start, end, pool, **analyze_kw)
 
@@ -121,9 +133,13 @@ def build_weekly_report(source: ReportSource, since: float, until: float, *,
         sums = getattr(source, "usage_days", None)
         if sums is None or not samples:
             return weekly_usage(windows, requests, report, start, end)
-        knees = pd.DataFrame({"engine_id": [v.engine_id for v in report.engines],
-                              "knee": [v.knee_concurrency if v.saturated else None
-                                       for v in report.engines]}, dtype=object)
+        knees = pd.DataFrame(
+            {
+                "engine_id": [v.engine_id for v in report.engines],
+                "knee": [v.knee_concurrency if v.saturated else None for v in report.engines],
+            },
+            dtype=object,
+        )
         return usage_from_days(sums(knees, start, end), report, start, end)
 
     step("analysing this week")
@@ -141,18 +157,26 @@ def build_weekly_report(source: ReportSource, since: float, until: float, *,
     bar.update(1)
     history = configs
     if len(configs) and "started_unix_s" in configs:
-        history = configs[pd.to_numeric(configs["started_unix_s"], errors="coerce")
-                          .fillna(0.0) < until]
+        history = configs[
+            pd.to_numeric(configs["started_unix_s"], errors="coerce").fillna(0.0) < until
+        ]
     return WeeklyReport(
-        source=source_label, generated_unix_s=time.time(), current=current,
-        previous=previous, usage=usage, previous_usage=previous_usage,
-        comparison=comparison, configs=frame_of(history, list(history.columns)),
+        source=source_label,
+        generated_unix_s=time.time(),
+        current=current,
+        previous=previous,
+        usage=usage,
+        previous_usage=previous_usage,
+        comparison=comparison,
+        configs=frame_of(history, list(history.columns)),
         week_configs=week_configs,
-        parameters={"pool": pool, **analyze_kw})
+        parameters={"pool": pool, **analyze_kw},
+    )
 
 
-def write_report_files(report: WeeklyReport, out_dir: str | Path,
-                       progress: Progress | None = None) -> list[Path]:
+def write_report_files(
+    report: WeeklyReport, out_dir: str | Path, progress: Progress | None = None
+) -> list[Path]:
     """Write ``report.html``, ``report.md`` and ``report.json`` into ``out_dir``."""
     from kvscope.report.html import render_html
     from kvscope.report.markdown import render_markdown
@@ -161,8 +185,11 @@ def write_report_files(report: WeeklyReport, out_dir: str | Path,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, render in (("report.html", render_html), ("report.md", render_markdown),
-                         ("report.json", lambda r: r.to_json(indent=1) + "\n")):
+    for name, render in (
+        ("report.html", render_html),
+        ("report.md", render_markdown),
+        ("report.json", lambda r: r.to_json(indent=1) + "\n"),
+    ):
         bar.set_description(f"writing {name}")
         path = out / name
         path.write_text(render(report), encoding="utf-8")

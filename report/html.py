@@ -101,35 +101,48 @@ def _badge(label: str) -> str:
 
 
 def _rows_table(rows: list[v.Row], *, first: str = "") -> str:
-    out = [f'<table><tr><th>{_e(first)}</th><th>last week</th><th>this week</th></tr>']
+    out = [f"<table><tr><th>{_e(first)}</th><th>last week</th><th>this week</th></tr>"]
     for label, before, after in rows:
         cls = ' class="changed"' if before != after and before != "–" else ""
-        out.append(f'<tr{cls}><td>{_e(label)}</td><td>{_e(before)}</td>'
-                   f'<td class="after">{_e(after)}</td></tr>')
+        out.append(
+            f"<tr{cls}><td>{_e(label)}</td><td>{_e(before)}</td>"
+            f'<td class="after">{_e(after)}</td></tr>'
+        )
     out.append("</table>")
     return "".join(out)
 
 
 def _header(wr: WeeklyReport) -> str:
-    figs = "".join(f'<div class="fig"><div class="label">{_e(a)}</div><div class="value">'
-                   f'{_e(b)}</div><div class="note">{_e(c)}</div></div>'
-                   for a, b, c in v.glance(wr))
+    figs = "".join(
+        f'<div class="fig"><div class="label">{_e(a)}</div><div class="value">'
+        f'{_e(b)}</div><div class="note">{_e(c)}</div></div>'
+        for a, b, c in v.glance(wr)
+    )
     lines = []
     for p in wr.current.pools:
-        kinds = " ".join(f"{_badge(k)}{' ×' + str(n) if len(p.engine_ids) > 1 else ''}"
-                         for k, n in sorted(p.bottlenecks.items(), key=lambda kv: -kv[1]))
-        cap = (f"; recommended cap {p.recommended_concurrency_cap} in flight"
-               if p.recommended_concurrency_cap is not None else "; no cap recommended")
-        lines.append(f'<li><b>pool {_e(p.pool)}</b> ({len(p.engine_ids)} engine'
-                     f'{"s" if len(p.engine_ids) != 1 else ""}): {kinds}; plateau '
-                     f'{_e(v.tok(p.plateau_tokens_per_s))}{_e(cap)}</li>')
-    return (f"<header><h1>kvscope weekly tuning report</h1>"
-            f'<p class="sub"><b>This week:</b> {_e(v.window_text(wr))}</p>'
-            f'<p class="sub"><b>Compared with:</b> {_e(v.previous_window_text(wr))}</p>'
-            f'<p class="sub">Source: {_e(wr.source)} · generated {_e(v.utc(wr.generated_unix_s))}'
-            f"</p>{_resolution(wr)}</header>"
-            f'<section id="glance"><div class="glance">{figs}</div>'
-            f'<ul class="verdicts">{"".join(lines)}</ul></section>')
+        kinds = " ".join(
+            f"{_badge(k)}{' ×' + str(n) if len(p.engine_ids) > 1 else ''}"
+            for k, n in sorted(p.bottlenecks.items(), key=lambda kv: -kv[1])
+        )
+        cap = (
+            f"; recommended cap {p.recommended_concurrency_cap} in flight"
+            if p.recommended_concurrency_cap is not None
+            else "; no cap recommended"
+        )
+        lines.append(
+            f"<li><b>pool {_e(p.pool)}</b> ({len(p.engine_ids)} engine"
+            f"{'s' if len(p.engine_ids) != 1 else ''}): {kinds}; plateau "
+            f"{_e(v.tok(p.plateau_tokens_per_s))}{_e(cap)}</li>"
+        )
+    return (
+        f"<header><h1>kvscope weekly tuning report</h1>"
+        f'<p class="sub"><b>This week:</b> {_e(v.window_text(wr))}</p>'
+        f'<p class="sub"><b>Compared with:</b> {_e(v.previous_window_text(wr))}</p>'
+        f'<p class="sub">Source: {_e(wr.source)} · generated {_e(v.utc(wr.generated_unix_s))}'
+        f"</p>{_resolution(wr)}</header>"
+        f'<section id="glance"><div class="glance">{figs}</div>'
+        f'<ul class="verdicts">{"".join(lines)}</ul></section>'
+    )
 
 
 def _resolution(wr: WeeklyReport) -> str:
@@ -140,26 +153,34 @@ def _resolution(wr: WeeklyReport) -> str:
 def _changes(wr: WeeklyReport) -> str:
     groups = v.change_groups(wr)
     if not groups:
-        body = ('<p class="note">Nothing moved beyond the thresholds: same verdicts, knees '
-                'and plateaus within range, no configuration change, no new problem.</p>')
+        body = (
+            '<p class="note">Nothing moved beyond the thresholds: same verdicts, knees '
+            "and plateaus within range, no configuration change, no new problem.</p>"
+        )
     else:
         body = '<div class="changes">'
         for key, title, items in groups:
             lis = []
             for c in items:
-                when = (f' <span class="when">({_e(v.utc(c.at_unix_s))})</span>'
-                        if c.at_unix_s is not None else "")
+                when = (
+                    f' <span class="when">({_e(v.utc(c.at_unix_s))})</span>'
+                    if c.at_unix_s is not None
+                    else ""
+                )
                 lis.append(f"<li>{_e(v.arrows(c.summary))}{when}</li>")
-            body += (f'<div class="group g-{key}"><h3>{_e(title)} ({len(items)})</h3>'
-                     f'<ul>{"".join(lis)}</ul></div>')
+            body += (
+                f'<div class="group g-{key}"><h3>{_e(title)} ({len(items)})</h3>'
+                f"<ul>{''.join(lis)}</ul></div>"
+            )
         body += "</div>"
-    return (f'<section id="changes"><h2>What changed since the previous week</h2>{body}'
-            "</section>")
+    return f'<section id="changes"><h2>What changed since the previous week</h2>{body}</section>'
 
 
 def _recommendation(i: int, r: Recommendation, status: str) -> str:
-    rows = "".join(f"<dt>{_e(label)}</dt><dd><pre class=\"copy\">{_e(text)}</pre></dd>"
-                   for label, text in v.change_rows(r))
+    rows = "".join(
+        f'<dt>{_e(label)}</dt><dd><pre class="copy">{_e(text)}</pre></dd>'
+        for label, text in v.change_rows(r)
+    )
     extra = ""
     effect = v.effect_text(r)
     if effect:
@@ -169,13 +190,15 @@ def _recommendation(i: int, r: Recommendation, status: str) -> str:
     evidence = v.evidence_text(r)
     if evidence:
         extra += f'<dt>evidence</dt><dd class="meta">{_e(evidence)}</dd>'
-    return (f'<div class="rec"><div class="rank">{i}</div><div>'
-            f'<div class="head">{_e(r.summary)}</div>'
-            f'<div class="meta"><span class="badge s-{_e(status)}">'
-            f'{"new this week" if status == "new" else "open since last week"}</span> '
-            f'{_e(v.scope_text(r.scope))} · expected gain '
-            f'<span class="gain">{r.expected_gain:.0%}</span> · confidence {r.confidence:.2f}'
-            f'</div><dl>{extra}{rows}</dl></div></div>')
+    return (
+        f'<div class="rec"><div class="rank">{i}</div><div>'
+        f'<div class="head">{_e(r.summary)}</div>'
+        f'<div class="meta"><span class="badge s-{_e(status)}">'
+        f"{'new this week' if status == 'new' else 'open since last week'}</span> "
+        f"{_e(v.scope_text(r.scope))} · expected gain "
+        f'<span class="gain">{r.expected_gain:.0%}</span> · confidence {r.confidence:.2f}'
+        f"</div><dl>{extra}{rows}</dl></div></div>"
+    )
 
 
 def _recommendations(wr: WeeklyReport) -> str:
@@ -184,12 +207,16 @@ def _recommendations(wr: WeeklyReport) -> str:
     if not recs:
         body = '<p class="note">No recommendations: nothing to change on this week\'s data.</p>'
     else:
-        body = "".join(_recommendation(i, r, status[i - 1] if i - 1 < len(status) else "new")
-                       for i, r in enumerate(recs, start=1))
-    return (f'<section id="recommendations"><h2>Recommendations, ranked by expected gain</h2>'
-            f'<p class="note">Expected gain: relative throughput gain, or relative latency '
-            f"reduction (P99 for a cap). The change to copy is in the dark boxes.</p>{body}"
-            "</section>")
+        body = "".join(
+            _recommendation(i, r, status[i - 1] if i - 1 < len(status) else "new")
+            for i, r in enumerate(recs, start=1)
+        )
+    return (
+        f'<section id="recommendations"><h2>Recommendations, ranked by expected gain</h2>'
+        f'<p class="note">Expected gain: relative throughput gain, or relative latency '
+        f"reduction (P99 for a cap). The change to copy is in the dark boxes.</p>{body}"
+        "</section>"
+    )
 
 
 def _engine(wr: WeeklyReport, eid: str) -> str:
@@ -197,83 +224,127 @@ def _engine(wr: WeeklyReport, eid: str) -> str:
     before = v.verdict(wr.previous.engines, eid)
     cur_curve = v.finding(wr.current.findings, "throughput_curve", eid)
     prev_curve = v.finding(wr.previous.findings, "throughput_curve", eid)
-    svg = curve_svg(cur_curve.frame if cur_curve else None,
-                    prev_curve.frame if prev_curve else None,
-                    knee=now.knee_concurrency if now else None,
-                    cap=(float(now.recommended_concurrency_cap)
-                         if now and now.recommended_concurrency_cap is not None else None),
-                    previous_knee=before.knee_concurrency if before else None,
-                    label=f"{eid}: generated tokens per second against requests in flight")
+    svg = curve_svg(
+        cur_curve.frame if cur_curve else None,
+        prev_curve.frame if prev_curve else None,
+        knee=now.knee_concurrency if now else None,
+        cap=(
+            float(now.recommended_concurrency_cap)
+            if now and now.recommended_concurrency_cap is not None
+            else None
+        ),
+        previous_knee=before.knee_concurrency if before else None,
+        label=f"{eid}: generated tokens per second against requests in flight",
+    )
     notes = "".join(f"<li>{_e(v.arrows(n))}</li>" for n in v.notes(wr, eid))
     badge = _badge(now.bottleneck) if now else _badge("no_data_this_week")
     plot = svg or '<p class="note">Too little data for a curve in either week.</p>'
-    return (f'<div class="engine" id="engine-{_e(eid)}"><h3>{_e(eid)} {badge}</h3>'
-            f'<div class="cols"><div>{_rows_table(v.engine_rows(wr, eid))}</div>'
-            f'<div>{plot}<ul class="notes note">{notes}</ul></div></div></div>')
+    return (
+        f'<div class="engine" id="engine-{_e(eid)}"><h3>{_e(eid)} {badge}</h3>'
+        f'<div class="cols"><div>{_rows_table(v.engine_rows(wr, eid))}</div>'
+        f'<div>{plot}<ul class="notes note">{notes}</ul></div></div></div>'
+    )
 
 
 def _pool(wr: WeeklyReport, pool: str | None) -> str:
     days, tokens = v.daily(wr.usage, pool, "generation_tokens")
     _, saturated = v.daily(wr.usage, pool, "saturated_s")
     _, reqs = v.daily(wr.usage, pool, "requests")
-    charts = [stacked_bars_svg(days, tokens, title="generated tokens per day (UTC)",
-                               value_text=short_number, width=CHART_W),
-              stacked_bars_svg(days, reqs, title="requests finished per day",
-                               value_text=short_number, width=CHART_W)]
+    charts = [
+        stacked_bars_svg(
+            days,
+            tokens,
+            title="generated tokens per day (UTC)",
+            value_text=short_number,
+            width=CHART_W,
+        ),
+        stacked_bars_svg(
+            days, reqs, title="requests finished per day", value_text=short_number, width=CHART_W
+        ),
+    ]
     if any(any(x > 0 for x in s) for _, s in saturated):
-        charts.append(stacked_bars_svg(days, saturated, title="time past the knee per day",
-                                       value_text=duration, width=CHART_W))
+        charts.append(
+            stacked_bars_svg(
+                days,
+                saturated,
+                title="time past the knee per day",
+                value_text=duration,
+                width=CHART_W,
+            )
+        )
     else:
         charts.append('<p class="note">No engine of this pool ran past its knee this week.</p>')
     findings = "".join(
         f'<li><span class="sev-{_e(f.severity)}">{_e(f.kind.replace("_", " "))}</span>: '
-        f"{_e(f.summary)}</li>" for f in v.pool_findings(wr, pool))
+        f"{_e(f.summary)}</li>"
+        for f in v.pool_findings(wr, pool)
+    )
     head, rows = v.day_table(wr.usage, pool)
-    table = ("<table><tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>"
-             + "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
-             + "</table>")
+    table = (
+        "<table><tr>"
+        + "".join(f"<th>{_e(h)}</th>" for h in head)
+        + "</tr>"
+        + "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
+        + "</table>"
+    )
     engines = "".join(_engine(wr, eid) for eid in v.engines_of(wr, pool))
     name = f"pool {pool}" if pool is not None else "engines without a pool"
-    return (f'<section class="pool" id="pool-{_e(pool)}"><h2>{_e(name)}</h2>'
-            f'<div class="cols"><div>{_rows_table(v.pool_rows(wr, pool))}</div>'
-            f'<div><h3>Prefix cache and routing</h3><ul class="notes">{findings or "<li>none</li>"}'
-            f'</ul></div></div><h3>Traffic per day</h3><div class="charts">{"".join(charts)}</div>'
-            f"<details><summary>per engine and day</summary>{table}</details>"
-            f"{engines}</section>")
+    return (
+        f'<section class="pool" id="pool-{_e(pool)}"><h2>{_e(name)}</h2>'
+        f'<div class="cols"><div>{_rows_table(v.pool_rows(wr, pool))}</div>'
+        f'<div><h3>Prefix cache and routing</h3><ul class="notes">{findings or "<li>none</li>"}'
+        f'</ul></div></div><h3>Traffic per day</h3><div class="charts">{"".join(charts)}</div>'
+        f"<details><summary>per engine and day</summary>{table}</details>"
+        f"{engines}</section>"
+    )
 
 
 def _findings(wr: WeeklyReport) -> str:
     rows = "".join(
-        f'<tr><td>{_e(f.kind)}</td><td>{_e(v.scope_text(f.scope))}</td>'
+        f"<tr><td>{_e(f.kind)}</td><td>{_e(v.scope_text(f.scope))}</td>"
         f'<td class="sev-{_e(f.severity)}">{_e(f.severity)}</td>'
         f'<td class="num">{f.confidence:.2f}</td><td>{_e(f.summary)}</td></tr>'
-        for f in wr.current.findings)
-    return (f'<section id="findings"><h2>All findings this week</h2><details><summary>'
-            f"{len(wr.current.findings)} findings with their summaries</summary><table><tr>"
-            "<th>kind</th><th>scope</th><th>severity</th><th>conf.</th><th>summary</th></tr>"
-            f"{rows}</table></details></section>")
+        for f in wr.current.findings
+    )
+    return (
+        f'<section id="findings"><h2>All findings this week</h2><details><summary>'
+        f"{len(wr.current.findings)} findings with their summaries</summary><table><tr>"
+        "<th>kind</th><th>scope</th><th>severity</th><th>conf.</th><th>summary</th></tr>"
+        f"{rows}</table></details></section>"
+    )
 
 
 def _footer(wr: WeeklyReport) -> str:
     c, p = wr.current.coverage, wr.previous.coverage
-    params = ", ".join(f"{k}={val}" for k, val in wr.current.parameters.items()
-                       if val is not None)
-    return (f"<footer>Read: this week {c.get('n_engines_analyzed', 0)} engine(s), "
-            f"{c.get('n_windows', 0):,} one-second windows, {c.get('n_requests', 0):,} finished "
-            f"requests; the week before {p.get('n_engines_analyzed', 0)} engine(s), "
-            f"{p.get('n_windows', 0):,} windows, {p.get('n_requests', 0):,} requests. "
-            f"Advisor parameters: {_e(params)}. Days are UTC; the first and last day of the "
-            f"week can be partial. report.json (schema_version {wr.schema_version}) holds "
-            "every number and the frame behind each plot.</footer>")
+    params = ", ".join(f"{k}={val}" for k, val in wr.current.parameters.items() if val is not None)
+    return (
+        f"<footer>Read: this week {c.get('n_engines_analyzed', 0)} engine(s), "
+        f"{c.get('n_windows', 0):,} one-second windows, {c.get('n_requests', 0):,} finished "
+        f"requests; the week before {p.get('n_engines_analyzed', 0)} engine(s), "
+        f"{p.get('n_windows', 0):,} windows, {p.get('n_requests', 0):,} requests. "
+        f"Advisor parameters: {_e(params)}. Days are UTC; the first and last day of the "
+        f"week can be partial. report.json (schema_version {wr.schema_version}) holds "
+        "every number and the frame behind each plot.</footer>"
+    )
 
 
 def render_html(wr: WeeklyReport) -> str:
     """The whole page as one string."""
-    title = f"kvscope weekly report, {v.utc(wr.since_unix_s, '%Y-%m-%d')} to " \
-            f"{v.utc(wr.until_unix_s, '%Y-%m-%d')}"
-    body = (_header(wr) + _changes(wr) + _recommendations(wr)
-            + "".join(_pool(wr, p) for p in v.pools(wr)) + _findings(wr) + _footer(wr))
-    return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>{_e(title)}</title><style>{_CSS}</style></head>"
-            f"<body><main>{body}</main></body></html>\n")
+    title = (
+        f"kvscope weekly report, {v.utc(wr.since_unix_s, '%Y-%m-%d')} to "
+        f"{v.utc(wr.until_unix_s, '%Y-%m-%d')}"
+    )
+    body = (
+        _header(wr)
+        + _changes(wr)
+        + _recommendations(wr)
+        + "".join(_pool(wr, p) for p in v.pools(wr))
+        + _findings(wr)
+        + _footer(wr)
+    )
+    return (
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head>"
+        f"<body><main>{body}</main></body></html>\n"
+    )

@@ -17,8 +17,10 @@ def _cell(text: object) -> str:
 
 
 def _table(head: list[str], rows: list[list[str]] | list[tuple[str, str, str]]) -> list[str]:
-    out = ["| " + " | ".join(_cell(h) for h in head) + " |",
-           "|" + "|".join("---" for _ in head) + "|"]
+    out = [
+        "| " + " | ".join(_cell(h) for h in head) + " |",
+        "|" + "|".join("---" for _ in head) + "|",
+    ]
     out += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
     return [*out, ""]
 
@@ -30,35 +32,58 @@ def _engine(wr: WeeklyReport, eid: str) -> list[str]:
     curve = v.finding(wr.current.findings, "throughput_curve", eid)
     if now is not None and curve is not None and curve.frame:
         f = curve.frame
-        lines = throughput_plot(f.get("load", []), f.get("gen_tokens_per_s", []),
-                                f.get("gen_fit"), knee=now.knee_concurrency,
-                                cap=(float(now.recommended_concurrency_cap)
-                                     if now.recommended_concurrency_cap is not None else None))
+        lines = throughput_plot(
+            f.get("load", []),
+            f.get("gen_tokens_per_s", []),
+            f.get("gen_fit"),
+            knee=now.knee_concurrency,
+            cap=(
+                float(now.recommended_concurrency_cap)
+                if now.recommended_concurrency_cap is not None
+                else None
+            ),
+        )
         if lines:
-            out += ["Generated tok/s against requests in flight, this week:", "", "```",
-                    *lines, "```", ""]
+            out += [
+                "Generated tok/s against requests in flight, this week:",
+                "",
+                "```",
+                *lines,
+                "```",
+                "",
+            ]
     out += [f"- {n}" for n in v.notes(wr, eid)]
     return [*out, ""]
 
 
 def render_markdown(wr: WeeklyReport) -> str:
     """The whole report as Markdown text."""
-    out = ["# kvscope weekly tuning report", "",
-           f"- **This week:** {v.window_text(wr)}",
-           f"- **Compared with:** {v.previous_window_text(wr)}",
-           f"- Source: {wr.source}; generated {v.utc(wr.generated_unix_s)}", ""]
+    out = [
+        "# kvscope weekly tuning report",
+        "",
+        f"- **This week:** {v.window_text(wr)}",
+        f"- **Compared with:** {v.previous_window_text(wr)}",
+        f"- Source: {wr.source}; generated {v.utc(wr.generated_unix_s)}",
+        "",
+    ]
     note = v.resolution_note(wr)
     if note:
         out[-1:] = [f"- Resolution: {note}", ""]
     out += _table(["at a glance", "this week", ""], [list(x) for x in v.glance(wr)])
     for p in wr.current.pools:
-        kinds = ", ".join(f"{k} ×{n}" for k, n in sorted(p.bottlenecks.items(),
-                                                         key=lambda kv: -kv[1]))
-        cap = (f"recommended cap {p.recommended_concurrency_cap} in flight"
-               if p.recommended_concurrency_cap is not None else "no cap recommended")
+        kinds = ", ".join(
+            f"{k} ×{n}" for k, n in sorted(p.bottlenecks.items(), key=lambda kv: -kv[1])
+        )
+        cap = (
+            f"recommended cap {p.recommended_concurrency_cap} in flight"
+            if p.recommended_concurrency_cap is not None
+            else "no cap recommended"
+        )
         n = len(p.engine_ids)
-        out.append(f"- **pool {p.pool}** ({n} engine{'s' if n != 1 else ''}): {kinds}; plateau "
-                   f"{v.tok(p.plateau_tokens_per_s)}; {cap}")
+        out.append(
+            f"- **pool {p.pool}** ({n} engine{'s' if n != 1 else ''}): {kinds}; plateau "
+            f"{v.tok(p.plateau_tokens_per_s)}; {cap}"
+        )
     out += ["", "## What changed since the previous week", ""]
     groups = v.change_groups(wr)
     if not groups:
@@ -75,9 +100,11 @@ def render_markdown(wr: WeeklyReport) -> str:
         out += ["No recommendations: nothing to change on this week's data.", ""]
     for i, r in enumerate(wr.current.recommendations, start=1):
         st = status[i - 1] if i - 1 < len(status) else "new"
-        out += [f"{i}. **{r.summary}**  ",
-                f"   {v.scope_text(r.scope)}; expected gain {r.expected_gain:.0%}; confidence "
-                f"{r.confidence:.2f}; {'new this week' if st == 'new' else 'open since last week'}"]
+        out += [
+            f"{i}. **{r.summary}**  ",
+            f"   {v.scope_text(r.scope)}; expected gain {r.expected_gain:.0%}; confidence "
+            f"{r.confidence:.2f}; {'new this week' if st == 'new' else 'open since last week'}",
+        ]
         effect = v.effect_text(r)
         if effect:
             out.append(f"   - expected: {effect}")
@@ -104,9 +131,12 @@ def render_markdown(wr: WeeklyReport) -> str:
         for eid in v.engines_of(wr, pool):
             out += _engine(wr, eid)
     cov = wr.current.coverage
-    out += ["---", "",
-            f"Read this week: {cov.get('n_engines_analyzed', 0)} engine(s), "
-            f"{cov.get('n_windows', 0):,} one-second windows, {cov.get('n_requests', 0):,} finished "
-            f"requests. report.json (schema_version {wr.schema_version}) holds every number.",
-            ""]
+    out += [
+        "---",
+        "",
+        f"Read this week: {cov.get('n_engines_analyzed', 0)} engine(s), "
+        f"{cov.get('n_windows', 0):,} one-second windows, {cov.get('n_requests', 0):,} finished "
+        f"requests. report.json (schema_version {wr.schema_version}) holds every number.",
+        "",
+    ]
     return "\n".join(out)

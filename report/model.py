@@ -59,10 +59,14 @@ class WeeklyReport:
             "schema_version": self.schema_version,
             "source": self.source,
             "generated_unix_s": self.generated_unix_s,
-            "window": {"since_unix_s": self.usage.since_unix_s,
-                       "until_unix_s": self.usage.until_unix_s},
-            "previous_window": {"since_unix_s": self.previous_usage.since_unix_s,
-                                "until_unix_s": self.previous_usage.until_unix_s},
+            "window": {
+                "since_unix_s": self.usage.since_unix_s,
+                "until_unix_s": self.usage.until_unix_s,
+            },
+            "previous_window": {
+                "since_unix_s": self.previous_usage.since_unix_s,
+                "until_unix_s": self.previous_usage.until_unix_s,
+            },
             "parameters": _clean(self.parameters),
             "current": self.current.to_dict(),
             "previous": self.previous.to_dict(),
@@ -81,17 +85,22 @@ class WeeklyReport:
         if d.get("kind") != REPORT_KIND:
             raise ValueError(f"not a kvscope weekly report (kind {d.get('kind')!r})")
         if d.get("schema_version") != REPORT_SCHEMA_VERSION:
-            raise SchemaVersionError(f"weekly report schema_version {d.get('schema_version')!r}; "
-                                     f"this kvscope reads {REPORT_SCHEMA_VERSION}")
-        return cls(source=d["source"], generated_unix_s=d["generated_unix_s"],
-                   current=Report.from_dict(d["current"]),
-                   previous=Report.from_dict(d["previous"]),
-                   usage=Usage.from_dict(d["usage"]),
-                   previous_usage=Usage.from_dict(d["previous_usage"]),
-                   comparison=Comparison.from_dict(d["comparison"]),
-                   configs=dict(d.get("configs") or {}),
-                   week_configs=dict(d.get("week_configs") or {}),
-                   parameters=dict(d.get("parameters") or {}))
+            raise SchemaVersionError(
+                f"weekly report schema_version {d.get('schema_version')!r}; "
+                f"this kvscope reads {REPORT_SCHEMA_VERSION}"
+            )
+        return cls(
+            source=d["source"],
+            generated_unix_s=d["generated_unix_s"],
+            current=Report.from_dict(d["current"]),
+            previous=Report.from_dict(d["previous"]),
+            usage=Usage.from_dict(d["usage"]),
+            previous_usage=Usage.from_dict(d["previous_usage"]),
+            comparison=Comparison.from_dict(d["comparison"]),
+            configs=dict(d.get("configs") or {}),
+            week_configs=dict(d.get("week_configs") or {}),
+            parameters=dict(d.get("parameters") or {}),
+        )
 
     @classmethod
     def from_json(cls, text: str) -> WeeklyReport:

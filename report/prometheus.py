@@ -32,16 +32,27 @@ class PromReportSource:
     def engines(self) -> pd.DataFrame:
         return self.source.engines()
 
-    def windows(self, since: float | None = None, until: float | None = None,
-                engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+    def windows(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
         return self.source.windows(since, until, engine, pool)
 
-    def requests(self, since: float | None = None, until: float | None = None,
-                 engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+    def requests(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
         return self.source.requests(since, until, engine, pool)
 
-    def kv_events(self, since: float | None = None, until: float | None = None,
-                  pool: str | None = None) -> pd.DataFrame:
+    def kv_events(
+        self, since: float | None = None, until: float | None = None, pool: str | None = None
+    ) -> pd.DataFrame:
         return self.source.kv_events(since, until, pool)
 
     def engine_configs(self) -> pd.DataFrame:

@@ -65,18 +65,26 @@ class ReadOnlyStore(Store):
             raise
 
     def _check_schema(self) -> None:
-        tables = {r[0] for r in self._con.execute(
-            "SELECT table_name FROM information_schema.tables "
-            "WHERE table_schema = current_schema()").fetchall()}
+        tables = {
+            r[0]
+            for r in self._con.execute(
+                "SELECT table_name FROM information_schema.tables "
+                "WHERE table_schema = current_schema()"
+            ).fetchall()
+        }
         missing = [t for t in _NEEDED_TABLES if t not in tables]
         if "meta" not in tables or missing:
-            raise StoreOpenError(f"{self.path} is not a kvscope store (no "
-                                 f"{', '.join(missing) or 'meta'} table)")
+            raise StoreOpenError(
+                f"{self.path} is not a kvscope store (no {', '.join(missing) or 'meta'} table)"
+            )
         row = self._con.execute(
-            "SELECT value FROM meta WHERE key = 'store_schema_version'").fetchone()
+            "SELECT value FROM meta WHERE key = 'store_schema_version'"
+        ).fetchone()
         if row is not None and int(row[0]) > STORE_SCHEMA_VERSION:
-            raise StoreVersionError(f"store layout version {row[0]} is newer than this kvscope "
-                                    f"supports ({STORE_SCHEMA_VERSION}); upgrade kvscope")
+            raise StoreVersionError(
+                f"store layout version {row[0]} is newer than this kvscope "
+                f"supports ({STORE_SCHEMA_VERSION}); upgrade kvscope"
+            )
         self.tables = tables
 
 
@@ -93,7 +101,8 @@ def open_store(path: str | Path) -> ReadOnlyStore:
             raise StoreLockedError(
                 f"the store {p} is in use by another process (a running collector holds it "
                 f"open for writing, and DuckDB then lets no other process read it): read "
-                f"through that collector with --collector URL instead ({text})") from e
+                f"through that collector with --collector URL instead ({text})"
+            ) from e
         raise StoreOpenError(f"cannot open the store {p}: {text}") from e
     except duckdb.Error as e:
         raise StoreOpenError(f"cannot read the store {p}: {e}") from e
@@ -108,16 +117,27 @@ class StoreSource:
     def engines(self) -> pd.DataFrame:
         return self.store.engines()
 
-    def windows(self, since: float | None = None, until: float | None = None,
-                engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+    def windows(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
         return self.store.windows(engine, pool, since, until)
 
-    def requests(self, since: float | None = None, until: float | None = None,
-                 engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+    def requests(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
         return self.store.requests(engine, pool, since, until)
 
-    def kv_events(self, since: float | None = None, until: float | None = None,
-                  pool: str | None = None) -> pd.DataFrame:
+    def kv_events(
+        self, since: float | None = None, until: float | None = None, pool: str | None = None
+    ) -> pd.DataFrame:
         if "kv_event_windows" not in self.store.tables:
             return pd.DataFrame()
         return self.store.kv_event_windows(None, pool, since, until)
@@ -125,15 +145,23 @@ class StoreSource:
     def engine_configs(self) -> pd.DataFrame:
         return self.store.engine_configs()
 
-    def window_sample(self, since: float | None = None, until: float | None = None, *,
-                      pool: str | None = None,
-                      max_windows_per_engine: int) -> WindowSample:
+    def window_sample(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        *,
+        pool: str | None = None,
+        max_windows_per_engine: int,
+    ) -> WindowSample:
         """Whole 5-minute blocks, about ``max_windows_per_engine`` windows per engine,
         read in SQL; the true counts beside them (see :class:`~advisor.WindowSample`)."""
         s = self.store.window_sample(max_windows_per_engine, pool, since, until)
-        return WindowSample(windows=s["windows"], requests=s["requests"],
-                            kv_events=s["kv_events"] if "kv_event_windows" in self.store.tables
-                            else pd.DataFrame(), counts=s["counts"])
+        return WindowSample(
+            windows=s["windows"],
+            requests=s["requests"],
+            kv_events=s["kv_events"] if "kv_event_windows" in self.store.tables else pd.DataFrame(),
+            counts=s["counts"],
+        )
 
     def usage_days(self, knees: pd.DataFrame, since: float, until: float) -> pd.DataFrame:
         """Per engine and UTC day: the sums :func:`kvscope.advisor.usage.usage_from_days` takes,

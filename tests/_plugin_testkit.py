@@ -20,10 +20,16 @@ from kvscope.engine_plugins.exporter import Exporter
 def make_settings(url: str, **kw: Any) -> Settings:
     """Settings for tests: small buffers and timeouts unless overridden."""
     base: dict[str, Any] = dict(
-        collector_url=url, host="testhost", port=8123, flush_interval_s=0.1,
-        buffer_steps=1_000, buffer_requests=1_000, max_pending_batches=10,
-        timeout_s=1.0, shutdown_timeout_s=1.0,
-    )  # fmt: skip
+        collector_url=url,
+        host="testhost",
+        port=8123,
+        flush_interval_s=0.1,
+        buffer_steps=1_000,
+        buffer_requests=1_000,
+        max_pending_batches=10,
+        timeout_s=1.0,
+        shutdown_timeout_s=1.0,
+    )
     base.update(kw)
     return Settings(**base)
 
@@ -79,8 +85,11 @@ class RecordingServer:
                         Received(self.path, dict(self.headers.items()), raw, batch, status, now)
                     )
                 if body is None:
-                    body = json.dumps({"status": "stored", "need_hello": False} if status < 300
-                                      else {"error": f"scripted {status}"}).encode()  # fmt: skip
+                    body = json.dumps(
+                        {"status": "stored", "need_hello": False}
+                        if status < 300
+                        else {"error": f"scripted {status}"}
+                    ).encode()
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
@@ -112,9 +121,13 @@ class RecordingServer:
         """Decoded batches received: only those answered 2xx unless ``acknowledged`` is
         False, and only those answered ``status`` if given."""
         with self._lock:
-            return [r.batch for r in self.received if r.batch is not None
-                    and (not acknowledged or 200 <= r.status < 300)
-                    and (status is None or r.status == status)]  # fmt: skip
+            return [
+                r.batch
+                for r in self.received
+                if r.batch is not None
+                and (not acknowledged or 200 <= r.status < 300)
+                and (status is None or r.status == status)
+            ]
 
     def times(self) -> list[float]:
         """Arrival times (monotonic) of all requests, in order."""

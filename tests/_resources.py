@@ -58,14 +58,20 @@ def processes() -> Iterator[tuple[int, list[str]]]:
 
 def live_engines() -> list[tuple[int, str]]:
     """vLLM API servers alive now: ``(pid, command line)``."""
-    return [(pid, " ".join(argv)) for pid, argv in processes()
-            if ENGINE_ARG in argv and pid != os.getpid()]
+    return [
+        (pid, " ".join(argv))
+        for pid, argv in processes()
+        if ENGINE_ARG in argv and pid != os.getpid()
+    ]
 
 
 def live_heavy_servers() -> list[tuple[int, str]]:
     """Prometheus and VictoriaMetrics servers alive now: ``(pid, command line)``."""
-    return [(pid, " ".join(argv)) for pid, argv in processes()
-            if os.path.basename(argv[0]) in HEAVY_SERVERS]
+    return [
+        (pid, " ".join(argv))
+        for pid, argv in processes()
+        if os.path.basename(argv[0]) in HEAVY_SERVERS
+    ]
 
 
 def check_engine_may_start() -> None:
@@ -75,16 +81,20 @@ def check_engine_may_start() -> None:
     if len(engines) >= _allowed_engines:
         problems.append(
             f"{len(engines)} vLLM engine(s) already running, {_allowed_engines - 1} allowed "
-            "beside a new one (a test that needs a pool says so with side_by_side(n)):")
+            "beside a new one (a test that needs a pool says so with side_by_side(n)):"
+        )
         problems += [f"  pid {pid}: {cmd[:300]}" for pid, cmd in engines]
     if heavy:
-        problems.append("servers that must be stopped before an engine starts "
-                        "(start them after the engine, stop them with the test):")
+        problems.append(
+            "servers that must be stopped before an engine starts "
+            "(start them after the engine, stop them with the test):"
+        )
         problems += [f"  pid {pid}: {cmd[:300]}" for pid, cmd in heavy]
     if problems:
-        raise EngineOverlap("a vLLM engine is starting while other heavy processes run; "
-                            "its measurements would share the cores with them.\n"
-                            + "\n".join(problems))
+        raise EngineOverlap(
+            "a vLLM engine is starting while other heavy processes run; "
+            "its measurements would share the cores with them.\n" + "\n".join(problems)
+        )
 
 
 @contextlib.contextmanager
@@ -144,8 +154,11 @@ def order_items(items: list[pytest.Item]) -> None:
 
     def key(pair: tuple[int, pytest.Item]) -> tuple[bool, int, int]:
         i, item = pair
-        return (item.get_closest_marker("engine") is not None,
-                first[group.get(_module(item), _module(item))], i)
+        return (
+            item.get_closest_marker("engine") is not None,
+            first[group.get(_module(item), _module(item))],
+            i,
+        )
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]
 

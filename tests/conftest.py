@@ -70,17 +70,30 @@ class Replayed:
 
 
 @pytest.fixture(scope="session")
-def kv_starved_collector(tmp_path_factory: pytest.TempPathFactory,
-                         request: pytest.FixtureRequest) -> Iterator[Replayed]:
+def kv_starved_collector(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Replayed]:
     """A collector (advisor every 2 s over 15 min) fed the real KV-starved vLLM run."""
-    c = CollectorProcess(tmp_path_factory.mktemp("kv_starved") / "kvscope.duckdb",
-                         extra_args=["--raw-retention-s", "0", "--advise-interval-s", "2",
-                                     "--advise-window-s", "900"]).start()
+    c = CollectorProcess(
+        tmp_path_factory.mktemp("kv_starved") / "kvscope.duckdb",
+        extra_args=[
+            "--raw-retention-s",
+            "0",
+            "--advise-interval-s",
+            "2",
+            "--advise-window-s",
+            "900",
+        ],
+    ).start()
     release_after_last_use(request, c.stop)
     try:
         end = time.time() - KV_STARVED_ENDED_AGO_S
-        replay(load_recording(RECORDINGS / "overload_kv_starved.jsonl.gz"), c.url,
-               end_at_unix_s=end, progress=False)
+        replay(
+            load_recording(RECORDINGS / "overload_kv_starved.jsonl.gz"),
+            c.url,
+            end_at_unix_s=end,
+            progress=False,
+        )
         yield Replayed(c, end, time.time())
     finally:
         c.stop()

@@ -25,19 +25,34 @@ ENGINE = "demo-host:8000:0"
 
 
 def advise(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KVSCOPE_COLLECTOR_URL", "KVSCOPE_TOKEN")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("KVSCOPE_COLLECTOR_URL", "KVSCOPE_TOKEN")
+    }
     env["COLUMNS"] = "100"
-    return subprocess.run([sys.executable, "-m", "kvscope.cli.main", "advise", *args],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope.cli.main", "advise", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
 
 
 @pytest.fixture(scope="module")
-def kv_report(kv_starved_collector: Any, tmp_path_factory: pytest.TempPathFactory
-              ) -> tuple[dict[str, Any], str, Path]:
+def kv_report(
+    kv_starved_collector: Any, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[dict[str, Any], str, Path]:
     out = tmp_path_factory.mktemp("out") / "advice.json"
-    res = advise("--collector", kv_starved_collector.collector.url, "--since", "30m", "--json",
-                 "--out", str(out))
+    res = advise(
+        "--collector",
+        kv_starved_collector.collector.url,
+        "--since",
+        "30m",
+        "--json",
+        "--out",
+        str(out),
+    )
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout), res.stdout, out
 
@@ -60,8 +75,11 @@ def test_json_verdict_kv_starved(kv_report: tuple[dict[str, Any], str, Path]) ->
     assert d["recommendations"][0] == rec  # the largest expected gain ranks first
     assert f"--max-num-seqs {cap}" in rec["change"]["vllm_flags"]
     # vLLM's admission limit counts running and waiting requests: the cap plus a short queue.
-    queued = [int(f.split()[1]) for f in rec["change"]["vllm_flags"]
-              if f.startswith("--max-num-queued-reqs ")]
+    queued = [
+        int(f.split()[1])
+        for f in rec["change"]["vllm_flags"]
+        if f.startswith("--max-num-queued-reqs ")
+    ]
     assert len(queued) == 1 and cap < queued[0] <= cap + max(1, -(-cap // 4)), queued
     assert f"limit_conn vllm_conn {cap};" in rec["change"]["gateway"]["nginx"]
     assert rec["change"]["gateway"]["gateway_api_maxConcurrency"] == cap
@@ -77,15 +95,25 @@ def test_json_verdict_kv_starved(kv_report: tuple[dict[str, Any], str, Path]) ->
 
 
 def test_routing_thresholds_reach_the_report(kv_starved_collector: Any) -> None:
-    res = advise("--collector", kv_starved_collector.collector.url, "--since", "30m", "--json",
-                 "--min-routing-loss", "0.2", "--imbalance-threshold", "1.5")
+    res = advise(
+        "--collector",
+        kv_starved_collector.collector.url,
+        "--since",
+        "30m",
+        "--json",
+        "--min-routing-loss",
+        "0.2",
+        "--imbalance-threshold",
+        "1.5",
+    )
     assert res.returncode == 0, res.stderr
     params = json.loads(res.stdout)["parameters"]
     assert params["min_routing_loss"] == 0.2 and params["imbalance_threshold"] == 1.5
 
 
-def test_terminal_shows_the_verdict_first(kv_starved_collector: Any,
-                                          kv_report: tuple[dict[str, Any], str, Path]) -> None:
+def test_terminal_shows_the_verdict_first(
+    kv_starved_collector: Any, kv_report: tuple[dict[str, Any], str, Path]
+) -> None:
     cap = kv_report[0]["engines"][0]["recommended_concurrency_cap"]
     res = advise("--collector", kv_starved_collector.collector.url)
     assert res.returncode == 0, res.stderr
@@ -97,20 +125,28 @@ def test_terminal_shows_the_verdict_first(kv_starved_collector: Any,
     text = res.stdout
     assert f"cap {cap} in flight: " in text and "trade-off: cap" in text
     assert "KV usage" in text  # the bottleneck's evidence follows the verdict
-    plot, recs, table = (text.index("tok/s vs requests in flight"),
-                         text.index("Recommendations, ranked"), text.index("Findings"))
+    plot, recs, table = (
+        text.index("tok/s vs requests in flight"),
+        text.index("Recommendations, ranked"),
+        text.index("Findings"),
+    )
     assert text.index(lines[0]) < plot < recs < table
     assert f"cap {cap}" in text[plot:recs] and "knee" in text[plot:recs]
-    for change in (f"--max-num-seqs {cap}", f"limit_conn vllm_conn {cap};",
-                   f"maxConcurrency: {cap}", "--kv-cache-dtype fp8"):
+    for change in (
+        f"--max-num-seqs {cap}",
+        f"limit_conn vllm_conn {cap};",
+        f"maxConcurrency: {cap}",
+        "--kv-cache-dtype fp8",
+    ):
         assert change in text[recs:table], change
     assert not res.stderr
 
 
 def test_absolute_window(kv_starved_collector: Any) -> None:
     since = int(kv_starved_collector.end_at_unix_s - 3600)
-    res = advise("--collector", kv_starved_collector.collector.url, "--since", str(since),
-                 "--until", "now")
+    res = advise(
+        "--collector", kv_starved_collector.collector.url, "--since", str(since), "--until", "now"
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("pool demo: kv_cache_bound")
 
@@ -130,8 +166,15 @@ def test_empty_window_says_where_the_data_is(kv_starved_collector: Any) -> None:
 
 
 def test_window_before_the_data_points_at_until(kv_starved_collector: Any) -> None:
-    res = advise("--collector", kv_starved_collector.collector.url, "--since", "3h",
-                 "--until", "2h", "--json")
+    res = advise(
+        "--collector",
+        kv_starved_collector.collector.url,
+        "--since",
+        "3h",
+        "--until",
+        "2h",
+        "--json",
+    )
     assert res.returncode == 3
     assert json.loads(res.stdout)["coverage"]["n_windows"] == 0  # --json still prints
     assert "after the window: move --until later" in res.stderr
@@ -148,8 +191,9 @@ def test_unreachable_collector_exits_2_naming_the_url() -> None:
 
 
 def test_token_and_empty_collector(tmp_path: Path) -> None:
-    c = CollectorProcess(tmp_path / "kvscope.duckdb", token="s3cret",
-                         extra_args=["--advise-interval-s", "0"]).start()
+    c = CollectorProcess(
+        tmp_path / "kvscope.duckdb", token="s3cret", extra_args=["--advise-interval-s", "0"]
+    ).start()
     try:
         res = advise("--collector", c.url)
         assert res.returncode == 2
@@ -162,11 +206,13 @@ def test_token_and_empty_collector(tmp_path: Path) -> None:
 
 
 def test_bad_arguments_exit_2(kv_starved_collector: Any) -> None:
-    for args, expect in ((("--since", "yesterday"), "--since: expected unix seconds"),
-                         (("--cap-fraction", "1.5"), "must be in (0, 1]"),
-                         (("--imbalance-threshold", "0.5"), "must be >= 1"),
-                         (("--min-routing-loss", "0"), "must be in (0, 1]"),
-                         (("--since", "1h", "--until", "2h"), "must be after --since")):
+    for args, expect in (
+        (("--since", "yesterday"), "--since: expected unix seconds"),
+        (("--cap-fraction", "1.5"), "must be in (0, 1]"),
+        (("--imbalance-threshold", "0.5"), "must be >= 1"),
+        (("--min-routing-loss", "0"), "must be in (0, 1]"),
+        (("--since", "1h", "--until", "2h"), "must be after --since"),
+    ):
         res = advise("--collector", kv_starved_collector.collector.url, *args)
         assert res.returncode == 2, args
         assert expect in res.stderr, (args, res.stderr)

@@ -21,8 +21,11 @@ DOC = ROOT / "docs" / "architecture.md"
 
 def package_dirs(root: Path = ROOT) -> dict[str, Path]:
     """kvscope's subpackages: the folders ``kvscope/`` links to."""
-    return {p.name: p.resolve() for p in sorted((root / "kvscope").iterdir())
-            if p.is_dir() and (p / "__init__.py").is_file()}
+    return {
+        p.name: p.resolve()
+        for p in sorted((root / "kvscope").iterdir())
+        if p.is_dir() and (p / "__init__.py").is_file()
+    }
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -125,32 +128,45 @@ def test_every_package_has_a_row_in_the_table() -> None:
     table = allowed_table(DOC.read_text())
     assert set(table) == set(package_dirs()), (
         f"docs/architecture.md's table lists {sorted(table)}, the package has "
-        f"{sorted(package_dirs())}: add or remove the rows")
+        f"{sorted(package_dirs())}: add or remove the rows"
+    )
 
 
 def test_packages_import_only_what_the_table_allows(edges: dict[tuple[str, str], bool]) -> None:
     table = allowed_table(DOC.read_text())
-    wrong = sorted(f"{a} imports {b}" for (a, b) in edges
-                   if package_of(a) != package_of(b)
-                   and package_of(b) not in table.get(package_of(a), set()))
-    assert not wrong, ("imports against the direction in docs/architecture.md (move the code, "
-                       "or change the table and say why):\n  " + "\n  ".join(wrong))
+    wrong = sorted(
+        f"{a} imports {b}"
+        for (a, b) in edges
+        if package_of(a) != package_of(b) and package_of(b) not in table.get(package_of(a), set())
+    )
+    assert not wrong, (
+        "imports against the direction in docs/architecture.md (move the code, "
+        "or change the table and say why):\n  " + "\n  ".join(wrong)
+    )
 
 
 def test_no_module_imports_another_packages_private_module(
-        edges: dict[tuple[str, str], bool]) -> None:
-    private = sorted(f"{a} imports {b}" for (a, b) in edges
-                     if package_of(a) != package_of(b)
-                     and any(p.startswith("_") for p in b.split(".")[2:]))
-    assert not private, ("a private module is used outside its package (make the name public "
-                         "in a public module):\n  " + "\n  ".join(private))
+    edges: dict[tuple[str, str], bool],
+) -> None:
+    private = sorted(
+        f"{a} imports {b}"
+        for (a, b) in edges
+        if package_of(a) != package_of(b) and any(p.startswith("_") for p in b.split(".")[2:])
+    )
+    assert not private, (
+        "a private module is used outside its package (make the name public "
+        "in a public module):\n  " + "\n  ".join(private)
+    )
 
 
 def test_the_root_modules_import_nothing_of_the_subpackages() -> None:
     """``kvscope/args.py`` and the like sit below every subpackage: they import none of them
     (``__main__.py``, the ``python -m kvscope`` entry point, runs the command line)."""
-    files = [f for f in sorted((ROOT / "kvscope").glob("*.py"))
-             if f.name != "__main__.py" and not f.is_symlink()]
+    files = [
+        f
+        for f in sorted((ROOT / "kvscope").glob("*.py"))
+        if f.name != "__main__.py" and not f.is_symlink()
+    ]
     assert files, "kvscope/ has no modules of its own"
     subpackages = set(package_dirs())
     wrong = []
@@ -162,25 +178,36 @@ def test_the_root_modules_import_nothing_of_the_subpackages() -> None:
                 names = [a.name for a in node.names]
             else:
                 continue
-            wrong += [f"{f.name} imports {n}" for n in names
-                      if n.startswith("kvscope.") and n.split(".")[1] in subpackages]
+            wrong += [
+                f"{f.name} imports {n}"
+                for n in names
+                if n.startswith("kvscope.") and n.split(".")[1] in subpackages
+            ]
     assert not wrong, "root modules must stay below every subpackage:\n  " + "\n  ".join(wrong)
 
 
 def test_no_import_loops(edges: dict[tuple[str, str], bool]) -> None:
     loops = import_cycles(edges)
-    assert not loops, ("modules importing each other at run time (move the shared part into "
-                       "one of them, or import it under TYPE_CHECKING if only for types): "
-                       + "; ".join(" <-> ".join(g) for g in loops))
+    assert not loops, (
+        "modules importing each other at run time (move the shared part into "
+        "one of them, or import it under TYPE_CHECKING if only for types): "
+        + "; ".join(" <-> ".join(g) for g in loops)
+    )
 
 
 def test_the_checks_see_a_loop_a_private_import_and_a_wrong_direction(tmp_path: Path) -> None:
     """The rules above on a small made-up package: each kind of fault is found."""
     for pkg, files in {
-        "low": {"__init__.py": "", "a.py": "from kvscope.low import b\n",
-                "b.py": "from kvscope.low import a\n", "_secret.py": "X = 1\n"},
-        "high": {"__init__.py": "", "c.py": "from kvscope.low._secret import X\n"
-                 "from kvscope.low.a import *\n"},
+        "low": {
+            "__init__.py": "",
+            "a.py": "from kvscope.low import b\n",
+            "b.py": "from kvscope.low import a\n",
+            "_secret.py": "X = 1\n",
+        },
+        "high": {
+            "__init__.py": "",
+            "c.py": "from kvscope.low._secret import X\nfrom kvscope.low.a import *\n",
+        },
     }.items():
         (tmp_path / pkg).mkdir()
         for name, text in files.items():

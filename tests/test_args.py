@@ -23,10 +23,19 @@ from kvscope.args import (
 from kvscope.cli.main import build_parser
 
 
-@pytest.mark.parametrize(("text", "seconds"), [
-    ("90s", 90.0), ("30m", 1800.0), ("1h", 3600.0), ("2.5h", 9000.0), ("7d", 604800.0),
-    ("1w", 604800.0), ("3600", 3600.0), (" 1H ", 3600.0),
-])
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("90s", 90.0),
+        ("30m", 1800.0),
+        ("1h", 3600.0),
+        ("2.5h", 9000.0),
+        ("7d", 604800.0),
+        ("1w", 604800.0),
+        ("3600", 3600.0),
+        (" 1H ", 3600.0),
+    ],
+)
 def test_durations(text: str, seconds: float) -> None:
     assert parse_duration("--since", text) == seconds
     assert duration(text) == seconds
@@ -60,13 +69,16 @@ def test_headers_are_name_colon_value_and_never_echo_the_value() -> None:
             header(bad)
 
 
-@pytest.mark.parametrize(("fn", "good", "bad"), [
-    (positive, {"0.5": 0.5, "3": 3.0}, ["0", "-1", "x", "nan", "inf"]),
-    (non_negative, {"0": 0.0, "2.5": 2.5}, ["-0.1", "x", "nan"]),
-    (fraction, {"1": 1.0, "0.9": 0.9}, ["0", "1.01", "x"]),
-    (ratio, {"1": 1.0, "1.25": 1.25}, ["0.99", "x"]),
-    (count, {"0": 0, "1_000": 1000}, ["-1", "1.5", "x"]),
-])
+@pytest.mark.parametrize(
+    ("fn", "good", "bad"),
+    [
+        (positive, {"0.5": 0.5, "3": 3.0}, ["0", "-1", "x", "nan", "inf"]),
+        (non_negative, {"0": 0.0, "2.5": 2.5}, ["-0.1", "x", "nan"]),
+        (fraction, {"1": 1.0, "0.9": 0.9}, ["0", "1.01", "x"]),
+        (ratio, {"1": 1.0, "1.25": 1.25}, ["0.99", "x"]),
+        (count, {"0": 0, "1_000": 1000}, ["-1", "1.5", "x"]),
+    ],
+)
 def test_validators(fn, good: dict[str, float], bad: list[str]) -> None:  # type: ignore[no-untyped-def]
     for text, value in good.items():
         assert fn(text) == value
@@ -75,17 +87,23 @@ def test_validators(fn, good: dict[str, float], bad: list[str]) -> None:  # type
             fn(text)
 
 
-@pytest.mark.parametrize("command", [
-    ["advise", "--collector", "c:8844"], ["report", "--collector", "c:8844"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["advise", "--collector", "c:8844"],
+        ["report", "--collector", "c:8844"],
+    ],
+)
 def test_advise_and_report_refuse_the_same_value_the_same_way(
-        command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args([*command, "--cap-fraction", "1.5"])
     assert "argument --cap-fraction: must be in (0, 1], got '1.5'" in capsys.readouterr().err
 
 
 def test_lint_takes_a_duration() -> None:
-    args = build_parser().parse_args(["lint", "d.json", "--prometheus", "http://p:9090",
-                                      "--since", "6h"])
+    args = build_parser().parse_args(
+        ["lint", "d.json", "--prometheus", "http://p:9090", "--since", "6h"]
+    )
     assert args.since == 6 * 3600.0

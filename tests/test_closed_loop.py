@@ -10,10 +10,22 @@ from bench.advisor_scenarios import MAX_SPREAD, CapRun, LevelMeasure, Repeated
 
 def level(tps: float, p99: float | None, *, clients: int = 32, errors: int = 0) -> LevelMeasure:
     return LevelMeasure(
-        concurrency=clients, client_tokens_per_s=tps, e2e_p99_s=p99, ttft_p99_s=None,
-        completed=10, errors=errors, engine_tokens_per_s=tps, preemptions_per_s=0.0,
-        batch_median=8.0, waiting_median=0.0, load_median=8.0, load_mean=8.0,
-        kv_usage_median=0.5, n_windows=10, engine_e2e_p99_s=p99)
+        concurrency=clients,
+        client_tokens_per_s=tps,
+        e2e_p99_s=p99,
+        ttft_p99_s=None,
+        completed=10,
+        errors=errors,
+        engine_tokens_per_s=tps,
+        preemptions_per_s=0.0,
+        batch_median=8.0,
+        waiting_median=0.0,
+        load_median=8.0,
+        load_mean=8.0,
+        kv_usage_median=0.5,
+        n_windows=10,
+        engine_e2e_p99_s=p99,
+    )
 
 
 def test_medians_and_spread_of_repeated_runs() -> None:
@@ -25,8 +37,10 @@ def test_medians_and_spread_of_repeated_runs() -> None:
 
 
 def test_cap_run_compares_medians_and_refuses_noisy_runs() -> None:
-    capped = Repeated("cap 8", [level(880, 1.0, clients=8), level(900, 1.2, clients=8),
-                                level(910, 1.1, clients=8)])
+    capped = Repeated(
+        "cap 8",
+        [level(880, 1.0, clients=8), level(900, 1.2, clients=8), level(910, 1.1, clients=8)],
+    )
     quiet = Repeated("32", [level(1000, 3.0), level(990, 3.2), level(1010, 3.1)])
     run = CapRun(how="client", cap=8, capped=capped, reference=quiet, peak_tokens_per_s=1100)
     assert run.plateau_fraction == pytest.approx(0.9)
@@ -35,8 +49,9 @@ def test_cap_run_compares_medians_and_refuses_noisy_runs() -> None:
     assert run.judged and run.level.client_tokens_per_s == 900
     noisy = Repeated("32", [level(700, 3.0), level(1000, 3.2), level(1010, 3.1)])
     assert noisy.spread > MAX_SPREAD
-    assert not CapRun(how="client", cap=8, capped=capped, reference=noisy,
-                      peak_tokens_per_s=1100).judged
+    assert not CapRun(
+        how="client", cap=8, capped=capped, reference=noisy, peak_tokens_per_s=1100
+    ).judged
 
 
 def test_rejected_share_counts_every_capped_run() -> None:

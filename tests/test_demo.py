@@ -29,9 +29,19 @@ def test_demo_replays_into_a_real_collector(tmp_path: Path):
     store = tmp_path / "demo.duckdb"
     port = free_port()
     out = subprocess.run(
-        [sys.executable, "-m", "kvscope.cli.main", "demo", "--port", str(port),
-         "--store", str(store)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "kvscope.cli.main",
+            "demo",
+            "--port",
+            str(port),
+            "--store",
+            str(store),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
@@ -45,7 +55,7 @@ def test_demo_replays_into_a_real_collector(tmp_path: Path):
     levels = [lv["concurrency"] for lv in rec.header["sweep"]["levels"]]
     lines = text.splitlines()
     start = next(i for i, ln in enumerate(lines) if ln.startswith("clients")) + 2
-    rows = lines[start:start + len(levels) + 1]
+    rows = lines[start : start + len(levels) + 1]
     assert [int(r.split()[0]) for r in rows if r.strip()] == levels
     # The advisor's verdict on the stored run closes the demo.
     assert "pool demo: kv_cache_bound" in text
@@ -56,9 +66,21 @@ def test_demo_replays_into_a_real_collector(tmp_path: Path):
 
 def test_demo_fails_clearly_on_a_missing_recording(tmp_path: Path):
     out = subprocess.run(
-        [sys.executable, "-m", "kvscope.cli.main", "demo", "--port", str(free_port()),
-         "--store", str(tmp_path / "x.duckdb"), "--recording", str(tmp_path / "nope.gz")],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "kvscope.cli.main",
+            "demo",
+            "--port",
+            str(free_port()),
+            "--store",
+            str(tmp_path / "x.duckdb"),
+            "--recording",
+            str(tmp_path / "nope.gz"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 2
     assert "no recording" in out.stderr

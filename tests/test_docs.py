@@ -69,8 +69,10 @@ def links_in(path: Path) -> list[Link]:
     """Every link and image target of a Markdown file, in order."""
     found: list[Link] = []
     for number, line in prose_lines(path.read_text(encoding="utf-8")):
-        targets = [m.group(1) if m.group(1) is not None else m.group(2)
-                   for m in _INLINE_LINK.finditer(line)]
+        targets = [
+            m.group(1) if m.group(1) is not None else m.group(2)
+            for m in _INLINE_LINK.finditer(line)
+        ]
         ref = _REF_DEF.match(line)
         if ref:
             targets.append(ref.group(1))
@@ -105,8 +107,11 @@ def anchors_of(path: Path) -> set[str]:
         atx = _ATX.match(line)
         if atx:
             add(atx.group(2) or "")
-        elif (_SETEXT.match(line) and previous.strip()
-              and not re.match(r"^ {0,3}([#>|*+-]|\d+[.)])", previous)):
+        elif (
+            _SETEXT.match(line)
+            and previous.strip()
+            and not re.match(r"^ {0,3}([#>|*+-]|\d+[.)])", previous)
+        ):
             add(previous)
         anchors.update(_HTML_ID.findall(line))
         previous = "" if atx else line
@@ -151,7 +156,8 @@ def link_problems(root: Path) -> list[str]:
             if not target.exists():
                 problems.append(
                     f"{where} points to {rel(target, root)}, which does not exist; "
-                    "fix the path (relative to the page the link is in) or create the file")
+                    "fix the path (relative to the page the link is in) or create the file"
+                )
                 continue
             if not anchor or target.suffix.lower() != ".md" or not target.is_file():
                 continue
@@ -161,7 +167,8 @@ def link_problems(root: Path) -> list[str]:
                 known = ", ".join(sorted(anchor_cache[target])) or "(none)"
                 problems.append(
                     f"{where}: no heading of {rel(target, root)} has the anchor '#{anchor}'; "
-                    f"use one of its anchors ({known}) or rename the heading")
+                    f"use one of its anchors ({known}) or rename the heading"
+                )
     return problems
 
 
@@ -171,8 +178,10 @@ def readme_length_problems(root: Path, max_lines: int = README_MAX_LINES) -> lis
         return ["README.md is missing; the project's front page must exist"]
     n = len(readme.read_text(encoding="utf-8").splitlines())
     if n > max_lines:
-        return [f"README.md has {n} lines, more than {max_lines}; move details to a page "
-                "under docs/ and link it from the README's Documentation list"]
+        return [
+            f"README.md has {n} lines, more than {max_lines}; move details to a page "
+            "under docs/ and link it from the README's Documentation list"
+        ]
     return []
 
 
@@ -194,9 +203,11 @@ def unreachable_pages(root: Path) -> list[str]:
             target, _ = resolved
             if target.suffix.lower() == ".md" and target.is_file() and target not in reached:
                 queue.append(target)
-    return [f"{rel(p, root)} is not reachable by links from README.md; link it from the "
-            "README's Documentation list (or from a page the README links to)"
-            for p in sorted(pages - reached)]
+    return [
+        f"{rel(p, root)} is not reachable by links from README.md; link it from the "
+        "README's Documentation list (or from a page the README links to)"
+        for p in sorted(pages - reached)
+    ]
 
 
 # --- the repository's documentation ---------------------------------------------------------
@@ -226,17 +237,26 @@ def test_readme_links_to_docs() -> None:
 # --- the checker itself ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("heading", "slug"), [
-    ("Fleet topology", "fleet-topology"),
-    ("`kvscope advise --prometheus`", "kvscope-advise---prometheus"),
-    ("Zero-install: advise from an existing Prometheus",
-     "zero-install-advise-from-an-existing-prometheus"),
-    ("KV-cache events: prefix duplication across replicas",
-     "kv-cache-events-prefix-duplication-across-replicas"),
-    ("Report JSON (`--json`, `--out`; `schema_version` 1)",
-     "report-json---json---out-schema_version-1"),
-    ("See [the collector](collector.md)", "see-the-collector"),
-])
+@pytest.mark.parametrize(
+    ("heading", "slug"),
+    [
+        ("Fleet topology", "fleet-topology"),
+        ("`kvscope advise --prometheus`", "kvscope-advise---prometheus"),
+        (
+            "Zero-install: advise from an existing Prometheus",
+            "zero-install-advise-from-an-existing-prometheus",
+        ),
+        (
+            "KV-cache events: prefix duplication across replicas",
+            "kv-cache-events-prefix-duplication-across-replicas",
+        ),
+        (
+            "Report JSON (`--json`, `--out`; `schema_version` 1)",
+            "report-json---json---out-schema_version-1",
+        ),
+        ("See [the collector](collector.md)", "see-the-collector"),
+    ],
+)
 def test_github_slug(heading: str, slug: str) -> None:
     assert github_slug(heading) == slug
 
@@ -247,34 +267,45 @@ def _write(path: Path, text: str) -> None:
 
 
 def test_checker_reports_what_is_broken(tmp_path: Path) -> None:
-    _write(tmp_path / "README.md", "\n".join([
-        "# Demo",
-        "[good](docs/a.md#a-section) and [good too](docs/a.md#a-section-1)",
-        "[missing page](docs/missing.md)",
-        "[bad anchor](docs/a.md#no-such-heading)",
-        "![missing image](docs/images/none.png)",
-        "[own heading](#demo) and [external](https://example.com/x.md) [mail](mailto:a@b.c)",
-        "`[in a code span](docs/ignored.md)`",
-        "```",
-        "[in a code block](docs/ignored-too.md)",
-        "```",
-        *["filler"] * 215,
-    ]) + "\n")
-    _write(tmp_path / "docs" / "a.md",
-           "# Page A\n## A section\n## A section\n[back](../README.md)\n")
+    _write(
+        tmp_path / "README.md",
+        "\n".join(
+            [
+                "# Demo",
+                "[good](docs/a.md#a-section) and [good too](docs/a.md#a-section-1)",
+                "[missing page](docs/missing.md)",
+                "[bad anchor](docs/a.md#no-such-heading)",
+                "![missing image](docs/images/none.png)",
+                "[own heading](#demo) and [external](https://example.com/x.md) [mail](mailto:a@b.c)",
+                "`[in a code span](docs/ignored.md)`",
+                "```",
+                "[in a code block](docs/ignored-too.md)",
+                "```",
+                *["filler"] * 215,
+            ]
+        )
+        + "\n",
+    )
+    _write(
+        tmp_path / "docs" / "a.md", "# Page A\n## A section\n## A section\n[back](../README.md)\n"
+    )
     _write(tmp_path / "docs" / "orphan.md", "# Orphan\n[a](a.md)\n")
 
     problems = link_problems(tmp_path)
     assert len(problems) == 3, problems
-    assert any("README.md:3: link 'docs/missing.md'" in p and "does not exist" in p
-               for p in problems)
-    assert any("README.md:4: link 'docs/a.md#no-such-heading'" in p and "a-section-1" in p
-               for p in problems)
+    assert any(
+        "README.md:3: link 'docs/missing.md'" in p and "does not exist" in p for p in problems
+    )
+    assert any(
+        "README.md:4: link 'docs/a.md#no-such-heading'" in p and "a-section-1" in p
+        for p in problems
+    )
     assert any("README.md:5: link 'docs/images/none.png'" in p for p in problems)
 
     assert readme_length_problems(tmp_path) == [
         "README.md has 225 lines, more than 220; move details to a page under docs/ and "
-        "link it from the README's Documentation list"]
+        "link it from the README's Documentation list"
+    ]
     assert readme_length_problems(tmp_path, max_lines=300) == []
 
     unreachable = unreachable_pages(tmp_path)
@@ -283,8 +314,11 @@ def test_checker_reports_what_is_broken(tmp_path: Path) -> None:
 
 def test_checker_passes_a_sound_tree(tmp_path: Path) -> None:
     _write(tmp_path / "README.md", "# Top\nSee [a](docs/a.md).\n")
-    _write(tmp_path / "docs" / "a.md", "# A\n## `kvscope lint`: checks\n"
-           "[b](sub/b.md#b-title) [top](../README.md#top) [self](#kvscope-lint-checks)\n")
+    _write(
+        tmp_path / "docs" / "a.md",
+        "# A\n## `kvscope lint`: checks\n"
+        "[b](sub/b.md#b-title) [top](../README.md#top) [self](#kvscope-lint-checks)\n",
+    )
     _write(tmp_path / "docs" / "sub" / "b.md", "B title\n=======\n![img](../img/x.png)\n")
     _write(tmp_path / "docs" / "img" / "x.png", "")
     assert link_problems(tmp_path) == []

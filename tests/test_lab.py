@@ -105,8 +105,16 @@ def test_server_command_line_and_environment(tmp_path: Path) -> None:
     cmd = server.command()
     assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(cmd)
-    for part in ("--port 8123", "--block-size 32", "--num-gpu-blocks-override 48", "--max-num-seqs 6",
-                 "--max-model-len 1504", "--dtype bfloat16", "--no-enable-prefix-caching", "--seed 1"):  # fmt: skip
+    for part in (
+        "--port 8123",
+        "--block-size 32",
+        "--num-gpu-blocks-override 48",
+        "--max-num-seqs 6",
+        "--max-model-len 1504",
+        "--dtype bfloat16",
+        "--no-enable-prefix-caching",
+        "--seed 1",
+    ):
         assert part in joined
     assert "--max-num-batched-tokens" not in joined
     env = server.environment()

@@ -55,8 +55,12 @@ def test_a_declared_pool_may_run_side_by_side(pretend_engine: subprocess.Popen[b
 
 def _item(nodeid: str, fixtures: tuple[str, ...] = (), engine: bool = False) -> Any:
     module = SimpleNamespace(__name__=nodeid.split("::")[0])
-    return SimpleNamespace(nodeid=nodeid, module=module, fixturenames=list(fixtures),
-                           get_closest_marker=lambda name: object() if engine else None)
+    return SimpleNamespace(
+        nodeid=nodeid,
+        module=module,
+        fixturenames=list(fixtures),
+        get_closest_marker=lambda name: object() if engine else None,
+    )
 
 
 def test_engine_tests_run_last_with_shared_engine_modules_together() -> None:
@@ -71,7 +75,14 @@ def test_engine_tests_run_last_with_shared_engine_modules_together() -> None:
     ]
     order_items(items)
     assert [i.nodeid for i in items] == [
-        "c::fast", "f::fast", "a::x", "b::shared1", "b::other", "e::shared2", "d::alone"]
+        "c::fast",
+        "f::fast",
+        "a::x",
+        "b::shared1",
+        "b::other",
+        "e::shared2",
+        "d::alone",
+    ]
 
 
 def test_a_fixture_is_released_after_its_last_test(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,9 +15,18 @@ def make_batch(n_steps: int = 3, n_requests: int = 1) -> dict[str, Any]:
     steps = {f.name: [] for f in schema.STEP_FIELDS}
     for i in range(n_steps):
         row = {
-            "ts_unix_s": 1_700_000_000.0 + i * 0.01, "step": i, "batch_size": 4, "waiting": 1,
-            "deferred": 0, "kv_usage_ratio": 0.5, "kv_blocks_used": 24, "prefix_queries": 10,
-            "prefix_hits": 5, "preemptions": 0, "prompt_tokens": 10, "generation_tokens": 4,
+            "ts_unix_s": 1_700_000_000.0 + i * 0.01,
+            "step": i,
+            "batch_size": 4,
+            "waiting": 1,
+            "deferred": 0,
+            "kv_usage_ratio": 0.5,
+            "kv_blocks_used": 24,
+            "prefix_queries": 10,
+            "prefix_hits": 5,
+            "preemptions": 0,
+            "prompt_tokens": 10,
+            "generation_tokens": 4,
             "iteration_s": None,
         }
         for k, v in row.items():
@@ -25,20 +34,45 @@ def make_batch(n_steps: int = 3, n_requests: int = 1) -> dict[str, Any]:
     reqs = {f.name: [] for f in schema.REQUEST_FIELDS}
     for _ in range(n_requests):
         row = {
-            "finished_unix_s": 1_700_000_000.5, "e2e_s": 1.0, "queue_s": 0.1, "prefill_s": 0.1,
-            "decode_s": 0.8, "ttft_s": 0.2, "prompt_tokens": 30, "generation_tokens": 128,
-            "cached_tokens": 0, "preemptions": 0, "finish_reason": "length",
+            "finished_unix_s": 1_700_000_000.5,
+            "e2e_s": 1.0,
+            "queue_s": 0.1,
+            "prefill_s": 0.1,
+            "decode_s": 0.8,
+            "ttft_s": 0.2,
+            "prompt_tokens": 30,
+            "generation_tokens": 128,
+            "cached_tokens": 0,
+            "preemptions": 0,
+            "finish_reason": "length",
         }
         for k, v in row.items():
             reqs[k].append(v)
     hello = {f.name: None for f in schema.HELLO_FIELDS if f.nullable}
-    hello.update(engine_id="h:8000:0", boot_id="b1", host="h", port=8000, pid=1,
-                 engine_index=0, pool="p", model="m", started_unix_s=1_700_000_000.0,
-                 vllm_version="0.32.0", kvscope_version="0.1.0", num_gpu_blocks=48)
+    hello.update(
+        engine_id="h:8000:0",
+        boot_id="b1",
+        host="h",
+        port=8000,
+        pid=1,
+        engine_index=0,
+        pool="p",
+        model="m",
+        started_unix_s=1_700_000_000.0,
+        vllm_version="0.32.0",
+        kvscope_version="0.1.0",
+        num_gpu_blocks=48,
+    )
     return {
-        "schema_version": schema.SCHEMA_VERSION, "engine_id": "h:8000:0", "boot_id": "b1",
-        "seq": 0, "sent_unix_s": 1_700_000_001.0, "hello": hello, "steps": steps,
-        "requests": reqs, "exporter": {f.name: 0 for f in schema.EXPORTER_FIELDS},
+        "schema_version": schema.SCHEMA_VERSION,
+        "engine_id": "h:8000:0",
+        "boot_id": "b1",
+        "seq": 0,
+        "sent_unix_s": 1_700_000_001.0,
+        "hello": hello,
+        "steps": steps,
+        "requests": reqs,
+        "exporter": {f.name: 0 for f in schema.EXPORTER_FIELDS},
     }
 
 
@@ -133,8 +167,28 @@ def test_recorded_hellos_without_the_new_field_still_validate():
         assert all("kv_events_endpoint" not in h for h in hellos)
 
 
-_ODD_VALUES = [0, 1, -1, 2.5, -0.0, 1.0, 1.5, 2**70, -(2**70), 1e308, math.inf, -math.inf,
-               math.nan, None, True, False, "4", "x" * 40, [], {}]
+_ODD_VALUES = [
+    0,
+    1,
+    -1,
+    2.5,
+    -0.0,
+    1.0,
+    1.5,
+    2**70,
+    -(2**70),
+    1e308,
+    math.inf,
+    -math.inf,
+    math.nan,
+    None,
+    True,
+    False,
+    "4",
+    "x" * 40,
+    [],
+    {},
+]
 
 
 @pytest.mark.parametrize("f", schema.STEP_FIELDS + schema.REQUEST_FIELDS, ids=lambda f: f.name)

@@ -159,8 +159,14 @@ def test_shared_prefix_groups() -> None:
 
 def test_clamps_apply_to_prompt_and_output() -> None:
     trace = [TraceRow(50_000, 5_000), TraceRow(20, 4)]
-    w = Workload(trace=trace, trace_order="sequential", max_prompt_tokens=500, max_output_tokens=64,
-                 shared_prefix_words=100, tokens_per_word=1.0)  # fmt: skip
+    w = Workload(
+        trace=trace,
+        trace_order="sequential",
+        max_prompt_tokens=500,
+        max_output_tokens=64,
+        shared_prefix_words=100,
+        tokens_per_word=1.0,
+    )
     big, small = take(w, 0, 2)
     assert (big.prompt_words, big.max_tokens) == (500, 64)
     assert (small.prompt_words, small.max_tokens) == (120, 4)
@@ -259,11 +265,28 @@ def test_summarize_level_falls_back_to_estimated_prompt_tokens() -> None:
 
 def test_arguments_fill_a_validated_config() -> None:
     parser = add_sweep_arguments(argparse.ArgumentParser())
-    cfg = config_from_args(parser.parse_args(
-        ["--concurrency", "1,4", "--prompt-words", "10-20", "--output-tokens", "64",
-         "--shared-prefix-words", "50", "--prefix-groups", "4", "--no-progress",
-         "--max-prompt-tokens", "1000", "--no-continuous-usage", "--error-backoff", "0.5"]
-    ))  # fmt: skip
+    cfg = config_from_args(
+        parser.parse_args(
+            [
+                "--concurrency",
+                "1,4",
+                "--prompt-words",
+                "10-20",
+                "--output-tokens",
+                "64",
+                "--shared-prefix-words",
+                "50",
+                "--prefix-groups",
+                "4",
+                "--no-progress",
+                "--max-prompt-tokens",
+                "1000",
+                "--no-continuous-usage",
+                "--error-backoff",
+                "0.5",
+            ]
+        )
+    )
     assert cfg.error_backoff_s == 0.5
     assert (
         cfg.concurrency == [1, 4] and cfg.prompt_words == (10, 20) and cfg.output_tokens == (64, 64)
@@ -337,8 +360,15 @@ async def serving(app: web.Application) -> AsyncIterator[str]:
 def sweep_against(app: web.Application, **overrides: object) -> SweepResult:
     async def go() -> SweepResult:
         async with serving(app) as url:
-            cfg = SweepConfig(url=url, concurrency=[1, 4], duration_s=1.0, warmup_s=0.2,
-                              cooldown_s=0.0, output_tokens=(10, 10), progress=False)  # fmt: skip
+            cfg = SweepConfig(
+                url=url,
+                concurrency=[1, 4],
+                duration_s=1.0,
+                warmup_s=0.2,
+                cooldown_s=0.0,
+                output_tokens=(10, 10),
+                progress=False,
+            )
             for key, value in overrides.items():
                 setattr(cfg, key, value)
             return await run_sweep_async(cfg)
@@ -390,8 +420,9 @@ def test_refused_clients_wait_the_error_backoff() -> None:
     """Every request refused: a client sends one per backoff, about 1 / backoff a second."""
     counts = {}
     for backoff in (0.05, 0.5):
-        result = sweep_against(fake_openai_app(fail_every=1), concurrency=[2],
-                               error_backoff_s=backoff)
+        result = sweep_against(
+            fake_openai_app(fail_every=1), concurrency=[2], error_backoff_s=backoff
+        )
         (lv,) = result.levels
         assert lv.requests_completed == 0 and set(lv.errors) == {"http_503"}
         counts[backoff] = lv.error_count
@@ -427,8 +458,14 @@ def test_connection_errors_are_counted_not_raised() -> None:
 
 
 async def _sweep_dead_server() -> SweepResult:
-    cfg = SweepConfig(url="http://127.0.0.1:9", model="m", concurrency=[1], duration_s=0.5,
-                      warmup_s=0.0, progress=False)  # fmt: skip
+    cfg = SweepConfig(
+        url="http://127.0.0.1:9",
+        model="m",
+        concurrency=[1],
+        duration_s=0.5,
+        warmup_s=0.0,
+        progress=False,
+    )
     return await run_sweep_async(cfg)
 
 
@@ -456,9 +493,20 @@ def test_router_policies() -> None:
 
 def test_arguments_with_replicas_and_routing() -> None:
     parser = add_sweep_arguments(argparse.ArgumentParser())
-    cfg = config_from_args(parser.parse_args(
-        ["--url", "http://a:8000", "--url", "http://b:8000", "--routing", "prefix-affine",
-         "--shared-prefix-words", "40"]))  # fmt: skip
+    cfg = config_from_args(
+        parser.parse_args(
+            [
+                "--url",
+                "http://a:8000",
+                "--url",
+                "http://b:8000",
+                "--routing",
+                "prefix-affine",
+                "--shared-prefix-words",
+                "40",
+            ]
+        )
+    )
     assert cfg.targets == ["http://a:8000", "http://b:8000"] and cfg.routing == "prefix-affine"
     assert cfg.router().affinity_words == 40
     assert config_from_args(parser.parse_args([])).targets == [SweepConfig.url]
@@ -477,8 +525,10 @@ def prompt_recording_app(seen: list[str]) -> web.Application:
         await resp.prepare(request)
         for i in range(1, 4):
             await asyncio.sleep(TOKEN_INTERVAL_S)
-            chunk = {"choices": [{"index": 0, "text": " w", "finish_reason": None}],
-                     "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": i}}
+            chunk = {
+                "choices": [{"index": 0, "text": " w", "finish_reason": None}],
+                "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": i},
+            }
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -493,12 +543,23 @@ def _sweep_two_replicas(routing: str) -> tuple[SweepResult, list[list[str]]]:
     seen: list[list[str]] = [[], []]
 
     async def go() -> SweepResult:
-        async with serving(prompt_recording_app(seen[0])) as a, \
-                serving(prompt_recording_app(seen[1])) as b:
-            cfg = SweepConfig(url=a, replicas=[b], routing=routing, concurrency=[4],
-                              duration_s=0.6, warmup_s=0.1, cooldown_s=0.0,
-                              output_tokens=(3, 3), shared_prefix_words=6, prefix_groups=8,
-                              progress=False)  # fmt: skip
+        async with (
+            serving(prompt_recording_app(seen[0])) as a,
+            serving(prompt_recording_app(seen[1])) as b,
+        ):
+            cfg = SweepConfig(
+                url=a,
+                replicas=[b],
+                routing=routing,
+                concurrency=[4],
+                duration_s=0.6,
+                warmup_s=0.1,
+                cooldown_s=0.0,
+                output_tokens=(3, 3),
+                shared_prefix_words=6,
+                prefix_groups=8,
+                progress=False,
+            )
             return await run_sweep_async(cfg)
 
     return asyncio.run(go()), seen

@@ -27,8 +27,13 @@ def pick_engine(report: Report, key: str) -> EngineVerdict:
     return report.engine(str(eid))
 
 
-_COLORS = {"kv_cache_bound": "red", "max_num_seqs_bound": "orange",
-           "token_budget_bound": "orange", "compute_bound": "violet", "not_saturated": "green"}
+_COLORS = {
+    "kv_cache_bound": "red",
+    "max_num_seqs_bound": "orange",
+    "token_budget_bound": "orange",
+    "compute_bound": "violet",
+    "not_saturated": "green",
+}
 
 
 def verdict_headline(v: EngineVerdict) -> None:

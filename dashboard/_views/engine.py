@@ -23,15 +23,23 @@ STEP_SECONDS = 30.0
 
 def _config_line(cfg: dict) -> str:
     blocks, size = cfg.get("num_gpu_blocks"), cfg.get("block_size")
-    kv = (f"{num(blocks, ',.0f')} blocks x {num(size, '.0f')} tokens = "
-          f"{num((blocks or 0) * (size or 0), ',.0f')} tokens") if blocks and size else "unknown"
+    kv = (
+        (
+            f"{num(blocks, ',.0f')} blocks x {num(size, '.0f')} tokens = "
+            f"{num((blocks or 0) * (size or 0), ',.0f')} tokens"
+        )
+        if blocks and size
+        else "unknown"
+    )
     on = cfg.get("enable_prefix_caching")
     caching = "unknown" if on is None else ("on" if on else "off")
-    return (f"model `{cfg.get('model')}`, vLLM {cfg.get('vllm_version')}; KV cache {kv}; "
-            f"max_num_seqs {num(cfg.get('max_num_seqs'), '.0f')}, max_num_batched_tokens "
-            f"{num(cfg.get('max_num_batched_tokens'), '.0f')}, prefix caching {caching}, "
-            f"kv_cache_dtype {cfg.get('kv_cache_dtype')}, tensor parallel "
-            f"{num(cfg.get('tensor_parallel_size'), '.0f')}")
+    return (
+        f"model `{cfg.get('model')}`, vLLM {cfg.get('vllm_version')}; KV cache {kv}; "
+        f"max_num_seqs {num(cfg.get('max_num_seqs'), '.0f')}, max_num_batched_tokens "
+        f"{num(cfg.get('max_num_batched_tokens'), '.0f')}, prefix caching {caching}, "
+        f"kv_cache_dtype {cfg.get('kv_cache_dtype')}, tensor parallel "
+        f"{num(cfg.get('tensor_parallel_size'), '.0f')}"
+    )
 
 
 def render(snap: Snapshot) -> None:
@@ -39,22 +47,28 @@ def render(snap: Snapshot) -> None:
     assert report is not None
     v = pick_engine(report, "engine_detail_engine")
     cfg = snap.engine_config(v.engine_id)
-    st.markdown(f"pool **{v.pool}**; {engine_status(cfg.get('last_step_unix_s'), snap.fetched_unix_s)}"
-                f"  \n{_config_line(cfg)}")
+    st.markdown(
+        f"pool **{v.pool}**; {engine_status(cfg.get('last_step_unix_s'), snap.fetched_unix_s)}"
+        f"  \n{_config_line(cfg)}"
+    )
     r = recent(snap.engine_windows(v.engine_id), window_s=snap.window_s)
     verdict_headline(v)
     c = st.columns(6)
-    c[0].metric("batch (last 60 s)", num(r.batch_mean),
-                help=f"of max_num_seqs {num(cfg.get('max_num_seqs'), '.0f')}")
+    c[0].metric(
+        "batch (last 60 s)",
+        num(r.batch_mean),
+        help=f"of max_num_seqs {num(cfg.get('max_num_seqs'), '.0f')}",
+    )
     c[1].metric("KV used (last 60 s)", pct(r.kv_usage_mean))
     c[2].metric("waiting (last 60 s)", num(r.waiting_mean))
     c[3].metric("generated (last 60 s)", tok(r.gen_tokens_per_s))
     c[4].metric("knee (in flight)", knee(v.knee_concurrency))
-    c[5].metric("recommended cap", str(v.recommended_concurrency_cap)
-                if v.recommended_concurrency_cap is not None else NONE)
+    c[5].metric(
+        "recommended cap",
+        str(v.recommended_concurrency_cap) if v.recommended_concurrency_cap is not None else NONE,
+    )
 
-    s = engine_series(snap.engine_windows(v.engine_id), cfg.get("num_gpu_blocks"),
-                      snap.window_s)
+    s = engine_series(snap.engine_windows(v.engine_id), cfg.get("num_gpu_blocks"), snap.window_s)
     if not len(s):
         st.info("No 1-second windows of this engine in the window.")
         return
@@ -62,29 +76,61 @@ def render(snap: Snapshot) -> None:
     st.subheader(f"Time series ({per})")
     seqs, blocks = cfg.get("max_num_seqs"), cfg.get("num_gpu_blocks")
     left, right = st.columns(2)
-    left.altair_chart(time_chart(
-        s, {"batch_mean": "batch (mean)", "batch_max": "batch (max)"},
-        "Batch size against max_num_seqs", "running requests",
-        [(seqs, f"max_num_seqs {num(seqs, '.0f')}")]), width="stretch")
-    right.altair_chart(time_chart(
-        s, {"kv_blocks_mean": "blocks in use (mean)", "kv_blocks_max": "blocks in use (max)"},
-        "KV blocks in use against the total", "KV blocks",
-        [(blocks, f"num_gpu_blocks {num(blocks, ',.0f')}")], y_format=",.0f"),
-        width="stretch")
-    left.altair_chart(time_chart(
-        s, {"waiting_mean": "waiting (mean)", "waiting_max": "waiting (max)"},
-        "Waiting queue", "requests"), width="stretch")
-    right.altair_chart(time_chart(
-        s, {"preemptions_per_s": "preemptions/s"}, "Preemptions", "per second"),
-        width="stretch")
-    left.altair_chart(time_chart(
-        s, {"prefix_queries_per_s": "looked up", "prefix_hits_per_s": "hits"},
-        "Prefix cache (prompt tokens/s)", "tokens/s", y_format=",.0f"),
-        width="stretch")
-    right.altair_chart(time_chart(
-        s, {"gen_tokens_per_s": "generated", "prompt_tokens_per_s": "prompt (computed)"},
-        "Throughput", "tokens/s", [(v.plateau_tokens_per_s, "plateau (generated)")],
-        y_format=",.0f"), width="stretch")
+    left.altair_chart(
+        time_chart(
+            s,
+            {"batch_mean": "batch (mean)", "batch_max": "batch (max)"},
+            "Batch size against max_num_seqs",
+            "running requests",
+            [(seqs, f"max_num_seqs {num(seqs, '.0f')}")],
+        ),
+        width="stretch",
+    )
+    right.altair_chart(
+        time_chart(
+            s,
+            {"kv_blocks_mean": "blocks in use (mean)", "kv_blocks_max": "blocks in use (max)"},
+            "KV blocks in use against the total",
+            "KV blocks",
+            [(blocks, f"num_gpu_blocks {num(blocks, ',.0f')}")],
+            y_format=",.0f",
+        ),
+        width="stretch",
+    )
+    left.altair_chart(
+        time_chart(
+            s,
+            {"waiting_mean": "waiting (mean)", "waiting_max": "waiting (max)"},
+            "Waiting queue",
+            "requests",
+        ),
+        width="stretch",
+    )
+    right.altair_chart(
+        time_chart(s, {"preemptions_per_s": "preemptions/s"}, "Preemptions", "per second"),
+        width="stretch",
+    )
+    left.altair_chart(
+        time_chart(
+            s,
+            {"prefix_queries_per_s": "looked up", "prefix_hits_per_s": "hits"},
+            "Prefix cache (prompt tokens/s)",
+            "tokens/s",
+            y_format=",.0f",
+        ),
+        width="stretch",
+    )
+    right.altair_chart(
+        time_chart(
+            s,
+            {"gen_tokens_per_s": "generated", "prompt_tokens_per_s": "prompt (computed)"},
+            "Throughput",
+            "tokens/s",
+            [(v.plateau_tokens_per_s, "plateau (generated)")],
+            y_format=",.0f",
+        ),
+        width="stretch",
+    )
     lat = latency_series(snap.engine_requests(v.engine_id))
     if len(lat):
         st.altair_chart(latency_chart(lat), width="stretch")
@@ -93,9 +139,11 @@ def render(snap: Snapshot) -> None:
 
     st.subheader("Recent engine steps")
     if not snap.has_steps:
-        st.info("Per-step series need kvscope's plugin and a collector: Prometheus holds one "
-                f"sample per scrape ({snap.window_s:g} s here), not every engine step. Point "
-                "`kvscope dashboard --collector URL` at a collector to see them.")
+        st.info(
+            "Per-step series need kvscope's plugin and a collector: Prometheus holds one "
+            f"sample per scrape ({snap.window_s:g} s here), not every engine step. Point "
+            "`kvscope dashboard --collector URL` at a collector to see them."
+        )
         return
     last = cfg.get("last_step_unix_s") or r.end_unix_s
     if last is None:
@@ -106,7 +154,9 @@ def render(snap: Snapshot) -> None:
         st.warning(f"Could not read the raw steps: {exc}")
         return
     if not len(steps):
-        st.caption("The collector holds no raw steps of this engine's last "
-                   f"{STEP_SECONDS:.0f} s (raw steps are kept --raw-retention-s).")
+        st.caption(
+            "The collector holds no raw steps of this engine's last "
+            f"{STEP_SECONDS:.0f} s (raw steps are kept --raw-retention-s)."
+        )
         return
     st.altair_chart(step_chart(steps, seqs), width="stretch")

@@ -19,32 +19,45 @@ ROUTING_KINDS = ("prefix_aware_routing", "least_loaded_routing")
 
 
 def _pool_findings(report: Report, pool: str | None, kind: str) -> list[Finding]:
-    return [f for f in report.findings if f.kind == kind and f.scope.pool == pool
-            and f.scope.engine_id is None]
+    return [
+        f
+        for f in report.findings
+        if f.kind == kind and f.scope.pool == pool and f.scope.engine_id is None
+    ]
 
 
 def _replica_table(frame: dict[str, list]) -> pd.DataFrame:
     df = pd.DataFrame(frame)
     caching = {True: "on", False: "off"}
-    return pd.DataFrame({
-        "replica": df.get("engine_id", pd.Series(dtype=str)),
-        "hit rate": [pct(v) for v in df.get("hit_rate", [])],
-        "prompt tokens looked up": [num(v, ",.0f") for v in df.get("prefix_queries", [])],
-        "tokens found": [num(v, ",.0f") for v in df.get("prefix_hits", [])],
-        "finished requests": [num(v, ",.0f") for v in df.get("n_requests", [])],
-        "with cached tokens": [num(v, ",.0f") for v in df.get("n_cached_requests", [])],
-        "prefix caching": [caching.get(v, "unknown") for v in df.get("prefix_caching", [])],
-    }).set_index("replica")
+    return pd.DataFrame(
+        {
+            "replica": df.get("engine_id", pd.Series(dtype=str)),
+            "hit rate": [pct(v) for v in df.get("hit_rate", [])],
+            "prompt tokens looked up": [num(v, ",.0f") for v in df.get("prefix_queries", [])],
+            "tokens found": [num(v, ",.0f") for v in df.get("prefix_hits", [])],
+            "finished requests": [num(v, ",.0f") for v in df.get("n_requests", [])],
+            "with cached tokens": [num(v, ",.0f") for v in df.get("n_cached_requests", [])],
+            "prefix caching": [caching.get(v, "unknown") for v in df.get("prefix_caching", [])],
+        }
+    ).set_index("replica")
 
 
 def _ttft_table(ev: dict[str, Any]) -> pd.DataFrame | None:
     rows = []
-    for label, key in (("with cached tokens", "ttft_cached"),
-                       ("without cached tokens", "ttft_uncached")):
+    for label, key in (
+        ("with cached tokens", "ttft_cached"),
+        ("without cached tokens", "ttft_uncached"),
+    ):
         d = ev.get(key) or {}
-        rows.append({"requests": label, "n": num(d.get("n"), ",.0f"),
-                     "TTFT P50": sec(d.get("p50_s")), "TTFT P90": sec(d.get("p90_s")),
-                     "TTFT mean": sec(d.get("mean_s"))})
+        rows.append(
+            {
+                "requests": label,
+                "n": num(d.get("n"), ",.0f"),
+                "TTFT P50": sec(d.get("p50_s")),
+                "TTFT P90": sec(d.get("p90_s")),
+                "TTFT mean": sec(d.get("mean_s")),
+            }
+        )
     if not any((ev.get(k) or {}).get("n") for k in ("ttft_cached", "ttft_uncached")):
         return None
     return pd.DataFrame(rows).set_index("requests")
@@ -60,17 +73,23 @@ def _duplication(report: Report, pv: PoolVerdict) -> None:
         c[0].metric("reuse available", pct(ev.get("available")))
         c[1].metric("captured by routing", pct(ev.get("captured")))
         c[2].metric("delivered (hit rate)", pct(ev.get("hit_rate")))
-        c[3].metric("routing loss", pct(ev.get("routing_loss")),
-                    help="share of looked-up tokens recomputed while another replica held them")
+        c[3].metric(
+            "routing loss",
+            pct(ev.get("routing_loss")),
+            help="share of looked-up tokens recomputed while another replica held them",
+        )
         c[4].metric("cache duplicated across replicas", pct(ev.get("duplicated_cache_ratio")))
         (st.warning if f.severity == "warning" else st.info)(
-            f"{f.summary} (confidence {f.confidence:.2f})")
+            f"{f.summary} (confidence {f.confidence:.2f})"
+        )
     for f in missing:
         (st.warning if f.severity == "warning" else st.info)(f.summary)
         flag = f.evidence.get("vllm_flag")
         if flag:
-            st.caption("vLLM flag that turns KV-cache events on (the collector subscribes to "
-                       "the endpoint each engine advertises):")
+            st.caption(
+                "vLLM flag that turns KV-cache events on (the collector subscribes to "
+                "the endpoint each engine advertises):"
+            )
             st.code(str(flag), language="bash", wrap_lines=True)
     if not routing and not missing and len(pv.engine_ids) < 2:
         st.caption("One replica: no duplication across replicas to measure.")
@@ -81,14 +100,18 @@ def _pool(report: Report, pv: PoolVerdict) -> None:
     cache = _pool_findings(report, pv.pool, "prefix_cache")
     c = st.columns(4)
     c[0].metric("prefix-cache hit rate", pct(pv.prefix_hit_rate))
-    c[1].metric("prefix-affine (predicted)",
-                pct(pv.predicted_prefix_hit_rate_affine),
-                help="hit rate predicted under prefix-affine routing; needs vLLM's KV-cache "
-                     "events from two replicas or more")
+    c[1].metric(
+        "prefix-affine (predicted)",
+        pct(pv.predicted_prefix_hit_rate_affine),
+        help="hit rate predicted under prefix-affine routing; needs vLLM's KV-cache "
+        "events from two replicas or more",
+    )
     c[2].metric("routing loss", pct(pv.prefix_routing_loss))
-    c[3].metric("load imbalance",
-                f"{pv.load_imbalance:.2f}x" if pv.load_imbalance is not None else NONE,
-                help="busiest replica's mean in-flight load / the pool mean")
+    c[3].metric(
+        "load imbalance",
+        f"{pv.load_imbalance:.2f}x" if pv.load_imbalance is not None else NONE,
+        help="busiest replica's mean in-flight load / the pool mean",
+    )
     if cache:
         f = cache[0]
         st.markdown(f.summary)

@@ -39,8 +39,13 @@ def change_blocks(change: dict[str, Any]) -> list[tuple[str, str, str]]:
                 else:
                     out.append((str(gk), str(gv), "text"))
         elif key == "per_engine_caps" and isinstance(val, dict):
-            out.append(("cap per engine (in flight)",
-                        "\n".join(f"{k}: {c}" for k, c in val.items()), "yaml"))
+            out.append(
+                (
+                    "cap per engine (in flight)",
+                    "\n".join(f"{k}: {c}" for k, c in val.items()),
+                    "yaml",
+                )
+            )
         elif key in _TEXT_KEYS:
             label, lang = _TEXT_KEYS[key]
             out.append((label, str(val), lang))
@@ -59,8 +64,10 @@ def _scope(r: Recommendation) -> str:
 def recommendation_card(i: int, r: Recommendation) -> None:
     with st.container(border=True):
         st.markdown(f"#### {i}. {r.summary}")
-        st.caption(f"{_scope(r)}; `{r.kind}`; confidence {r.confidence:.2f}; expected gain "
-                   f"{r.expected_gain:+.0%}")
+        st.caption(
+            f"{_scope(r)}; `{r.kind}`; confidence {r.confidence:.2f}; expected gain "
+            f"{r.expected_gain:+.0%}"
+        )
         effect = facts(r.expected_effect, EFFECT_LABELS)
         if effect:
             st.markdown("**Expected effect:** " + "; ".join(f"{k} {v}" for k, v in effect))
@@ -83,7 +90,9 @@ def render(snap: Snapshot) -> None:
     if not report.recommendations:
         st.success("No recommendations: nothing to change on this data.")
         return
-    st.caption(f"{len(report.recommendations)} recommendation(s), ranked by expected gain "
-               "(relative throughput gain, or relative latency reduction)")
+    st.caption(
+        f"{len(report.recommendations)} recommendation(s), ranked by expected gain "
+        "(relative throughput gain, or relative latency reduction)"
+    )
     for i, r in enumerate(report.recommendations, start=1):
         recommendation_card(i, r)

@@ -103,8 +103,11 @@ def format_table(result: SweepResult) -> str:
     """The levels as a fixed-width text table, one row per level."""
     header = "  ".join(fmt.format(name) for name, fmt in _COLUMNS)
     replicas = result.config.get("replicas") or []
-    where = result.url if not replicas else (
-        f"{result.url} + {len(replicas)} more, {result.config.get('routing')} routing")
+    where = (
+        result.url
+        if not replicas
+        else (f"{result.url} + {len(replicas)} more, {result.config.get('routing')} routing")
+    )
     lines = [f"{result.model} @ {where}", header, "-" * len(header)]
     for lv in result.levels:
         cells = (
@@ -126,13 +129,16 @@ def format_table(result: SweepResult) -> str:
     if replicas:
         for lv in result.levels:
             if lv.requests_per_target:
-                lines.append(f"concurrency {lv.concurrency}: requests per server "
-                             + ", ".join(str(n) for n in lv.requests_per_target))
+                lines.append(
+                    f"concurrency {lv.concurrency}: requests per server "
+                    + ", ".join(str(n) for n in lv.requests_per_target)
+                )
     kinds = sorted({k for lv in result.levels for k in lv.errors})
     if kinds:
-        lines.append("errors by kind: " + ", ".join(
-            f"{k}={sum(lv.errors.get(k, 0) for lv in result.levels)}" for k in kinds
-        ))  # fmt: skip
+        lines.append(
+            "errors by kind: "
+            + ", ".join(f"{k}={sum(lv.errors.get(k, 0) for lv in result.levels)}" for k in kinds)
+        )
     return "\n".join(lines)
 
 

@@ -55,14 +55,16 @@ class PromAuth:
 
     def __post_init__(self) -> None:
         if self.bearer_token and (self.username or self.password):
-            raise ValueError("give either a bearer token or basic auth (user and password), "
-                             "not both")
+            raise ValueError(
+                "give either a bearer token or basic auth (user and password), not both"
+            )
         if self.password and not self.username:
             raise ValueError("a basic-auth password needs a user name")
         for name, _ in self.headers:
             if name.lower() == "authorization" and (self.bearer_token or self.username):
-                raise ValueError("an Authorization header and a bearer token or basic auth "
-                                 "exclude each other")
+                raise ValueError(
+                    "an Authorization header and a bearer token or basic auth exclude each other"
+                )
 
     @property
     def kind(self) -> str:

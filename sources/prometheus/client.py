@@ -42,12 +42,18 @@ def _error_text(body: str) -> str:
 def _auth_hint(kind: str, code: int) -> str:
     """What to check after a 401/403, by what was sent (never the secret itself)."""
     if kind == "none":
-        return ("the server wants credentials: give --prometheus-bearer-token-file, or "
-                "--prometheus-user with --prometheus-password-file")
-    sent = {"bearer": "the bearer token", "basic": "the basic-auth user and password",
-            "headers": "the extra headers"}[kind]
+        return (
+            "the server wants credentials: give --prometheus-bearer-token-file, or "
+            "--prometheus-user with --prometheus-password-file"
+        )
+    sent = {
+        "bearer": "the bearer token",
+        "basic": "the basic-auth user and password",
+        "headers": "the extra headers",
+    }[kind]
     return f"{sent} sent {'were' if kind != 'bearer' else 'was'} " + (
-        "refused" if code == 401 else "not allowed to read this")
+        "refused" if code == 401 else "not allowed to read this"
+    )
 
 
 def _float(v: Any) -> float:
@@ -65,8 +71,14 @@ class PromClient:
     not sent on after a redirect (urllib would send it to wherever the redirect points).
     """
 
-    def __init__(self, url: str, *, timeout_s: float = 30.0,
-                 headers: dict[str, str] | None = None, auth: PromAuth | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 30.0,
+        headers: dict[str, str] | None = None,
+        auth: PromAuth | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.auth = auth or PromAuth()
@@ -80,8 +92,9 @@ class PromClient:
             req = urllib.request.Request(f"{self.url}{path}", data=body.encode(), method="POST")
             req.add_header("Content-Type", "application/x-www-form-urlencoded")
         else:
-            req = urllib.request.Request(f"{self.url}{path}?{body}" if body else
-                                         f"{self.url}{path}")
+            req = urllib.request.Request(
+                f"{self.url}{path}?{body}" if body else f"{self.url}{path}"
+            )
         for k, v in self.headers.items():
             if k.lower() == "authorization":  # never follows a redirect to another server
                 req.add_unredirected_header(k, v)
@@ -97,45 +110,69 @@ class PromClient:
                 detail += f" (is {self.url} a Prometheus base URL, without a path?)"
             elif e.code in (401, 403):
                 detail += f" ({_auth_hint(self.auth.kind, e.code)})"
-            raise SourceError(f"Prometheus at {self.url} answered {e.code} on {path}: {detail}",
-                              url=self.url, path=path, status=e.code, reason=detail) from e
+            raise SourceError(
+                f"Prometheus at {self.url} answered {e.code} on {path}: {detail}",
+                url=self.url,
+                path=path,
+                status=e.code,
+                reason=detail,
+            ) from e
         except (urllib.error.URLError, OSError, ValueError) as e:
             cause = getattr(e, "reason", None) or e
             reason = str(cause)
             if isinstance(cause, ssl.SSLError):
-                reason += (" (trust its certificate with --prometheus-ca-file, or skip the "
-                           "check with --prometheus-insecure-skip-verify)")
-            raise SourceError(f"cannot reach Prometheus at {self.url}: {reason}",
-                              url=self.url, path=path, reason=reason) from e
+                reason += (
+                    " (trust its certificate with --prometheus-ca-file, or skip the "
+                    "check with --prometheus-insecure-skip-verify)"
+                )
+            raise SourceError(
+                f"cannot reach Prometheus at {self.url}: {reason}",
+                url=self.url,
+                path=path,
+                reason=reason,
+            ) from e
         try:
             doc = json.loads(raw)
         except ValueError as e:
-            raise SourceError(f"{self.url}{path} did not answer JSON (is {self.url} a "
-                              f"Prometheus base URL?): {raw.strip()[:120]!r}",
-                              url=self.url, path=path, status=200, reason="not JSON") from e
+            raise SourceError(
+                f"{self.url}{path} did not answer JSON (is {self.url} a "
+                f"Prometheus base URL?): {raw.strip()[:120]!r}",
+                url=self.url,
+                path=path,
+                status=200,
+                reason="not JSON",
+            ) from e
         if not isinstance(doc, dict) or doc.get("status") != "success":
             detail = _error_text(raw)
-            raise SourceError(f"Prometheus at {self.url} refused {path}: {detail}",
-                              url=self.url, path=path, status=200, reason=detail)
+            raise SourceError(
+                f"Prometheus at {self.url} refused {path}: {detail}",
+                url=self.url,
+                path=path,
+                status=200,
+                reason=detail,
+            )
         return doc.get("data")
 
     def query(self, expr: str, time_s: float) -> list[tuple[dict[str, str], float]]:
         """An instant vector query: (labels, value) per series."""
-        data = self._call("/api/v1/query", [("query", expr), ("time", f"{time_s:.3f}")],
-                          post=True)
+        data = self._call("/api/v1/query", [("query", expr), ("time", f"{time_s:.3f}")], post=True)
         if data.get("resultType") != "vector":
-            raise SourceError(f"query {expr!r}: expected a vector, got {data.get('resultType')}",
-                              url=self.url, path="/api/v1/query")
+            raise SourceError(
+                f"query {expr!r}: expected a vector, got {data.get('resultType')}",
+                url=self.url,
+                path="/api/v1/query",
+            )
         return [(dict(r["metric"]), _float(r["value"][1])) for r in data.get("result", [])]
 
     def raw_samples(self, expr: str, time_s: float) -> list[Series]:
         """An instant query of a range selector (``x[10m]``): the raw samples per series."""
-        data = self._call("/api/v1/query", [("query", expr), ("time", f"{time_s:.3f}")],
-                          post=True)
+        data = self._call("/api/v1/query", [("query", expr), ("time", f"{time_s:.3f}")], post=True)
         if data.get("resultType") != "matrix":
             return []
-        return [(dict(r["metric"]), [(float(t), _float(v)) for t, v in r.get("values", [])])
-                for r in data.get("result", [])]
+        return [
+            (dict(r["metric"]), [(float(t), _float(v)) for t, v in r.get("values", [])])
+            for r in data.get("result", [])
+        ]
 
     def query_range(self, expr: str, start_s: float, end_s: float, step_s: float) -> list[Series]:
         """A range query, split into pieces of at most :data:`MAX_POINTS` points."""
@@ -143,9 +180,16 @@ class PromClient:
         t0 = start_s
         while t0 <= end_s:
             t1 = min(end_s, t0 + step_s * (MAX_POINTS - 1))
-            data = self._call("/api/v1/query_range",
-                              [("query", expr), ("start", f"{t0:.3f}"), ("end", f"{t1:.3f}"),
-                               ("step", f"{step_s:g}")], post=True)
+            data = self._call(
+                "/api/v1/query_range",
+                [
+                    ("query", expr),
+                    ("start", f"{t0:.3f}"),
+                    ("end", f"{t1:.3f}"),
+                    ("step", f"{step_s:g}"),
+                ],
+                post=True,
+            )
             for r in data.get("result", []):
                 labels = dict(r["metric"])
                 key = tuple(sorted(labels.items()))
@@ -159,19 +203,28 @@ class PromClient:
 
     def series(self, match: str, start_s: float, end_s: float) -> list[dict[str, str]]:
         """Label sets of the series matching ``match`` over the range."""
-        data = self._call("/api/v1/series", [("match[]", match), ("start", f"{start_s:.3f}"),
-                                             ("end", f"{end_s:.3f}")], post=True)
+        data = self._call(
+            "/api/v1/series",
+            [("match[]", match), ("start", f"{start_s:.3f}"), ("end", f"{end_s:.3f}")],
+            post=True,
+        )
         return [dict(d) for d in data or []]
 
     def metadata(self) -> dict[str, str]:
         """Family name -> type (``counter``, ``gauge``, ``histogram``...) of scraped metrics."""
         data = self._call("/api/v1/metadata", [], post=False) or {}
-        return {fam: str(entries[0].get("type", "")) for fam, entries in data.items()
-                if isinstance(entries, list) and entries}
+        return {
+            fam: str(entries[0].get("type", ""))
+            for fam, entries in data.items()
+            if isinstance(entries, list) and entries
+        }
 
     def label_values(self, label: str, match: str, start_s: float, end_s: float) -> list[str]:
         """Values of ``label`` on the series matching ``match`` over the range."""
         path = f"/api/v1/label/{urllib.parse.quote(label, safe='')}/values"
-        data = self._call(path, [("match[]", match), ("start", f"{start_s:.3f}"),
-                                 ("end", f"{end_s:.3f}")], post=False)
+        data = self._call(
+            path,
+            [("match[]", match), ("start", f"{start_s:.3f}"), ("end", f"{end_s:.3f}")],
+            post=False,
+        )
         return [str(v) for v in data or []]

@@ -11,14 +11,26 @@ import math
 import numpy as np
 import pandas as pd
 
-__all__ = ["HISTOGRAM_COLUMNS", "bucket_quantile", "confidence_factor", "cumulative_round",
-           "footprint_tokens", "increases", "infer_max_num_seqs", "pseudo_requests",
-           "quantiles_from_buckets"]
+__all__ = [
+    "HISTOGRAM_COLUMNS",
+    "bucket_quantile",
+    "confidence_factor",
+    "cumulative_round",
+    "footprint_tokens",
+    "increases",
+    "infer_max_num_seqs",
+    "pseudo_requests",
+    "quantiles_from_buckets",
+]
 
 #: Request column <- histogram role (vLLM's per-request histograms).
 HISTOGRAM_COLUMNS: dict[str, str] = {
-    "e2e_s": "e2e", "ttft_s": "ttft", "queue_s": "queue", "prefill_s": "prefill",
-    "decode_s": "decode", "generation_tokens": "request_generation_tokens",
+    "e2e_s": "e2e",
+    "ttft_s": "ttft",
+    "queue_s": "queue",
+    "prefill_s": "prefill",
+    "decode_s": "decode",
+    "generation_tokens": "request_generation_tokens",
 }
 
 
@@ -54,10 +66,17 @@ def quantiles_from_buckets(les: np.ndarray, cumulative: np.ndarray, n: int) -> n
     return np.asarray(out, float)
 
 
-def pseudo_requests(engine_id: str, ts: np.ndarray, counts: np.ndarray,
-                    buckets: dict[str, tuple[np.ndarray, np.ndarray]],
-                    means: dict[str, np.ndarray], *, scale: float, prompt_tokens: np.ndarray,
-                    cached_share: float) -> pd.DataFrame:
+def pseudo_requests(
+    engine_id: str,
+    ts: np.ndarray,
+    counts: np.ndarray,
+    buckets: dict[str, tuple[np.ndarray, np.ndarray]],
+    means: dict[str, np.ndarray],
+    *,
+    scale: float,
+    prompt_tokens: np.ndarray,
+    cached_share: float,
+) -> pd.DataFrame:
     """Rows standing for the requests that finished in each window.
 
     ``ts`` are the windows' start seconds; ``counts`` the requests finished per window;
@@ -101,9 +120,15 @@ def pseudo_requests(engine_id: str, ts: np.ndarray, counts: np.ndarray,
     return out
 
 
-def infer_max_num_seqs(running_max: np.ndarray, waiting: np.ndarray, kv_usage: np.ndarray, *,
-                       min_windows: int = 5, min_share: float = 0.6,
-                       kv_full: float = 0.9) -> int | None:
+def infer_max_num_seqs(
+    running_max: np.ndarray,
+    waiting: np.ndarray,
+    kv_usage: np.ndarray,
+    *,
+    min_windows: int = 5,
+    min_share: float = 0.6,
+    kv_full: float = 0.9,
+) -> int | None:
     """``max_num_seqs`` read off the data when vLLM does not expose it.
 
     vLLM publishes its cache configuration (``vllm:cache_config_info``) but not the

@@ -33,8 +33,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import promql_parser
 
-__all__ = ["Expr", "Matcher", "PromQLError", "Selector", "Token", "matchers_of_selector",
-           "scan", "scan_tokens", "tokenize", "with_matchers"]
+__all__ = [
+    "Expr",
+    "Matcher",
+    "PromQLError",
+    "Selector",
+    "Token",
+    "matchers_of_selector",
+    "scan",
+    "scan_tokens",
+    "tokenize",
+    "with_matchers",
+]
 
 
 class PromQLError(ValueError):
@@ -86,16 +96,57 @@ class Expr:
     created_labels: set[str] = field(default_factory=set)
 
 
-_AGGREGATORS = frozenset({"sum", "min", "max", "avg", "group", "stddev", "stdvar", "count",
-                          "count_values", "bottomk", "topk", "quantile", "limitk",
-                          "limit_ratio"})
+_AGGREGATORS = frozenset(
+    {
+        "sum",
+        "min",
+        "max",
+        "avg",
+        "group",
+        "stddev",
+        "stdvar",
+        "count",
+        "count_values",
+        "bottomk",
+        "topk",
+        "quantile",
+        "limitk",
+        "limit_ratio",
+    }
+)
 _GROUPING = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right"})
-_KEYWORDS = _GROUPING | frozenset({"and", "or", "unless", "bool", "offset", "atan2", "inf",
-                                   "nan", "start", "end"})
-_OPS = ("=~", "!~", "!=", "==", ">=", "<=", "=", ">", "<", "+", "-", "*", "/", "%", "^",
-        ",", "(", ")", "{", "}", "[", "]", "@", ":")
+_KEYWORDS = _GROUPING | frozenset(
+    {"and", "or", "unless", "bool", "offset", "atan2", "inf", "nan", "start", "end"}
+)
+_OPS = (
+    "=~",
+    "!~",
+    "!=",
+    "==",
+    ">=",
+    "<=",
+    "=",
+    ">",
+    "<",
+    "+",
+    "-",
+    "*",
+    "/",
+    "%",
+    "^",
+    ",",
+    "(",
+    ")",
+    "{",
+    "}",
+    "[",
+    "]",
+    "@",
+    ":",
+)
 _NUMBER = re.compile(
-    r"0[xX][0-9a-fA-F]+|(?:\d+(?:ms|[smhdwy]))+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+    r"0[xX][0-9a-fA-F]+|(?:\d+(?:ms|[smhdwy]))+|(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
+)
 _IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 _VAR = re.compile(r"\$\{[^}]*\}|\$[A-Za-z_][A-Za-z0-9_]*|\[\[[^\]]*\]\]")
 
@@ -188,9 +239,13 @@ def _matchers(toks: list[Token], i: int) -> tuple[list[Matcher], str | None, int
         t = toks[i]
         if t.kind == "op" and t.text == "}":
             return out, quoted, i + 1
-        if t.kind in ("ident", "string") and i + 2 < len(toks) \
-                and toks[i + 1].kind == "op" and toks[i + 1].text in ("=", "!=", "=~", "!~") \
-                and toks[i + 2].kind in ("string", "var"):
+        if (
+            t.kind in ("ident", "string")
+            and i + 2 < len(toks)
+            and toks[i + 1].kind == "op"
+            and toks[i + 1].text in ("=", "!=", "=~", "!~")
+            and toks[i + 2].kind in ("string", "var")
+        ):
             out.append(Matcher(t.text, toks[i + 1].text, toks[i + 2].text))
             i += 3
             continue
@@ -257,8 +312,10 @@ _CREATES = {"label_replace": 1, "label_join": 1}  # index of the destination lab
 
 
 def _matchers_of(node: promql_parser.VectorSelector) -> list[Matcher]:
-    return [Matcher(m.name, _MATCH_OPS[str(m.op).rpartition(".")[2]], m.value)
-            for m in node.matchers.matchers]
+    return [
+        Matcher(m.name, _MATCH_OPS[str(m.op).rpartition(".")[2]], m.value)
+        for m in node.matchers.matchers
+    ]
 
 
 def _expr_of_tree(tree: promql_parser.Expr) -> Expr:
@@ -269,8 +326,9 @@ def _expr_of_tree(tree: promql_parser.Expr) -> Expr:
     def visit(node: promql_parser.Expr) -> None:
         if isinstance(node, pp.VectorSelector):
             ms = _matchers_of(node)
-            name = node.name or next((m.value for m in ms if m.label == "__name__"
-                                      and m.op == "="), None)
+            name = node.name or next(
+                (m.value for m in ms if m.label == "__name__" and m.op == "="), None
+            )
             ex.selectors.append(Selector(name, ms))
         elif isinstance(node, pp.AggregateExpr):
             agg = node.modifier
@@ -285,7 +343,8 @@ def _expr_of_tree(tree: promql_parser.Expr) -> Expr:
                 kw = _BY_KEYWORD[str(binary.matching.type).rpartition(".")[2]]
                 ex.grouping.extend((kw, lab) for lab in binary.matching.labels)
             side = {"ManyToOne": "group_left", "OneToMany": "group_right"}.get(
-                str(binary.card).rpartition(".")[2])
+                str(binary.card).rpartition(".")[2]
+            )
             if side:
                 ex.grouping.extend((side, lab) for lab in binary.group_labels or ())
         elif isinstance(node, pp.Call) and node.func.name in _CREATES:
@@ -311,8 +370,9 @@ def scan_tokens(text: str) -> Expr:
             continue
         if t.kind == "op" and t.text == "{":
             ms, quoted, j = _matchers(toks, i)
-            name = quoted or next((m.value for m in ms if m.label == "__name__" and m.op == "="),
-                                  None)
+            name = quoted or next(
+                (m.value for m in ms if m.label == "__name__" and m.op == "="), None
+            )
             ex.selectors.append(Selector(name, ms, t.start))
             i = j
             continue
@@ -328,8 +388,12 @@ def scan_tokens(text: str) -> Expr:
             else:
                 i += 1
             continue
-        if is_open or (low in _AGGREGATORS and nxt is not None and nxt.kind == "ident"
-                       and nxt.text.lower() in ("by", "without")):
+        if is_open or (
+            low in _AGGREGATORS
+            and nxt is not None
+            and nxt.kind == "ident"
+            and nxt.text.lower() in ("by", "without")
+        ):
             if t.text in ("label_replace", "label_join", "count_values") and is_open:
                 created = _created_label(toks, i + 1, t.text)
                 if created:
@@ -340,9 +404,13 @@ def scan_tokens(text: str) -> Expr:
             i += 1
             continue
         prev = toks[i - 1] if i else None
-        sel = Selector(t.text, [], t.start,
-                       templated=(prev is not None and prev.kind == "var" and _glued(prev, t))
-                       or (nxt is not None and nxt.kind == "var" and _glued(t, nxt)))
+        sel = Selector(
+            t.text,
+            [],
+            t.start,
+            templated=(prev is not None and prev.kind == "var" and _glued(prev, t))
+            or (nxt is not None and nxt.kind == "var" and _glued(t, nxt)),
+        )
         i += 1
         if nxt is not None and nxt.kind == "op" and nxt.text == "{":
             sel.matchers, _, i = _matchers(toks, i)
@@ -362,8 +430,10 @@ def matchers_of_selector(selector: str | None) -> str:
     if not s.startswith("{"):
         s = "{" + s + "}"
     toks = tokenize(s)
-    bad = PromQLError(f"selector {selector!r}: expected only label matchers such as "
-                      '{namespace="prod", job=~"vllm.*"}')
+    bad = PromQLError(
+        f"selector {selector!r}: expected only label matchers such as "
+        '{namespace="prod", job=~"vllm.*"}'
+    )
     if toks[0].text != "{" or toks[-1].text != "}":
         raise bad
     body, ms = toks[1:-1], []
@@ -371,9 +441,12 @@ def matchers_of_selector(selector: str | None) -> str:
     while i < len(body):
         if i + 3 > len(body):
             raise bad
-        lab, op, val = body[i:i + 3]
-        if lab.kind not in ("ident", "string") or op.text not in ("=", "!=", "=~", "!~") \
-                or val.kind != "string":
+        lab, op, val = body[i : i + 3]
+        if (
+            lab.kind not in ("ident", "string")
+            or op.text not in ("=", "!=", "=~", "!~")
+            or val.kind != "string"
+        ):
             raise bad
         ms.append(Matcher(lab.text, op.text, val.text))
         i += 3

@@ -31,9 +31,16 @@ KV_PREFIX = "kvscope_engine_"
 KV_PROBE = "kvscope_engine_steps_total"
 KVSCOPE_SMOOTH_STEPS = 2
 """Windows a kvscope counter increase is averaged over at short steps (see Reader.read_kvscope)."""
-_INT_CFG = ("num_gpu_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-            "max_model_len", "tensor_parallel_size", "pipeline_parallel_size",
-            "data_parallel_size")
+_INT_CFG = (
+    "num_gpu_blocks",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+)
 
 
 def num(v: Any) -> float:
@@ -73,8 +80,9 @@ class Fetch:
 class Reader:
     """Reads one range of series for a source (its client, selector and pool label)."""
 
-    def __init__(self, client: PromClient, inner: str, pool_label: str | None,
-                 max_requests: int) -> None:
+    def __init__(
+        self, client: PromClient, inner: str, pool_label: str | None, max_requests: int
+    ) -> None:
         self.client = client
         self.inner = inner
         self.pool_label = pool_label
@@ -120,11 +128,11 @@ class Reader:
         step = f.step_s
         first = math.ceil(f.since / step) * step + step
         last = math.floor(f.until / step) * step
-        return np.arange(first, last + step, step, dtype=float) if last >= first else \
-            np.zeros(0)
+        return np.arange(first, last + step, step, dtype=float) if last >= first else np.zeros(0)
 
-    def on_grid(self, expr: str, grid: np.ndarray, f: Fetch, lead: int = 1
-                 ) -> list[tuple[dict[str, str], np.ndarray]]:
+    def on_grid(
+        self, expr: str, grid: np.ndarray, f: Fetch, lead: int = 1
+    ) -> list[tuple[dict[str, str], np.ndarray]]:
         """Each series of ``expr`` at ``lead`` points before the grid and on it (NaN where
         the backend has no value): the points before the first window are for differences."""
         if not len(grid):
@@ -148,7 +156,7 @@ class Reader:
         d = increases(arr)
         if intervals == 1:
             return d
-        stack = np.stack([d[i:len(d) - intervals + 1 + i] for i in range(intervals)])
+        stack = np.stack([d[i : len(d) - intervals + 1 + i] for i in range(intervals)])
         ok = np.isfinite(stack)
         n = ok.sum(axis=0)
         total = np.where(ok, stack, 0.0).sum(axis=0)
@@ -164,9 +172,16 @@ class Reader:
         label = self.pool_label or ("pool" if kind == "kvscope" else "model_name")
         return labels.get(label) or labels.get("job") or "default"
 
-    def columns(self, gauges: dict[str, str], counters: dict[str, str], grid: np.ndarray,
-                 f: Fetch, kind: str, ids: dict[str, dict[str, str]], smooth: int = 1
-                 ) -> dict[str, dict[str, np.ndarray]]:
+    def columns(
+        self,
+        gauges: dict[str, str],
+        counters: dict[str, str],
+        grid: np.ndarray,
+        f: Fetch,
+        kind: str,
+        ids: dict[str, dict[str, str]],
+        smooth: int = 1,
+    ) -> dict[str, dict[str, np.ndarray]]:
         """Per engine, per column, one value per window: gauges as read, counters as their
         increase over the window (reset-aware, see :func:`~kvscope.sources.prometheus.frames.increases`;
         averaged over ``smooth`` windows)."""
@@ -175,19 +190,20 @@ class Reader:
             for labels, arr in self.on_grid(expr, grid, f, lead=smooth):
                 eid = self.engine_id(labels, kind)
                 ids.setdefault(eid, labels)
-                out.setdefault(eid, {})[col] = (self.smoothed(arr, smooth) if col in counters
-                                                else arr[smooth:])
+                out.setdefault(eid, {})[col] = (
+                    self.smoothed(arr, smooth) if col in counters else arr[smooth:]
+                )
         return out
 
-    def buckets(self, sel: str, by: str, grid: np.ndarray, f: Fetch, kind: str = "vllm",
-                 smooth: int = 1) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def buckets(
+        self, sel: str, by: str, grid: np.ndarray, f: Fetch, kind: str = "vllm", smooth: int = 1
+    ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """Per engine: bucket bounds and per-window cumulative counts (windows x buckets)."""
         per: dict[str, dict[float, np.ndarray]] = {}
         for labels, arr in self.on_grid(self.raw(sel, f"{by}, le"), grid, f, lead=smooth):
             le = num(labels.get("le", "nan").replace("+Inf", "inf"))
             if not math.isnan(le):
-                per.setdefault(self.engine_id(labels, kind), {})[le] = \
-                    self.smoothed(arr, smooth)
+                per.setdefault(self.engine_id(labels, kind), {})[le] = self.smoothed(arr, smooth)
         out = {}
         for eid, by_le in per.items():
             les = np.array(sorted(by_le))
@@ -204,16 +220,26 @@ class Reader:
         def sel(role: str, suffix: str = "") -> str:
             return self.sel(roles[role], ROLES[role].kind, suffix)
 
-        gauges = {"snapshot": self.gauge(sel("running"), by, f),
-                  "batch_max": self.gauge(sel("running"), by, f, "max")}
+        gauges = {
+            "snapshot": self.gauge(sel("running"), by, f),
+            "batch_max": self.gauge(sel("running"), by, f, "max"),
+        }
         if "waiting" in roles:
             gauges["waiting_mean"] = self.gauge(sel("waiting"), by, f)
         if "kv_usage" in roles:
             gauges["kv_usage_sampled"] = self.gauge(sel("kv_usage"), by, f)
             gauges["kv_usage_max"] = self.gauge(sel("kv_usage"), by, f, "max")
-        counters: dict[str, str] = {col: self.raw(sel(col), by) for col in (
-            "preemptions", "prompt_tokens", "generation_tokens", "prefix_queries",
-            "prefix_hits") if col in roles}
+        counters: dict[str, str] = {
+            col: self.raw(sel(col), by)
+            for col in (
+                "preemptions",
+                "prompt_tokens",
+                "generation_tokens",
+                "prefix_queries",
+                "prefix_hits",
+            )
+            if col in roles
+        }
         if "iterations" in roles:
             counters["n_steps"] = self.raw(sel("iterations", "_count"), by)
         for role in ("request_prompt_tokens", "request_generation_tokens"):
@@ -222,8 +248,11 @@ class Reader:
                 counters[f"{role}:count"] = self.raw(sel(role, "_count"), by)
         ids: dict[str, dict[str, str]] = {}
         cols = self.columns(gauges, counters, grid, f, "vllm", ids)
-        hists = {role: self.buckets(sel(role, "_bucket"), by, grid, f)
-                 for role in set(HISTOGRAM_COLUMNS.values()) if role in roles}
+        hists = {
+            role: self.buckets(sel(role, "_bucket"), by, grid, f)
+            for role in set(HISTOGRAM_COLUMNS.values())
+            if role in roles
+        }
         configs = self.vllm_configs(f.since, f.until)
         totals = {eid: np.nansum(h[1][:, -1]) for eid, h in hists.get("e2e", {}).items()}
         f.request_scale = min(1.0, self.max_requests / max(1.0, sum(totals.values())))
@@ -233,8 +262,11 @@ class Reader:
                 continue
             cfg = self.identity(ids[eid], "vllm")
             cfg.update(configs.get(self.config_key(ids[eid]), {}))
-            r = (self.pseudo_requests_of(eid, c, hists, grid, f) if eid in hists.get("e2e", {})
-                 else pd.DataFrame())
+            r = (
+                self.pseudo_requests_of(eid, c, hists, grid, f)
+                if eid in hists.get("e2e", {})
+                else pd.DataFrame()
+            )
             w = self.vllm_windows(c, grid, f, cfg, r)
             if not len(w):
                 continue
@@ -242,9 +274,13 @@ class Reader:
             frames.append(w)
             if len(r):
                 reqs.append(r)
-            m = infer_max_num_seqs(c["batch_max"], c.get("waiting_mean", np.zeros(len(grid))),
-                                   w.set_index("ts_s")["kv_usage_mean"].reindex(
-                                       (grid - f.step_s).astype("int64")).to_numpy(float))
+            m = infer_max_num_seqs(
+                c["batch_max"],
+                c.get("waiting_mean", np.zeros(len(grid))),
+                w.set_index("ts_s")["kv_usage_mean"]
+                .reindex((grid - f.step_s).astype("int64"))
+                .to_numpy(float),
+            )
             if m is not None:
                 cfg["max_num_seqs"] = m
                 f.inferred[eid] = m
@@ -256,59 +292,111 @@ class Reader:
             f.requests = pd.concat([f.requests, *reqs], ignore_index=True)
 
     @staticmethod
-    def vllm_windows(c: dict[str, np.ndarray], grid: np.ndarray, f: Fetch,
-                      cfg: dict[str, Any], requests: pd.DataFrame) -> pd.DataFrame:
+    def vllm_windows(
+        c: dict[str, np.ndarray],
+        grid: np.ndarray,
+        f: Fetch,
+        cfg: dict[str, Any],
+        requests: pd.DataFrame,
+    ) -> pd.DataFrame:
         n, step = len(grid), f.step_s
         nan = np.full(n, math.nan)
         snap = c["snapshot"]
-        rate = {k: c[k] / step if k in c else nan for k in (
-            "n_steps", "preemptions", "prompt_tokens", "generation_tokens", "prefix_queries",
-            "prefix_hits")}
+        rate = {
+            k: c[k] / step if k in c else nan
+            for k in (
+                "n_steps",
+                "preemptions",
+                "prompt_tokens",
+                "generation_tokens",
+                "prefix_queries",
+                "prefix_hits",
+            )
+        }
         gen, steps = rate["generation_tokens"], rate["n_steps"]
         with np.errstate(invalid="ignore", divide="ignore"):
             if "n_steps" not in c:  # no iteration histogram: one token per sequence per step
                 steps = gen / np.where(snap > 0, snap, math.nan)
                 batch = snap
             else:  # tokens per step: the batch averaged over every step, not one snapshot
-                batch = np.where((steps >= 1) & np.isfinite(gen),
-                                 gen / np.where(steps >= 1, steps, 1.0), snap)
+                batch = np.where(
+                    (steps >= 1) & np.isfinite(gen), gen / np.where(steps >= 1, steps, 1.0), snap
+                )
             kv_tokens = num(cfg.get("num_gpu_blocks")) * num(cfg.get("block_size"))
-            est = np.minimum(1.0, batch * footprint_tokens(requests, num(cfg.get("block_size")))
-                             / kv_tokens) if len(requests) and kv_tokens > 0 else nan
+            est = (
+                np.minimum(
+                    1.0, batch * footprint_tokens(requests, num(cfg.get("block_size"))) / kv_tokens
+                )
+                if len(requests) and kv_tokens > 0
+                else nan
+            )
         sampled = c.get("kv_usage_sampled", nan)
         kv = np.fmax(sampled, est)
-        w = pd.DataFrame({
-            "ts_s": (grid - step).astype("int64"),
-            "n_steps": steps, "batch_mean": batch, "batch_p50": batch,
-            "batch_p90": c["batch_max"], "batch_max": c["batch_max"],
-            "batch_sum": batch * steps,
-            "waiting_mean": c.get("waiting_mean", np.zeros(n)), "deferred_mean": np.zeros(n),
-            "kv_usage_mean": kv, "kv_usage_max": np.fmax(c.get("kv_usage_max", nan), kv),
-            "kv_usage_sampled": sampled, "kv_usage_estimated": est,
-            **{k: rate[k] for k in ("preemptions", "prompt_tokens", "generation_tokens",
-                                    "prefix_queries", "prefix_hits")},
-            "first_step_unix_s": nan, "last_step_unix_s": nan,
-        })
+        w = pd.DataFrame(
+            {
+                "ts_s": (grid - step).astype("int64"),
+                "n_steps": steps,
+                "batch_mean": batch,
+                "batch_p50": batch,
+                "batch_p90": c["batch_max"],
+                "batch_max": c["batch_max"],
+                "batch_sum": batch * steps,
+                "waiting_mean": c.get("waiting_mean", np.zeros(n)),
+                "deferred_mean": np.zeros(n),
+                "kv_usage_mean": kv,
+                "kv_usage_max": np.fmax(c.get("kv_usage_max", nan), kv),
+                "kv_usage_sampled": sampled,
+                "kv_usage_estimated": est,
+                **{
+                    k: rate[k]
+                    for k in (
+                        "preemptions",
+                        "prompt_tokens",
+                        "generation_tokens",
+                        "prefix_queries",
+                        "prefix_hits",
+                    )
+                },
+                "first_step_unix_s": nan,
+                "last_step_unix_s": nan,
+            }
+        )
         return w[np.isfinite(snap)].reset_index(drop=True)
 
-    def pseudo_requests_of(self, eid: str, c: dict[str, np.ndarray],
-                  hists: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]],
-                  grid: np.ndarray, f: Fetch) -> pd.DataFrame:
+    def pseudo_requests_of(
+        self,
+        eid: str,
+        c: dict[str, np.ndarray],
+        hists: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]],
+        grid: np.ndarray,
+        f: Fetch,
+    ) -> pd.DataFrame:
         buckets = {role: h[eid] for role, h in hists.items() if eid in h}
         counts = buckets["e2e"][1][:, -1]
         nan = np.full(len(grid), math.nan)
         with np.errstate(invalid="ignore", divide="ignore"):
-            means = {"request_generation_tokens": c.get("request_generation_tokens:sum", nan)
-                     / c.get("request_generation_tokens:count", nan)}
-            prompt = (c.get("request_prompt_tokens:sum", nan)
-                      / c.get("request_prompt_tokens:count", nan))
+            means = {
+                "request_generation_tokens": c.get("request_generation_tokens:sum", nan)
+                / c.get("request_generation_tokens:count", nan)
+            }
+            prompt = c.get("request_prompt_tokens:sum", nan) / c.get(
+                "request_prompt_tokens:count", nan
+            )
         fallback = float(np.nanmean(prompt)) if np.isfinite(prompt).any() else math.nan
         prompt = np.where(np.isfinite(prompt), prompt, fallback)
         q = float(np.nansum(c.get("prefix_queries", np.zeros(1))))
         hit = float(np.nansum(c.get("prefix_hits", np.zeros(1))))
         share = min(1.0, hit / q) if q > 0 else 0.0
-        return pseudo_requests(eid, grid - f.step_s, counts, buckets, means,
-                               scale=f.request_scale, prompt_tokens=prompt, cached_share=share)
+        return pseudo_requests(
+            eid,
+            grid - f.step_s,
+            counts,
+            buckets,
+            means,
+            scale=f.request_scale,
+            prompt_tokens=prompt,
+            cached_share=share,
+        )
 
     def read_kvscope(self, f: Fetch, grid: np.ndarray) -> None:
         keys = ["engine", "pool", "model"]
@@ -319,18 +407,27 @@ class Reader:
         def s(name: str) -> str:
             return with_matchers(KV_PREFIX + name, self.inner)
 
-        gauges = {"waiting_mean": self.gauge(s("waiting_requests"), by, f),
-                  "deferred_mean": self.gauge(s("deferred_requests"), by, f)}
-        counters = {col: self.raw(s(name), by) for col, name in (
-            ("batch:sum", "step_batch_size_sum"), ("batch:count", "step_batch_size_count"),
-            ("kv:sum", "step_kv_usage_ratio_sum"), ("kv:count", "step_kv_usage_ratio_count"),
-            ("n_steps", "steps_total"), ("preemptions", "preemptions_total"),
-            ("prompt_tokens", "prompt_tokens_total"),
-            ("generation_tokens", "generation_tokens_total"),
-            ("prefix_queries", "prefix_cache_query_tokens_total"),
-            ("prefix_hits", "prefix_cache_hit_tokens_total"),
-            ("waiting:sum", "waiting_request_steps_total"),
-            ("deferred:sum", "deferred_request_steps_total"))}
+        gauges = {
+            "waiting_mean": self.gauge(s("waiting_requests"), by, f),
+            "deferred_mean": self.gauge(s("deferred_requests"), by, f),
+        }
+        counters = {
+            col: self.raw(s(name), by)
+            for col, name in (
+                ("batch:sum", "step_batch_size_sum"),
+                ("batch:count", "step_batch_size_count"),
+                ("kv:sum", "step_kv_usage_ratio_sum"),
+                ("kv:count", "step_kv_usage_ratio_count"),
+                ("n_steps", "steps_total"),
+                ("preemptions", "preemptions_total"),
+                ("prompt_tokens", "prompt_tokens_total"),
+                ("generation_tokens", "generation_tokens_total"),
+                ("prefix_queries", "prefix_cache_query_tokens_total"),
+                ("prefix_hits", "prefix_cache_hit_tokens_total"),
+                ("waiting:sum", "waiting_request_steps_total"),
+                ("deferred:sum", "deferred_request_steps_total"),
+            )
+        }
         ids: dict[str, dict[str, str]] = {}
         # A collector's counters move once per plugin batch (about a second): at steps that
         # short a window holds zero or two batches. Counting each window's increase as the
@@ -339,8 +436,9 @@ class Reader:
         cols = self.columns(gauges, counters, grid, f, "kvscope", ids, smooth)
         batch_b = self.buckets(s("step_batch_size_bucket"), by, grid, f, "kvscope", smooth)
         kv_b = self.buckets(s("step_kv_usage_ratio_bucket"), by, grid, f, "kvscope", smooth)
-        infos = {lab.get("engine", ""): lab for lab in
-                 self.client.series(s("info"), f.since, f.until)}
+        infos = {
+            lab.get("engine", ""): lab for lab in self.client.series(s("info"), f.since, f.until)
+        }
         frames = []
         for eid, c in cols.items():
             if not eid or "batch:sum" not in c:
@@ -352,20 +450,40 @@ class Reader:
                 kv = c.get("kv:sum", nan) / c.get("kv:count", nan)
                 # The queue per step over the window, as the batch; the latest step's
                 # gauge from a collector that does not export the sums.
-                queue = {k: np.where(np.isfinite(m := c.get(f"{k}:sum", nan) / c["batch:count"]),
-                                     m, c.get(f"{k}_mean", np.zeros(n)))
-                         for k in ("waiting", "deferred")}
-            w = pd.DataFrame({
-                "ts_s": (grid - step).astype("int64"), "batch_mean": batch, "batch_p50": batch,
-                "batch_p90": (bucket_quantile(*batch_b[eid], 0.9) if eid in batch_b else nan),
-                "batch_max": (bucket_quantile(*batch_b[eid], 1.0) if eid in batch_b else nan),
-                "kv_usage_mean": kv,
-                "kv_usage_max": (bucket_quantile(*kv_b[eid], 0.99) if eid in kv_b else nan),
-                "waiting_mean": queue["waiting"], "deferred_mean": queue["deferred"],
-                **{k: c.get(k, nan) / step for k in (
-                    "n_steps", "preemptions", "prompt_tokens", "generation_tokens",
-                    "prefix_queries", "prefix_hits")},
-                "first_step_unix_s": nan, "last_step_unix_s": nan})
+                queue = {
+                    k: np.where(
+                        np.isfinite(m := c.get(f"{k}:sum", nan) / c["batch:count"]),
+                        m,
+                        c.get(f"{k}_mean", np.zeros(n)),
+                    )
+                    for k in ("waiting", "deferred")
+                }
+            w = pd.DataFrame(
+                {
+                    "ts_s": (grid - step).astype("int64"),
+                    "batch_mean": batch,
+                    "batch_p50": batch,
+                    "batch_p90": (bucket_quantile(*batch_b[eid], 0.9) if eid in batch_b else nan),
+                    "batch_max": (bucket_quantile(*batch_b[eid], 1.0) if eid in batch_b else nan),
+                    "kv_usage_mean": kv,
+                    "kv_usage_max": (bucket_quantile(*kv_b[eid], 0.99) if eid in kv_b else nan),
+                    "waiting_mean": queue["waiting"],
+                    "deferred_mean": queue["deferred"],
+                    **{
+                        k: c.get(k, nan) / step
+                        for k in (
+                            "n_steps",
+                            "preemptions",
+                            "prompt_tokens",
+                            "generation_tokens",
+                            "prefix_queries",
+                            "prefix_hits",
+                        )
+                    },
+                    "first_step_unix_s": nan,
+                    "last_step_unix_s": nan,
+                }
+            )
             w["batch_sum"] = w["batch_mean"] * w["n_steps"]
             w = w[np.isfinite(w["batch_mean"].to_numpy(float))].reset_index(drop=True)
             if not len(w):
@@ -392,14 +510,19 @@ class Reader:
         eid = self.engine_id(labels, kind)
         inst = labels.get("instance", "")
         host, _, port = inst.rpartition(":") if ":" in inst else (inst, "", "")
-        return {"engine_id": eid, "pool": self.pool_of(labels, kind),
-                "model": labels.get("model_name" if kind == "vllm" else "model") or None,
-                "host": host or labels.get("pod") or None,
-                "port": int(port) if port.isdigit() else None,
-                "engine_index": int(labels["engine"]) if kind == "vllm"
-                and labels.get("engine", "").isdigit() else None,
-                "instance": inst or None, "job": labels.get("job") or None,
-                "series": "kvscope" if kind == "kvscope" else "vllm"}
+        return {
+            "engine_id": eid,
+            "pool": self.pool_of(labels, kind),
+            "model": labels.get("model_name" if kind == "vllm" else "model") or None,
+            "host": host or labels.get("pod") or None,
+            "port": int(port) if port.isdigit() else None,
+            "engine_index": int(labels["engine"])
+            if kind == "vllm" and labels.get("engine", "").isdigit()
+            else None,
+            "instance": inst or None,
+            "job": labels.get("job") or None,
+            "series": "kvscope" if kind == "kvscope" else "vllm",
+        }
 
     @staticmethod
     def config_key(labels: dict[str, str]) -> tuple[str, ...]:

@@ -92,8 +92,14 @@ from kvscope.sources.prometheus.promql import matchers_of_selector, with_matcher
 from kvscope.sources.prometheus.read import KV_PREFIX, KV_PROBE, Fetch, Reader, num
 from kvscope.sources.prometheus.vllm_metrics import HISTOGRAM, ROLES, wire_names
 
-__all__ = ["PrometheusSource", "analyze_prometheus", "annotate_report", "no_data_message",
-           "source_error_text"]
+__all__ = [
+    "PrometheusSource",
+    "analyze_prometheus",
+    "annotate_report",
+    "no_data_message",
+    "source_error_text",
+]
+
 
 class PrometheusSource:
     """A :class:`~kvscope.advisor.sources.Source` reading vLLM's (and kvscope's) series from a
@@ -105,12 +111,23 @@ class PrometheusSource:
     was read yet; ``default_range_s`` the range when ``since`` is None.
     """
 
-    def __init__(self, url: str, selector: str | None = None, pool_label: str | None = None,
-                 step: float | None = None, *, timeout_s: float = 30.0,
-                 lookback_s: float = 7 * 86400.0, default_range_s: float = 1800.0,
-                 series: str = "auto", max_windows: int = 20_000, max_requests: int = 200_000,
-                 headers: dict[str, str] | None = None, auth: PromAuth | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        url: str,
+        selector: str | None = None,
+        pool_label: str | None = None,
+        step: float | None = None,
+        *,
+        timeout_s: float = 30.0,
+        lookback_s: float = 7 * 86400.0,
+        default_range_s: float = 1800.0,
+        series: str = "auto",
+        max_windows: int = 20_000,
+        max_requests: int = 200_000,
+        headers: dict[str, str] | None = None,
+        auth: PromAuth | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if series not in ("auto", "vllm", "kvscope"):
             raise ValueError(f"series must be auto, vllm or kvscope, not {series!r}")
         if step is not None and step < 1:
@@ -153,9 +170,16 @@ class PrometheusSource:
     def _roles(self, names: set[str]) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for role in ROLES.values():
-            fams = [f for f in role.names
-                    if (wire_names(f, role.kind)[-1] if role.kind == HISTOGRAM
-                        else wire_names(f, role.kind)[0]) in names]
+            fams = [
+                f
+                for f in role.names
+                if (
+                    wire_names(f, role.kind)[-1]
+                    if role.kind == HISTOGRAM
+                    else wire_names(f, role.kind)[0]
+                )
+                in names
+            ]
             if fams:
                 out[role.key] = fams
         return out
@@ -181,11 +205,17 @@ class PrometheusSource:
                 f.vllm = {}
         f.kvscope = self.series != "vllm" and KV_PROBE in names
         if f.vllm or f.kvscope:
-            probe = (self.reader.sel(f.vllm["running"], ROLES["running"].kind) if f.vllm
-                     else with_matchers(KV_PROBE, self.inner))
+            probe = (
+                self.reader.sel(f.vllm["running"], ROLES["running"].kind)
+                if f.vllm
+                else with_matchers(KV_PROBE, self.inner)
+            )
             f.scrape_s = self.reader.scrape_interval(probe, since, until)
-            f.step_s = max(math.ceil(self.step or 1), max(1, round(f.scrape_s)),
-                           math.ceil((until - since) / max(1, self.max_windows)))
+            f.step_s = max(
+                math.ceil(self.step or 1),
+                max(1, round(f.scrape_s)),
+                math.ceil((until - since) / max(1, self.max_windows)),
+            )
             f.fine = f.step_s < 1.5 * f.scrape_s
             if f.vllm:
                 self.reader.read_vllm(f, self.reader.grid(f))
@@ -231,8 +261,15 @@ class PrometheusSource:
                 rows[eid] = {**old, **cfg, "last_step_unix_s": last}
         return pd.DataFrame(list(rows.values()))
 
-    def _ranged(self, attr: str, col: str, since: float | None, until: float | None,
-                engine: str | None, pool: str | None) -> pd.DataFrame:
+    def _ranged(
+        self,
+        attr: str,
+        col: str,
+        since: float | None,
+        until: float | None,
+        engine: str | None,
+        pool: str | None,
+    ) -> pd.DataFrame:
         f = self.prefetch(since, until)
         df: pd.DataFrame = getattr(f, attr)
         if not len(df):
@@ -245,16 +282,27 @@ class PrometheusSource:
         df = df[(df[col] >= f.since) & (df[col] < f.until)]
         return df.sort_values(["engine_id", col], kind="stable").reset_index(drop=True)
 
-    def windows(self, since: float | None = None, until: float | None = None,
-                engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+    def windows(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
         return self._ranged("windows", "ts_s", since, until, engine, pool)
 
-    def requests(self, since: float | None = None, until: float | None = None,
-                 engine: str | None = None, pool: str | None = None) -> pd.DataFrame:
+    def requests(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
         return self._ranged("requests", "finished_unix_s", since, until, engine, pool)
 
-    def kv_events(self, since: float | None = None, until: float | None = None,
-                  pool: str | None = None) -> pd.DataFrame:
+    def kv_events(
+        self, since: float | None = None, until: float | None = None, pool: str | None = None
+    ) -> pd.DataFrame:
         """Always empty: vLLM's KV-cache events do not reach Prometheus."""
         return pd.DataFrame()
 
@@ -265,11 +313,17 @@ class PrometheusSource:
         f = self.last_fetch
         if f is None:
             return {"source": "prometheus", "url": self.url}
-        factors = {eid: confidence_factor(
-            (f.kv_step_s if cfg.get("series") == "kvscope" else f.step_s) or 1,
-            per_step_means=cfg.get("series") == "kvscope") for eid, cfg in f.engines.items()}
+        factors = {
+            eid: confidence_factor(
+                (f.kv_step_s if cfg.get("series") == "kvscope" else f.step_s) or 1,
+                per_step_means=cfg.get("series") == "kvscope",
+            )
+            for eid, cfg in f.engines.items()
+        }
         return {
-            "source": "prometheus", "url": self.url, "selector": self.selector or None,
+            "source": "prometheus",
+            "url": self.url,
+            "selector": self.selector or None,
             "resolution_s": (f.step_s if f.vllm else f.kv_step_s) or None,
             "resolution_s_kvscope_series": f.kv_step_s or None,
             "scrape_interval_s": None if math.isnan(f.scrape_s) else round(f.scrape_s, 3),
@@ -278,8 +332,9 @@ class PrometheusSource:
             "confidence_factor_by_engine": factors,
             "metric_names": {k: list(v) for k, v in f.vllm.items()},
             "kvscope_series": f.kvscope,
-            "engines_from_kvscope_series": sorted(e for e, c in f.engines.items()
-                                                  if c.get("series") == "kvscope"),
+            "engines_from_kvscope_series": sorted(
+                e for e, c in f.engines.items() if c.get("series") == "kvscope"
+            ),
             "requests_from_histograms": True,
             "requests_per_row": round(1.0 / f.request_scale, 3),
             "max_num_seqs_inferred": dict(f.inferred),
@@ -317,34 +372,65 @@ def annotate_report(report: Report, source: PrometheusSource) -> Report:
     per_step = info.get("engines_from_kvscope_series") or []
     parts = []
     if used:
-        parts.append("vLLM's own series (the batch is generated tokens per engine step; the "
-                     "queue and KV usage are gauges sampled once per scrape, KV usage raised "
-                     "to batch x request footprint where the snapshot reads lower)")
+        parts.append(
+            "vLLM's own series (the batch is generated tokens per engine step; the "
+            "queue and KV usage are gauges sampled once per scrape, KV usage raised "
+            "to batch x request footprint where the snapshot reads lower)"
+        )
     if per_step:
-        parts.append(f"kvscope's per-step series for {len(per_step)} engine(s) (batch and KV "
-                     "usage averaged over every step)")
+        parts.append(
+            f"kvscope's per-step series for {len(per_step)} engine(s) (batch and KV "
+            "usage averaged over every step)"
+        )
     inferred = info.get("max_num_seqs_inferred") or {}
-    report.findings.append(Finding(
-        kind="scrape_resolution", scope=Scope(),
-        severity="info" if lowest >= 0.7 else "warning", confidence=1.0,
-        summary=(f"read from Prometheus ({info['url']}) at {info['resolution_s']} s resolution "
-                 f"(scrape interval {info['scrape_interval_s']} s) from " + " and ".join(parts)
-                 + "; latencies are histogram estimates (bucket bounds, no per-request joint "
-                 f"data); confidences scaled by {lowest:.2f}"
-                 + (f" (per-step engines {max(by_engine.values()):.2f})" if per_step and used
-                    else "")
-                 + ("; max_num_seqs inferred where the batch was pinned" if inferred else
-                    "; vLLM does not export max_num_seqs or max_num_batched_tokens")),
-        evidence={key: info.get(key) for key in (
-            "resolution_s", "scrape_interval_s", "resolution_mode", "confidence_factor",
-            "requests_per_row", "max_num_seqs_inferred", "engines_from_kvscope_series")}
-        | {"metric_names": used}))
+    report.findings.append(
+        Finding(
+            kind="scrape_resolution",
+            scope=Scope(),
+            severity="info" if lowest >= 0.7 else "warning",
+            confidence=1.0,
+            summary=(
+                f"read from Prometheus ({info['url']}) at {info['resolution_s']} s resolution "
+                f"(scrape interval {info['scrape_interval_s']} s) from "
+                + " and ".join(parts)
+                + "; latencies are histogram estimates (bucket bounds, no per-request joint "
+                f"data); confidences scaled by {lowest:.2f}"
+                + (
+                    f" (per-step engines {max(by_engine.values()):.2f})"
+                    if per_step and used
+                    else ""
+                )
+                + (
+                    "; max_num_seqs inferred where the batch was pinned"
+                    if inferred
+                    else "; vLLM does not export max_num_seqs or max_num_batched_tokens"
+                )
+            ),
+            evidence={
+                key: info.get(key)
+                for key in (
+                    "resolution_s",
+                    "scrape_interval_s",
+                    "resolution_mode",
+                    "confidence_factor",
+                    "requests_per_row",
+                    "max_num_seqs_inferred",
+                    "engines_from_kvscope_series",
+                )
+            }
+            | {"metric_names": used},
+        )
+    )
     return report
 
 
-def analyze_prometheus(source: PrometheusSource, since: float | None = None,
-                       until: float | None = None, pool: str | None = None,
-                       **kw: Any) -> Report:
+def analyze_prometheus(
+    source: PrometheusSource,
+    since: float | None = None,
+    until: float | None = None,
+    pool: str | None = None,
+    **kw: Any,
+) -> Report:
     """:func:`~kvscope.advisor.analyze.analyze` over ``source`` for one range, annotated."""
     source.prefetch(since, until)
     f = source.last_fetch
@@ -355,8 +441,10 @@ def analyze_prometheus(source: PrometheusSource, since: float | None = None,
 def source_error_text(exc: Exception, url: str) -> str:
     """A failed Prometheus read, said for a person (the command line, the dashboard)."""
     if isinstance(exc, SourceError) and exc.status is None:
-        return (f"cannot reach Prometheus at {url} ({exc.reason}): check the base URL "
-                "(e.g. http://prometheus:9090, no /api path)")
+        return (
+            f"cannot reach Prometheus at {url} ({exc.reason}): check the base URL "
+            "(e.g. http://prometheus:9090, no /api path)"
+        )
     return str(exc)
 
 
@@ -366,14 +454,19 @@ def no_data_message(source: PrometheusSource, report: Report, url: str, window: 
     sel = f" matching {source.selector}" if source.selector else ""
     if f is None or not (f.vllm or f.kvscope):
         tried = " or ".join(source.names_tried())
-        return (f"no vLLM series{sel} at {url} in the window {window}: tried {tried} "
-                "(and every older name of them); check --selector, --since and that "
-                "Prometheus scrapes vLLM's /metrics")
+        return (
+            f"no vLLM series{sel} at {url} in the window {window}: tried {tried} "
+            "(and every older name of them); check --selector, --since and that "
+            "Prometheus scrapes vLLM's /metrics"
+        )
     pools = report.coverage.get("pools") or []
     pool = report.parameters.get("pool")
     if pool is not None and pools:
         return f"no engines in pool {pool!r} at {url}; pools known: {', '.join(pools)}"
     latest = report.coverage.get("latest_step_unix_s")
-    when = (f"; the newest sample is from {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(latest))}"
-            if isinstance(latest, float) and math.isfinite(latest) else "")
+    when = (
+        f"; the newest sample is from {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(latest))}"
+        if isinstance(latest, float) and math.isfinite(latest)
+        else ""
+    )
     return f"vLLM series{sel} exist at {url} but hold no data in the window {window}{when}"

@@ -25,8 +25,16 @@ if TYPE_CHECKING:
     from kvscope.sources.prometheus.auth import PromAuth
     from kvscope.sources.prometheus.source import PrometheusSource
 
-__all__ = ["ENV_BEARER", "ENV_HEADERS", "ENV_PASSWORD", "ENV_USER", "PromArgError",
-           "PromTarget", "add_prometheus_arguments", "prometheus_target"]
+__all__ = [
+    "ENV_BEARER",
+    "ENV_HEADERS",
+    "ENV_PASSWORD",
+    "ENV_USER",
+    "PromArgError",
+    "PromTarget",
+    "add_prometheus_arguments",
+    "prometheus_target",
+]
 
 ENV_BEARER = "KVSCOPE_PROMETHEUS_BEARER_TOKEN"
 ENV_USER = "KVSCOPE_PROMETHEUS_USER"
@@ -39,45 +47,82 @@ class PromArgError(ValueError):
     """The Prometheus options are inconsistent; the message names the option."""
 
 
-def add_prometheus_arguments(p: argparse.ArgumentParser, *, url_group: Any = None,
-                             analysis: bool = True) -> None:
+def add_prometheus_arguments(
+    p: argparse.ArgumentParser, *, url_group: Any = None, analysis: bool = True
+) -> None:
     """``--prometheus URL``, ``--selector``, the authentication and TLS options and, with
     ``analysis``, ``--pool-label`` and ``--step``. ``url_group`` (a mutually exclusive
     group) receives ``--prometheus`` when given."""
     (url_group or p).add_argument(
-        "--prometheus", metavar="URL", default=None,
+        "--prometheus",
+        metavar="URL",
+        default=None,
         help="read vLLM's own /metrics series (and kvscope collectors' series) from this "
-             "Prometheus-compatible server (Prometheus, Thanos, Mimir, VictoriaMetrics): "
-             "its base URL, no /api path")
-    p.add_argument("--selector", default=None, metavar="'{...}'",
-                   help='with --prometheus: label matchers added to every query, e.g. '
-                        '\'{namespace="prod"}\'')
+        "Prometheus-compatible server (Prometheus, Thanos, Mimir, VictoriaMetrics): "
+        "its base URL, no /api path",
+    )
+    p.add_argument(
+        "--selector",
+        default=None,
+        metavar="'{...}'",
+        help="with --prometheus: label matchers added to every query, e.g. '{namespace=\"prod\"}'",
+    )
     if analysis:
-        p.add_argument("--pool-label", default=None, metavar="LABEL",
-                       help="with --prometheus: the label that groups replicas into pools "
-                            "(default: model_name; kvscope's own series use pool)")
-        p.add_argument("--step", type=float, default=None, metavar="S",
-                       help="with --prometheus: window length in seconds (default: the "
-                            "scrape interval)")
+        p.add_argument(
+            "--pool-label",
+            default=None,
+            metavar="LABEL",
+            help="with --prometheus: the label that groups replicas into pools "
+            "(default: model_name; kvscope's own series use pool)",
+        )
+        p.add_argument(
+            "--step",
+            type=float,
+            default=None,
+            metavar="S",
+            help="with --prometheus: window length in seconds (default: the scrape interval)",
+        )
     a = p.add_argument_group(
         "Prometheus authentication and TLS",
-        "Secrets come from files or the environment, never from the command line.")
-    a.add_argument("--prometheus-bearer-token-file", metavar="FILE", default=None,
-                   help=f"send 'Authorization: Bearer <the file's content>' "
-                        f"(default: ${ENV_BEARER} when set)")
-    a.add_argument("--prometheus-user", metavar="USER", default=None,
-                   help=f"basic-auth user name (default: ${ENV_USER})")
-    a.add_argument("--prometheus-password-file", metavar="FILE", default=None,
-                   help=f"basic-auth password, read from FILE (default: ${ENV_PASSWORD})")
-    a.add_argument("--prometheus-header", metavar="'NAME: VALUE'", action="append",
-                   default=[],
-                   help="an extra header on every request, e.g. 'X-Scope-OrgID: team-a' for "
-                        "a Mimir tenant (repeatable)")
-    a.add_argument("--prometheus-ca-file", metavar="PEM", default=None,
-                   help="trust this CA bundle for an https:// Prometheus (besides the "
-                        "system's)")
-    a.add_argument("--prometheus-insecure-skip-verify", action="store_true",
-                   help="do not check the https:// server's certificate (tests only)")
+        "Secrets come from files or the environment, never from the command line.",
+    )
+    a.add_argument(
+        "--prometheus-bearer-token-file",
+        metavar="FILE",
+        default=None,
+        help=f"send 'Authorization: Bearer <the file's content>' (default: ${ENV_BEARER} when set)",
+    )
+    a.add_argument(
+        "--prometheus-user",
+        metavar="USER",
+        default=None,
+        help=f"basic-auth user name (default: ${ENV_USER})",
+    )
+    a.add_argument(
+        "--prometheus-password-file",
+        metavar="FILE",
+        default=None,
+        help=f"basic-auth password, read from FILE (default: ${ENV_PASSWORD})",
+    )
+    a.add_argument(
+        "--prometheus-header",
+        metavar="'NAME: VALUE'",
+        action="append",
+        default=[],
+        help="an extra header on every request, e.g. 'X-Scope-OrgID: team-a' for "
+        "a Mimir tenant (repeatable)",
+    )
+    a.add_argument(
+        "--prometheus-ca-file",
+        metavar="PEM",
+        default=None,
+        help="trust this CA bundle for an https:// Prometheus (besides the system's)",
+    )
+    a.add_argument(
+        "--prometheus-insecure-skip-verify",
+        action="store_true",
+        help="do not check the https:// server's certificate (tests only)",
+    )
 
 
 @dataclass(frozen=True)
@@ -97,9 +142,15 @@ class PromTarget:
         from kvscope.sources.prometheus.source import PrometheusSource
 
         try:
-            return PrometheusSource(self.url, selector=self.selector,
-                                    pool_label=self.pool_label, step=self.step,
-                                    timeout_s=timeout_s, auth=self.auth, **kw)
+            return PrometheusSource(
+                self.url,
+                selector=self.selector,
+                pool_label=self.pool_label,
+                step=self.step,
+                timeout_s=timeout_s,
+                auth=self.auth,
+                **kw,
+            )
         except PromQLError as exc:
             raise PromArgError(f"--selector: {exc}") from None
 
@@ -107,8 +158,11 @@ class PromTarget:
         """Command-line options that rebuild this target without its secrets (those go
         through :meth:`environ`)."""
         out = ["--prometheus", self.url]
-        for flag, value in (("--selector", self.selector), ("--pool-label", self.pool_label),
-                            ("--step", None if self.step is None else f"{self.step:g}")):
+        for flag, value in (
+            ("--selector", self.selector),
+            ("--pool-label", self.pool_label),
+            ("--step", None if self.step is None else f"{self.step:g}"),
+        ):
             if value:
                 out += [flag, value]
         a = self.auth
@@ -150,17 +204,22 @@ def _url(text: str) -> str:
     url = (url if "://" in url else f"http://{url}").rstrip("/")
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise PromArgError(f"--prometheus wants an http:// or https:// base URL, got "
-                           f"{parts.scheme}://{parts.hostname or ''}")
+        raise PromArgError(
+            f"--prometheus wants an http:// or https:// base URL, got "
+            f"{parts.scheme}://{parts.hostname or ''}"
+        )
     if parts.username or parts.password:
-        raise PromArgError("--prometheus: credentials in the URL would show in the process "
-                           "list and in messages; use --prometheus-user with "
-                           "--prometheus-password-file (or $KVSCOPE_PROMETHEUS_PASSWORD)")
+        raise PromArgError(
+            "--prometheus: credentials in the URL would show in the process "
+            "list and in messages; use --prometheus-user with "
+            "--prometheus-password-file (or $KVSCOPE_PROMETHEUS_PASSWORD)"
+        )
     return url
 
 
-def prometheus_target(args: argparse.Namespace, environ: Mapping[str, str] | None = None
-                      ) -> PromTarget | None:
+def prometheus_target(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> PromTarget | None:
     """The target the arguments name (None without ``--prometheus``); secrets read from
     their files or ``environ``. :class:`PromArgError` says which option is wrong."""
     from kvscope.sources.prometheus.auth import PromAuth, read_secret
@@ -172,19 +231,27 @@ def prometheus_target(args: argparse.Namespace, environ: Mapping[str, str] | Non
     if step is not None and step < 1:
         raise PromArgError("--step must be at least 1 (seconds)")
     try:
-        token = (read_secret(args.prometheus_bearer_token_file, "--prometheus-bearer-token-file")
-                 if args.prometheus_bearer_token_file else env.get(ENV_BEARER) or None)
+        token = (
+            read_secret(args.prometheus_bearer_token_file, "--prometheus-bearer-token-file")
+            if args.prometheus_bearer_token_file
+            else env.get(ENV_BEARER) or None
+        )
         user = args.prometheus_user or env.get(ENV_USER) or None
-        password = (read_secret(args.prometheus_password_file, "--prometheus-password-file")
-                    if args.prometheus_password_file else env.get(ENV_PASSWORD) or None)
+        password = (
+            read_secret(args.prometheus_password_file, "--prometheus-password-file")
+            if args.prometheus_password_file
+            else env.get(ENV_PASSWORD) or None
+        )
     except ValueError as exc:
         raise PromArgError(str(exc)) from None
     if password and not user:
-        raise PromArgError("a basic-auth password was given without --prometheus-user "
-                           f"(or ${ENV_USER})")
+        raise PromArgError(
+            f"a basic-auth password was given without --prometheus-user (or ${ENV_USER})"
+        )
     if user and not password:
-        raise PromArgError(f"--prometheus-user {user} needs --prometheus-password-file "
-                           f"(or ${ENV_PASSWORD})")
+        raise PromArgError(
+            f"--prometheus-user {user} needs --prometheus-password-file (or ${ENV_PASSWORD})"
+        )
     if token and user:
         if args.prometheus_bearer_token_file or not args.prometheus_user:
             raise PromArgError("give either a bearer token or basic auth, not both")
@@ -195,11 +262,21 @@ def prometheus_target(args: argparse.Namespace, environ: Mapping[str, str] | Non
     if args.prometheus_ca_file and not os.path.isfile(args.prometheus_ca_file):
         raise PromArgError(f"--prometheus-ca-file {args.prometheus_ca_file}: no such file")
     try:
-        auth = PromAuth(bearer_token=token, username=user, password=password,
-                        headers=headers, ca_file=args.prometheus_ca_file,
-                        insecure_skip_verify=bool(args.prometheus_insecure_skip_verify))
+        auth = PromAuth(
+            bearer_token=token,
+            username=user,
+            password=password,
+            headers=headers,
+            ca_file=args.prometheus_ca_file,
+            insecure_skip_verify=bool(args.prometheus_insecure_skip_verify),
+        )
         auth.ssl_context()  # a bad CA file fails here, with its message
     except ValueError as exc:
         raise PromArgError(str(exc)) from None
-    return PromTarget(url=_url(args.prometheus), selector=getattr(args, "selector", None),
-                      pool_label=getattr(args, "pool_label", None), step=step, auth=auth)
+    return PromTarget(
+        url=_url(args.prometheus),
+        selector=getattr(args, "selector", None),
+        pool_label=getattr(args, "pool_label", None),
+        step=step,
+        auth=auth,
+    )

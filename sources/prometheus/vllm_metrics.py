@@ -24,8 +24,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["CHANGES", "ROLES", "MetricChange", "Role", "change_for", "family_of",
-           "markdown_table", "replacement", "resolve", "wire_names"]
+__all__ = [
+    "CHANGES",
+    "ROLES",
+    "MetricChange",
+    "Role",
+    "change_for",
+    "family_of",
+    "markdown_table",
+    "replacement",
+    "resolve",
+    "wire_names",
+]
 
 GAUGE = "gauge"
 COUNTER = "counter"
@@ -45,30 +55,41 @@ class Role:
 
 
 #: What :class:`~kvscope.sources.prometheus.source.PrometheusSource` reads from vLLM's /metrics.
-ROLES: dict[str, Role] = {r.key: r for r in (
-    Role("running", GAUGE, ("vllm:num_requests_running",), required=True),
-    Role("waiting", GAUGE, ("vllm:num_requests_waiting",)),
-    Role("kv_usage", GAUGE, ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")),
-    Role("prefix_queries", COUNTER, ("vllm:prefix_cache_queries",
-                                     "vllm:gpu_prefix_cache_queries")),
-    Role("prefix_hits", COUNTER, ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")),
-    Role("preemptions", COUNTER, ("vllm:num_preemptions",)),
-    Role("prompt_tokens", COUNTER, ("vllm:prompt_tokens",)),
-    Role("generation_tokens", COUNTER, ("vllm:generation_tokens",)),
-    Role("iterations", HISTOGRAM, ("vllm:iteration_tokens_total",)),
-    Role("e2e", HISTOGRAM, ("vllm:e2e_request_latency_seconds",)),
-    Role("ttft", HISTOGRAM, ("vllm:time_to_first_token_seconds",)),
-    Role("queue", HISTOGRAM, ("vllm:request_queue_time_seconds", "vllm:time_in_queue_requests")),
-    Role("prefill", HISTOGRAM, ("vllm:request_prefill_time_seconds",)),
-    Role("decode", HISTOGRAM, ("vllm:request_decode_time_seconds",)),
-    Role("itl", HISTOGRAM, ("vllm:inter_token_latency_seconds",
-                            "vllm:time_per_output_token_seconds")),
-    Role("request_prompt_tokens", HISTOGRAM, ("vllm:request_prompt_tokens",)),
-    Role("request_generation_tokens", HISTOGRAM, ("vllm:request_generation_tokens",)),
-    Role("request_success", COUNTER, ("vllm:request_success",)),
-    Role("cached_prompt_tokens", COUNTER, ("vllm:prompt_tokens_cached",)),
-    Role("cache_config", GAUGE, ("vllm:cache_config_info",)),
-)}
+ROLES: dict[str, Role] = {
+    r.key: r
+    for r in (
+        Role("running", GAUGE, ("vllm:num_requests_running",), required=True),
+        Role("waiting", GAUGE, ("vllm:num_requests_waiting",)),
+        Role("kv_usage", GAUGE, ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")),
+        Role(
+            "prefix_queries",
+            COUNTER,
+            ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
+        ),
+        Role("prefix_hits", COUNTER, ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")),
+        Role("preemptions", COUNTER, ("vllm:num_preemptions",)),
+        Role("prompt_tokens", COUNTER, ("vllm:prompt_tokens",)),
+        Role("generation_tokens", COUNTER, ("vllm:generation_tokens",)),
+        Role("iterations", HISTOGRAM, ("vllm:iteration_tokens_total",)),
+        Role("e2e", HISTOGRAM, ("vllm:e2e_request_latency_seconds",)),
+        Role("ttft", HISTOGRAM, ("vllm:time_to_first_token_seconds",)),
+        Role(
+            "queue", HISTOGRAM, ("vllm:request_queue_time_seconds", "vllm:time_in_queue_requests")
+        ),
+        Role("prefill", HISTOGRAM, ("vllm:request_prefill_time_seconds",)),
+        Role("decode", HISTOGRAM, ("vllm:request_decode_time_seconds",)),
+        Role(
+            "itl",
+            HISTOGRAM,
+            ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+        ),
+        Role("request_prompt_tokens", HISTOGRAM, ("vllm:request_prompt_tokens",)),
+        Role("request_generation_tokens", HISTOGRAM, ("vllm:request_generation_tokens",)),
+        Role("request_success", COUNTER, ("vllm:request_success",)),
+        Role("cached_prompt_tokens", COUNTER, ("vllm:prompt_tokens_cached",)),
+        Role("cache_config", GAUGE, ("vllm:cache_config_info",)),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -90,43 +111,117 @@ class MetricChange:
 
 
 CHANGES: tuple[MetricChange, ...] = (
-    MetricChange("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc", GAUGE,
-                 "0.9.2", "0.12",
-                 "hidden from 0.11 (--show-hidden-metrics-for-version=0.10 shows it); "
-                 "a 0-1 fraction under both names"),
-    MetricChange("vllm:gpu_prefix_cache_queries", "vllm:prefix_cache_queries", COUNTER,
-                 "0.9.2", "0.12", "tokens looked up; hidden from 0.11"),
-    MetricChange("vllm:gpu_prefix_cache_hits", "vllm:prefix_cache_hits", COUNTER,
-                 "0.9.2", "0.12", "tokens found; hidden from 0.11"),
-    MetricChange("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds",
-                 HISTOGRAM, "0.11", "after 0.12 (absent in 0.30)",
-                 "same buckets; hidden in 0.12. Not vllm:request_time_per_output_token_seconds "
-                 "(a per-request TPOT added later)"),
-    MetricChange("vllm:time_in_queue_requests", "vllm:request_queue_time_seconds", HISTOGRAM,
-                 "0.8 (V0)", "with the V0 engine", "a duplicate of the queue-time histogram"),
-    MetricChange("vllm:gpu_prefix_cache_hit_rate", "", GAUGE, "0.8 (V0)", "with the V0 engine",
-                 "V1 has token counters instead of a hit-rate gauge",
-                 "rate(vllm:prefix_cache_hits_total[5m]) / "
-                 "rate(vllm:prefix_cache_queries_total[5m])"),
-    MetricChange("vllm:cpu_prefix_cache_hit_rate", "", GAUGE, "0.8 (V0)", "with the V0 engine",
-                 "no CPU swap space in V1"),
-    MetricChange("vllm:cpu_cache_usage_perc", "", GAUGE, "0.8 (V0)", "with the V0 engine",
-                 "no CPU swap space in V1"),
-    MetricChange("vllm:num_requests_swapped", "", GAUGE, "0.8 (V0)", "with the V0 engine",
-                 "no swapping in V1: a preempted request is recomputed "
-                 "(vllm:num_preemptions_total)"),
-    MetricChange("vllm:model_forward_time_milliseconds", "", HISTOGRAM, "0.8 (V0)",
-                 "with the V0 engine", "use the request phase histograms",
-                 "vllm:request_prefill_time_seconds, vllm:request_decode_time_seconds"),
-    MetricChange("vllm:model_execute_time_milliseconds", "", HISTOGRAM, "0.8 (V0)",
-                 "with the V0 engine", "use the request phase histograms",
-                 "vllm:request_inference_time_seconds"),
-    MetricChange("vllm:avg_prompt_throughput_toks_per_s", "", GAUGE, "early 2024 (PR #2764)",
-                 "early 2025 (PR #12383)", "a gauge averaged inside vLLM",
-                 "rate(vllm:prompt_tokens_total[1m])"),
-    MetricChange("vllm:avg_generation_throughput_toks_per_s", "", GAUGE, "early 2024 (PR #2764)",
-                 "early 2025 (PR #12383)", "a gauge averaged inside vLLM",
-                 "rate(vllm:generation_tokens_total[1m])"),
+    MetricChange(
+        "vllm:gpu_cache_usage_perc",
+        "vllm:kv_cache_usage_perc",
+        GAUGE,
+        "0.9.2",
+        "0.12",
+        "hidden from 0.11 (--show-hidden-metrics-for-version=0.10 shows it); "
+        "a 0-1 fraction under both names",
+    ),
+    MetricChange(
+        "vllm:gpu_prefix_cache_queries",
+        "vllm:prefix_cache_queries",
+        COUNTER,
+        "0.9.2",
+        "0.12",
+        "tokens looked up; hidden from 0.11",
+    ),
+    MetricChange(
+        "vllm:gpu_prefix_cache_hits",
+        "vllm:prefix_cache_hits",
+        COUNTER,
+        "0.9.2",
+        "0.12",
+        "tokens found; hidden from 0.11",
+    ),
+    MetricChange(
+        "vllm:time_per_output_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        HISTOGRAM,
+        "0.11",
+        "after 0.12 (absent in 0.30)",
+        "same buckets; hidden in 0.12. Not vllm:request_time_per_output_token_seconds "
+        "(a per-request TPOT added later)",
+    ),
+    MetricChange(
+        "vllm:time_in_queue_requests",
+        "vllm:request_queue_time_seconds",
+        HISTOGRAM,
+        "0.8 (V0)",
+        "with the V0 engine",
+        "a duplicate of the queue-time histogram",
+    ),
+    MetricChange(
+        "vllm:gpu_prefix_cache_hit_rate",
+        "",
+        GAUGE,
+        "0.8 (V0)",
+        "with the V0 engine",
+        "V1 has token counters instead of a hit-rate gauge",
+        "rate(vllm:prefix_cache_hits_total[5m]) / rate(vllm:prefix_cache_queries_total[5m])",
+    ),
+    MetricChange(
+        "vllm:cpu_prefix_cache_hit_rate",
+        "",
+        GAUGE,
+        "0.8 (V0)",
+        "with the V0 engine",
+        "no CPU swap space in V1",
+    ),
+    MetricChange(
+        "vllm:cpu_cache_usage_perc",
+        "",
+        GAUGE,
+        "0.8 (V0)",
+        "with the V0 engine",
+        "no CPU swap space in V1",
+    ),
+    MetricChange(
+        "vllm:num_requests_swapped",
+        "",
+        GAUGE,
+        "0.8 (V0)",
+        "with the V0 engine",
+        "no swapping in V1: a preempted request is recomputed (vllm:num_preemptions_total)",
+    ),
+    MetricChange(
+        "vllm:model_forward_time_milliseconds",
+        "",
+        HISTOGRAM,
+        "0.8 (V0)",
+        "with the V0 engine",
+        "use the request phase histograms",
+        "vllm:request_prefill_time_seconds, vllm:request_decode_time_seconds",
+    ),
+    MetricChange(
+        "vllm:model_execute_time_milliseconds",
+        "",
+        HISTOGRAM,
+        "0.8 (V0)",
+        "with the V0 engine",
+        "use the request phase histograms",
+        "vllm:request_inference_time_seconds",
+    ),
+    MetricChange(
+        "vllm:avg_prompt_throughput_toks_per_s",
+        "",
+        GAUGE,
+        "early 2024 (PR #2764)",
+        "early 2025 (PR #12383)",
+        "a gauge averaged inside vLLM",
+        "rate(vllm:prompt_tokens_total[1m])",
+    ),
+    MetricChange(
+        "vllm:avg_generation_throughput_toks_per_s",
+        "",
+        GAUGE,
+        "early 2024 (PR #2764)",
+        "early 2025 (PR #12383)",
+        "a gauge averaged inside vLLM",
+        "rate(vllm:generation_tokens_total[1m])",
+    ),
 )
 
 _CHANGES_BY_OLD = {c.old: c for c in CHANGES}
@@ -202,8 +297,10 @@ def _shown(family: str, kind: str) -> str:
 
 def markdown_table() -> str:
     """The renames and removals as a Markdown table (the README's copy is rendered here)."""
-    rows = ["| old name | use instead | type | deprecated | removed | note |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| old name | use instead | type | deprecated | removed | note |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in CHANGES:
         old = f"`{_shown(c.old, c.kind)}`"
         if c.new:

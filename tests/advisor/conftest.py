@@ -17,8 +17,9 @@ END_AT_UNIX_S = 1_800_000_000.0
 
 
 @pytest.fixture(scope="session")
-def replayed(tmp_path_factory: pytest.TempPathFactory,
-             request: pytest.FixtureRequest) -> Iterator[dict[str, CollectorProcess]]:
+def replayed(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[dict[str, CollectorProcess]]:
     """One collector process per bundled recording, each fed the recording over HTTP;
     stopped after the last test that reads them."""
     out: dict[str, CollectorProcess] = {}

@@ -10,8 +10,9 @@ from kvscope.advisor import PrefillCost
 from kvscope.advisor.prefill import request_prefill_s, request_ttft_s, theil_sen
 
 
-def _requests(n: int, slope: float, *, seed: int = 0, noise: float = 0.1,
-              related: bool = True) -> pd.DataFrame:
+def _requests(
+    n: int, slope: float, *, seed: int = 0, noise: float = 0.1, related: bool = True
+) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
     prompt = rng.integers(100, 3001, n)
     cached = np.where(rng.random(n) < 0.5, prompt // 2, 0)
@@ -19,8 +20,16 @@ def _requests(n: int, slope: float, *, seed: int = 0, noise: float = 0.1,
     base = 0.03 + slope * (computed if related else rng.permutation(computed))
     prefill = base * rng.lognormal(0, noise, n) + np.where(rng.random(n) < 0.1, 2.0, 0.0)
     queue = rng.exponential(0.5, n)  # load noise, unrelated to length
-    return pd.DataFrame({"engine_id": "e", "prompt_tokens": prompt, "cached_tokens": cached,
-                         "queue_s": queue, "prefill_s": prefill, "ttft_s": queue + prefill})
+    return pd.DataFrame(
+        {
+            "engine_id": "e",
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "queue_s": queue,
+            "prefill_s": prefill,
+            "ttft_s": queue + prefill,
+        }
+    )
 
 
 def test_theil_sen_ignores_a_gross_outlier() -> None:
@@ -57,11 +66,15 @@ def test_too_few_requests_give_no_prediction() -> None:
 
 
 def test_cached_vs_uncached_percentiles_and_missing_ttft() -> None:
-    r = pd.DataFrame({"prompt_tokens": [100, 100, 100, 100, 100],
-                      "cached_tokens": [50, 50, 0, 0, 0],
-                      "ttft_s": [0.1, 0.3, None, 1.0, 2.0],
-                      "queue_s": [0.0, 0.1, 0.5, 0.2, 0.5], "prefill_s": [0.1, 0.2, 0.3, 0.8,
-                                                                          1.5]})
+    r = pd.DataFrame(
+        {
+            "prompt_tokens": [100, 100, 100, 100, 100],
+            "cached_tokens": [50, 50, 0, 0, 0],
+            "ttft_s": [0.1, 0.3, None, 1.0, 2.0],
+            "queue_s": [0.0, 0.1, 0.5, 0.2, 0.5],
+            "prefill_s": [0.1, 0.2, 0.3, 0.8, 1.5],
+        }
+    )
     ttft = request_ttft_s(r)
     assert ttft[2] == pytest.approx(0.8)  # queue + prefill where TTFT is missing
     assert request_prefill_s(r).tolist() == pytest.approx([0.1, 0.2, 0.3, 0.8, 1.5])

@@ -14,31 +14,53 @@ from kvscope.advisor.prefix import KV_EVENTS_FLAG, PREFIX_CACHING_FLAG
 T0 = 1_700_000_000
 
 
-def _pool(per_engine: dict[str, dict[str, int]], seconds: int = 10, block_size: int = 16,
-          events_from: int = 0, **event_extra: int) -> tuple[list[dict], pd.DataFrame,
-                                                             pd.DataFrame]:
+def _pool(
+    per_engine: dict[str, dict[str, int]],
+    seconds: int = 10,
+    block_size: int = 16,
+    events_from: int = 0,
+    **event_extra: int,
+) -> tuple[list[dict], pd.DataFrame, pd.DataFrame]:
     """Windows with ``q``/``x`` per second and events with ``dup``/``reseen`` per second."""
     configs, windows, events = [], [], []
     for eid, v in per_engine.items():
-        configs.append({"engine_id": eid, "pool": "p", "block_size": block_size,
-                        "enable_prefix_caching": True})
+        configs.append(
+            {"engine_id": eid, "pool": "p", "block_size": block_size, "enable_prefix_caching": True}
+        )
         for t in range(seconds):
-            windows.append({"engine_id": eid, "ts_s": T0 + t, "prefix_queries": v["q"],
-                            "prefix_hits": v["x"]})
+            windows.append(
+                {"engine_id": eid, "ts_s": T0 + t, "prefix_queries": v["q"], "prefix_hits": v["x"]}
+            )
             if t >= events_from:
-                events.append({"engine_id": eid, "ts_s": T0 + t, "stored_blocks": v.get(
-                    "stored", 40), "dup_blocks": v["dup"], "reseen_blocks": v["reseen"],
-                    "orphan_blocks": 0, "removed_blocks": 0, "cleared_events": 0,
-                    "missed_batches": 0, "held_blocks": 100, "held_shared_blocks": 25,
-                    "block_size": block_size, **event_extra})
+                events.append(
+                    {
+                        "engine_id": eid,
+                        "ts_s": T0 + t,
+                        "stored_blocks": v.get("stored", 40),
+                        "dup_blocks": v["dup"],
+                        "reseen_blocks": v["reseen"],
+                        "orphan_blocks": 0,
+                        "removed_blocks": 0,
+                        "cleared_events": 0,
+                        "missed_batches": 0,
+                        "held_blocks": 100,
+                        "held_shared_blocks": 25,
+                        "block_size": block_size,
+                        **event_extra,
+                    }
+                )
     return configs, pd.DataFrame(windows), pd.DataFrame(events)
 
 
 def test_reuse_decomposition_has_the_exact_ratios() -> None:
     # Q = 20,000 tokens, X = 6,000 -> H 0.30; D = 25 blocks/s x 16 x 10 s = 4,000 -> L 0.20;
     # R = 35 blocks/s x 16 x 10 s = 5,600 -> A = (6,000 + 5,600) / 20,000 = 0.58.
-    configs, w, ev = _pool({"a:1:0": {"q": 1000, "x": 400, "dup": 10, "reseen": 15},
-                            "b:1:0": {"q": 1000, "x": 200, "dup": 15, "reseen": 20}})
+    configs, w, ev = _pool(
+        {
+            "a:1:0": {"q": 1000, "x": 400, "dup": 10, "reseen": 15},
+            "b:1:0": {"q": 1000, "x": 200, "dup": 15, "reseen": 20},
+        }
+    )
     pr = PrefixRouting().fit(configs, w, pd.DataFrame(), ev)
     assert pr.hit_rate_ == pytest.approx(0.30)
     assert pr.routing_loss_ == pytest.approx(0.20)
@@ -49,15 +71,21 @@ def test_reuse_decomposition_has_the_exact_ratios() -> None:
     assert pr.predicted_hit_rate_affine_max_ == pytest.approx(0.58)
     assert pr.duplicated_cache_ratio_ == pytest.approx(0.25)
     assert dict(zip(pr.engines_["engine_id"], pr.engines_["hit_rate"], strict=True)) == {
-        "a:1:0": pytest.approx(0.4), "b:1:0": pytest.approx(0.2)}
+        "a:1:0": pytest.approx(0.4),
+        "b:1:0": pytest.approx(0.2),
+    }
     assert pr.recommend_  # 800 stored blocks >= 200, L 0.20 >= 0.05, two engines
 
 
 def test_ratios_are_clamped_in_order() -> None:
     # Duplicates claimed beyond every token computed, and reseen below dup (inconsistent
     # counts): L stops at 1 - H, the eviction loss at 0, and A <= 1.
-    configs, w, ev = _pool({"a:1:0": {"q": 160, "x": 80, "dup": 50, "reseen": 10},
-                            "b:1:0": {"q": 160, "x": 80, "dup": 50, "reseen": 10}})
+    configs, w, ev = _pool(
+        {
+            "a:1:0": {"q": 160, "x": 80, "dup": 50, "reseen": 10},
+            "b:1:0": {"q": 160, "x": 80, "dup": 50, "reseen": 10},
+        }
+    )
     pr = PrefixRouting().fit(configs, w, pd.DataFrame(), ev)
     assert pr.hit_rate_ == pytest.approx(0.5)
     assert pr.routing_loss_ == pytest.approx(0.5)
@@ -68,34 +96,39 @@ def test_ratios_are_clamped_in_order() -> None:
 
 def test_events_starting_late_compare_with_the_same_span() -> None:
     # Events only for the last 5 of 10 seconds: L is over those 5 seconds' queries.
-    configs, w, ev = _pool({"a:1:0": {"q": 1000, "x": 0, "dup": 10, "reseen": 10},
-                            "b:1:0": {"q": 1000, "x": 0, "dup": 10, "reseen": 10}},
-                           events_from=5)
+    configs, w, ev = _pool(
+        {
+            "a:1:0": {"q": 1000, "x": 0, "dup": 10, "reseen": 10},
+            "b:1:0": {"q": 1000, "x": 0, "dup": 10, "reseen": 10},
+        },
+        events_from=5,
+    )
     pr = PrefixRouting().fit(configs, w, pd.DataFrame(), ev)
     assert pr.events_queries_ == 10_000
     assert pr.routing_loss_ == pytest.approx(2 * 5 * 10 * 16 / 10_000)
 
 
 def test_confidence_falls_with_orphans_missed_batches_and_few_blocks() -> None:
-    engines = {"a:1:0": {"q": 1000, "x": 0, "dup": 10, "reseen": 10, "stored": 600},
-               "b:1:0": {"q": 1000, "x": 0, "dup": 10, "reseen": 10, "stored": 600}}
+    engines = {
+        "a:1:0": {"q": 1000, "x": 0, "dup": 10, "reseen": 10, "stored": 600},
+        "b:1:0": {"q": 1000, "x": 0, "dup": 10, "reseen": 10, "stored": 600},
+    }
     configs, w, ev = _pool(engines)
     clean = PrefixRouting(full_confidence_blocks=1000).fit(configs, w, pd.DataFrame(), ev)
     assert clean.confidence_ == pytest.approx(0.5)  # no requests: no TTFT fit halves it
     _, _, ev_orphans = _pool(engines, orphan_blocks=300)
-    half = PrefixRouting(full_confidence_blocks=1000).fit(configs, w, pd.DataFrame(),
-                                                           ev_orphans)
+    half = PrefixRouting(full_confidence_blocks=1000).fit(configs, w, pd.DataFrame(), ev_orphans)
     assert half.orphan_share_ == pytest.approx(0.5)
     assert half.confidence_ == pytest.approx(clean.confidence_ * 0.5)
     _, _, ev_missed = _pool(engines, missed_batches=1, n_batches=3)
-    missed = PrefixRouting(full_confidence_blocks=1000).fit(configs, w, pd.DataFrame(),
-                                                             ev_missed)
+    missed = PrefixRouting(full_confidence_blocks=1000).fit(configs, w, pd.DataFrame(), ev_missed)
     assert missed.missed_share_ == pytest.approx(0.25)
     assert missed.confidence_ == pytest.approx(clean.confidence_ * 0.75)
     few = PrefixRouting(full_confidence_blocks=100_000).fit(configs, w, pd.DataFrame(), ev)
     assert few.confidence_ < clean.confidence_
-    assert not PrefixRouting(min_stored_blocks=20_000).fit(
-        configs, w, pd.DataFrame(), ev).recommend_
+    assert (
+        not PrefixRouting(min_stored_blocks=20_000).fit(configs, w, pd.DataFrame(), ev).recommend_
+    )
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -103,10 +136,14 @@ def test_pool_recovers_truth_and_predicts_the_ttft_gain(seed: int) -> None:
     s = make_prefix_pool(seed=seed)
     pr = PrefixRouting().fit(s.engines.to_dict("records"), s.windows, s.requests, s.kv_events)
     t = s.truth
-    for attr, key in (("hit_rate_", "hit_rate"), ("routing_loss_", "routing_loss"),
-                      ("eviction_loss_", "eviction_loss"), ("captured_", "captured"),
-                      ("available_", "available"),
-                      ("predicted_hit_rate_affine_", "predicted_hit_rate_affine")):
+    for attr, key in (
+        ("hit_rate_", "hit_rate"),
+        ("routing_loss_", "routing_loss"),
+        ("eviction_loss_", "eviction_loss"),
+        ("captured_", "captured"),
+        ("available_", "available"),
+        ("predicted_hit_rate_affine_", "predicted_hit_rate_affine"),
+    ):
         assert getattr(pr, attr) == pytest.approx(t[key], abs=1e-9), attr
     slope = pr.prefill_.slope_s_per_token_
     assert slope == pytest.approx(t["prefill_s_per_token"], rel=0.05)
@@ -117,7 +154,8 @@ def test_pool_recovers_truth_and_predicts_the_ttft_gain(seed: int) -> None:
     assert rec is not None and rec.kind == "prefix_aware_routing"
     assert rec.change["router_policy"] == "prefix-aware"
     assert rec.expected_effect["predicted_hit_rate"] == pytest.approx(
-        t["predicted_hit_rate_affine"])
+        t["predicted_hit_rate_affine"]
+    )
     assert "30% -> 50%" in rec.summary and "mean TTFT -" in rec.summary
     assert rec.expected_gain == pytest.approx(-pr.ttft_change_s_ / pr.mean_ttft_s_events_)
     assert 0 < rec.expected_gain < 0.2 and rec.confidence > 0.9
@@ -138,8 +176,10 @@ def test_without_events_the_finding_names_the_flag_and_the_spread() -> None:
     assert not rep.findings_of("prefix_routing")
     (f,) = rep.findings_of("kv_events_missing")
     assert KV_EVENTS_FLAG in f.summary and f.evidence["vllm_flag"] == KV_EVENTS_FLAG
-    assert KV_EVENTS_FLAG == ("--kv-events-config '{\"enable_kv_cache_events\":true,"
-                              "\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\"}'")
+    assert KV_EVENTS_FLAG == (
+        '--kv-events-config \'{"enable_kv_cache_events":true,'
+        '"publisher":"zmq","endpoint":"tcp://*:5557"}\''
+    )
     assert "px0:8000:0 40%, px1:8000:0 20%" in f.summary
     assert "differ by 20%" in f.summary and f.severity == "warning"
     (pool,) = rep.pools
@@ -147,16 +187,17 @@ def test_without_events_the_finding_names_the_flag_and_the_spread() -> None:
     assert pool.predicted_prefix_hit_rate_affine is None and pool.prefix_routing_loss is None
     even = make_prefix_pool(hit_rates=(0.3, 0.3), with_events=False)
     (g,) = analyze(FrameSource(even.engines, even.windows, even.requests)).findings_of(
-        "kv_events_missing")
+        "kv_events_missing"
+    )
     assert "differ" not in g.summary and g.severity == "info"
 
 
 def test_single_engine_pool_gets_no_routing_recommendation() -> None:
-    s = make_prefix_pool(hit_rates=(0.4,), dup_ratios=(0.2,), evict_ratios=(0.05,),
-                         loads=(4.0,))
+    s = make_prefix_pool(hit_rates=(0.4,), dup_ratios=(0.2,), evict_ratios=(0.05,), loads=(4.0,))
     rep = analyze(FrameSource(s.engines, s.windows, s.requests, s.kv_events))
-    assert not [r for r in rep.recommendations
-                if r.kind in ("prefix_aware_routing", "least_loaded_routing")]
+    assert not [
+        r for r in rep.recommendations if r.kind in ("prefix_aware_routing", "least_loaded_routing")
+    ]
     assert not rep.findings_of("kv_events_missing") and not rep.findings_of("load_imbalance")
     (f,) = rep.findings_of("prefix_routing")
     assert f.evidence["predicted_hit_rate_affine"] is None
@@ -185,11 +226,14 @@ def test_analyze_end_to_end_json_carries_the_new_fields() -> None:
     assert pool["prefix_hit_rate"] == pytest.approx(s.truth["hit_rate"])
     assert pool["prefix_routing_loss"] == pytest.approx(s.truth["routing_loss"])
     assert pool["predicted_prefix_hit_rate_affine"] == pytest.approx(
-        s.truth["predicted_hit_rate_affine"])
+        s.truth["predicted_hit_rate_affine"]
+    )
     assert pool["load_imbalance"] == pytest.approx(s.truth["imbalance"], rel=0.05)
     rates = {e["engine_id"]: e["prefix_hit_rate"] for e in d["engines"]}
-    assert rates == {"px0:8000:0": pytest.approx(0.4, abs=1e-3),
-                     "px1:8000:0": pytest.approx(0.2, abs=1e-3)}
+    assert rates == {
+        "px0:8000:0": pytest.approx(0.4, abs=1e-3),
+        "px1:8000:0": pytest.approx(0.2, abs=1e-3),
+    }
     kinds = {f["kind"] for f in d["findings"]}
     assert {"prefix_cache", "prefix_routing", "load_imbalance"} <= kinds
     routing = next(f for f in d["findings"] if f["kind"] == "prefix_routing")

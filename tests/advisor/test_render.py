@@ -15,16 +15,22 @@ from kvscope.advisor.textplot import CAP, KNEE, POINT, throughput_plot
 
 def _text(report: Report) -> str:
     buf = io.StringIO()
-    render_report(report, Console(file=buf, width=100, color_system=None), source="test",
-                  window="the test window")
+    render_report(
+        report,
+        Console(file=buf, width=100, color_system=None),
+        source="test",
+        window="the test window",
+    )
     return buf.getvalue()
 
 
 def _pool_of_two() -> Report:
     a = make_engine("kv_cache_bound", seed=0, engine_id="h1:8000:0", pool="p")
     b = make_engine("max_num_seqs_bound", seed=1, engine_id="h2:8000:0", pool="p")
-    cat = [pd.concat([x, y], ignore_index=True) for x, y in
-           ((a.engines, b.engines), (a.windows, b.windows), (a.requests, b.requests))]
+    cat = [
+        pd.concat([x, y], ignore_index=True)
+        for x, y in ((a.engines, b.engines), (a.windows, b.windows), (a.requests, b.requests))
+    ]
     return analyze(FrameSource(*cat))
 
 
@@ -37,10 +43,16 @@ def test_verdict_comes_first_then_plot_recommendations_findings() -> None:
     assert lines[0].startswith("pool synth: kv_cache_bound (1 engine)")
     assert f"recommended cap {v.recommended_concurrency_cap} in flight" in lines[0]
     assert lines[1].strip() == "synth:8000:0: kv_cache_bound, saturated"
-    assert text.index("from test, the test window") < text.index("Recommendations, ranked") \
+    assert (
+        text.index("from test, the test window")
+        < text.index("Recommendations, ranked")
         < text.index("Findings")
+    )
     assert f"{KNEE} knee" in text and f"{CAP} cap {v.recommended_concurrency_cap}" in text
-    assert f"--max-num-queued-reqs {v.recommended_concurrency_cap + -(-v.recommended_concurrency_cap // 4)}" in text
+    assert (
+        f"--max-num-queued-reqs {v.recommended_concurrency_cap + -(-v.recommended_concurrency_cap // 4)}"
+        in text
+    )
 
 
 def test_pool_cap_sums_engines_with_per_replica_gateway_limits() -> None:
@@ -58,22 +70,28 @@ def test_pool_cap_sums_engines_with_per_replica_gateway_limits() -> None:
     assert 0 < rec.expected_effect["throughput_fraction"] <= 1
     text = _text(rep)
     assert text.startswith("pool p: ")
-    assert "(summed over engines)" in text[:text.index("h1:8000:0")]
+    assert "(summed over engines)" in text[: text.index("h1:8000:0")]
 
 
 def test_engines_without_data_in_the_window_are_left_out() -> None:
     a = make_engine("kv_cache_bound", seed=0, engine_id="live:8000:0", pool="p")
     b = make_engine("kv_cache_bound", seed=0, engine_id="gone:8000:0", pool="p")
-    rep = analyze(FrameSource(pd.concat([a.engines, b.engines], ignore_index=True),
-                              a.windows, a.requests))
+    rep = analyze(
+        FrameSource(pd.concat([a.engines, b.engines], ignore_index=True), a.windows, a.requests)
+    )
     assert [v.engine_id for v in rep.engines] == ["live:8000:0"]
     assert rep.coverage["n_engines_known"] == 2 and rep.coverage["n_engines_analyzed"] == 1
     assert Report.from_json(rep.to_json()).coverage == rep.coverage
 
 
 def test_plot_marks_points_knee_and_cap() -> None:
-    lines = throughput_plot([1, 2, 4, 8, 16, 32], [100, 200, 380, 600, 640, 630],
-                            [100, 200, 380, 600, 635, 635], knee=7.0, cap=8.0)
+    lines = throughput_plot(
+        [1, 2, 4, 8, 16, 32],
+        [100, 200, 380, 600, 640, 630],
+        [100, 200, 380, 600, 635, 635],
+        knee=7.0,
+        cap=8.0,
+    )
     body = "\n".join(lines[:-1])
     assert body.count(POINT) == 6 and KNEE in body and CAP in body
     assert "knee 7.0" in lines[-1] and "cap 8" in lines[-1]
@@ -84,30 +102,39 @@ def test_plot_marks_points_knee_and_cap() -> None:
 def test_no_data_messages() -> None:
     s = make_engine("kv_cache_bound", seed=0)
     last = float(s.windows["ts_s"].max())
-    later = analyze(FrameSource(s.engines.assign(last_step_unix_s=last), s.windows, s.requests),
-                    since=last + 7200, until=None)
+    later = analyze(
+        FrameSource(s.engines.assign(last_step_unix_s=last), s.windows, s.requests),
+        since=last + 7200,
+        until=None,
+    )
     assert not later.has_data
     msg = no_data_message(later, "http://c", "W", now_unix_s=last + 7200 + 60)
     assert msg.startswith("no data in the window W at http://c") and msg.endswith("--since 3h")
-    earlier = analyze(FrameSource(s.engines.assign(last_step_unix_s=last), s.windows,
-                                  s.requests), since=last - 10_000, until=last - 9_000)
+    earlier = analyze(
+        FrameSource(s.engines.assign(last_step_unix_s=last), s.windows, s.requests),
+        since=last - 10_000,
+        until=last - 9_000,
+    )
     assert "move --until later" in no_data_message(earlier, "http://c", "W")
     empty = analyze(FrameSource(pd.DataFrame(), pd.DataFrame()))
     assert "knows no engines yet" in no_data_message(empty, "http://c", "W")
     other = analyze(FrameSource(s.engines, s.windows, s.requests), pool="nope")
     assert no_data_message(other, "http://c", "W") == (
-        "no engines in pool 'nope' at http://c; pools known: synth")
+        "no engines in pool 'nope' at http://c; pools known: synth"
+    )
 
 
 def test_source_error_messages() -> None:
     down = SourceError("x", url="http://c", path="/v1/engines", reason="Connection refused")
     assert source_error_message(down, "http://c").startswith(
-        "cannot reach the collector at http://c (Connection refused): check")
+        "cannot reach the collector at http://c (Connection refused): check"
+    )
     auth = SourceError("x", url="http://c", path="/v1/engines", status=401)
     assert "--token" in source_error_message(auth, "http://c")
     boom = SourceError("x", url="http://c", path="/v1/windows", status=500, reason="store")
     assert source_error_message(boom, "http://c") == (
-        "the collector at http://c answered 500 on /v1/windows: store")
+        "the collector at http://c answered 500 on /v1/windows: store"
+    )
 
 
 def test_prefix_and_routing_section_per_pool() -> None:
@@ -120,12 +147,15 @@ def test_prefix_and_routing_section_per_pool() -> None:
     assert text.index("from test, the test window") < start < recs
     section = " ".join(text[start:recs].split())
     assert "pool px: prefix-cache hit rate 30% (px0:8000:0 40%, px1:8000:0 20%)" in section
-    assert ("reuse available 55%, captured by routing 35%, delivered 30% (routing loss 20%, "
-            "eviction loss 5%)") in section
+    assert (
+        "reuse available 55%, captured by routing 35%, delivered 30% (routing loss 20%, "
+        "eviction loss 5%)"
+    ) in section
     assert "TTFT P50/P90 with cached tokens" in section and "per computed prompt token" in section
     assert "busiest / mean 1.6" in section
-    rank = next(i for i, r in enumerate(rep.recommendations, start=1)
-                if r.kind == "prefix_aware_routing")
+    rank = next(
+        i for i, r in enumerate(rep.recommendations, start=1) if r.kind == "prefix_aware_routing"
+    )
     assert f"predicted hit rate 30% -> 50%, mean TTFT -20 ms (recommendation {rank})" in section
     assert "router policy prefix-aware" in " ".join(text[recs:].split())
 
@@ -136,5 +166,5 @@ def test_prefix_section_without_events_names_the_flag() -> None:
 
     s = make_prefix_pool(with_events=False)
     text = " ".join(_text(analyze(FrameSource(s.engines, s.windows, s.requests))).split())
-    section = text[text.index("Prefix cache and routing"):text.index("Recommendations")]
+    section = text[text.index("Prefix cache and routing") : text.index("Recommendations")]
     assert KV_EVENTS_FLAG in section and "reuse available" not in section

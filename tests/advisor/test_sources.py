@@ -17,8 +17,9 @@ from kvscope.advisor import CollectorSource, FrameSource, SourceError
 
 def test_frame_source_kv_events_filters_pool_and_time() -> None:
     engines = pd.DataFrame({"engine_id": ["a", "b"], "pool": ["p", "q"]})
-    ev = pd.DataFrame({"engine_id": ["a", "a", "b"], "ts_s": [10, 20, 10],
-                       "stored_blocks": [1, 2, 3]})
+    ev = pd.DataFrame(
+        {"engine_id": ["a", "a", "b"], "ts_s": [10, 20, 10], "stored_blocks": [1, 2, 3]}
+    )
     src = FrameSource(engines, pd.DataFrame(), kv_events=ev)
     assert src.kv_events(pool="p")["stored_blocks"].tolist() == [1, 2]
     assert src.kv_events(since=15)["stored_blocks"].tolist() == [2]
@@ -59,7 +60,8 @@ def stub() -> Iterator[tuple[str, type[_Handler]]]:
 
 
 def test_collector_kv_events_reads_rows_with_only_the_endpoints_parameters(
-        stub: tuple[str, type[_Handler]]) -> None:
+    stub: tuple[str, type[_Handler]],
+) -> None:
     url, h = stub
     rows = [{"engine_id": "a", "ts_s": 10, "stored_blocks": 4, "dup_blocks": 1}]
     h.answers.append((200, {"rows": rows}))
@@ -72,19 +74,26 @@ def test_collector_kv_events_reads_rows_with_only_the_endpoints_parameters(
 
 def test_collector_kv_events_pages_truncated_answers(stub: tuple[str, type[_Handler]]) -> None:
     url, h = stub
-    h.answers.extend([
-        (200, {"rows": [{"engine_id": "a", "ts_s": 10}, {"engine_id": "a", "ts_s": 11}],
-               "truncated": True}),
-        (200, {"rows": [{"engine_id": "a", "ts_s": 11}, {"engine_id": "b", "ts_s": 11}]}),
-    ])
+    h.answers.extend(
+        [
+            (
+                200,
+                {
+                    "rows": [{"engine_id": "a", "ts_s": 10}, {"engine_id": "a", "ts_s": 11}],
+                    "truncated": True,
+                },
+            ),
+            (200, {"rows": [{"engine_id": "a", "ts_s": 11}, {"engine_id": "b", "ts_s": 11}]}),
+        ]
+    )
     df = CollectorSource(url).kv_events()
-    assert list(zip(df["engine_id"], df["ts_s"], strict=True)) == [("a", 10), ("a", 11),
-                                                                    ("b", 11)]
+    assert list(zip(df["engine_id"], df["ts_s"], strict=True)) == [("a", 10), ("a", 11), ("b", 11)]
     assert h.seen[1][1]["since"] == ["11.0"]
 
 
 def test_an_older_collector_without_kv_events_gives_an_empty_frame(
-        stub: tuple[str, type[_Handler]]) -> None:
+    stub: tuple[str, type[_Handler]],
+) -> None:
     url, h = stub
     h.answers.append((404, {"error": "not found"}))
     assert CollectorSource(url).kv_events().empty

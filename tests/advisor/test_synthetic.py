@@ -82,8 +82,10 @@ def test_cap_keeps_the_fraction_and_cuts_the_tail() -> None:
     kv = rep.findings_of("kv_capacity")[0].evidence
     seqs = min(cap, int(kv["kv_batch"]))
     assert seqs < cap
-    assert rec.change["vllm_flags"] == [f"--max-num-seqs {seqs}",
-                                        f"--max-num-queued-reqs {cap + -(-cap // 4)}"]
+    assert rec.change["vllm_flags"] == [
+        f"--max-num-seqs {seqs}",
+        f"--max-num-queued-reqs {cap + -(-cap // 4)}",
+    ]
     assert rec.change["gateway"]["gateway_api_maxConcurrency"] == cap
 
 

@@ -12,20 +12,36 @@ from kvscope.engine_plugins.schema import SCHEMA_VERSION
 def hello(engine_id: str, boot_id: str, **over: Any) -> dict[str, Any]:
     """A complete, valid hello record."""
     h: dict[str, Any] = {
-        "engine_id": engine_id, "boot_id": boot_id, "host": "node-1", "port": 8000,
-        "pid": 4242, "engine_index": 0, "pool": "pool-a", "model": "qwen-0.5b",
-        "started_unix_s": 1_700_000_000.0, "vllm_version": "0.32.0",
-        "kvscope_version": "0.1.0", "num_gpu_blocks": 1000, "block_size": 16,
-        "max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": 4096,
-        "enable_prefix_caching": True, "kv_cache_dtype": "auto",
-        "gpu_memory_utilization": 0.9, "tensor_parallel_size": 1,
-        "pipeline_parallel_size": 1, "data_parallel_size": 1,
+        "engine_id": engine_id,
+        "boot_id": boot_id,
+        "host": "node-1",
+        "port": 8000,
+        "pid": 4242,
+        "engine_index": 0,
+        "pool": "pool-a",
+        "model": "qwen-0.5b",
+        "started_unix_s": 1_700_000_000.0,
+        "vllm_version": "0.32.0",
+        "kvscope_version": "0.1.0",
+        "num_gpu_blocks": 1000,
+        "block_size": 16,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
+        "max_model_len": 4096,
+        "enable_prefix_caching": True,
+        "kv_cache_dtype": "auto",
+        "gpu_memory_utilization": 0.9,
+        "tensor_parallel_size": 1,
+        "pipeline_parallel_size": 1,
+        "data_parallel_size": 1,
     }
     h.update(over)
     return h
 
 
-def steps(ts: list[float], *, batch: list[int] | None = None, **cols: list[Any]) -> dict[str, list[Any]]:
+def steps(
+    ts: list[float], *, batch: list[int] | None = None, **cols: list[Any]
+) -> dict[str, list[Any]]:
     """Step columns for the given timestamps; other columns default to simple values."""
     n = len(ts)
     out: dict[str, list[Any]] = {
@@ -67,20 +83,36 @@ def requests(finished: list[float], **cols: list[Any]) -> dict[str, list[Any]]:
     return out
 
 
-def batch(engine_id: str = "host-a:8000:0", boot_id: str = "boot-1", seq: int = 0, *,
-          with_hello: bool = False, step_ts: list[float] | None = None,
-          req_ts: list[float] | None = None, exporter: dict[str, int] | None = None,
-          **over: Any) -> dict[str, Any]:
+def batch(
+    engine_id: str = "host-a:8000:0",
+    boot_id: str = "boot-1",
+    seq: int = 0,
+    *,
+    with_hello: bool = False,
+    step_ts: list[float] | None = None,
+    req_ts: list[float] | None = None,
+    exporter: dict[str, int] | None = None,
+    **over: Any,
+) -> dict[str, Any]:
     """A valid batch (dict) with optional hello, steps and requests."""
     b: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION, "engine_id": engine_id, "boot_id": boot_id,
-        "seq": seq, "sent_unix_s": 1_700_000_100.0,
+        "schema_version": SCHEMA_VERSION,
+        "engine_id": engine_id,
+        "boot_id": boot_id,
+        "seq": seq,
+        "sent_unix_s": 1_700_000_100.0,
         "hello": hello(engine_id, boot_id) if with_hello else None,
         "steps": steps(step_ts) if step_ts else {},
         "requests": requests(req_ts) if req_ts else {},
-        "exporter": exporter if exporter is not None else {
-            "dropped_steps": 0, "dropped_requests": 0, "dropped_batches": 0,
-            "send_failures": 0, "record_errors": 0},
+        "exporter": exporter
+        if exporter is not None
+        else {
+            "dropped_steps": 0,
+            "dropped_requests": 0,
+            "dropped_batches": 0,
+            "send_failures": 0,
+            "record_errors": 0,
+        },
     }
     b.update(over)
     return b
@@ -102,8 +134,9 @@ class LiveCollector:
         from kvscope.collector.server import start
 
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="test-collector",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, name="test-collector", daemon=True
+        )
         self._thread.start()
         fut = asyncio.run_coroutine_threadsafe(start(settings, store), self.loop)
         self.running = fut.result(timeout=30)
@@ -129,8 +162,13 @@ class LiveCollector:
         self.loop.close()
 
 
-def http(method: str, url: str, body: bytes | None = None,
-         headers: dict[str, str] | None = None, timeout_s: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+def http(
+    method: str,
+    url: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 30.0,
+) -> tuple[int, dict[str, str], bytes]:
     """One real HTTP request; returns (status, headers, body)."""
     import http.client
     from urllib.parse import urlsplit
@@ -146,8 +184,15 @@ def http(method: str, url: str, body: bytes | None = None,
         conn.close()
 
 
-def post_batch(base_url: str, obj: Any, *, compress: bool = True, token: str | None = None,
-               raw: bytes | None = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+def post_batch(
+    base_url: str,
+    obj: Any,
+    *,
+    compress: bool = True,
+    token: str | None = None,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
     """POST a batch to /v1/ingest; returns (status, decoded JSON answer)."""
     body = raw if raw is not None else encode(obj, compress=compress)
     h = {"Content-Type": "application/json"}

@@ -12,8 +12,15 @@ from typing import Any
 import pytest
 from _collector_helpers import batch, encode, http, post_batch
 
-DATA_TABLES = ("engines", "engine_configs", "steps", "windows_1s", "requests",
-               "ingested_batches", "exporter_stats")
+DATA_TABLES = (
+    "engines",
+    "engine_configs",
+    "steps",
+    "windows_1s",
+    "requests",
+    "ingested_batches",
+    "exporter_stats",
+)
 
 
 def _counts(lc: Any) -> dict[str, int]:
@@ -27,8 +34,15 @@ def test_stored_after_200(collector: Any) -> None:
     assert status == 200
     assert answer == {"status": "stored", "need_hello": False}
     # The answer came after the commit: a fresh read sees everything.
-    assert _counts(collector) == {"engines": 1, "engine_configs": 1, "steps": 3, "windows_1s": 2,
-                                  "requests": 2, "ingested_batches": 1, "exporter_stats": 1}
+    assert _counts(collector) == {
+        "engines": 1,
+        "engine_configs": 1,
+        "steps": 3,
+        "windows_1s": 2,
+        "requests": 2,
+        "ingested_batches": 1,
+        "exporter_stats": 1,
+    }
     steps = collector.store.steps()
     assert steps["ts_unix_s"].tolist() == [100.1, 100.4, 101.2]
     assert steps["batch_size"].tolist() == b["steps"]["batch_size"]
@@ -46,14 +60,23 @@ def test_resent_batch_is_stored_once(collector: Any) -> None:
         assert (status, answer["status"]) == (200, "duplicate")
     assert _counts(collector) == before
     # Same seq of another boot is a different batch.
-    assert post_batch(collector.url, batch(boot_id="boot-2", step_ts=[102.0]))[1]["status"] == "stored"
+    assert (
+        post_batch(collector.url, batch(boot_id="boot-2", step_ts=[102.0]))[1]["status"] == "stored"
+    )
 
 
 def test_concurrent_duplicates_and_batches(collector: Any) -> None:
     """Many senders at once (group commit): every batch once, duplicates detected."""
-    bodies = [batch(engine_id=f"e{e}", seq=s, with_hello=s == 0,
-                    step_ts=[1000.0 + s + i / 10 for i in range(10)])
-              for e in range(8) for s in range(6)]
+    bodies = [
+        batch(
+            engine_id=f"e{e}",
+            seq=s,
+            with_hello=s == 0,
+            step_ts=[1000.0 + s + i / 10 for i in range(10)],
+        )
+        for e in range(8)
+        for s in range(6)
+    ]
     with ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(lambda b: post_batch(collector.url, b), bodies + bodies))
     assert all(status == 200 for status, _ in answers)
@@ -129,14 +152,18 @@ SCHEMA_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("path", "value", "needle"), [c[1:] for c in SCHEMA_CASES],
-                         ids=[c[0] for c in SCHEMA_CASES])
-def test_schema_errors_rejected_with_400(collector: Any, path: str, value: Any, needle: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "value", "needle"), [c[1:] for c in SCHEMA_CASES], ids=[c[0] for c in SCHEMA_CASES]
+)
+def test_schema_errors_rejected_with_400(
+    collector: Any, path: str, value: Any, needle: str
+) -> None:
     post_batch(collector.url, batch(engine_id="other", step_ts=[50.0]))
     before = _counts(collector)
     body = json.dumps(_mutate(path, value)).encode()  # NaN/Infinity as JS literals
-    status, answer = post_batch(collector.url, None, raw=gzip.compress(body),
-                                headers={"Content-Encoding": "gzip"})
+    status, answer = post_batch(
+        collector.url, None, raw=gzip.compress(body), headers={"Content-Encoding": "gzip"}
+    )
     assert status == 400, answer
     assert needle in answer["error"]
     assert _counts(collector) == before
@@ -153,8 +180,9 @@ BODY_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("raw", "needle"), [c[1:] for c in BODY_CASES],
-                         ids=[c[0] for c in BODY_CASES])
+@pytest.mark.parametrize(
+    ("raw", "needle"), [c[1:] for c in BODY_CASES], ids=[c[0] for c in BODY_CASES]
+)
 def test_malformed_bodies_rejected_with_400(collector: Any, raw: bytes, needle: str) -> None:
     before = _counts(collector)
     status, answer = post_batch(collector.url, None, raw=raw, headers={"Content-Encoding": "gzip"})
@@ -194,8 +222,13 @@ def test_chunked_oversized_body_413(make_collector: Any) -> None:
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
     try:
         chunks = iter([b"x" * 4096] * 10)
-        conn.request("POST", "/v1/ingest", body=chunks, encode_chunked=True,
-                     headers={"Transfer-Encoding": "chunked"})
+        conn.request(
+            "POST",
+            "/v1/ingest",
+            body=chunks,
+            encode_chunked=True,
+            headers={"Transfer-Encoding": "chunked"},
+        )
         resp = conn.getresponse()
         assert resp.status == 413
     finally:
@@ -227,17 +260,16 @@ def test_token_required(make_collector: Any, auth: str | None) -> None:
     assert (status, answer["status"]) == (200, "stored")
 
 
-@pytest.mark.parametrize("path", ["/metrics", "/v1/engines", "/v1/windows?since=0",
-                                  "/v1/request_stats"])
-def test_token_protects_reads_and_metrics_but_not_healthz(make_collector: Any,
-                                                           path: str) -> None:
+@pytest.mark.parametrize(
+    "path", ["/metrics", "/v1/engines", "/v1/windows?since=0", "/v1/request_stats"]
+)
+def test_token_protects_reads_and_metrics_but_not_healthz(make_collector: Any, path: str) -> None:
     lc = make_collector(token="s3cret-token")
     status, _, _ = http("GET", lc.url + path)
     assert status == 401
     status, _, _ = http("GET", lc.url + path, headers={"Authorization": "Bearer nope"})
     assert status == 401
-    status, _, _ = http("GET", lc.url + path,
-                        headers={"Authorization": "Bearer s3cret-token"})
+    status, _, _ = http("GET", lc.url + path, headers={"Authorization": "Bearer s3cret-token"})
     assert status == 200
     status, _, _ = http("GET", lc.url + "/healthz")
     assert status == 200

@@ -41,12 +41,17 @@ P1, P2, P3, X = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]
 class Engine:
     """One engine's KV-event publisher (vLLM's own class) and the endpoint it advertises."""
 
-    def __init__(self, engine_id: str, pool: str, *, dp_rank: int = 0,
-                 advertise: bool = True) -> None:
+    def __init__(
+        self, engine_id: str, pool: str, *, dp_rank: int = 0, advertise: bool = True
+    ) -> None:
         self.engine_id, self.pool = engine_id, pool
         base = free_port() - dp_rank  # vLLM publishes on base + the data-parallel rank
-        cfg = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                             endpoint=f"tcp://*:{base}", topic="kv-events")
+        cfg = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=f"tcp://*:{base}",
+            topic="kv-events",
+        )
         self.pub = ZmqEventPublisher(dp_rank, endpoint=cfg.endpoint, topic=cfg.topic)
         self.advertised = kv_events_endpoint(cfg, dp_rank)
         assert self.advertised == f"tcp://*:{base + dp_rank}"
@@ -67,8 +72,15 @@ class Engine:
 
 
 def stored(hashes: list[Any], parent: Any, tokens: list[int]) -> BlockStored:
-    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
-                       block_size=BS, lora_id=None, medium="GPU", lora_name=None)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
 
 
 def removed(h: Any) -> BlockRemoved:
@@ -119,8 +131,10 @@ def send(url: str, e: Engine, events: list[Any]) -> None:
     """Publish one batch and wait until the collector has stored it."""
     before = totals(url, e.engine_id).get("n_batches", 0)
     e.publish(events)
-    wait_for(lambda: totals(url, e.engine_id).get("n_batches", 0) > before,
-             f"{e.engine_id}'s batch to be stored")
+    wait_for(
+        lambda: totals(url, e.engine_id).get("n_batches", 0) > before,
+        f"{e.engine_id}'s batch to be stored",
+    )
 
 
 def scrape(url: str) -> tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
@@ -137,8 +151,9 @@ def scrape(url: str) -> tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]],
 def promtool_ok(text: str) -> None:
     if not shutil.which(PROMTOOL):
         pytest.fail(f"{PROMTOOL} is missing: install the Debian 'prometheus' package")
-    res = subprocess.run([PROMTOOL, "check", "metrics"], input=text.encode(),
-                         capture_output=True, timeout=30)
+    res = subprocess.run(
+        [PROMTOOL, "check", "metrics"], input=text.encode(), capture_output=True, timeout=30
+    )
     assert res.returncode == 0, res.stdout.decode() + res.stderr.decode()
     assert not res.stdout.strip() and not res.stderr.strip(), res.stdout + res.stderr
 
@@ -164,15 +179,13 @@ def test_duplication_measured_within_a_pool(make_collector: Any, engines: list[E
     # its endpoint on the collector's command line instead.
     c = Engine("node-c:8000:0", "pool-q", advertise=False)
     engines += [a, b, c]
-    lc = _kv(make_collector,
-             kv_events_endpoints=((c.engine_id, f"tcp://127.0.0.1:{c.port}"),))
+    lc = _kv(make_collector, kv_events_endpoints=((c.engine_id, f"tcp://127.0.0.1:{c.port}"),))
     for e in engines:
         assert post_batch(lc.url, batch(engine_id=e.engine_id, hello=e.hello()))[0] == 200
         connect(lc.url, e)
     _, eng = get_json(lc.url, "/v1/engines")
     endpoints = {r["engine_id"]: r["kv_events_endpoint"] for r in eng["rows"]}
-    assert endpoints == {a.engine_id: a.advertised, b.engine_id: b.advertised,
-                         c.engine_id: None}
+    assert endpoints == {a.engine_id: a.advertised, b.engine_id: b.advertised, c.engine_id: None}
 
     # a: P1 P2 P3 under its own hashes.
     send(lc.url, a, [stored([101, 102, 103], None, P1 + P2 + P3)])
@@ -197,15 +210,39 @@ def test_duplication_measured_within_a_pool(make_collector: Any, engines: list[E
     send(lc.url, c, [AllBlocksCleared()])
 
     ta, tb, tc = (totals(lc.url, e.engine_id) for e in (a, b, c))
-    assert {k: ta[k] for k in ("stored_blocks", "dup_blocks", "reseen_blocks",
-                               "orphan_blocks", "removed_blocks", "missed_batches",
-                               "cleared_events")} == {
-        "stored_blocks": 5, "dup_blocks": 1, "reseen_blocks": 2, "orphan_blocks": 0,
-        "removed_blocks": 2, "missed_batches": 3, "cleared_events": 0}
-    assert (tb["stored_blocks"], tb["dup_blocks"], tb["reseen_blocks"],
-            tb["orphan_blocks"], tb["missed_batches"]) == (4, 2, 2, 1, 0)
-    assert (tc["stored_blocks"], tc["dup_blocks"], tc["reseen_blocks"],
-            tc["cleared_events"]) == (3, 0, 0, 1)
+    assert {
+        k: ta[k]
+        for k in (
+            "stored_blocks",
+            "dup_blocks",
+            "reseen_blocks",
+            "orphan_blocks",
+            "removed_blocks",
+            "missed_batches",
+            "cleared_events",
+        )
+    } == {
+        "stored_blocks": 5,
+        "dup_blocks": 1,
+        "reseen_blocks": 2,
+        "orphan_blocks": 0,
+        "removed_blocks": 2,
+        "missed_batches": 3,
+        "cleared_events": 0,
+    }
+    assert (
+        tb["stored_blocks"],
+        tb["dup_blocks"],
+        tb["reseen_blocks"],
+        tb["orphan_blocks"],
+        tb["missed_batches"],
+    ) == (4, 2, 2, 1, 0)
+    assert (tc["stored_blocks"], tc["dup_blocks"], tc["reseen_blocks"], tc["cleared_events"]) == (
+        3,
+        0,
+        0,
+        1,
+    )
     last = {e.engine_id: rows(lc.url, engine_id=e.engine_id)[-1] for e in engines}
     # At a's last batch: P1 (b has it), P2 (b has it), P3: 3 held, 2 shared.
     assert (last[a.engine_id]["held_blocks"], last[a.engine_id]["held_shared_blocks"]) == (3, 2)
@@ -219,8 +256,9 @@ def test_duplication_measured_within_a_pool(make_collector: Any, engines: list[E
     assert {r["engine_id"] for r in rows(lc.url, pool="pool-q")} == {c.engine_id}
     assert {r["engine_id"] for r in rows(lc.url, engine=b.engine_id)} == {b.engine_id}
     assert rows(lc.url, until=1) == []
-    status, body = get_json(lc.url, f"/v1/kv_events?since=0&engine={a.engine_id}"
-                                    f"&engine_id={b.engine_id}")
+    status, body = get_json(
+        lc.url, f"/v1/kv_events?since=0&engine={a.engine_id}&engine_id={b.engine_id}"
+    )
     assert status == 400 and "engine" in body["error"]
     status, body = get_json(lc.url, "/v1/kv_events?since=soon")
     assert status == 400 and "since" in body["error"]
@@ -228,8 +266,12 @@ def test_duplication_measured_within_a_pool(make_collector: Any, engines: list[E
     assert status == 200 and body["truncated"] and len(body["columns"]["stored_blocks"]) == 2
 
     # /metrics: the same numbers, and promtool accepts the exposition.
-    wait_for(lambda: scrape(lc.url)[1].get(
-        ("kvscope_pool_kv_distinct_blocks", (("pool", "pool-q"),))) == 0, "the gauges")
+    wait_for(
+        lambda: (
+            scrape(lc.url)[1].get(("kvscope_pool_kv_distinct_blocks", (("pool", "pool-q"),))) == 0
+        ),
+        "the gauges",
+    )
     text, m = scrape(lc.url)
     promtool_ok(text)
 
@@ -249,8 +291,9 @@ def test_duplication_measured_within_a_pool(make_collector: Any, engines: list[E
     assert m[("kvscope_pool_kv_distinct_blocks", (("pool", "pool-p"),))] == 5
 
 
-def test_new_boot_resubscribes_and_starts_afresh(make_collector: Any,
-                                                 engines: list[Engine]) -> None:
+def test_new_boot_resubscribes_and_starts_afresh(
+    make_collector: Any, engines: list[Engine]
+) -> None:
     a, b = Engine("a:8000:0", "p"), Engine("b:8000:0", "p")
     engines += [a, b]
     lc = _kv(make_collector)
@@ -262,8 +305,14 @@ def test_new_boot_resubscribes_and_starts_afresh(make_collector: Any,
     a2 = Engine("a:8000:0", "p")
     engines.append(a2)
     a.close()
-    post_batch(lc.url, batch(engine_id=a2.engine_id, boot_id="boot-2",
-                             hello=a2.hello("boot-2", started_unix_s=1_800_000_000.0)))
+    post_batch(
+        lc.url,
+        batch(
+            engine_id=a2.engine_id,
+            boot_id="boot-2",
+            hello=a2.hello("boot-2", started_unix_s=1_800_000_000.0),
+        ),
+    )
     connect(lc.url, a2)
     # a's old blocks are gone: b storing P1 P2 finds no duplicate.
     send(lc.url, b, [stored([11, 12], None, P1 + P2)])
@@ -273,28 +322,40 @@ def test_new_boot_resubscribes_and_starts_afresh(make_collector: Any,
     send(lc.url, a2, [stored([5], None, P1)])
     ta = totals(lc.url, a.engine_id)
     assert (ta["stored_blocks"], ta["dup_blocks"], ta["missed_batches"]) == (3, 1, 0)
-    wait_for(lambda: scrape(lc.url)[1].get(("kvscope_kv_events_held_blocks", (
-        ("engine", a.engine_id), ("pool", "p")))) == 1, "a's held gauge to restart at 1")
+    wait_for(
+        lambda: (
+            scrape(lc.url)[1].get(
+                ("kvscope_kv_events_held_blocks", (("engine", a.engine_id), ("pool", "p")))
+            )
+            == 1
+        ),
+        "a's held gauge to restart at 1",
+    )
     _, m = scrape(lc.url)
     sub = {k[1]: v for k, v in m.items() if k[0] == "kvscope_kv_events_subscribed"}
-    assert sub == {(("endpoint", f"tcp://127.0.0.1:{a2.port}"), ("engine", a.engine_id),
-                    ("pool", "p")): 1,
-                   (("endpoint", f"tcp://127.0.0.1:{b.port}"), ("engine", b.engine_id),
-                    ("pool", "p")): 1}
+    assert sub == {
+        (("endpoint", f"tcp://127.0.0.1:{a2.port}"), ("engine", a.engine_id), ("pool", "p")): 1,
+        (("endpoint", f"tcp://127.0.0.1:{b.port}"), ("engine", b.engine_id), ("pool", "p")): 1,
+    }
 
 
-def test_silent_engine_is_unsubscribed_until_it_sends_again(make_collector: Any,
-                                                            engines: list[Engine]) -> None:
+def test_silent_engine_is_unsubscribed_until_it_sends_again(
+    make_collector: Any, engines: list[Engine]
+) -> None:
     a = Engine("a:8000:0", "p")
     engines.append(a)
     lc = _kv(make_collector, kv_events_idle_s=2.0)
     post_batch(lc.url, batch(engine_id=a.engine_id, hello=a.hello()))
     connect(lc.url, a)
     send(lc.url, a, [stored([1], None, P1)])
-    key = ("kvscope_kv_events_subscribed", (("endpoint", f"tcp://127.0.0.1:{a.port}"),
-                                            ("engine", a.engine_id), ("pool", "p")))
-    unsub = ("kvscope_kv_events_subscribed", (("endpoint", a.advertised),
-                                              ("engine", a.engine_id), ("pool", "p")))
+    key = (
+        "kvscope_kv_events_subscribed",
+        (("endpoint", f"tcp://127.0.0.1:{a.port}"), ("engine", a.engine_id), ("pool", "p")),
+    )
+    unsub = (
+        "kvscope_kv_events_subscribed",
+        (("endpoint", a.advertised), ("engine", a.engine_id), ("pool", "p")),
+    )
     wait_for(lambda: scrape(lc.url)[1].get(unsub) == 0, "the silent engine to be dropped")
     assert key not in scrape(lc.url)[1]
     held = ("kvscope_kv_events_held_blocks", (("engine", a.engine_id), ("pool", "p")))
@@ -322,20 +383,28 @@ def test_read_api_needs_the_token(make_collector: Any) -> None:
     lc = _kv(make_collector, token="s3cret")
     status, _, _ = http("GET", lc.url + "/v1/kv_events")
     assert status == 401
-    status, _, body = http("GET", lc.url + "/v1/kv_events?since=0",
-                           headers={"Authorization": "Bearer s3cret"})
+    status, _, body = http(
+        "GET", lc.url + "/v1/kv_events?since=0", headers={"Authorization": "Bearer s3cret"}
+    )
     assert status == 200 and json.loads(body)["rows"] == []
 
 
 def test_collector_process_with_an_override_keeps_counters_over_restarts(
-        tmp_path: Path, engines: list[Engine]) -> None:
+    tmp_path: Path, engines: list[Engine]
+) -> None:
     """``kvscope collector --kv-events-endpoint``: an engine whose hello has no endpoint
     (an older plugin) is subscribed where the operator says; its counters survive a
     restart of the collector."""
     a = Engine("old-plugin:8000:0", "p", advertise=False)
     engines.append(a)
-    args = ["--kv-events-endpoint", f"{a.engine_id}=tcp://127.0.0.1:{a.port}",
-            "--advise-interval-s", "0", "--raw-retention-s", "0"]
+    args = [
+        "--kv-events-endpoint",
+        f"{a.engine_id}=tcp://127.0.0.1:{a.port}",
+        "--advise-interval-s",
+        "0",
+        "--raw-retention-s",
+        "0",
+    ]
     store = tmp_path / "kv.duckdb"
     with CollectorProcess(store, extra_args=args) as c:
         status, _ = post_batch(c.url, batch(engine_id=a.engine_id, hello=a.hello()))
@@ -351,8 +420,10 @@ def test_collector_process_with_an_override_keeps_counters_over_restarts(
         # Subscribed again at start, from the store's engines and the override.
         connect(c.url, a)
         send(c.url, a, [stored([1], None, P1)])  # a new process's view: not held yet
-        wait_for(lambda: scrape(c.url)[1].get(
-            ("kvscope_kv_events_blocks_stored_total", lab)) == 4, "the counter to reach 4")
+        wait_for(
+            lambda: scrape(c.url)[1].get(("kvscope_kv_events_blocks_stored_total", lab)) == 4,
+            "the counter to reach 4",
+        )
 
 
 def test_endpoint_resolution() -> None:
@@ -373,16 +444,30 @@ def test_cli_flags_build_the_settings() -> None:
     from kvscope.cli.collector import collector_settings
     from kvscope.cli.main import build_parser
 
-    args = build_parser().parse_args([
-        "collector", "--kv-events", "off", "--kv-events-endpoint", "e1=tcp://h:5557",
-        "--kv-events-endpoint", "e2=tcp://*:6000", "--kv-events-seen-capacity", "1_000"])
+    args = build_parser().parse_args(
+        [
+            "collector",
+            "--kv-events",
+            "off",
+            "--kv-events-endpoint",
+            "e1=tcp://h:5557",
+            "--kv-events-endpoint",
+            "e2=tcp://*:6000",
+            "--kv-events-seen-capacity",
+            "1_000",
+        ]
+    )
     s = collector_settings(args)
     assert s.kv_events == "off" and s.kv_events_seen_capacity == 1000
     assert s.kv_events_endpoints == (("e1", "tcp://h:5557"), ("e2", "tcp://*:6000"))
     default = collector_settings(build_parser().parse_args(["collector"]))
     assert (default.kv_events, default.kv_events_endpoints) == ("auto", ())
-    for bad in (["--kv-events-endpoint", "tcp://h:1"], ["--kv-events", "on"],
-                ["--kv-events-endpoint", "e=udp://h:1"], ["--kv-events-seen-capacity", "1"]):
+    for bad in (
+        ["--kv-events-endpoint", "tcp://h:1"],
+        ["--kv-events", "on"],
+        ["--kv-events-endpoint", "e=udp://h:1"],
+        ["--kv-events-seen-capacity", "1"],
+    ):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["collector", *bad])
 

@@ -39,13 +39,19 @@ def _msg(seq: int, events: list[object], ts: float = 1_700_000_000.5) -> Message
     return decode([b"kv", seq.to_bytes(8, "big"), ENC.encode(KVEventBatch(ts=ts, events=events))])
 
 
-def stored(hashes: list[int | bytes], parent: int | bytes | None, tokens: list[int], bs: int = 4,
-           **kw: object) -> VBlockStored:
+def stored(
+    hashes: list[int | bytes],
+    parent: int | bytes | None,
+    tokens: list[int],
+    bs: int = 4,
+    **kw: object,
+) -> VBlockStored:
     kw.setdefault("lora_id", None)
     kw.setdefault("medium", "GPU")
     kw.setdefault("lora_name", None)
-    return VBlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
-                        block_size=bs, **kw)
+    return VBlockStored(
+        block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=bs, **kw
+    )
 
 
 def removed(hashes: list[int | bytes]) -> VBlockRemoved:
@@ -62,8 +68,16 @@ def test_same_content_same_id_whatever_the_local_hashes() -> None:
     ra, rb = new_row(), new_row()
     a.apply(_msg(0, [stored([101, 102], None, list(range(8)))]), ra)
     # b: the same two blocks under other hashes (bytes, as sha256 gives), in two events.
-    b.apply(_msg(0, [stored([b"\x07" * 32], None, list(range(4))),
-                     stored([b"\x08" * 32], b"\x07" * 32, list(range(4, 8)))]), rb)
+    b.apply(
+        _msg(
+            0,
+            [
+                stored([b"\x07" * 32], None, list(range(4))),
+                stored([b"\x08" * 32], b"\x07" * 32, list(range(4, 8))),
+            ],
+        ),
+        rb,
+    )
     assert set(a.blocks.values()) == set(b.blocks.values())
     assert (ra[STORED], ra[DUP], ra[RESEEN]) == (2, 0, 0)
     assert (rb[STORED], rb[DUP], rb[RESEEN], rb[HELD], rb[HELD_SHARED]) == (2, 2, 2, 2, 2)
@@ -74,11 +88,13 @@ def test_same_content_same_id_whatever_the_local_hashes() -> None:
 def test_content_id_depends_on_prefix_lora_extra_keys_and_group() -> None:
     base = content_id(0, 0, None, None, [1, 2, 3, 4])
     assert content_id(0, 0, None, None, [1, 2, 3, 4]) == base
-    others = {content_id(7, 0, None, None, [1, 2, 3, 4]),
-              content_id(0, 1, None, None, [1, 2, 3, 4]),
-              content_id(0, 0, "adapter", None, [1, 2, 3, 4]),
-              content_id(0, 0, None, ["salt"], [1, 2, 3, 4]),
-              content_id(0, 0, None, None, [1, 2, 3, 5])}
+    others = {
+        content_id(7, 0, None, None, [1, 2, 3, 4]),
+        content_id(0, 1, None, None, [1, 2, 3, 4]),
+        content_id(0, 0, "adapter", None, [1, 2, 3, 4]),
+        content_id(0, 0, None, ["salt"], [1, 2, 3, 4]),
+        content_id(0, 0, None, None, [1, 2, 3, 5]),
+    }
     assert base not in others and len(others) == 5
     assert 0 < base < 2**63
 
@@ -98,8 +114,7 @@ def test_orphans_chain_but_never_duplicate() -> None:
     a.apply(_msg(0, [stored([1, 2], None, list(range(8)))]), new_row())
     rb = new_row()
     # b joined mid-stream: its parent 55 is unknown; the tokens equal a's second block.
-    b.apply(_msg(0, [stored([9], 55, list(range(4, 8))), stored([10], 9, [40, 41, 42, 43])]),
-            rb)
+    b.apply(_msg(0, [stored([9], 55, list(range(4, 8))), stored([10], 9, [40, 41, 42, 43])]), rb)
     assert (rb[STORED], rb[ORPHAN], rb[DUP], rb[RESEEN]) == (2, 1, 0, 0)
     assert b.blocks[10] != a.blocks[2]
     assert pool.distinct_blocks == 4 and b.shared == 0
@@ -141,8 +156,12 @@ def test_other_tiers_ignored_and_bad_tokens_counted() -> None:
     pool = Pool("p", 1000)
     a = _engine(pool, "a")
     r = new_row()
-    a.apply(_msg(0, [stored([1], None, [1, 2, 3, 4], medium="CPU"),
-                     stored([2], None, [2**63, 1, 1, 1])]), r)
+    a.apply(
+        _msg(
+            0, [stored([1], None, [1, 2, 3, 4], medium="CPU"), stored([2], None, [2**63, 1, 1, 1])]
+        ),
+        r,
+    )
     assert (r[STORED], a.ignored, a.bad_events, len(a.blocks)) == (0, 1, 1, 0)
 
 
@@ -175,8 +194,9 @@ def test_undecodable_messages_raise_wire_error() -> None:
 
 
 def test_unknown_event_types_are_skipped_and_counted() -> None:
-    raw = msgspec.msgpack.decode(ENC.encode(KVEventBatch(ts=1.0, events=[
-        stored([1], None, [1, 2, 3, 4])])))
+    raw = msgspec.msgpack.decode(
+        ENC.encode(KVEventBatch(ts=1.0, events=[stored([1], None, [1, 2, 3, 4])]))
+    )
     raw[1].append({"type": "SomethingNew", "x": 1})
     msg = decode([b"", (3).to_bytes(8, "big"), ENC.encode(raw)])
     assert len(msg.events) == 1 and msg.unknown_events == 1 and msg.seq == 3
@@ -202,13 +222,14 @@ def test_random_operations_match_a_brute_force_model() -> None:
             # Store 1-3 blocks continuing a held prefix (or from the root), tokens from a
             # small alphabet so that engines often build the same prefixes.
             parents = [(h, p) for h, p in held.items()]
-            parent_hash, prefix = rnd.choice(parents) if parents and rnd.random() < 0.7 \
-                else (None, ())
+            parent_hash, prefix = (
+                rnd.choice(parents) if parents and rnd.random() < 0.7 else (None, ())
+            )
             n = rnd.randint(1, 3)
             toks = [rnd.randrange(3) for _ in range(n * bs)]
             hashes, expect_stored, expect_dup, expect_reseen = [], 0, 0, 0
             for k in range(n):
-                prefix = prefix + tuple(toks[k * bs:(k + 1) * bs])
+                prefix = prefix + tuple(toks[k * bs : (k + 1) * bs])
                 existing = [h for h, p in held.items() if p == prefix]
                 if existing:
                     hashes.append(existing[0])
@@ -222,7 +243,11 @@ def test_random_operations_match_a_brute_force_model() -> None:
                 held[next_hash[i]] = prefix
             eng.apply(_msg(step, [stored(hashes, parent_hash, toks, bs=bs)]), row)
             assert (row[STORED], row[DUP], row[RESEEN], row[ORPHAN]) == (
-                expect_stored, expect_dup, expect_reseen, 0)
+                expect_stored,
+                expect_dup,
+                expect_reseen,
+                0,
+            )
         elif op < 0.95 and held:
             h = rnd.choice(list(held))
             del held[h]

@@ -39,9 +39,12 @@ def _old_store(path: str) -> None:
 def _columns(path: str, table: str) -> set[str]:
     con = duckdb.connect(path)
     try:
-        return {r[0] for r in con.execute(
-            "SELECT column_name FROM information_schema.columns WHERE table_name = ?",
-            [table]).fetchall()}
+        return {
+            r[0]
+            for r in con.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [table]
+            ).fetchall()
+        }
     finally:
         con.close()
 
@@ -74,8 +77,9 @@ def _rows(*rows: tuple[str, int, int, int, int | None]) -> pd.DataFrame:
     out = []
     for engine_id, ts_s, stored, held, bs in rows:
         r: dict[str, Any] = dict.fromkeys(KV_EVENT_COLUMNS, 1)
-        r.update(engine_id=engine_id, ts_s=ts_s, stored_blocks=stored, held_blocks=held,
-                 block_size=bs)
+        r.update(
+            engine_id=engine_id, ts_s=ts_s, stored_blocks=stored, held_blocks=held, block_size=bs
+        )
         out.append(r)
     df = pd.DataFrame(out)
     df["block_size"] = df["block_size"].astype("Int64")
@@ -105,8 +109,9 @@ def test_kv_event_windows_merge_counts_and_keep_the_latest_held(store: Store) ->
 
 
 def test_kv_event_retention(store: Store) -> None:
-    store.write_kv_event_windows(_rows(("e1", int(T0) - 7200, 1, 1, 16),
-                                       ("e1", int(T0) - 10, 1, 1, 16)))
+    store.write_kv_event_windows(
+        _rows(("e1", int(T0) - 7200, 1, 1, 16), ("e1", int(T0) - 10, 1, 1, 16))
+    )
     assert store.apply_kv_event_retention(0, now_unix_s=T0) == {"kv_event_windows": 0}
     assert store.apply_kv_event_retention(3600, now_unix_s=T0) == {"kv_event_windows": 1}
     assert list(store.kv_event_windows()["ts_s"]) == [int(T0) - 10]

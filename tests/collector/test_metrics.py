@@ -35,14 +35,26 @@ def _scrape(url: str) -> tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]]
 def _send(url: str) -> dict[str, Any]:
     rng = np.random.default_rng(3)
     n = 120
-    b = batch(engine_id="e1", seq=0, req_ts=[T0 + 1, T0 + 2, T0 + 3],
-              hello=hello("e1", "boot-1", pool="pool-a", model="m-1", max_num_seqs=64),
-              exporter={"dropped_steps": 7, "dropped_requests": 1, "dropped_batches": 2,
-                        "send_failures": 3, "record_errors": 0})
-    b["steps"] = steps([T0 + i / 40 for i in range(n)], batch=rng.integers(0, 300, n).tolist(),
-                       kv_usage_ratio=np.round(rng.uniform(0, 1, n), 3).tolist(),
-                       waiting=rng.integers(0, 50, n).tolist(),
-                       deferred=rng.integers(0, 3, n).tolist())
+    b = batch(
+        engine_id="e1",
+        seq=0,
+        req_ts=[T0 + 1, T0 + 2, T0 + 3],
+        hello=hello("e1", "boot-1", pool="pool-a", model="m-1", max_num_seqs=64),
+        exporter={
+            "dropped_steps": 7,
+            "dropped_requests": 1,
+            "dropped_batches": 2,
+            "send_failures": 3,
+            "record_errors": 0,
+        },
+    )
+    b["steps"] = steps(
+        [T0 + i / 40 for i in range(n)],
+        batch=rng.integers(0, 300, n).tolist(),
+        kv_usage_ratio=np.round(rng.uniform(0, 1, n), 3).tolist(),
+        waiting=rng.integers(0, 50, n).tolist(),
+        deferred=rng.integers(0, 3, n).tolist(),
+    )
     assert post_batch(url, b)[0] == 200
     return b
 
@@ -62,7 +74,8 @@ def test_values_match_ingested_data(collector: Any) -> None:
     assert m[("kvscope_engine_prefix_cache_query_tokens_total", L)] == sum(st["prefix_queries"])
     assert m[("kvscope_engine_prefix_cache_hit_tokens_total", L)] == sum(st["prefix_hits"])
     assert m[("kvscope_engine_prefix_hit_ratio", L)] == pytest.approx(
-        sum(st["prefix_hits"]) / sum(st["prefix_queries"]))
+        sum(st["prefix_hits"]) / sum(st["prefix_queries"])
+    )
     assert m[("kvscope_engine_finished_requests_total", L)] == 3
     # The queue summed over steps: over the steps, the mean queue the gauge cannot give.
     assert m[("kvscope_engine_waiting_request_steps_total", L)] == sum(st["waiting"])
@@ -112,22 +125,24 @@ def test_rejections_and_duplicates_counted(collector: Any) -> None:
 def test_engine_without_hello_has_empty_labels(collector: Any) -> None:
     post_batch(collector.url, batch(engine_id='odd"name\\x', step_ts=[T0, T0 + 0.1]))
     _, m = _scrape(collector.url)
-    key = ("kvscope_engine_steps_total",
-           (("engine", 'odd"name\\x'), ("model", ""), ("pool", "")))
+    key = ("kvscope_engine_steps_total", (("engine", 'odd"name\\x'), ("model", ""), ("pool", "")))
     assert m[key] == 2
     assert not [k for k in m if k[0] == "kvscope_engine_info"]
 
 
 def test_promtool_check_metrics(collector: Any) -> None:
     if not shutil.which(PROMTOOL):
-        pytest.fail(f"{PROMTOOL} is missing: install the Debian 'prometheus' package "
-                    "(apt-get install prometheus), which provides promtool")
+        pytest.fail(
+            f"{PROMTOOL} is missing: install the Debian 'prometheus' package "
+            "(apt-get install prometheus), which provides promtool"
+        )
     _send(collector.url)
     post_batch(collector.url, batch(engine_id="e2", step_ts=[T0]))
     post_batch(collector.url, None, raw=gzip.compress(b"[]"), headers={"Content-Encoding": "gzip"})
     text, _ = _scrape(collector.url)
-    res = subprocess.run([PROMTOOL, "check", "metrics"], input=text.encode(),
-                         capture_output=True, timeout=30)
+    res = subprocess.run(
+        [PROMTOOL, "check", "metrics"], input=text.encode(), capture_output=True, timeout=30
+    )
     assert res.returncode == 0, res.stdout.decode() + res.stderr.decode()
     assert not res.stdout.strip() and not res.stderr.strip(), res.stdout + res.stderr
 
@@ -139,8 +154,12 @@ def test_counters_survive_restart(make_collector: Any) -> None:
     lc.stop()
     lc2 = make_collector()
     _, after = _scrape(lc2.url)
-    keep = [k for k in before if k[0].startswith(("kvscope_engine_", "kvscope_exporter_"))
-            and not k[0].endswith(("_ratio", "_size", "_requests", "_blocks"))]
+    keep = [
+        k
+        for k in before
+        if k[0].startswith(("kvscope_engine_", "kvscope_exporter_"))
+        and not k[0].endswith(("_ratio", "_size", "_requests", "_blocks"))
+    ]
     assert keep
     for k in keep:
         assert after.get(k) == before[k], k
@@ -150,5 +169,10 @@ def test_counters_survive_restart(make_collector: Any) -> None:
     assert post_batch(lc2.url, b2)[0] == 200
     _, again = _scrape(lc2.url)
     assert again[("kvscope_engine_steps_total", LABELS_E1)] == len(b["steps"]["ts_unix_s"]) + 1
-    assert again[("kvscope_engine_step_batch_size_count", LABELS_E1)] == len(b["steps"]["ts_unix_s"]) + 1
-    assert math.isclose(again[("kvscope_engine_batch_size", LABELS_E1)], b2["steps"]["batch_size"][0])
+    assert (
+        again[("kvscope_engine_step_batch_size_count", LABELS_E1)]
+        == len(b["steps"]["ts_unix_s"]) + 1
+    )
+    assert math.isclose(
+        again[("kvscope_engine_batch_size", LABELS_E1)], b2["steps"]["batch_size"][0]
+    )

@@ -34,9 +34,12 @@ from kvscope.collector.settings import Settings
 from kvscope.lab.recording import load_recording, post_batch, rebased, replay
 
 RECORDINGS = Path(__file__).resolve().parents[2] / "lab" / "recordings"
-CHANGING = ("kvscope_advisor_runs_total", "kvscope_advisor_last_run_timestamp_seconds",
-            "kvscope_advisor_last_success_timestamp_seconds",
-            "kvscope_advisor_last_run_duration_seconds")
+CHANGING = (
+    "kvscope_advisor_runs_total",
+    "kvscope_advisor_last_run_timestamp_seconds",
+    "kvscope_advisor_last_success_timestamp_seconds",
+    "kvscope_advisor_last_run_duration_seconds",
+)
 """Families that move with every advisor run: checked for presence, not value."""
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -77,7 +80,10 @@ class _Handler(BaseHTTPRequestHandler):
             body = gzip.decompress(body)
         elif encoding == "deflate":
             body = zlib.decompress(body)
-        if self.path != "/v1/metrics" or self.headers.get("Content-Type") != "application/x-protobuf":
+        if (
+            self.path != "/v1/metrics"
+            or self.headers.get("Content-Type") != "application/x-protobuf"
+        ):
             self._answer(400, b"expected protobuf on /v1/metrics")
             return
         if self.server.status != 200:
@@ -89,7 +95,8 @@ class _Handler(BaseHTTPRequestHandler):
         req.ParseFromString(body)
         with self.server.lock:
             self.server.received.append(
-                (time.time(), {k.lower(): v for k, v in self.headers.items()}, req))
+                (time.time(), {k.lower(): v for k, v in self.headers.items()}, req)
+            )
         self._answer(200, ExportMetricsServiceResponse().SerializeToString())
 
     def _answer(self, status: int, body: bytes) -> None:
@@ -121,8 +128,9 @@ def _attrs(kvs: Any) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((kv.key, str(_value(kv.value))) for kv in kvs))
 
 
-def _decode(req: ExportMetricsServiceRequest) -> tuple[dict[str, Any], dict[Key, float],
-                                                       dict[str, str], dict[Key, Any]]:
+def _decode(
+    req: ExportMetricsServiceRequest,
+) -> tuple[dict[str, Any], dict[Key, float], dict[str, str], dict[Key, Any]]:
     """(resource attributes, samples as /metrics names them, kind per name, histograms)."""
     assert len(req.resource_metrics) == 1
     rm = req.resource_metrics[0]
@@ -136,12 +144,22 @@ def _decode(req: ExportMetricsServiceRequest) -> tuple[dict[str, Any], dict[Key,
             kind = m.WhichOneof("data")
             if kind == "sum":
                 assert m.sum.is_monotonic
-                assert m.sum.aggregation_temporality == AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+                assert (
+                    m.sum.aggregation_temporality
+                    == AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+                )
             if kind == "histogram":
-                assert m.histogram.aggregation_temporality == AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+                assert (
+                    m.histogram.aggregation_temporality
+                    == AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+                )
                 for p in m.histogram.data_points:
                     hists[(m.name, _attrs(p.attributes))] = (
-                        list(p.bucket_counts), list(p.explicit_bounds), p.sum, p.count)
+                        list(p.bucket_counts),
+                        list(p.explicit_bounds),
+                        p.sum,
+                        p.count,
+                    )
             else:
                 for p in getattr(m, kind).data_points:
                     v = p.as_double if p.WhichOneof("value") == "as_double" else p.as_int
@@ -174,8 +192,10 @@ def _wait(what: str, check: Callable[[], Any], timeout_s: float = 15.0) -> Any:
 
 def _exports(c: CollectorProcess) -> dict[str, float]:
     m, _ = _prom(c.get_text("/metrics"))
-    return {r: m.get(("kvscope_collector_otlp_exports_total", (("result", r),)), -1.0)
-            for r in ("success", "failure")}
+    return {
+        r: m.get(("kvscope_collector_otlp_exports_total", (("result", r),)), -1.0)
+        for r in ("success", "failure")
+    }
 
 
 def _second_engine_batch() -> dict[str, Any]:
@@ -193,19 +213,38 @@ def _second_engine_batch() -> dict[str, Any]:
 
 
 def test_export_equals_metrics_and_survives_a_failing_receiver(
-        receiver: _Receiver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    receiver: _Receiver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Standard variables reach the SDK: a resource attribute, and a short export timeout
     # (with the SDK's retries) so the 503 phase fails within the test's budget.
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=otlp-test")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "1")
-    c = CollectorProcess(tmp_path / "kvscope.duckdb", extra_args=[
-        "--otlp-endpoint", receiver.url, "--otlp-interval", "1",
-        "--otlp-header", "Authorization: Bearer otlp-secret",
-        "--raw-retention-s", "0", "--advise-interval-s", "1", "--advise-window-s", "900",
-        "--kv-events", "off"]).start()
+    c = CollectorProcess(
+        tmp_path / "kvscope.duckdb",
+        extra_args=[
+            "--otlp-endpoint",
+            receiver.url,
+            "--otlp-interval",
+            "1",
+            "--otlp-header",
+            "Authorization: Bearer otlp-secret",
+            "--raw-retention-s",
+            "0",
+            "--advise-interval-s",
+            "1",
+            "--advise-window-s",
+            "900",
+            "--kv-events",
+            "off",
+        ],
+    ).start()
     try:
-        replay(load_recording(RECORDINGS / "overload_kv_starved.jsonl.gz"), c.url,
-               end_at_unix_s=time.time() - 120, progress=False)
+        replay(
+            load_recording(RECORDINGS / "overload_kv_starved.jsonl.gz"),
+            c.url,
+            end_at_unix_s=time.time() - 120,
+            progress=False,
+        )
         done = time.time()
 
         # Once the advisor has run over the whole replay, /metrics holds still (apart from
@@ -217,8 +256,9 @@ def test_export_equals_metrics_and_survives_a_failing_receiver(
             return (m, kinds, time.time()) if ran and has else None
 
         prom, prom_kinds, read_at = _wait("the advisor's verdicts on /metrics", verdicts)
-        _, headers, req = _wait("an export after the /metrics read",
-                                lambda: receiver.since(read_at + 1.2))[0]
+        _, headers, req = _wait(
+            "an export after the /metrics read", lambda: receiver.since(read_at + 1.2)
+        )[0]
         resource, otlp, otlp_kinds, hists = _decode(req)
 
         assert headers.get("authorization") == "Bearer otlp-secret"
@@ -229,10 +269,14 @@ def test_export_equals_metrics_and_survives_a_failing_receiver(
         assert resource["service.version"] and resource["process.pid"] == c.proc.pid
 
         # Gauges and counters: the same names, labels and values, both ways.
-        plain = {k: v for k, v in prom.items() if _pushed(k[0])
-                 and prom_kinds[k[0]] in ("gauge", "counter")}
-        assert {k for k in otlp if k[0] not in CHANGING} == \
-            {k for k in plain if k[0] not in CHANGING}
+        plain = {
+            k: v
+            for k, v in prom.items()
+            if _pushed(k[0]) and prom_kinds[k[0]] in ("gauge", "counter")
+        }
+        assert {k for k in otlp if k[0] not in CHANGING} == {
+            k for k in plain if k[0] not in CHANGING
+        }
         for k, v in plain.items():
             if k[0] in CHANGING:
                 assert k in otlp, k
@@ -251,8 +295,10 @@ def test_export_equals_metrics_and_survives_a_failing_receiver(
         assert len(info) == 1 and info[0]["max_num_seqs"] and info[0]["engine"] == engine[0][1]
 
         # Histograms: per-bucket counts whose running sums are /metrics' buckets.
-        assert {k[0] for k in hists} == {"kvscope_engine_step_batch_size",
-                                         "kvscope_engine_step_kv_usage_ratio"}
+        assert {k[0] for k in hists} == {
+            "kvscope_engine_step_batch_size",
+            "kvscope_engine_step_kv_usage_ratio",
+        }
         for (name, attrs), (counts, bounds, total, count) in hists.items():
             les = [*(float(b) for b in bounds), float("inf")]
             running = 0
@@ -282,20 +328,38 @@ def test_export_equals_metrics_and_survives_a_failing_receiver(
         _, _, req = _wait("an export after recovery", lambda: receiver.since(back_at))[0]
         _, otlp, _, _ = _decode(req)
         m, _ = _prom(c.get_text("/metrics"))
-        second_labels = (("engine", "otlp-second:8000:0"), ("model", second["hello"]["model"]),
-                         ("pool", second["hello"]["pool"]))
+        second_labels = (
+            ("engine", "otlp-second:8000:0"),
+            ("model", second["hello"]["model"]),
+            ("pool", second["hello"]["pool"]),
+        )
         steps = otlp[("kvscope_engine_steps_total", second_labels)]
-        assert steps == m[("kvscope_engine_steps_total", second_labels)] == \
-            len(second["steps"]["ts_unix_s"])
+        assert (
+            steps
+            == m[("kvscope_engine_steps_total", second_labels)]
+            == len(second["steps"]["ts_unix_s"])
+        )
         assert _exports(c)["success"] > before["success"]
     finally:
         c.stop()
 
 
 def test_clean_stop_flushes_once(receiver: _Receiver, tmp_path: Path) -> None:
-    c = CollectorProcess(tmp_path / "kvscope.duckdb", extra_args=[
-        "--otlp-endpoint", receiver.url.removesuffix("/v1/metrics"), "--otlp-interval", "3600",
-        "--advise-interval-s", "0", "--kv-events", "off", "--raw-retention-s", "0"]).start()
+    c = CollectorProcess(
+        tmp_path / "kvscope.duckdb",
+        extra_args=[
+            "--otlp-endpoint",
+            receiver.url.removesuffix("/v1/metrics"),
+            "--otlp-interval",
+            "3600",
+            "--advise-interval-s",
+            "0",
+            "--kv-events",
+            "off",
+            "--raw-retention-s",
+            "0",
+        ],
+    ).start()
     batch = _second_engine_batch()
     try:
         assert post_batch(c.url, batch)["status"] == "stored"
@@ -309,22 +373,42 @@ def test_clean_stop_flushes_once(receiver: _Receiver, tmp_path: Path) -> None:
     received = receiver.since(0)
     assert len(received) == 1
     _, otlp, _, hists = _decode(received[0][2])
-    labels = (("engine", batch["engine_id"]), ("model", batch["hello"]["model"]),
-              ("pool", batch["hello"]["pool"]))
-    for name in ("kvscope_engine_steps_total", "kvscope_engine_generation_tokens_total",
-                 "kvscope_engine_batch_size", "kvscope_engine_kv_usage_ratio"):
+    labels = (
+        ("engine", batch["engine_id"]),
+        ("model", batch["hello"]["model"]),
+        ("pool", batch["hello"]["pool"]),
+    )
+    for name in (
+        "kvscope_engine_steps_total",
+        "kvscope_engine_generation_tokens_total",
+        "kvscope_engine_batch_size",
+        "kvscope_engine_kv_usage_ratio",
+    ):
         assert otlp[(name, labels)] == m[(name, labels)], name
     assert hists[("kvscope_engine_step_batch_size", labels)][3] == len(batch["steps"]["ts_unix_s"])
     assert not any(k[0].startswith("kvscope_advisor_") for k in otlp)  # advisor off
 
 
-def test_unreachable_endpoint_costs_ingest_nothing(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unreachable_endpoint_costs_ingest_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "1")
     down = f"http://127.0.0.1:{free_port()}/v1/metrics"  # nothing listens there
-    c = CollectorProcess(tmp_path / "kvscope.duckdb", extra_args=[
-        "--otlp-endpoint", down, "--otlp-interval", "0.5", "--advise-interval-s", "0",
-        "--kv-events", "off", "--raw-retention-s", "0"]).start()
+    c = CollectorProcess(
+        tmp_path / "kvscope.duckdb",
+        extra_args=[
+            "--otlp-endpoint",
+            down,
+            "--otlp-interval",
+            "0.5",
+            "--advise-interval-s",
+            "0",
+            "--kv-events",
+            "off",
+            "--raw-retention-s",
+            "0",
+        ],
+    ).start()
     try:
         batch = _second_engine_batch()
         t0 = time.monotonic()
@@ -332,8 +416,9 @@ def test_unreachable_endpoint_costs_ingest_nothing(tmp_path: Path,
         assert time.monotonic() - t0 < 2
         _wait("failed exports", lambda: _exports(c)["failure"] >= 2)
         assert c.get_json("/healthz")["status"] == "ok"
-        assert c.get_json("/v1/totals", params={"source": "steps"})["rows"][0]["n_steps"] == \
-            len(batch["steps"]["ts_unix_s"])
+        assert c.get_json("/v1/totals", params={"source": "steps"})["rows"][0]["n_steps"] == len(
+            batch["steps"]["ts_unix_s"]
+        )
         assert _exports(c)["success"] == 0
     finally:
         assert c.stop() == 0
@@ -346,8 +431,15 @@ def test_unreachable_endpoint_costs_ingest_nothing(tmp_path: Path,
 def test_missing_sdk_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "opentelemetry", None)  # as if not installed
     with pytest.raises(checks.MissingExtraError) as err:
-        main.main(["collector", "--store", str(tmp_path / "k.duckdb"),
-                  "--otlp-endpoint", "http://127.0.0.1:4318/v1/metrics"])
+        main.main(
+            [
+                "collector",
+                "--store",
+                str(tmp_path / "k.duckdb"),
+                "--otlp-endpoint",
+                "http://127.0.0.1:4318/v1/metrics",
+            ]
+        )
     assert "pip install 'kvscope[otlp]'" in str(err.value)
     assert "--otlp-endpoint" in str(err.value)
 
@@ -355,18 +447,25 @@ def test_missing_sdk_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: 
 def test_collector_without_otlp_never_imports_opentelemetry() -> None:
     import subprocess
 
-    code = ("import sys, kvscope.collector.server, kvscope.collector.otlp, kvscope.cli.main; "
-            "import json; print(json.dumps([m for m in sys.modules if m.startswith('opentelemetry')]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60)
+    code = (
+        "import sys, kvscope.collector.server, kvscope.collector.otlp, kvscope.cli.main; "
+        "import json; print(json.dumps([m for m in sys.modules if m.startswith('opentelemetry')]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
     assert json.loads(out.stdout) == []
 
 
-@pytest.mark.parametrize("argv", [
-    ["--otlp-endpoint", "otel:4318"], ["--otlp-endpoint", "ftp://otel:4318/v1/metrics"],
-    ["--otlp-endpoint", "http://otel:4318", "--otlp-interval", "0"],
-    ["--otlp-endpoint", "http://otel:4318", "--otlp-header", "no-colon"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--otlp-endpoint", "otel:4318"],
+        ["--otlp-endpoint", "ftp://otel:4318/v1/metrics"],
+        ["--otlp-endpoint", "http://otel:4318", "--otlp-interval", "0"],
+        ["--otlp-endpoint", "http://otel:4318", "--otlp-header", "no-colon"],
+    ],
+)
 def test_bad_otlp_flags_are_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main.build_parser().parse_args(["collector", *argv])
@@ -384,9 +483,19 @@ def test_otlp_settings() -> None:
         Settings(otlp_endpoint="otel:4318")
     with pytest.raises(ValueError, match="otlp_interval_s"):
         Settings(otlp_endpoint="http://otel:4318", otlp_interval_s=0)
-    args = main.build_parser().parse_args([
-        "collector", "--otlp-endpoint", "http://otel:4318/v1/metrics", "--otlp-interval", "5",
-        "--otlp-header", "Authorization: Bearer T", "--otlp-header", "X-Scope-OrgID: fleet"])
+    args = main.build_parser().parse_args(
+        [
+            "collector",
+            "--otlp-endpoint",
+            "http://otel:4318/v1/metrics",
+            "--otlp-interval",
+            "5",
+            "--otlp-header",
+            "Authorization: Bearer T",
+            "--otlp-header",
+            "X-Scope-OrgID: fleet",
+        ]
+    )
     s = collector_settings(args)
     assert s.otlp_interval_s == 5.0
     assert s.otlp_headers == (("Authorization", "Bearer T"), ("X-Scope-OrgID", "fleet"))

@@ -16,8 +16,12 @@ T0 = float(int(NOW) - 600)  # ten minutes ago: inside the default since=1h
 def fleet(collector: Any) -> Any:
     """Three engines in two pools; e3 never sent a hello."""
     for i, (eid, pool) in enumerate((("e1", "pool-a"), ("e2", "pool-a"), ("e3", None))):
-        b = batch(engine_id=eid, seq=0, step_ts=[T0 + s + 0.5 for s in range(5)],
-                  req_ts=[T0 + 1 + i, T0 + 3 + i])
+        b = batch(
+            engine_id=eid,
+            seq=0,
+            step_ts=[T0 + s + 0.5 for s in range(5)],
+            req_ts=[T0 + 1 + i, T0 + 3 + i],
+        )
         if pool:
             b["hello"] = hello(eid, "boot-1", pool=pool, model=f"m-{i}")
         assert post_batch(collector.url, b)[0] == 200
@@ -93,22 +97,25 @@ def test_totals(fleet: Any) -> None:
     assert {r["engine_id"]: r["n_steps"] for r in w["rows"]} == {"e1": 6, "e2": 5, "e3": 5}
 
 
-@pytest.mark.parametrize(("path", "needle"), [
-    ("/v1/windows?since=yesterday", "since"),
-    ("/v1/windows?until=-5", "until"),
-    ("/v1/windows?since=10&until=5", "until"),
-    ("/v1/steps?limit=0", "limit"),
-    ("/v1/steps?limit=many", "limit"),
-    ("/v1/steps?limit=99999999", "limit"),
-    ("/v1/windows?format=xml", "format"),
-    ("/v1/windows?engin=e1", "engin"),
-    ("/v1/windows?engine=", "engine"),
-    ("/v1/request_stats?group_by=model", "group_by"),
-    ("/v1/totals?source=raw", "source"),
-    ("/v1/engines?since=1h", "since"),
-    ("/v1/windows?fields=ts_s,nonsense", "nonsense"),
-    ("/v1/windows?fields=,", "fields"),
-])
+@pytest.mark.parametrize(
+    ("path", "needle"),
+    [
+        ("/v1/windows?since=yesterday", "since"),
+        ("/v1/windows?until=-5", "until"),
+        ("/v1/windows?since=10&until=5", "until"),
+        ("/v1/steps?limit=0", "limit"),
+        ("/v1/steps?limit=many", "limit"),
+        ("/v1/steps?limit=99999999", "limit"),
+        ("/v1/windows?format=xml", "format"),
+        ("/v1/windows?engin=e1", "engin"),
+        ("/v1/windows?engine=", "engine"),
+        ("/v1/request_stats?group_by=model", "group_by"),
+        ("/v1/totals?source=raw", "source"),
+        ("/v1/engines?since=1h", "since"),
+        ("/v1/windows?fields=ts_s,nonsense", "nonsense"),
+        ("/v1/windows?fields=,", "fields"),
+    ],
+)
 def test_bad_params_400(fleet: Any, path: str, needle: str) -> None:
     status, body = get_json(fleet.url, path)
     assert status == 400
@@ -128,8 +135,14 @@ def test_healthz(collector: Any) -> None:
 
 
 def test_empty_store_answers(collector: Any) -> None:
-    for path in ("/v1/engines", "/v1/windows", "/v1/steps", "/v1/requests",
-                 "/v1/request_stats", "/v1/totals"):
+    for path in (
+        "/v1/engines",
+        "/v1/windows",
+        "/v1/steps",
+        "/v1/requests",
+        "/v1/request_stats",
+        "/v1/totals",
+    ):
         status, body = get_json(collector.url, path)
         assert status == 200, path
         assert body["n_rows"] == 0, path

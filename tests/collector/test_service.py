@@ -26,8 +26,14 @@ def test_settings_defaults_and_validation() -> None:
     s = Settings()
     assert (s.host, s.port, s.token) == ("127.0.0.1", 8844, None)
     assert s.raw_step_retention_s == 86400 and s.max_body_bytes == 8 * 1024 * 1024
-    for bad in ({"port": 70000}, {"raw_step_retention_s": -1}, {"max_body_bytes": 0},
-                {"token": "  "}, {"store_path": ""}, {"retention_interval_s": 0}):
+    for bad in (
+        {"port": 70000},
+        {"raw_step_retention_s": -1},
+        {"max_body_bytes": 0},
+        {"token": "  "},
+        {"store_path": ""},
+        {"retention_interval_s": 0},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Settings(**bad)
     assert "hunter2" not in repr(Settings(token="hunter2"))
@@ -37,15 +43,18 @@ def test_settings_defaults_and_validation() -> None:
 def test_writer_groups_and_flushes_on_close(tmp_path: Path) -> None:
     store = Store(str(tmp_path / "w.duckdb"))
     seen: list[int] = []
-    writer = GroupCommitWriter(store, max_group_batches=50,
-                               on_committed=lambda bs, rs: seen.append(len(bs)))
+    writer = GroupCommitWriter(
+        store, max_group_batches=50, on_committed=lambda bs, rs: seen.append(len(bs))
+    )
     batches = [prepare_batch(batch(seq=i, step_ts=[1000.0 + i]), time.time()) for i in range(200)]
     futs = [writer.submit(b) for b in batches]  # queued before the thread starts
     writer.start()
     assert [f.result(timeout=30).status for f in futs] == ["stored"] * 200
     assert max(seen) == 50 and sum(seen) == 200
-    late = [writer.submit(prepare_batch(batch(seq=1000 + i, step_ts=[5.0]), time.time()))
-            for i in range(20)]
+    late = [
+        writer.submit(prepare_batch(batch(seq=1000 + i, step_ts=[5.0]), time.time()))
+        for i in range(20)
+    ]
     writer.close()
     assert all(f.done() and f.result().status == "stored" for f in late)
     assert store.table_counts()["ingested_batches"] == 220
@@ -77,11 +86,14 @@ def test_writer_job_runs_on_writer_thread(tmp_path: Path) -> None:
 
 def test_serve_process_graceful_shutdown(tmp_path: Path) -> None:
     store = tmp_path / "svc.duckdb"
-    code = ("import sys; from kvscope.collector.server import serve; from kvscope.collector.settings import "
-            f"Settings; serve(Settings(port=0, store_path={str(store)!r}))")
+    code = (
+        "import sys; from kvscope.collector.server import serve; from kvscope.collector.settings import "
+        f"Settings; serve(Settings(port=0, store_path={str(store)!r}))"
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stderr=subprocess.PIPE, text=True, env=env
+    )
     try:
         url = None
         deadline = time.monotonic() + 30
@@ -115,8 +127,12 @@ def test_ingest_503_when_overloaded(make_collector: Any) -> None:
     deadline = time.monotonic() + 10
     while lc.running.ctx.writer.pending_batches < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    status, headers, body = http("POST", lc.url + "/v1/ingest",
-                                 encode(batch(seq=1, step_ts=[2.0])), {"Content-Encoding": "gzip"})
+    status, headers, body = http(
+        "POST",
+        lc.url + "/v1/ingest",
+        encode(batch(seq=1, step_ts=[2.0])),
+        {"Content-Encoding": "gzip"},
+    )
     gate.set()
     t.join(10)
     assert status == 503 and "overloaded" in json.loads(body)["error"]

@@ -22,8 +22,9 @@ def _prep(obj: dict[str, Any], received: float = T0 + 1000) -> PreparedBatch:
     return prepare_batch(obj, received)
 
 
-def _custom(seq: int, ts: list[float], batch_sizes: list[int], engine: str = "e1",
-            **cols: list[Any]) -> PreparedBatch:
+def _custom(
+    seq: int, ts: list[float], batch_sizes: list[int], engine: str = "e1", **cols: list[Any]
+) -> PreparedBatch:
     b = batch(engine_id=engine, seq=seq)
     b["steps"] = steps(ts, batch=batch_sizes, **cols)
     return _prep(b)
@@ -71,7 +72,7 @@ def test_window_matches_hand_computation(store: Store) -> None:
 
 
 def test_split_second_merges_exactly_except_percentiles(store: Store) -> None:
-    ts_a = [T0 + 0.1 * i for i in range(6)]          # 0.0 .. 0.5
+    ts_a = [T0 + 0.1 * i for i in range(6)]  # 0.0 .. 0.5
     ts_b = [T0 + 0.55 + 0.1 * i for i in range(4)] + [T0 + 1.2]  # rest of the second, next one
     bs_a = [1, 2, 3, 4, 5, 6]
     bs_b = [40, 50, 60, 70, 9]
@@ -91,7 +92,9 @@ def test_split_second_merges_exactly_except_percentiles(store: Store) -> None:
     # Percentiles: the step-count-weighted mean of the parts' percentiles.
     pa, pb = np.percentile(bs_a, 50), np.percentile(bs_b[:4], 50)
     assert w["batch_p50"] == pytest.approx((pa * 6 + pb * 4) / 10)
-    assert min(pa, pb) <= w["batch_p99"] <= max(np.percentile(bs_a, 99), np.percentile(bs_b[:4], 99))
+    assert (
+        min(pa, pb) <= w["batch_p99"] <= max(np.percentile(bs_a, 99), np.percentile(bs_b[:4], 99))
+    )
     nxt = _window(store, int(T0) + 1)
     assert (nxt["n_steps"], nxt["batch_max"], nxt["n_parts"]) == (1, 9, 1)
     # Totals from windows equal totals from raw steps.
@@ -135,8 +138,7 @@ def test_duplicates_within_and_across_groups(store: Store) -> None:
 def test_retention_deletes_only_old_steps(store: Store) -> None:
     store.ingest_one(_custom(0, [T0 - 7200, T0 - 3601, T0 - 10, T0], [1, 2, 3, 4]))
     n_windows = len(store.windows())
-    deleted = store.apply_retention(raw_step_retention_s=3600, ledger_retention_s=0,
-                                    now_unix_s=T0)
+    deleted = store.apply_retention(raw_step_retention_s=3600, ledger_retention_s=0, now_unix_s=T0)
     assert deleted == {"steps": 2, "ingested_batches": 0}
     assert sorted(store.steps()["batch_size"]) == [3, 4]
     assert len(store.windows()) == n_windows  # windows are kept
@@ -170,8 +172,14 @@ def test_engine_config_history_and_current(store: Store) -> None:
 
 
 def test_hello_with_null_fields(store: Store) -> None:
-    h = hello("e1", "boot-1", num_gpu_blocks=None, kv_cache_dtype=None,
-              enable_prefix_caching=None, gpu_memory_utilization=None)
+    h = hello(
+        "e1",
+        "boot-1",
+        num_gpu_blocks=None,
+        kv_cache_dtype=None,
+        enable_prefix_caching=None,
+        gpu_memory_utilization=None,
+    )
     store.ingest_one(_prep(batch(engine_id="e1", hello=h)))
     row = store.engines().iloc[0]
     assert pd.isna(row["num_gpu_blocks"])
@@ -179,8 +187,13 @@ def test_hello_with_null_fields(store: Store) -> None:
 
 
 def test_exporter_counters_merge_with_max(store: Store) -> None:
-    ex1 = {"dropped_steps": 5, "dropped_requests": 1, "dropped_batches": 0,
-           "send_failures": 2, "record_errors": 0}
+    ex1 = {
+        "dropped_steps": 5,
+        "dropped_requests": 1,
+        "dropped_batches": 0,
+        "send_failures": 2,
+        "record_errors": 0,
+    }
     ex0 = {**ex1, "dropped_steps": 3, "send_failures": 4}
     store.ingest_one(_prep(batch(seq=1, exporter=ex1)))
     store.ingest_one(_prep(batch(seq=0, exporter=ex0)))  # arrives late, older counters
@@ -224,7 +237,8 @@ def test_reopen_keeps_data_and_works(tmp_path: Path) -> None:
         s.close()
     con = duckdb.connect(path)
     assert con.execute("SELECT value FROM meta WHERE key = 'store_schema_version'").fetchone() == (
-        str(STORE_SCHEMA_VERSION),)
+        str(STORE_SCHEMA_VERSION),
+    )
     con.close()
 
 
@@ -271,8 +285,15 @@ def test_windows_random_groups_match_pandas(store: Store) -> None:
         ts = np.sort(T0 + rng.uniform(0, 6, 90))
         for k, chunk in enumerate(np.array_split(np.arange(90), 7)):
             bs = rng.integers(0, 100, len(chunk)).tolist()
-            batches.append(_custom(k, ts[chunk].tolist(), bs, engine=f"e{e}",
-                                   prompt_tokens=rng.integers(0, 50, len(chunk)).tolist()))
+            batches.append(
+                _custom(
+                    k,
+                    ts[chunk].tolist(),
+                    bs,
+                    engine=f"e{e}",
+                    prompt_tokens=rng.integers(0, 50, len(chunk)).tolist(),
+                )
+            )
     order = rng.permutation(len(batches))
     groups = np.array_split(order, 5)
     for g in groups:
@@ -281,10 +302,14 @@ def test_windows_random_groups_match_pandas(store: Store) -> None:
     steps_df = store.steps()
     steps_df["ts_s"] = np.floor(steps_df["ts_unix_s"]).astype(int)
     expect = steps_df.groupby(["engine_id", "ts_s"]).agg(
-        n_steps=("batch_size", "size"), batch_sum=("batch_size", "sum"),
-        batch_max=("batch_size", "max"), batch_min=("batch_size", "min"),
-        prompt_tokens=("prompt_tokens", "sum"), kv_usage_max=("kv_usage_ratio", "max"),
-        first_step_unix_s=("ts_unix_s", "min"), last_step_unix_s=("ts_unix_s", "max"),
+        n_steps=("batch_size", "size"),
+        batch_sum=("batch_size", "sum"),
+        batch_max=("batch_size", "max"),
+        batch_min=("batch_size", "min"),
+        prompt_tokens=("prompt_tokens", "sum"),
+        kv_usage_max=("kv_usage_ratio", "max"),
+        first_step_unix_s=("ts_unix_s", "min"),
+        last_step_unix_s=("ts_unix_s", "max"),
         batch_p90=("batch_size", lambda s: np.percentile(s, 90)),
     )
     got = store.windows().set_index(["engine_id", "ts_s"]).sort_index()

@@ -49,8 +49,7 @@ def test_verdict_gauges_after_a_replay(kv_starved_collector: Any) -> None:
             break
         assert time.monotonic() < deadline, f"no verdict after the replay:\n{text[-3000:]}"
         time.sleep(0.3)
-    assert bottleneck == {tuple(sorted((*ENGINE_LABELS,
-                                         ("bottleneck", "kv_cache_bound")))): 1.0}
+    assert bottleneck == {tuple(sorted((*ENGINE_LABELS, ("bottleneck", "kv_cache_bound")))): 1.0}
     e = ENGINE_LABELS
     cap = m[("kvscope_advisor_recommended_concurrency_cap", e)]
     assert 5 <= m[("kvscope_advisor_knee_concurrency", e)] <= 16
@@ -63,8 +62,9 @@ def test_verdict_gauges_after_a_replay(kv_starved_collector: Any) -> None:
     assert m[("kvscope_advisor_runs_total", (("result", "error"),))] == 0
     if not shutil.which(PROMTOOL):
         pytest.fail(f"{PROMTOOL} is missing: install the Debian 'prometheus' package")
-    res = subprocess.run([PROMTOOL, "check", "metrics"], input=text.encode(),
-                         capture_output=True, timeout=30)
+    res = subprocess.run(
+        [PROMTOOL, "check", "metrics"], input=text.encode(), capture_output=True, timeout=30
+    )
     assert res.returncode == 0, res.stdout.decode() + res.stderr.decode()
     assert not res.stdout.strip() and not res.stderr.strip(), res.stdout + res.stderr
     assert "Traceback" not in c.log_tail(200)
@@ -127,8 +127,13 @@ class _FrameStore:
         self.p = pool
 
     @staticmethod
-    def _cut(df: Any, col: str, since_unix_s: float | None, until_unix_s: float | None,
-             engine_id: str | None = None) -> Any:
+    def _cut(
+        df: Any,
+        col: str,
+        since_unix_s: float | None,
+        until_unix_s: float | None,
+        engine_id: str | None = None,
+    ) -> Any:
         out = df
         if not len(out):
             return out
@@ -143,18 +148,31 @@ class _FrameStore:
     def engines(self) -> Any:
         return self.p.engines
 
-    def windows(self, engine_id: str | None = None, pool: str | None = None,
-                since_unix_s: float | None = None, until_unix_s: float | None = None) -> Any:
+    def windows(
+        self,
+        engine_id: str | None = None,
+        pool: str | None = None,
+        since_unix_s: float | None = None,
+        until_unix_s: float | None = None,
+    ) -> Any:
         return self._cut(self.p.windows, "ts_s", since_unix_s, until_unix_s, engine_id)
 
-    def requests(self, engine_id: str | None = None, pool: str | None = None,
-                 since_unix_s: float | None = None, until_unix_s: float | None = None) -> Any:
-        return self._cut(self.p.requests, "finished_unix_s", since_unix_s, until_unix_s,
-                         engine_id)
+    def requests(
+        self,
+        engine_id: str | None = None,
+        pool: str | None = None,
+        since_unix_s: float | None = None,
+        until_unix_s: float | None = None,
+    ) -> Any:
+        return self._cut(self.p.requests, "finished_unix_s", since_unix_s, until_unix_s, engine_id)
 
-    def kv_event_windows(self, engine_id: str | None = None, pool: str | None = None,
-                         since_unix_s: float | None = None,
-                         until_unix_s: float | None = None) -> Any:
+    def kv_event_windows(
+        self,
+        engine_id: str | None = None,
+        pool: str | None = None,
+        since_unix_s: float | None = None,
+        until_unix_s: float | None = None,
+    ) -> Any:
         return self._cut(self.p.kv_events, "ts_s", since_unix_s, until_unix_s, engine_id)
 
 
@@ -163,8 +181,12 @@ def test_pool_prefix_gauges_come_from_the_kv_events() -> None:
 
     pool = make_prefix_pool(seed=3)
     t_end = float(pool.windows["ts_s"].max()) + 1
-    loop = VerdictLoop(_FrameStore(pool), interval_s=1, window_s=3600,  # type: ignore[arg-type]
-                       clock=lambda: t_end + 10)
+    loop = VerdictLoop(
+        _FrameStore(pool),
+        interval_s=1,
+        window_s=3600,  # type: ignore[arg-type]
+        clock=lambda: t_end + 10,
+    )
     assert loop.run_once() == "ok"
     w = TextWriter()
     loop.render(w)
@@ -172,17 +194,24 @@ def test_pool_prefix_gauges_come_from_the_kv_events() -> None:
     label = (("pool", "px"),)
     truth = pool.truth
     assert m[("kvscope_advisor_pool_prefix_hit_ratio", label)] == pytest.approx(
-        truth["hit_rate"], abs=0.01)
+        truth["hit_rate"], abs=0.01
+    )
     assert m[("kvscope_advisor_pool_prefix_routing_loss_ratio", label)] == pytest.approx(
-        truth["routing_loss"], abs=0.01)
+        truth["routing_loss"], abs=0.01
+    )
     assert m[("kvscope_advisor_pool_predicted_prefix_hit_ratio_affine", label)] == pytest.approx(
-        truth["hit_rate"] + truth["routing_loss"], abs=0.01)
+        truth["hit_rate"] + truth["routing_loss"], abs=0.01
+    )
     assert m[("kvscope_advisor_pool_load_imbalance_ratio", label)] > 1.25
 
     # Without KV events the loss and prediction are not published, the hit ratio is.
     no_events = make_prefix_pool(seed=3, with_events=False)
-    loop = VerdictLoop(_FrameStore(no_events), interval_s=1, window_s=3600,  # type: ignore[arg-type]
-                       clock=lambda: t_end + 10)
+    loop = VerdictLoop(
+        _FrameStore(no_events),
+        interval_s=1,
+        window_s=3600,  # type: ignore[arg-type]
+        clock=lambda: t_end + 10,
+    )
     assert loop.run_once() == "ok"
     w = TextWriter()
     loop.render(w)

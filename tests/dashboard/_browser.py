@@ -30,8 +30,10 @@ from websockets.sync.client import ClientConnection, connect
 WIDTH, HEIGHT = 1400, 1000
 SAVED: list[Path] = []
 """Screenshots taken in this test session (listed at the end of the run)."""
-_RUNNING_JS = "!!document.querySelector('[data-testid=\"stStatusWidget\"] button, " \
-              "[data-testid=\"stSkeleton\"]')"
+_RUNNING_JS = (
+    '!!document.querySelector(\'[data-testid="stStatusWidget"] button, '
+    '[data-testid="stSkeleton"]\')'
+)
 
 
 class BrowserError(RuntimeError):
@@ -54,20 +56,35 @@ class Loaded:
 class Chromium:
     """``chromium --headless=new`` with a DevTools websocket to its first page."""
 
-    def __init__(self, binary: str = "chromium", *, width: int = WIDTH,
-                 height: int = HEIGHT) -> None:
+    def __init__(
+        self, binary: str = "chromium", *, width: int = WIDTH, height: int = HEIGHT
+    ) -> None:
         path = shutil.which(binary)
         if path is None:
             raise BrowserError(f"{binary} is not installed")
         self.width, self.height = width, height
         self._profile = tempfile.TemporaryDirectory(prefix="kvscope-chromium-")
         self.proc = subprocess.Popen(
-            [path, "--headless=new", "--disable-gpu", "--no-sandbox", "--no-first-run",
-             "--no-default-browser-check", "--disable-extensions", "--hide-scrollbars",
-             "--disable-dev-shm-usage", f"--window-size={width},{height}",
-             "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1",
-             f"--user-data-dir={self._profile.name}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            [
+                path,
+                "--headless=new",
+                "--disable-gpu",
+                "--no-sandbox",
+                "--no-first-run",
+                "--no-default-browser-check",
+                "--disable-extensions",
+                "--hide-scrollbars",
+                "--disable-dev-shm-usage",
+                f"--window-size={width},{height}",
+                "--remote-debugging-port=0",
+                "--remote-debugging-address=127.0.0.1",
+                f"--user-data-dir={self._profile.name}",
+                "about:blank",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self._stack = contextlib.ExitStack()
         self.ws: ClientConnection | None = None
         self.log: list[str] = []
@@ -75,7 +92,8 @@ class Chromium:
         try:
             port = self._devtools_port(30.0)
             self.ws = self._stack.enter_context(
-                connect(self._page_ws(port), max_size=None, open_timeout=10))
+                connect(self._page_ws(port), max_size=None, open_timeout=10)
+            )
             self._call("Page.enable")
             self._call("Runtime.enable")
         except BaseException:
@@ -96,8 +114,7 @@ class Chromium:
             m = re.search(r"DevTools listening on ws://[^:]+:(\d+)/", line)
             if m:
                 # Keep reading chromium's log so a full pipe never blocks it.
-                threading.Thread(target=self._drain, daemon=True,
-                                 name="chromium-stderr").start()
+                threading.Thread(target=self._drain, daemon=True, name="chromium-stderr").start()
                 return int(m.group(1))
         raise BrowserError("chromium did not open its DevTools port:\n" + "".join(seen[-20:]))
 
@@ -118,8 +135,9 @@ class Chromium:
             time.sleep(0.1)
         raise BrowserError("chromium has no page target")
 
-    def _call(self, method: str, params: dict[str, Any] | None = None,
-              timeout_s: float = 60.0) -> dict[str, Any]:
+    def _call(
+        self, method: str, params: dict[str, Any] | None = None, timeout_s: float = 60.0
+    ) -> dict[str, Any]:
         assert self.ws is not None
         self._id += 1
         self.ws.send(json.dumps({"id": self._id, "method": method, "params": params or {}}))
@@ -144,13 +162,20 @@ class Chromium:
         """The page's rendered text now."""
         return str(self.eval("document.body ? document.body.innerText : ''") or "")
 
-    def load(self, url: str, *, wait_for: Sequence[str] = (), timeout_s: float = 90.0,
-             settle_s: float = 2.0) -> Loaded:
+    def load(
+        self,
+        url: str,
+        *,
+        wait_for: Sequence[str] = (),
+        timeout_s: float = 90.0,
+        settle_s: float = 2.0,
+    ) -> Loaded:
         """Open ``url`` and wait until the app is idle, its text contains every string
         of ``wait_for`` and has not changed for ``settle_s`` seconds."""
-        self._call("Emulation.setDeviceMetricsOverride",
-                   {"width": self.width, "height": self.height, "deviceScaleFactor": 1,
-                    "mobile": False})
+        self._call(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": self.width, "height": self.height, "deviceScaleFactor": 1, "mobile": False},
+        )
         t0 = time.monotonic()
         self._call("Page.navigate", {"url": url})
         last, stable_since = "", time.monotonic()
@@ -161,28 +186,41 @@ class Chromium:
             if text != last:
                 last, stable_since = text, time.monotonic()
             settled = time.monotonic() - stable_since >= settle_s
-            if (settled and not running and "stApp" in str(self.eval(
-                    "document.querySelector('[data-testid=\"stApp\"]') ? 'stApp' : ''"))
-                    and all(w in text for w in wait_for)):
+            if (
+                settled
+                and not running
+                and "stApp"
+                in str(
+                    self.eval("document.querySelector('[data-testid=\"stApp\"]') ? 'stApp' : ''")
+                )
+                and all(w in text for w in wait_for)
+            ):
                 break
             if time.monotonic() - t0 > timeout_s:
                 missing = [w for w in wait_for if w not in text]
-                raise BrowserError(f"{url} did not settle in {timeout_s:.0f} s (running "
-                                   f"{running}, missing {missing}); text so far:\n{text[:3000]}")
-        exceptions = self.eval("Array.from(document.querySelectorAll("
-                               "'[data-testid=\"stException\"]')).map(e => e.innerText)")
+                raise BrowserError(
+                    f"{url} did not settle in {timeout_s:.0f} s (running "
+                    f"{running}, missing {missing}); text so far:\n{text[:3000]}"
+                )
+        exceptions = self.eval(
+            "Array.from(document.querySelectorAll("
+            "'[data-testid=\"stException\"]')).map(e => e.innerText)"
+        )
         html = str(self.eval("document.documentElement.outerHTML"))
         return Loaded(url, last, html, list(exceptions or []), time.monotonic() - t0)
 
     def screenshot(self, path: Path) -> Path:
         """The whole page as PNG (the viewport grown to the main section's height)."""
-        full = self.eval("Math.max(...Array.from(document.querySelectorAll("
-                         "'[data-testid=\"stMain\"], [data-testid=\"stMainBlockContainer\"], "
-                         "section.main')).map(e => e.scrollHeight), 0)")
+        full = self.eval(
+            "Math.max(...Array.from(document.querySelectorAll("
+            '\'[data-testid="stMain"], [data-testid="stMainBlockContainer"], '
+            "section.main')).map(e => e.scrollHeight), 0)"
+        )
         height = int(min(max(self.height, int(full or 0) + 40), 12000))
-        self._call("Emulation.setDeviceMetricsOverride",
-                   {"width": self.width, "height": height, "deviceScaleFactor": 1,
-                    "mobile": False})
+        self._call(
+            "Emulation.setDeviceMetricsOverride",
+            {"width": self.width, "height": height, "deviceScaleFactor": 1, "mobile": False},
+        )
         time.sleep(1.5)  # charts re-layout to the new size
         data = self._call("Page.captureScreenshot", {"format": "png"})["data"]
         path.write_bytes(base64.b64decode(data))

@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
-def demo_fleet(tmp_path_factory: pytest.TempPathFactory,
-               request: pytest.FixtureRequest) -> Iterator[CollectorProcess]:
+def demo_fleet(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[CollectorProcess]:
     """A collector process fed the demo fleet over HTTP, as ``kvscope dashboard --demo``
     feeds it; stopped after the last test that reads it."""
     with demo_collector(tmp_path_factory.mktemp("dashboard_fleet"), progress=False) as c:
@@ -47,12 +48,18 @@ def chromium() -> str:
     if path is None:
         proc = subprocess.run(
             ["bash", "-c", f"source '{ROOT}/scripts/_setup.sh' && ensure_chromium"],
-            capture_output=True, text=True, timeout=1200, check=False)
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            check=False,
+        )
         path = shutil.which("chromium")
         if path is None:
-            pytest.fail("the dashboard's browser tests need Debian's chromium; "
-                        "`ensure_chromium` (scripts/_setup.sh) could not install it "
-                        f"(exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+            pytest.fail(
+                "the dashboard's browser tests need Debian's chromium; "
+                "`ensure_chromium` (scripts/_setup.sh) could not install it "
+                f"(exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+            )
     return path
 
 

@@ -27,8 +27,9 @@ from kvscope.dashboard._status import LIVE_S
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 
 
-def run_app(monkeypatch: pytest.MonkeyPatch, url: str, *extra: str,
-            page: str | None = None) -> AppTest:
+def run_app(
+    monkeypatch: pytest.MonkeyPatch, url: str, *extra: str, page: str | None = None
+) -> AppTest:
     """The app as ``streamlit run dashboard/app.py -- --collector URL ...`` runs it."""
     monkeypatch.setattr(sys, "argv", ["app.py", "--collector", url, "--refresh", "0", *extra])
     at = AppTest.from_file(str(APP), default_timeout=120)
@@ -61,8 +62,9 @@ def chart_data(at: AppTest) -> list[list[pd.DataFrame]]:
     """The data sets of every Vega-Lite chart on the page, in order."""
     out = []
     for el in at.get("vega_lite_chart"):
-        out.append([pa.ipc.open_stream(d.data.data).read_all().to_pandas()
-                    for d in el.proto.datasets])
+        out.append(
+            [pa.ipc.open_stream(d.data.data).read_all().to_pandas() for d in el.proto.datasets]
+        )
     return out
 
 
@@ -79,7 +81,8 @@ def pct(v: float | None) -> str:
 
 
 def test_overview_ranks_the_kv_starved_pool_first_with_the_advisors_numbers(
-        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report) -> None:
+    monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report
+) -> None:
     at = run_app(monkeypatch, demo_fleet.url)
     no_problem_shown(at)
     assert at.title[0].value == "Fleet overview"
@@ -92,8 +95,10 @@ def test_overview_ranks_the_kv_starved_pool_first_with_the_advisors_numbers(
     kv = expected.engine(KV_STARVED)
     callout = at.warning[0].value
     assert callout.startswith("**pool demo: saturated, KV-bound")
-    assert f"`{KV_STARVED}` kv_cache_bound, saturated, knee {kv.knee_concurrency:.1f}, " \
-           f"cap {kv.recommended_concurrency_cap} in flight" in callout
+    assert (
+        f"`{KV_STARVED}` kv_cache_bound, saturated, knee {kv.knee_concurrency:.1f}, "
+        f"cap {kv.recommended_concurrency_cap} in flight" in callout
+    )
 
     pools, engines = (t.value for t in at.table[:2])
     assert list(pools.index) == ["demo", "demo-ample"]
@@ -105,15 +110,21 @@ def test_overview_ranks_the_kv_starved_pool_first_with_the_advisors_numbers(
     assert list(engines.index) == [KV_STARVED, SEQ_CAPPED, AMPLE]
     for eid in engines.index:
         v, row = expected.engine(eid), engines.loc[eid]
-        assert row["verdict"].startswith(f"{v.bottleneck}, {'saturated' if v.saturated else 'headroom'}")
+        assert row["verdict"].startswith(
+            f"{v.bottleneck}, {'saturated' if v.saturated else 'headroom'}"
+        )
         assert row["knee (in flight)"] == f"{v.knee_concurrency:.1f}"
         assert row["plateau"] == f"{v.plateau_tokens_per_s:,.0f} tok/s"
         assert row["prefix hit rate"] == pct(v.prefix_hit_rate)
-        assert row["cap"] == (str(v.recommended_concurrency_cap)
-                              if v.recommended_concurrency_cap is not None else "–")
+        assert row["cap"] == (
+            str(v.recommended_concurrency_cap) if v.recommended_concurrency_cap is not None else "–"
+        )
         # The replay is over: live until LIVE_S after its last step, silent after.
-        last = next(r["last_step_unix_s"] for r in demo_fleet.get_json("/v1/engines")["rows"]
-                    if r["engine_id"] == eid)
+        last = next(
+            r["last_step_unix_s"]
+            for r in demo_fleet.get_json("/v1/engines")["rows"]
+            if r["engine_id"] == eid
+        )
         age = time.time() - float(last)
         if age > LIVE_S + 3:
             assert row["status"].startswith("silent "), (row["status"], age)
@@ -124,11 +135,15 @@ def test_overview_ranks_the_kv_starved_pool_first_with_the_advisors_numbers(
 
 
 def test_overview_last_minute_columns_match_the_collectors_windows(
-        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess) -> None:
+    monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess
+) -> None:
     at = run_app(monkeypatch, demo_fleet.url)
     engines = at.table[1].value
-    w = pd.DataFrame(demo_fleet.get_json("/v1/windows", params={
-        "engine": KV_STARVED, "since": "0", "format": "columns"})["columns"])
+    w = pd.DataFrame(
+        demo_fleet.get_json(
+            "/v1/windows", params={"engine": KV_STARVED, "since": "0", "format": "columns"}
+        )["columns"]
+    )
     last = w[w["ts_s"] > w["ts_s"].max() - 60]
     span = int(last["ts_s"].max() - last["ts_s"].min() + 1)
     row = engines.loc[KV_STARVED]
@@ -138,8 +153,9 @@ def test_overview_last_minute_columns_match_the_collectors_windows(
     assert row["generated"] == f"{last['generation_tokens'].sum() / span:,.0f} tok/s"
 
 
-def test_sidebar_window_changes_what_is_read(monkeypatch: pytest.MonkeyPatch,
-                                            demo_fleet: CollectorProcess) -> None:
+def test_sidebar_window_changes_what_is_read(
+    monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess
+) -> None:
     at = run_app(monkeypatch, demo_fleet.url)
     assert "(--since 30m)" in at.caption[0].value
     assert at.sidebar.selectbox[0].value == "30m"
@@ -152,7 +168,8 @@ def test_sidebar_window_changes_what_is_read(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_engine_detail_shows_the_kv_starved_engine_against_its_limits(
-        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report) -> None:
+    monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report
+) -> None:
     at = run_app(monkeypatch, demo_fleet.url, page="pages/engine.py")
     no_problem_shown(at)
     assert at.selectbox[0].value == KV_STARVED  # the engine needing attention most
@@ -169,11 +186,11 @@ def test_engine_detail_shows_the_kv_starved_engine_against_its_limits(
     assert len(charts) == 8  # six per-second series, latency percentiles, per-step
     # KV blocks in use against num_gpu_blocks 48: the rule carries the total.
     rules = [d for c in charts for d in c if "label" in d]
-    assert any(d["label"].iloc[0] == "num_gpu_blocks 48" and d["v"].iloc[0] == 48
-               for d in rules)
+    assert any(d["label"].iloc[0] == "num_gpu_blocks 48" and d["v"].iloc[0] == 48 for d in rules)
     # Per-second series: the blocks in use never exceed the total, and reach it.
-    series = next(d for c in charts for d in c if "series" in d
-                  and "blocks in use (max)" in set(d["series"]))
+    series = next(
+        d for c in charts for d in c if "series" in d and "blocks in use (max)" in set(d["series"])
+    )
     blocks = series[series["series"] == "blocks in use (max)"]["y"]
     assert blocks.max() == 48
     # The raw steps: the per-step chart holds the last 30 s of steps of this engine.
@@ -183,7 +200,8 @@ def test_engine_detail_shows_the_kv_starved_engine_against_its_limits(
 
 
 def test_engine_detail_switches_to_the_sequence_capped_engine(
-        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report) -> None:
+    monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report
+) -> None:
     at = run_app(monkeypatch, demo_fleet.url, page="pages/engine.py")
     at.selectbox[0].set_value(SEQ_CAPPED).run()
     assert not at.exception
@@ -199,7 +217,8 @@ def test_engine_detail_switches_to_the_sequence_capped_engine(
 
 
 def test_plateau_presents_the_advisors_curve_knee_and_cap(
-        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report) -> None:
+    monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report
+) -> None:
     at = run_app(monkeypatch, demo_fleet.url, page="pages/plateau.py")
     no_problem_shown(at)
     kv = expected.engine(KV_STARVED)
@@ -227,7 +246,8 @@ def test_plateau_presents_the_advisors_curve_knee_and_cap(
     assert labels[f"knee {kv.knee_concurrency:.1f}"] == pytest.approx(kv.knee_concurrency)
     assert labels[f"cap {kv.recommended_concurrency_cap}"] == kv.recommended_concurrency_cap
     assert labels[f"plateau {kv.plateau_tokens_per_s:,.0f} tok/s"] == pytest.approx(
-        kv.plateau_tokens_per_s)
+        kv.plateau_tokens_per_s
+    )
     lat = expected.findings_of("latency_vs_load", KV_STARVED)[0].frame
     assert lat is not None
     p99_lines = p99[0]
@@ -237,7 +257,8 @@ def test_plateau_presents_the_advisors_curve_knee_and_cap(
 
 
 def test_plateau_of_an_engine_with_headroom_has_no_cap(
-        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report) -> None:
+    monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report
+) -> None:
     at = run_app(monkeypatch, demo_fleet.url, page="pages/plateau.py")
     at.selectbox[0].set_value(AMPLE).run()
     assert not at.exception
@@ -251,14 +272,19 @@ def test_plateau_of_an_engine_with_headroom_has_no_cap(
 
 
 def test_recommendations_are_ranked_with_the_change_to_copy(
-        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report) -> None:
+    monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report
+) -> None:
     at = run_app(monkeypatch, demo_fleet.url, page="pages/recommendations.py")
     no_problem_shown(at)
     heads = [m.value for m in at.markdown if m.value.startswith("#### ")]
-    assert heads == [f"#### {i}. {r.summary}"
-                     for i, r in enumerate(expected.recommendations, start=1)]
-    cap_rec = next(r for r in expected.recommendations
-                   if r.kind == "concurrency_cap" and r.scope.engine_id == KV_STARVED)
+    assert heads == [
+        f"#### {i}. {r.summary}" for i, r in enumerate(expected.recommendations, start=1)
+    ]
+    cap_rec = next(
+        r
+        for r in expected.recommendations
+        if r.kind == "concurrency_cap" and r.scope.engine_id == KV_STARVED
+    )
     cap = expected.engine(KV_STARVED).recommended_concurrency_cap
     flags = " ".join(cap_rec.change["vllm_flags"])
     assert flags.startswith(f"--max-num-seqs {cap} ")
@@ -277,22 +303,28 @@ def test_recommendations_are_ranked_with_the_change_to_copy(
 
 
 def test_prefix_page_shows_hit_rates_per_replica_and_the_missing_kv_events(
-        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report) -> None:
+    monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report
+) -> None:
     at = run_app(monkeypatch, demo_fleet.url, page="pages/prefix.py")
     no_problem_shown(at)
     by_pool = {p.pool: p for p in expected.pools}
     assert metric_list(at, "prefix-cache hit rate") == [
-        pct(by_pool["demo"].prefix_hit_rate), pct(by_pool["demo-ample"].prefix_hit_rate)]
+        pct(by_pool["demo"].prefix_hit_rate),
+        pct(by_pool["demo-ample"].prefix_hit_rate),
+    ]
     assert metric_list(at, "load imbalance")[0] == f"{by_pool['demo'].load_imbalance:.2f}x"
     replicas = at.table[0].value
     for eid in (KV_STARVED, SEQ_CAPPED):
         assert replicas.loc[eid, "hit rate"] == pct(expected.engine(eid).prefix_hit_rate)
-    cache = next(f for f in expected.findings
-                 if f.kind == "prefix_cache" and f.scope.pool == "demo")
+    cache = next(
+        f for f in expected.findings if f.kind == "prefix_cache" and f.scope.pool == "demo"
+    )
     ttft = at.table[1].value
     assert ttft.loc["with cached tokens", "n"] == f"{cache.evidence['ttft_cached']['n']:,}"
-    assert ttft.loc["without cached tokens", "TTFT P50"] == \
-        f"{cache.evidence['ttft_uncached']['p50_s']:.2f} s"
+    assert (
+        ttft.loc["without cached tokens", "TTFT P50"]
+        == f"{cache.evidence['ttft_uncached']['p50_s']:.2f} s"
+    )
     assert KV_EVENTS_FLAG.split(" ", 1)[1] in " ".join(codes(at))
     assert "cannot be measured on these 2 replicas" in texts(at)
 
@@ -303,9 +335,16 @@ def _prefix_page(report_json: str) -> None:
     from kvscope.dashboard.data import Snapshot
     from kvscope.dashboard.settings import DashboardSettings
 
-    render(Snapshot(settings=DashboardSettings("http://127.0.0.1:9"), since_text="all",
-                    since_unix_s=None, until_unix_s=None, fetched_unix_s=0.0,
-                    report=Report.from_json(report_json)))
+    render(
+        Snapshot(
+            settings=DashboardSettings("http://127.0.0.1:9"),
+            since_text="all",
+            since_unix_s=None,
+            until_unix_s=None,
+            fetched_unix_s=0.0,
+            report=Report.from_json(report_json),
+        )
+    )
 
 
 def test_prefix_page_with_kv_events_shows_duplication_and_the_routing_change() -> None:
@@ -313,16 +352,16 @@ def test_prefix_page_with_kv_events_shows_duplication_and_the_routing_change() -
     report = analyze(FrameSource(pool.engines, pool.windows, pool.requests, pool.kv_events))
     pv = report.pools[0]
     assert pv.prefix_routing_loss is not None  # the synthetic pool has KV events
-    at = AppTest.from_function(_prefix_page, kwargs={"report_json": report.to_json()},
-                               default_timeout=30).run()
+    at = AppTest.from_function(
+        _prefix_page, kwargs={"report_json": report.to_json()}, default_timeout=30
+    ).run()
     assert not at.exception, [e.value for e in at.exception]
     m = metrics(at)
     routing = next(f for f in report.findings if f.kind == "prefix_routing")
     assert m["routing loss"] == pct(pv.prefix_routing_loss)
     assert m["prefix-affine (predicted)"] == pct(pv.predicted_prefix_hit_rate_affine)
     assert m["reuse available"] == pct(routing.evidence["available"])
-    assert m["cache duplicated across replicas"] == pct(
-        routing.evidence["duplicated_cache_ratio"])
+    assert m["cache duplicated across replicas"] == pct(routing.evidence["duplicated_cache_ratio"])
     rec = next(r for r in report.recommendations if r.kind == "prefix_aware_routing")
     assert rec.change["production_stack"] in codes(at)
     heads = [x.value for x in at.markdown if x.value.startswith("#### ")]
@@ -344,13 +383,17 @@ def test_unreachable_collector_says_what_to_do(monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.fixture(scope="module")
 def token_collector(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with CollectorProcess(tmp_path_factory.mktemp("token") / "kvscope.duckdb",
-                          token="s3cret", extra_args=["--advise-interval-s", "0"]) as c:
+    with CollectorProcess(
+        tmp_path_factory.mktemp("token") / "kvscope.duckdb",
+        token="s3cret",
+        extra_args=["--advise-interval-s", "0"],
+    ) as c:
         yield c
 
 
-def test_wrong_token_gets_the_401_explained(monkeypatch: pytest.MonkeyPatch,
-                                            token_collector: CollectorProcess) -> None:
+def test_wrong_token_gets_the_401_explained(
+    monkeypatch: pytest.MonkeyPatch, token_collector: CollectorProcess
+) -> None:
     monkeypatch.delenv("KVSCOPE_TOKEN", raising=False)
     at = run_app(monkeypatch, token_collector.url)
     assert "Not authorized (401)" in at.error[0].value
@@ -360,7 +403,8 @@ def test_wrong_token_gets_the_401_explained(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_token_from_the_environment_reaches_an_empty_collector(
-        monkeypatch: pytest.MonkeyPatch, token_collector: CollectorProcess) -> None:
+    monkeypatch: pytest.MonkeyPatch, token_collector: CollectorProcess
+) -> None:
     monkeypatch.setenv("KVSCOPE_TOKEN", "s3cret")
     at = run_app(monkeypatch, token_collector.url)
     assert not at.error
@@ -369,7 +413,8 @@ def test_token_from_the_environment_reaches_an_empty_collector(
 
 
 def test_no_data_in_the_window_names_a_window_that_has_it(
-        monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess) -> None:
+    monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess
+) -> None:
     at = run_app(monkeypatch, demo_fleet.url, "--since", "5s", page="pages/plateau.py")
     assert not at.error
     text = at.warning[0].value
@@ -389,8 +434,9 @@ def test_bad_arguments_stop_the_app_with_a_message(monkeypatch: pytest.MonkeyPat
     assert "--since: expected unix seconds" in at.error[0].value
 
 
-def test_expected_report_is_stable_across_reads(demo_fleet: CollectorProcess,
-                                                expected: Report) -> None:
+def test_expected_report_is_stable_across_reads(
+    demo_fleet: CollectorProcess, expected: Report
+) -> None:
     # The pages are compared with a report made at another moment: that only holds
     # because the replayed data lies wholly inside the window.
     again = expected_report(demo_fleet.url)

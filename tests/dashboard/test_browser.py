@@ -54,8 +54,12 @@ def start_dashboard(args: list[str], log_path: Path, timeout_s: float = 90.0) ->
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvscope.cli.main", "dashboard", *args, "--port", str(port)],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     served = Served(f"http://127.0.0.1:{port}", port, proc, log_path)
     deadline = time.monotonic() + timeout_s
     while not healthy(served.url):
@@ -85,8 +89,9 @@ def reap(served: Served) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(demo_fleet: CollectorProcess, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[Served]:
+def served(
+    demo_fleet: CollectorProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Served]:
     log = tmp_path_factory.mktemp("dashboard") / "dashboard.log"
     s = start_dashboard(["--collector", demo_fleet.url, "--refresh", "5"], log)
     try:
@@ -108,40 +113,65 @@ def _pct(v: float | None) -> str:
 
 def _overview(r: Report) -> list[str]:
     kv = r.engine(KV_STARVED)
-    return ["Fleet overview", "Pools, the ones needing attention first", KV_STARVED,
-            SEQ_CAPPED, f"kv_cache_bound, saturated, knee {kv.knee_concurrency:.1f}, "
-            f"cap {kv.recommended_concurrency_cap} in flight"]
+    return [
+        "Fleet overview",
+        "Pools, the ones needing attention first",
+        KV_STARVED,
+        SEQ_CAPPED,
+        f"kv_cache_bound, saturated, knee {kv.knee_concurrency:.1f}, "
+        f"cap {kv.recommended_concurrency_cap} in flight",
+    ]
 
 
 def _engine(r: Report) -> list[str]:
     kv = r.engine(KV_STARVED)
-    return ["Engine detail", "KV cache 48 blocks x 32 tokens = 1,536 tokens",
-            "Batch size against max_num_seqs", "max_num_seqs 256, far above",
-            "num_gpu_blocks 48", "Latency percentiles of finished requests",
-            "Per engine step: the last", f"{kv.knee_concurrency:.1f}"]
+    return [
+        "Engine detail",
+        "KV cache 48 blocks x 32 tokens = 1,536 tokens",
+        "Batch size against max_num_seqs",
+        "max_num_seqs 256, far above",
+        "num_gpu_blocks 48",
+        "Latency percentiles of finished requests",
+        "Per engine step: the last",
+        f"{kv.knee_concurrency:.1f}",
+    ]
 
 
 def _plateau(r: Report) -> list[str]:
     kv = r.engine(KV_STARVED)
-    return ["Throughput against load", "P99 latency against load",
-            f"knee {kv.knee_concurrency:.1f}", f"cap {kv.recommended_concurrency_cap}",
-            f"plateau {kv.plateau_tokens_per_s:,.0f} tok/s",
-            f"{kv.predicted_throughput_fraction_at_cap:.0%}", "Why: the bottleneck"]
+    return [
+        "Throughput against load",
+        "P99 latency against load",
+        f"knee {kv.knee_concurrency:.1f}",
+        f"cap {kv.recommended_concurrency_cap}",
+        f"plateau {kv.plateau_tokens_per_s:,.0f} tok/s",
+        f"{kv.predicted_throughput_fraction_at_cap:.0%}",
+        "Why: the bottleneck",
+    ]
 
 
 def _recommendations(r: Report) -> list[str]:
     cap = r.engine(KV_STARVED).recommended_concurrency_cap
     first = r.recommendations[0]
-    return [f"1. {first.summary}", f"--max-num-seqs {cap} --max-num-queued-reqs {cap + -(-cap // 4)}",
-            f"limit_conn vllm_conn {cap};", f"maxConcurrency: {cap}",
-            f"{len(r.recommendations)}. {r.recommendations[-1].summary}"]
+    return [
+        f"1. {first.summary}",
+        f"--max-num-seqs {cap} --max-num-queued-reqs {cap + -(-cap // 4)}",
+        f"limit_conn vllm_conn {cap};",
+        f"maxConcurrency: {cap}",
+        f"{len(r.recommendations)}. {r.recommendations[-1].summary}",
+    ]
 
 
 def _prefix(r: Report) -> list[str]:
     demo = next(p for p in r.pools if p.pool == "demo")
-    return ["Prefix-cache hit rate per replica", "pool demo-ample", _pct(demo.prefix_hit_rate),
-            _pct(r.engine(SEQ_CAPPED).prefix_hit_rate), "--kv-events-config",
-            "Time to first token with and without cached prompt tokens"]
+    return [
+        "Prefix-cache hit rate per replica",
+        "pool demo-ample",
+        _pct(demo.prefix_hit_rate),
+        _pct(r.engine(SEQ_CAPPED).prefix_hit_rate),
+        "--kv-events-config",
+        "Time to first token with and without cached prompt tokens",
+    ]
 
 
 PAGES: list[tuple[str, str, Callable[[Report], list[str]]]] = [
@@ -155,8 +185,14 @@ PAGES: list[tuple[str, str, Callable[[Report], list[str]]]] = [
 
 @pytest.mark.parametrize(("name", "path", "wanted"), PAGES, ids=[p[0] for p in PAGES])
 def test_page_loads_in_chromium_with_its_key_numbers(
-        name: str, path: str, wanted: Callable[[Report], list[str]], served: Served,
-        browser: Chromium, expected: Report, artefacts: Path) -> None:
+    name: str,
+    path: str,
+    wanted: Callable[[Report], list[str]],
+    served: Served,
+    browser: Chromium,
+    expected: Report,
+    artefacts: Path,
+) -> None:
     want = wanted(expected)
     page = browser.load(f"{served.url}/{path}", wait_for=want)
     shot = browser.screenshot(artefacts / f"{name}.png")
@@ -181,8 +217,7 @@ def test_the_page_refreshes_itself(served: Served, browser: Chromium) -> None:
         now = re.search(r"read (\d\d:\d\d:\d\d) UTC", browser.text())
         if now is not None and now.group(1) != first.group(1):
             return
-    pytest.fail(f"the page still shows the read of {first.group(1)} after 30 s "
-                "(--refresh 5)")
+    pytest.fail(f"the page still shows the read of {first.group(1)} after 30 s (--refresh 5)")
 
 
 def _listeners(port: int) -> list[str]:
@@ -214,17 +249,22 @@ def test_sigterm_stops_the_app_process_too(demo_fleet: CollectorProcess, tmp_pat
         reap(s)
 
 
-def test_demo_mode_serves_the_replayed_recordings(browser: Chromium, tmp_path: Path,
-                                                  artefacts: Path) -> None:
-    s = start_dashboard(["--demo", "--demo-dir", str(tmp_path), "--refresh", "0"],
-                        tmp_path / "dashboard.log", timeout_s=300)
+def test_demo_mode_serves_the_replayed_recordings(
+    browser: Chromium, tmp_path: Path, artefacts: Path
+) -> None:
+    s = start_dashboard(
+        ["--demo", "--demo-dir", str(tmp_path), "--refresh", "0"],
+        tmp_path / "dashboard.log",
+        timeout_s=300,
+    )
     try:
         m = re.search(r"collector (http://127\.0\.0\.1:(\d+))", s.log())
         assert m is not None, s.log()
         collector_port = int(m.group(2))
-        page = browser.load(f"{s.url}/", wait_for=[KV_STARVED, SEQ_CAPPED,
-                                                   "kv_cache_bound, saturated",
-                                                   "engines analyzed"])
+        page = browser.load(
+            f"{s.url}/",
+            wait_for=[KV_STARVED, SEQ_CAPPED, "kv_cache_bound, saturated", "engines analyzed"],
+        )
         shot = browser.screenshot(artefacts / "demo_overview.png")
         SAVED.append(shot)
         assert page.exceptions == []

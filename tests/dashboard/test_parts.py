@@ -35,8 +35,9 @@ from kvscope.lab.recording import load_recording
 
 
 def test_settings_round_trip_through_the_app_arguments() -> None:
-    s = DashboardSettings("http://c:8844", token="t", since="2h", refresh_s=7.5,
-                          timeout_s=12.0, pool="p")
+    s = DashboardSettings(
+        "http://c:8844", token="t", since="2h", refresh_s=7.5, timeout_s=12.0, pool="p"
+    )
     argv = to_argv(s)
     assert "t" not in argv  # the token never goes on a command line
     back = parse_settings(argv, {"KVSCOPE_TOKEN": "t"})
@@ -49,13 +50,16 @@ def test_settings_take_the_collector_and_token_from_the_environment() -> None:
     assert normalize_url("https://c:1/ ") == "https://c:1"
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    ([], "pass --collector URL"),
-    (["--collector", "c", "--since", "soon"], "--since: expected unix seconds"),
-    (["--collector", "c", "--refresh", "-1"], "must be >= 0"),
-    (["--collector", "c", "--timeout", "0"], "must be > 0"),
-    (["--collector", "c", "--colour", "red"], "unknown argument(s): --colour red"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "pass --collector URL"),
+        (["--collector", "c", "--since", "soon"], "--since: expected unix seconds"),
+        (["--collector", "c", "--refresh", "-1"], "must be >= 0"),
+        (["--collector", "c", "--timeout", "0"], "must be > 0"),
+        (["--collector", "c", "--colour", "red"], "unknown argument(s): --colour red"),
+    ],
+)
 def test_bad_settings_name_the_argument(argv: list[str], message: str) -> None:
     with pytest.raises(SettingsError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_settings(argv, {})
@@ -68,7 +72,8 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_the_app_runs_headless_on_loopback_without_the_token_on_its_command_line(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     seen: dict[str, object] = {}
 
     class FakePopen:
@@ -83,38 +88,48 @@ def test_the_app_runs_headless_on_loopback_without_the_token_on_its_command_line
     cmd = seen["cmd"]
     assert isinstance(cmd, list)
     assert cmd[1:4] == ["-m", "streamlit", "run"] and cmd[4] == str(cli.APP)
-    opts = dict(zip(cmd[5:cmd.index("--")][::2], cmd[5:cmd.index("--")][1::2], strict=True))
+    opts = dict(zip(cmd[5 : cmd.index("--")][::2], cmd[5 : cmd.index("--")][1::2], strict=True))
     assert opts["--server.address"] == "127.0.0.1"
     assert opts["--server.port"] == "8600"
     assert opts["--server.headless"] == "true"
     assert opts["--browser.gatherUsageStats"] == "false"
-    app_argv = cmd[cmd.index("--") + 1:]
+    app_argv = cmd[cmd.index("--") + 1 :]
     assert parse_settings(app_argv, {}).collector_url == "http://c:8844"
     assert "s3cret" not in " ".join(cmd)
     env = seen["env"]
     assert isinstance(env, dict) and env["KVSCOPE_TOKEN"] == "s3cret"
 
 
-def test_missing_extra_names_the_install_command(monkeypatch: pytest.MonkeyPatch,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_missing_extra_names_the_install_command(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "streamlit" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "streamlit" else real(name, *a),
+    )
     assert cli.run(_args("--collector", "c:8844")) == 2
     err = capsys.readouterr().err
     assert "streamlit is not installed" in err
     assert "pip install 'kvscope[dashboard]'" in err
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    ((), "pass --collector URL"),
-    (("--collector", "c", "--since", "later"), "--since: expected unix seconds"),
-    (("--demo", "--collector", "c"), "--demo starts its own collector"),
-    (("--collector", "c", "--port", "70000"), "is not a TCP port"),
-])
-def test_cli_refuses_bad_arguments(argv: tuple[str, ...], message: str,
-                                   monkeypatch: pytest.MonkeyPatch,
-                                   capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ((), "pass --collector URL"),
+        (("--collector", "c", "--since", "later"), "--since: expected unix seconds"),
+        (("--demo", "--collector", "c"), "--demo starts its own collector"),
+        (("--collector", "c", "--port", "70000"), "is not a TCP port"),
+    ],
+)
+def test_cli_refuses_bad_arguments(
+    argv: tuple[str, ...],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     monkeypatch.delenv("KVSCOPE_COLLECTOR_URL", raising=False)
     assert cli.run(_args(*argv)) == 2
     assert message in capsys.readouterr().err
@@ -123,24 +138,37 @@ def test_cli_refuses_bad_arguments(argv: tuple[str, ...], message: str,
 # -- attention order and status ------------------------------------------------------------
 
 
-def _verdict(eid: str, pool: str, bottleneck: str, saturated: bool,
-             thrash: bool = False) -> EngineVerdict:
-    return EngineVerdict(engine_id=eid, pool=pool, bottleneck=bottleneck, saturated=saturated,
-                         preemption_thrash=thrash)
+def _verdict(
+    eid: str, pool: str, bottleneck: str, saturated: bool, thrash: bool = False
+) -> EngineVerdict:
+    return EngineVerdict(
+        engine_id=eid,
+        pool=pool,
+        bottleneck=bottleneck,
+        saturated=saturated,
+        preemption_thrash=thrash,
+    )
 
 
 def test_pools_needing_attention_come_first() -> None:
-    engines = [_verdict("a:1:0", "calm", "not_saturated", False),
-               _verdict("b:1:0", "capped", "max_num_seqs_bound", True),
-               _verdict("c:1:0", "kv", "kv_cache_bound", True),
-               _verdict("d:1:0", "kv", "not_saturated", False),
-               _verdict("e:1:0", "thrash", "kv_cache_bound", True, thrash=True),
-               _verdict("f:1:0", "skewed", "not_saturated", False),
-               _verdict("g:1:0", "skewed", "not_saturated", False)]
-    pools = [PoolVerdict(pool=p, engine_ids=[v.engine_id for v in engines if v.pool == p],
-                         bottlenecks={}) for p in ("calm", "capped", "kv", "skewed", "thrash")]
-    imbalance = Finding(kind="load_imbalance", scope=Scope(pool="skewed"), summary="uneven",
-                        severity="warning")
+    engines = [
+        _verdict("a:1:0", "calm", "not_saturated", False),
+        _verdict("b:1:0", "capped", "max_num_seqs_bound", True),
+        _verdict("c:1:0", "kv", "kv_cache_bound", True),
+        _verdict("d:1:0", "kv", "not_saturated", False),
+        _verdict("e:1:0", "thrash", "kv_cache_bound", True, thrash=True),
+        _verdict("f:1:0", "skewed", "not_saturated", False),
+        _verdict("g:1:0", "skewed", "not_saturated", False),
+    ]
+    pools = [
+        PoolVerdict(
+            pool=p, engine_ids=[v.engine_id for v in engines if v.pool == p], bottlenecks={}
+        )
+        for p in ("calm", "capped", "kv", "skewed", "thrash")
+    ]
+    imbalance = Finding(
+        kind="load_imbalance", scope=Scope(pool="skewed"), summary="uneven", severity="warning"
+    )
     report = Report(None, None, engines=engines, pools=pools, findings=[imbalance])
     ranked = pools_by_attention(report)
     assert [pv.pool for pv, _ in ranked] == ["thrash", "kv", "capped", "skewed", "calm"]
@@ -148,16 +176,30 @@ def test_pools_needing_attention_come_first() -> None:
     assert ranked[3][1].text == "load imbalance"
     assert ranked[4][1].text == "ok"
     assert [v.engine_id for v in engines_by_attention(report)] == [
-        "e:1:0", "c:1:0", "d:1:0", "b:1:0", "f:1:0", "g:1:0", "a:1:0"]
+        "e:1:0",
+        "c:1:0",
+        "d:1:0",
+        "b:1:0",
+        "f:1:0",
+        "g:1:0",
+        "a:1:0",
+    ]
 
 
 def test_engine_status_and_the_last_minute() -> None:
     assert engine_status(100.0, 110.0) == "live"
     assert engine_status(100.0, 100.0 + 12 * 60) == "silent 12 min"
     assert engine_status(None, 1.0) == "no steps yet"
-    w = pd.DataFrame({"ts_s": [0, 1, 2, 100, 101, 103], "batch_mean": [9, 9, 9, 2, 4, 6],
-                      "kv_usage_mean": [1, 1, 1, 0.2, 0.4, 0.6], "preemptions": [5] * 6,
-                      "generation_tokens": [100] * 6, "waiting_mean": [0] * 6})
+    w = pd.DataFrame(
+        {
+            "ts_s": [0, 1, 2, 100, 101, 103],
+            "batch_mean": [9, 9, 9, 2, 4, 6],
+            "kv_usage_mean": [1, 1, 1, 0.2, 0.4, 0.6],
+            "preemptions": [5] * 6,
+            "generation_tokens": [100] * 6,
+            "waiting_mean": [0] * 6,
+        }
+    )
     r = recent(w, seconds=60)
     # The last 60 s hold seconds 100, 101 and 103: a 4-second span, 102 idle.
     assert r.seconds == 4
@@ -171,32 +213,41 @@ def test_engine_status_and_the_last_minute() -> None:
 # -- formatting and the change to copy -------------------------------------------------------
 
 
-@pytest.mark.parametrize(("key", "v", "text"), [
-    ("plateau_tokens_per_s", 1285.4, "1,285 tok/s"),
-    ("preemptions_per_s", 8.24, "8.2/s"),
-    ("steps_per_s_plateau", 112.0, "112.0/s"),
-    ("tokens_per_step_median", 15.3, "15.3"),
-    ("p99_e2e_s", 1.584, "1.58 s"),
-    ("kv_usage_median", 0.953, "95%"),
-    ("throughput_fraction", 0.97, "97%"),
-    ("mean_ttft_change_s", -0.25, "-250 ms"),
-    ("step_ms", 12.17, "12.2 ms"),
-    ("feasible", True, "yes"),
-    ("p99_e2e_s", math.nan, "–"),
-    ("n_windows", 31, "31"),
-])
+@pytest.mark.parametrize(
+    ("key", "v", "text"),
+    [
+        ("plateau_tokens_per_s", 1285.4, "1,285 tok/s"),
+        ("preemptions_per_s", 8.24, "8.2/s"),
+        ("steps_per_s_plateau", 112.0, "112.0/s"),
+        ("tokens_per_step_median", 15.3, "15.3"),
+        ("p99_e2e_s", 1.584, "1.58 s"),
+        ("kv_usage_median", 0.953, "95%"),
+        ("throughput_fraction", 0.97, "97%"),
+        ("mean_ttft_change_s", -0.25, "-250 ms"),
+        ("step_ms", 12.17, "12.2 ms"),
+        ("feasible", True, "yes"),
+        ("p99_e2e_s", math.nan, "–"),
+        ("n_windows", 31, "31"),
+    ],
+)
 def test_values_read_like_the_terminal_view(key: str, v: object, text: str) -> None:
     assert value(key, v) == text
 
 
 def test_every_part_of_a_change_becomes_a_block_to_copy() -> None:
-    change = {"concurrency_cap": 8,
-              "vllm_flags": ["--max-num-seqs 8", "--max-num-queued-reqs 10"],
-              "gateway": {"nginx": "limit_conn vllm_conn 8;", "gateway_api_maxConcurrency": 8,
-                          "nginx_upstream": "upstream p { server a:1 max_conns=8; }"},
-              "per_engine_caps": {"a:1:0": 8, "b:1:0": 6},
-              "router_policy": "prefix-aware", "production_stack": "--routing-logic prefixaware",
-              "something_new": {"k": 1}}
+    change = {
+        "concurrency_cap": 8,
+        "vllm_flags": ["--max-num-seqs 8", "--max-num-queued-reqs 10"],
+        "gateway": {
+            "nginx": "limit_conn vllm_conn 8;",
+            "gateway_api_maxConcurrency": 8,
+            "nginx_upstream": "upstream p { server a:1 max_conns=8; }",
+        },
+        "per_engine_caps": {"a:1:0": 8, "b:1:0": 6},
+        "router_policy": "prefix-aware",
+        "production_stack": "--routing-logic prefixaware",
+        "something_new": {"k": 1},
+    }
     blocks = change_blocks(change)
     assert blocks == [
         ("vLLM flags", "--max-num-seqs 8 --max-num-queued-reqs 10", "bash"),
@@ -218,12 +269,22 @@ def test_engine_series_bucket_long_windows_and_keep_rates_per_second() -> None:
     assert bucket_seconds(3600) == 5
     assert bucket_seconds(7 * 86400) == 3600
     n = 3600
-    w = pd.DataFrame({"ts_s": range(n), "batch_mean": [4.0] * n, "batch_max": [6] * n,
-                      "kv_usage_mean": [0.5] * n, "kv_blocks_max": [30] * n,
-                      "waiting_mean": [1.0] * n, "waiting_max": [3] * n,
-                      "preemptions": [2] * n, "generation_tokens": [100] * n,
-                      "prompt_tokens": [50] * n, "prefix_queries": [40] * n,
-                      "prefix_hits": [10] * n})
+    w = pd.DataFrame(
+        {
+            "ts_s": range(n),
+            "batch_mean": [4.0] * n,
+            "batch_max": [6] * n,
+            "kv_usage_mean": [0.5] * n,
+            "kv_blocks_max": [30] * n,
+            "waiting_mean": [1.0] * n,
+            "waiting_max": [3] * n,
+            "preemptions": [2] * n,
+            "generation_tokens": [100] * n,
+            "prompt_tokens": [50] * n,
+            "prefix_queries": [40] * n,
+            "prefix_hits": [10] * n,
+        }
+    )
     s = engine_series(w, num_gpu_blocks=48)
     assert len(s) == n // 5 and set(s["bucket_s"]) == {5}
     assert s["gen_tokens_per_s"].tolist() == pytest.approx([100.0] * len(s))
@@ -237,12 +298,19 @@ def test_windows_longer_than_a_second_hold_rates_per_second() -> None:
     """Windows read from Prometheus at 15 s resolution carry per-second rates: the series
     and the last minute keep them per second instead of dividing by the window again."""
     n = 40  # 10 minutes of 15-second windows
-    w = pd.DataFrame({"ts_s": [1000.0 + 15 * i for i in range(n)],
-                      "batch_mean": [4.0] * n, "kv_usage_mean": [0.5] * n,
-                      "waiting_mean": [1.0] * n, "preemptions": [2.0] * n,
-                      "generation_tokens": [100.0 + (i % 2) * 20 for i in range(n)],
-                      "prompt_tokens": [50.0] * n, "prefix_queries": [40.0] * n,
-                      "prefix_hits": [10.0] * n})
+    w = pd.DataFrame(
+        {
+            "ts_s": [1000.0 + 15 * i for i in range(n)],
+            "batch_mean": [4.0] * n,
+            "kv_usage_mean": [0.5] * n,
+            "waiting_mean": [1.0] * n,
+            "preemptions": [2.0] * n,
+            "generation_tokens": [100.0 + (i % 2) * 20 for i in range(n)],
+            "prompt_tokens": [50.0] * n,
+            "prefix_queries": [40.0] * n,
+            "prefix_hits": [10.0] * n,
+        }
+    )
     s = engine_series(w, num_gpu_blocks=48, window_s=15)
     assert set(s["bucket_s"]) == {15} and len(s) == n
     assert s["gen_tokens_per_s"].mean() == pytest.approx(110.0)
@@ -255,9 +323,13 @@ def test_windows_longer_than_a_second_hold_rates_per_second() -> None:
 
 
 def test_latency_series_are_percentiles_per_bucket() -> None:
-    r = pd.DataFrame({"finished_unix_s": [0.5 + i * 0.01 for i in range(100)],
-                      "ttft_s": [i / 100 for i in range(100)],
-                      "e2e_s": [1.0] * 100})
+    r = pd.DataFrame(
+        {
+            "finished_unix_s": [0.5 + i * 0.01 for i in range(100)],
+            "ttft_s": [i / 100 for i in range(100)],
+            "e2e_s": [1.0] * 100,
+        }
+    )
     lat = latency_series(r)
     ttft = lat[lat["metric"] == "TTFT P50"]["seconds"].tolist()
     assert ttft == pytest.approx([0.495])
@@ -275,9 +347,12 @@ def test_demo_fleet_relabels_each_recording_as_its_own_engine() -> None:
         out = relabeled(rec, e)
         assert {b["engine_id"] for b in out.batches} == {e.engine_id}
         hellos = [b["hello"] for b in out.batches if b.get("hello")]
-        assert hellos and all(h["engine_id"] == e.engine_id and h["pool"] == e.pool
-                              and h["port"] == e.port for h in hellos)
+        assert hellos and all(
+            h["engine_id"] == e.engine_id and h["pool"] == e.pool and h["port"] == e.port
+            for h in hellos
+        )
         # The original is untouched and every step kept.
         assert {b["engine_id"] for b in rec.batches} == {"demo-host:8000:0"}
         assert sum(len(b["steps"]["ts_unix_s"]) for b in out.batches) == sum(
-            len(b["steps"]["ts_unix_s"]) for b in rec.batches)
+            len(b["steps"]["ts_unix_s"]) for b in rec.batches
+        )

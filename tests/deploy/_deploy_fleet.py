@@ -30,9 +30,15 @@ class Stream:
     sent: int = 0
 
     @classmethod
-    def from_recording(cls, path: Path, *, shift_s: float, engine_id: str | None = None,
-                       port: int | None = None, kv_events_endpoint: str | None = None
-                       ) -> Stream:
+    def from_recording(
+        cls,
+        path: Path,
+        *,
+        shift_s: float,
+        engine_id: str | None = None,
+        port: int | None = None,
+        kv_events_endpoint: str | None = None,
+    ) -> Stream:
         rec = load_recording(path)
         out = []
         for b in rebased(rec.batches, shift_s=shift_s, boot_ids={}):
@@ -109,9 +115,17 @@ class KvPublisher:
             events.append(BlockRemoved(block_hashes=self.held.pop(group), medium="GPU"))
         hashes = [next(self._hashes) for _ in range(n_blocks)]
         tokens = [group * 10_000 + i for i in range(n_blocks * self.BLOCK_SIZE)]
-        events.append(BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens,
-                                  block_size=self.BLOCK_SIZE, lora_id=None, medium="GPU",
-                                  lora_name=None))
+        events.append(
+            BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=None,
+                token_ids=tokens,
+                block_size=self.BLOCK_SIZE,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+        )
         self.held[group] = hashes
         self.publish(events)
 

@@ -35,15 +35,22 @@ OVERLOAD_ALERTS = ("KvscopeKvCacheSaturated", "KvscopePreemptionStorm", "Kvscope
 
 #: Metrics that exist only for pools whose engines publish vLLM's KV-cache events, or
 #: that have two engines or more (the advisor's routing and balance gauges).
-MULTI_ENGINE_KV_EVENT_METRICS = frozenset({
-    "kvscope_kv_events_blocks_stored_total", "kvscope_kv_events_blocks_duplicated_total",
-    "kvscope_kv_events_blocks_reseen_total", "kvscope_kv_events_orphan_blocks_total",
-    "kvscope_kv_events_blocks_removed_total", "kvscope_kv_events_missed_batches_total",
-    "kvscope_kv_events_held_blocks", "kvscope_pool_kv_distinct_blocks",
-    "kvscope_kv_events_subscribed", "kvscope_advisor_pool_prefix_routing_loss_ratio",
-    "kvscope_advisor_pool_predicted_prefix_hit_ratio_affine",
-    "kvscope_advisor_pool_load_imbalance_ratio",
-})
+MULTI_ENGINE_KV_EVENT_METRICS = frozenset(
+    {
+        "kvscope_kv_events_blocks_stored_total",
+        "kvscope_kv_events_blocks_duplicated_total",
+        "kvscope_kv_events_blocks_reseen_total",
+        "kvscope_kv_events_orphan_blocks_total",
+        "kvscope_kv_events_blocks_removed_total",
+        "kvscope_kv_events_missed_batches_total",
+        "kvscope_kv_events_held_blocks",
+        "kvscope_pool_kv_distinct_blocks",
+        "kvscope_kv_events_subscribed",
+        "kvscope_advisor_pool_prefix_routing_loss_ratio",
+        "kvscope_advisor_pool_predicted_prefix_hit_ratio_affine",
+        "kvscope_advisor_pool_load_imbalance_ratio",
+    }
+)
 
 _SELECTOR = re.compile(r"(?<![\w\"])(kvscope_[A-Za-z0-9_]+)(\{[^}]*\})?")
 
@@ -51,12 +58,14 @@ _SELECTOR = re.compile(r"(?<![\w\"])(kvscope_[A-Za-z0-9_]+)(\{[^}]*\})?")
 def require(path: str) -> str:
     """The path of a Debian-packaged binary, or a test failure saying what to install."""
     if not os.access(path, os.X_OK):
-        pytest.fail(f"{path} is missing: install the Debian 'prometheus' package "
-                    "(scripts/test does it)")
+        pytest.fail(
+            f"{path} is missing: install the Debian 'prometheus' package (scripts/test does it)"
+        )
     return path
 
 
 # -- the artefacts ---------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Query:
@@ -82,24 +91,46 @@ def data_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def dashboard_queries(dashboard: dict[str, Any], *, pool: str, engine: str,
-                      rate_interval: str = "1m", range_: str = "5m") -> list[Query]:
+def dashboard_queries(
+    dashboard: dict[str, Any],
+    *,
+    pool: str,
+    engine: str,
+    rate_interval: str = "1m",
+    range_: str = "5m",
+) -> list[Query]:
     """Every target's expression with the template variables substituted the way
     Grafana does (``$pool``/``$engine`` are regexes in ``=~`` matchers; ``.*`` is All)."""
     out = []
     for p in data_panels(dashboard):
         for t in p["targets"]:
-            out.append(Query(f"{p['title']} [{t['refId']}]",
-                             substitute(t["expr"], pool=pool, engine=engine,
-                                        rate_interval=rate_interval, range_=range_)))
+            out.append(
+                Query(
+                    f"{p['title']} [{t['refId']}]",
+                    substitute(
+                        t["expr"],
+                        pool=pool,
+                        engine=engine,
+                        rate_interval=rate_interval,
+                        range_=range_,
+                    ),
+                )
+            )
     return out
 
 
-def substitute(expr: str, *, pool: str, engine: str, rate_interval: str = "1m",
-               range_: str = "5m") -> str:
-    for name, value in (("$__rate_interval", rate_interval), ("$__range", range_),
-                        ("$__interval", "15s"), ("$pool", pool), ("$engine", engine),
-                        ("${pool}", pool), ("${engine}", engine)):
+def substitute(
+    expr: str, *, pool: str, engine: str, rate_interval: str = "1m", range_: str = "5m"
+) -> str:
+    for name, value in (
+        ("$__rate_interval", rate_interval),
+        ("$__range", range_),
+        ("$__interval", "15s"),
+        ("$pool", pool),
+        ("$engine", engine),
+        ("${pool}", pool),
+        ("${engine}", engine),
+    ):
         expr = expr.replace(name, value)
     assert "$" not in expr, f"unsubstituted variable in {expr}"
     return expr
@@ -126,6 +157,7 @@ def metric_names(expr: str) -> set[str]:
 
 # -- a Prometheus server ----------------------------------------------------------------
 
+
 class PrometheusError(RuntimeError):
     """Prometheus did not start, or answered a query with an error."""
 
@@ -135,12 +167,23 @@ class Prometheus(PrometheusServer):
     ``targets`` as job ``kvscope`` and evaluating ``rule_files``: the tests' one
     Prometheus starter (``tests/prometheus/_backends.py``) plus query helpers."""
 
-    def __init__(self, workdir: Path, *, targets: list[str] | None = None,
-                 scrape_interval_s: float = 1.0, rule_files: list[Path] | None = None,
-                 evaluation_interval_s: float = 1.0) -> None:
-        super().__init__(workdir, list(targets or []), job="kvscope",
-                         scrape_interval_s=scrape_interval_s, rule_files=rule_files,
-                         evaluation_interval_s=evaluation_interval_s)
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        targets: list[str] | None = None,
+        scrape_interval_s: float = 1.0,
+        rule_files: list[Path] | None = None,
+        evaluation_interval_s: float = 1.0,
+    ) -> None:
+        super().__init__(
+            workdir,
+            list(targets or []),
+            job="kvscope",
+            scrape_interval_s=scrape_interval_s,
+            rule_files=rule_files,
+            evaluation_interval_s=evaluation_interval_s,
+        )
 
     def start(self, timeout_s: float = 30.0) -> Prometheus:
         try:

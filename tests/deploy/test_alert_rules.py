@@ -13,13 +13,18 @@ from _prom import ALERT_TESTS, ALERTS, PROMTOOL, load_rules, require
 pytestmark = pytest.mark.promtool
 
 SEVERITIES = {"critical", "warning", "info"}
-CAPACITY = ("KvscopeKvCacheSaturated", "KvscopePreemptionStorm", "KvscopeLoadPastKnee",
-            "KvscopePrefixHitRateCollapse")
+CAPACITY = (
+    "KvscopeKvCacheSaturated",
+    "KvscopePreemptionStorm",
+    "KvscopeLoadPastKnee",
+    "KvscopePrefixHitRateCollapse",
+)
 
 
 def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([require(PROMTOOL), *args], capture_output=True, text=True,
-                          timeout=120, cwd=ALERTS.parent)
+    return subprocess.run(
+        [require(PROMTOOL), *args], capture_output=True, text=True, timeout=120, cwd=ALERTS.parent
+    )
 
 
 def test_promtool_check_rules() -> None:

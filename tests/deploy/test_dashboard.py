@@ -52,18 +52,23 @@ def test_template_variables(dashboard: dict[str, Any]) -> None:
     for name in ("pool", "engine"):
         assert v[name]["type"] == "query"
         assert v[name]["datasource"]["uid"] == DS_UID
-        query = v[name]["query"]["query"] if isinstance(v[name]["query"], dict) else v[name]["query"]
-        assert re.fullmatch(rf"label_values\(kvscope_engine_info(\{{[^}}]*\}})?, {name}\)", query), query
+        query = (
+            v[name]["query"]["query"] if isinstance(v[name]["query"], dict) else v[name]["query"]
+        )
+        assert re.fullmatch(
+            rf"label_values\(kvscope_engine_info(\{{[^}}]*\}})?, {name}\)", query
+        ), query
         assert v[name]["includeAll"] and v[name]["allValue"] == ".*"
     engine_q = v["engine"]["query"]["query"]
-    assert '$pool' in engine_q, "the engine list follows the pool selection"
+    assert "$pool" in engine_q, "the engine list follows the pool selection"
 
 
 def test_every_panel_has_queries_on_the_datasource_variable(dashboard: dict[str, Any]) -> None:
     panels = data_panels(dashboard)
     assert len(panels) >= 30
     ids = [p["id"] for p in dashboard["panels"]] + [
-        q["id"] for p in dashboard["panels"] if p["type"] == "row" for q in p["panels"]]
+        q["id"] for p in dashboard["panels"] if p["type"] == "row" for q in p["panels"]
+    ]
     assert len(ids) == len(set(ids)), "panel ids repeat"
     titles = [p["title"] for p in panels]
     assert len(titles) == len(set(titles)), "panel titles repeat"
@@ -96,27 +101,40 @@ def test_panels_tile_the_grid(dashboard: dict[str, Any]) -> None:
 
 
 def test_the_dashboard_covers_what_the_collector_measures(dashboard: dict[str, Any]) -> None:
-    used = set().union(*(metric_names(q.expr) for q in dashboard_queries(
-        dashboard, pool=".*", engine=".*")))
+    used = set().union(
+        *(metric_names(q.expr) for q in dashboard_queries(dashboard, pool=".*", engine=".*"))
+    )
     for metric in (
-        "kvscope_engine_batch_size", "kvscope_engine_max_num_seqs", "kvscope_engine_kv_usage_ratio",
-        "kvscope_engine_waiting_requests", "kvscope_engine_preemptions_total",
-        "kvscope_engine_generation_tokens_total", "kvscope_engine_prefix_cache_hit_tokens_total",
-        "kvscope_engine_step_batch_size_bucket", "kvscope_engine_step_kv_usage_ratio_bucket",
-        "kvscope_advisor_knee_concurrency", "kvscope_advisor_recommended_concurrency_cap",
-        "kvscope_advisor_bottleneck", "kvscope_advisor_saturated",
-        "kvscope_advisor_pool_recommended_concurrency_cap", "kvscope_advisor_pool_prefix_hit_ratio",
+        "kvscope_engine_batch_size",
+        "kvscope_engine_max_num_seqs",
+        "kvscope_engine_kv_usage_ratio",
+        "kvscope_engine_waiting_requests",
+        "kvscope_engine_preemptions_total",
+        "kvscope_engine_generation_tokens_total",
+        "kvscope_engine_prefix_cache_hit_tokens_total",
+        "kvscope_engine_step_batch_size_bucket",
+        "kvscope_engine_step_kv_usage_ratio_bucket",
+        "kvscope_advisor_knee_concurrency",
+        "kvscope_advisor_recommended_concurrency_cap",
+        "kvscope_advisor_bottleneck",
+        "kvscope_advisor_saturated",
+        "kvscope_advisor_pool_recommended_concurrency_cap",
+        "kvscope_advisor_pool_prefix_hit_ratio",
         "kvscope_advisor_pool_prefix_routing_loss_ratio",
         "kvscope_advisor_pool_predicted_prefix_hit_ratio_affine",
-        "kvscope_advisor_pool_load_imbalance_ratio", "kvscope_kv_events_blocks_duplicated_total",
-        "kvscope_kv_events_blocks_stored_total", "kvscope_exporter_dropped_steps_total",
-        "kvscope_collector_ingest_batches_total", "kvscope_advisor_runs_total",
+        "kvscope_advisor_pool_load_imbalance_ratio",
+        "kvscope_kv_events_blocks_duplicated_total",
+        "kvscope_kv_events_blocks_stored_total",
+        "kvscope_exporter_dropped_steps_total",
+        "kvscope_collector_ingest_batches_total",
+        "kvscope_advisor_runs_total",
     ):
         assert metric in used, f"no panel shows {metric}"
 
 
-def test_every_query_parses_on_a_real_prometheus(dashboard: dict[str, Any],
-                                                  prometheus: Prometheus) -> None:
+def test_every_query_parses_on_a_real_prometheus(
+    dashboard: dict[str, Any], prometheus: Prometheus
+) -> None:
     errors = []
     for sub in ({"pool": ".*", "engine": ".*"}, {"pool": "demo", "engine": "demo-host:8000:0"}):
         for q in dashboard_queries(dashboard, **sub):
@@ -146,8 +164,9 @@ def _families(metrics_text: str) -> set[str]:
     return out
 
 
-def test_every_metric_queried_is_exposed_by_the_collector(dashboard: dict[str, Any],
-                                                          kv_starved_collector: Any) -> None:
+def test_every_metric_queried_is_exposed_by_the_collector(
+    dashboard: dict[str, Any], kv_starved_collector: Any
+) -> None:
     """Names only (series come in the live tests): a typo would never return data."""
     exposed = _families(kv_starved_collector.collector.get_text("/metrics"))
     queries = dashboard_queries(dashboard, pool=".*", engine=".*") + rule_queries()

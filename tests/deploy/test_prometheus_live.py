@@ -60,11 +60,17 @@ POOL = "demo"
 OVERLOAD_AFTER_S = 52.0
 """Where the KV-starved recording's overload begins (its 16-client level), from its
 first step."""
-QUIET_ALERTS = ("KvscopeEngineNotReporting", "KvscopeExporterDroppingData",
-                "KvscopePluginRecordErrors", "KvscopeCollectorStoreFailing",
-                "KvscopeAdvisorRunsFailing", "KvscopeCollectorAbsent",
-                "KvscopeKvEventsNotSubscribed", "KvscopeKvEventsMissed",
-                "KvscopePrefixHitRateCollapse")
+QUIET_ALERTS = (
+    "KvscopeEngineNotReporting",
+    "KvscopeExporterDroppingData",
+    "KvscopePluginRecordErrors",
+    "KvscopeCollectorStoreFailing",
+    "KvscopeAdvisorRunsFailing",
+    "KvscopeCollectorAbsent",
+    "KvscopeKvEventsNotSubscribed",
+    "KvscopeKvEventsMissed",
+    "KvscopePrefixHitRateCollapse",
+)
 
 
 @dataclass
@@ -92,9 +98,12 @@ def _wait(cond: Any, what: str, timeout_s: float) -> None:
 
 
 def _post_malformed(url: str) -> int:
-    req = urllib.request.Request(url + "/v1/ingest", data=gzip.compress(b'{"schema_version": 1}'),
-                                 method="POST", headers={"Content-Type": "application/json",
-                                                         "Content-Encoding": "gzip"})
+    req = urllib.request.Request(
+        url + "/v1/ingest",
+        data=gzip.compress(b'{"schema_version": 1}'),
+        method="POST",
+        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status
@@ -105,8 +114,9 @@ def _post_malformed(url: str) -> int:
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveFleet]:
     work = tmp_path_factory.mktemp("live-prom")
-    collector = CollectorProcess(work / "kvscope.duckdb", extra_args=[
-        "--advise-interval-s", "2", "--advise-window-s", "900"]).start()
+    collector = CollectorProcess(
+        work / "kvscope.duckdb", extra_args=["--advise-interval-s", "2", "--advise-window-s", "900"]
+    ).start()
     pubs: list[KvPublisher] = []
     prom: Prometheus | None = None
     traffic: SharedPrefixTraffic | None = None
@@ -116,11 +126,16 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveFleet]:
         capped_path = RECORDINGS / "seq_capped.jsonl.gz"
         overload_at = time.time()
         shift = overload_at - (first_step_unix_s(starved_path) + OVERLOAD_AFTER_S)
-        starved = Stream.from_recording(starved_path, shift_s=shift,
-                                        kv_events_endpoint=pubs[0].endpoint)
+        starved = Stream.from_recording(
+            starved_path, shift_s=shift, kv_events_endpoint=pubs[0].endpoint
+        )
         capped = Stream.from_recording(
-            capped_path, shift_s=starved.end_unix_s - last_sent_unix_s(capped_path),
-            engine_id=CAPPED, port=8001, kv_events_endpoint=pubs[1].endpoint)
+            capped_path,
+            shift_s=starved.end_unix_s - last_sent_unix_s(capped_path),
+            engine_id=CAPPED,
+            port=8001,
+            kv_events_endpoint=pubs[1].endpoint,
+        )
         streams = [starved, capped]
         for s in streams:
             s.send_due(collector.url, overload_at)
@@ -130,8 +145,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveFleet]:
         # before the connection is up, so publish empty batches until they arrive.
         def subscribed() -> bool:
             text = collector.get_text("/metrics")
-            return all(_metrics_value(text, "kvscope_kv_events_subscribed", engine=e) == 1
-                       for e in (STARVED, CAPPED))
+            return all(
+                _metrics_value(text, "kvscope_kv_events_subscribed", engine=e) == 1
+                for e in (STARVED, CAPPED)
+            )
 
         _wait(subscribed, "the KV-event subscriptions", 20)
 
@@ -143,8 +160,9 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveFleet]:
 
         _wait(events_arrive, "the first KV events", 20)
 
-        prom = Prometheus(work, targets=[f"{collector.host}:{collector.port}"],
-                          rule_files=[ALERTS]).start()
+        prom = Prometheus(
+            work, targets=[f"{collector.host}:{collector.port}"], rule_files=[ALERTS]
+        ).start()
         prom.wait_for('up{job="kvscope"} == 1', "the first scrape of the collector", 30)
         traffic = SharedPrefixTraffic(pubs).start()
         rejected = 0
@@ -177,21 +195,24 @@ def test_the_advisor_saw_the_overload(live: LiveFleet) -> None:
     b = p.query(f'kvscope_advisor_bottleneck{{engine="{STARVED}"}}', live.at)
     assert [s["metric"]["bottleneck"] for s in b] == ["kv_cache_bound"], describe(b)
     assert p.query(f'kvscope_advisor_saturated{{engine="{STARVED}"}} == 1', live.at)
-    for name in ("kvscope_advisor_pool_prefix_routing_loss_ratio",
-                 "kvscope_advisor_pool_predicted_prefix_hit_ratio_affine",
-                 "kvscope_advisor_pool_load_imbalance_ratio"):
+    for name in (
+        "kvscope_advisor_pool_prefix_routing_loss_ratio",
+        "kvscope_advisor_pool_predicted_prefix_hit_ratio_affine",
+        "kvscope_advisor_pool_load_imbalance_ratio",
+    ):
         assert p.query(f'{name}{{pool="{POOL}"}}', live.at), name
 
 
 def test_template_variables_resolve(live: LiveFleet) -> None:
     p = live.prometheus
     assert p.api("/api/v1/label/pool/values", **{"match[]": "kvscope_engine_info"}) == [POOL]
-    engines = p.api("/api/v1/label/engine/values", **{"match[]": f'kvscope_engine_info{{pool=~"{POOL}"}}'})
+    engines = p.api(
+        "/api/v1/label/engine/values", **{"match[]": f'kvscope_engine_info{{pool=~"{POOL}"}}'}
+    )
     assert sorted(engines) == [STARVED, CAPPED]
 
 
-@pytest.mark.parametrize("engine", [".*", STARVED],
-                         ids=["all engines", "one engine"])
+@pytest.mark.parametrize("engine", [".*", STARVED], ids=["all engines", "one engine"])
 def test_every_dashboard_query_returns_data(live: LiveFleet, engine: str) -> None:
     empty = []
     for q in dashboard_queries(load_dashboard(), pool=POOL, engine=engine, rate_interval="30s"):
@@ -247,10 +268,15 @@ def test_data_path_alerts(live: LiveFleet) -> None:
 
 def test_configuration_gauges_carry_the_hellos_numbers(live: LiveFleet) -> None:
     """kvscope_engine_max_num_seqs & co., which the batch and KV panels compare with."""
-    want = {STARVED: {"max_num_seqs": 256, "kv_capacity_blocks": 48},
-            CAPPED: {"max_num_seqs": 6, "kv_capacity_blocks": 4096}}
+    want = {
+        STARVED: {"max_num_seqs": 256, "kv_capacity_blocks": 48},
+        CAPPED: {"max_num_seqs": 6, "kv_capacity_blocks": 4096},
+    }
     for engine, values in want.items():
-        for name, value in {**values, "kv_block_size_tokens": 32,
-                            "max_num_batched_tokens": 2048}.items():
+        for name, value in {
+            **values,
+            "kv_block_size_tokens": 32,
+            "max_num_batched_tokens": 2048,
+        }.items():
             res = live.prometheus.query(f'kvscope_engine_{name}{{engine="{engine}"}}', live.at)
             assert [float(s["value"][1]) for s in res] == [value], (engine, name, describe(res))

@@ -118,8 +118,11 @@ def iter_stats(
     it.num_generation_tokens = gen
     if prompt:
         ps = PrefillStats()
-        ps.set(num_prompt_tokens=prompt, num_local_cached_tokens=min(cached, prompt),
-               num_external_cached_tokens=0)  # fmt: skip
+        ps.set(
+            num_prompt_tokens=prompt,
+            num_local_cached_tokens=min(cached, prompt),
+            num_external_cached_tokens=0,
+        )
         it.prompt_token_stats.update_from_output(ps)
     it.num_preempted_reqs = preempted
     for _ in range(fins):

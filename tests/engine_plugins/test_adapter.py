@@ -19,15 +19,25 @@ def as_dict(row: tuple[Any, ...], layout: tuple[str, ...]) -> dict[str, Any]:
 
 
 def test_step_row_maps_scheduler_and_iteration_stats() -> None:
-    sched = sched_stats(running=5, waiting=3, deferred=2, kv=0.75, queries=96, hits=32,
-                        elapsed_ms=12.5)  # fmt: skip
+    sched = sched_stats(
+        running=5, waiting=3, deferred=2, kv=0.75, queries=96, hits=32, elapsed_ms=12.5
+    )
     it = iter_stats(gen=5, prompt=40, cached=8, preempted=2)
     row = as_dict(_adapter.step_row(100.5, 7, sched, it), RAW_STEP_LAYOUT)
     assert row == {
-        "ts_unix_s": 100.5, "step": 7, "running": 5, "waiting": 3, "deferred": 2,
-        "kv_usage": 0.75, "prefix_queries": 96, "prefix_hits": 32, "preemptions": 2,
-        "prompt_tokens": 40, "generation_tokens": 5, "elapsed_ms": 12.5,
-    }  # fmt: skip
+        "ts_unix_s": 100.5,
+        "step": 7,
+        "running": 5,
+        "waiting": 3,
+        "deferred": 2,
+        "kv_usage": 0.75,
+        "prefix_queries": 96,
+        "prefix_hits": 32,
+        "preemptions": 2,
+        "prompt_tokens": 40,
+        "generation_tokens": 5,
+        "elapsed_ms": 12.5,
+    }
 
 
 def test_step_row_counts_what_vllm_prometheus_counts() -> None:
@@ -41,8 +51,9 @@ def test_step_row_counts_what_vllm_prometheus_counts() -> None:
 
 
 def test_tokens_row_has_no_gauges() -> None:
-    row = as_dict(_adapter.tokens_row(3.0, 9, iter_stats(gen=7, prompt=11, preempted=1)),
-                  RAW_STEP_LAYOUT)  # fmt: skip
+    row = as_dict(
+        _adapter.tokens_row(3.0, 9, iter_stats(gen=7, prompt=11, preempted=1)), RAW_STEP_LAYOUT
+    )
     assert row["running"] is None and row["kv_usage"] is None
     assert (row["generation_tokens"], row["prompt_tokens"], row["preemptions"]) == (7, 11, 1)
 
@@ -53,11 +64,18 @@ def test_request_row_and_columns_from_finished_request_stats() -> None:
     assert as_dict(raw, RAW_REQUEST_LAYOUT)["first_token_latency_s"] is None  # not in 0.32
     cols = ColumnBuilder().requests([raw])
     assert cols == {
-        "finished_unix_s": [50.0], "e2e_s": [2.0], "queue_s": [0.25], "prefill_s": [0.5],
-        "decode_s": [1.25], "ttft_s": [0.75], "prompt_tokens": [30],
-        "generation_tokens": [16], "cached_tokens": [8], "preemptions": [1],
+        "finished_unix_s": [50.0],
+        "e2e_s": [2.0],
+        "queue_s": [0.25],
+        "prefill_s": [0.5],
+        "decode_s": [1.25],
+        "ttft_s": [0.75],
+        "prompt_tokens": [30],
+        "generation_tokens": [16],
+        "cached_tokens": [8],
+        "preemptions": [1],
         "finish_reason": ["stop"],
-    }  # fmt: skip
+    }
 
 
 def test_request_aborted_before_scheduling_has_no_ttft() -> None:

@@ -178,7 +178,11 @@ def test_a_batch_refused_for_want_of_the_hello_twice_is_dropped(
     push_steps(eng, 2, T0 + 1.1)
     exp.tick(now_unix_s=T0 + 2.05)
     assert [(r.batch["seq"], r.status) for r in collector.received] == [
-        (0, 200), (1, 409), (2, 200), (1, 409)]  # fmt: skip
+        (0, 200),
+        (1, 409),
+        (2, 200),
+        (1, 409),
+    ]
     s = assert_accounting(exp)
     assert (s["steps_sent"], s["steps_dropped"], s["batches_dropped_rejected"]) == (1, 2, 1)
 
@@ -319,8 +323,7 @@ def test_a_batch_is_resent_byte_for_byte_from_memory_and_from_the_spool(
     monkeypatch.setattr(sender_mod, "INITIAL_BACKOFF_S", 0.001)
     monkeypatch.setattr(sender_mod, "MAX_BACKOFF_S", 0.002)
     # A replay budget (a share of the flush interval) that a busy machine cannot exhaust.
-    exp, eng = new_exporter(collector.url, spool_dir=str(tmp_path / "spool"),
-                            flush_interval_s=1.0)  # fmt: skip
+    exp, eng = new_exporter(collector.url, spool_dir=str(tmp_path / "spool"), flush_interval_s=1.0)
     push_steps(eng, 1, T0)
     exp.tick(now_unix_s=T0 + 1.05)  # seq 0, with the hello, acknowledged
     push_steps(eng, 1, T0 + 1.2)
@@ -334,7 +337,12 @@ def test_a_batch_is_resent_byte_for_byte_from_memory_and_from_the_spool(
     time.sleep(0.01)
     exp.tick(now_unix_s=T0 + 4.05)  # the spool is replayed
     assert [(r.batch["seq"], r.status) for r in collector.received][:5] == [
-        (0, 200), (1, 500), (1, 503), (1, 200), (2, 200)]  # fmt: skip
+        (0, 200),
+        (1, 500),
+        (1, 503),
+        (1, 200),
+        (2, 200),
+    ]
     assert {r.raw for r in collector.received[1:4]} == {collector.received[1].raw}
     hello_batch = collector.received[4].batch
     assert hello_batch["hello"] is not None and hello_batch["steps"]["step"] == []

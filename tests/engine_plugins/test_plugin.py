@@ -156,13 +156,20 @@ def _feed_both(prom: Any, kv: KvscopeStatLogger) -> None:
     calls: list[tuple[Any, Any]] = []
     for i in range(40):
         sched = sched_stats(
-            running=1 + i % 6, queries=10 * i, hits=3 * i,
+            running=1 + i % 6,
+            queries=10 * i,
+            hits=3 * i,
             preempted_queries=7 if i % 5 == 0 else 0,
             connector_queries=11 if i % 7 == 0 else 0,
             elapsed_ms=9.0 if i % 2 else None,
-        )  # fmt: skip
-        it = iter_stats(gen=i % 8, prompt=20 if i % 3 == 0 else 0, cached=4,
-                        preempted=int(i % 4 == 0), fins=1 if i % 9 == 0 else 0)  # fmt: skip
+        )
+        it = iter_stats(
+            gen=i % 8,
+            prompt=20 if i % 3 == 0 else 0,
+            cached=4,
+            preempted=int(i % 4 == 0),
+            fins=1 if i % 9 == 0 else 0,
+        )
         if i % 10 == 3:
             calls.append((None, it))  # iteration stats without scheduler stats
         elif i % 10 == 6:
@@ -185,22 +192,32 @@ def test_hello_advertises_the_kv_events_endpoint(
 
     assert "kv_events_endpoint" not in KvscopeStatLogger(light_vllm_config, 0).build_hello("b")
     light_vllm_config.kv_events_config = KVEventsConfig(
-        enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:5557")
+        enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:5557"
+    )
     for index in (0, 1, 3):
         hello = KvscopeStatLogger(light_vllm_config, index).build_hello("b")
         expected = ZmqEventPublisher.offset_endpoint_port("tcp://*:5557", index)
         assert hello["kv_events_endpoint"] == expected == f"tcp://*:{5557 + index}"
-    batch = {"schema_version": schema.SCHEMA_VERSION, "engine_id": hello["engine_id"],
-             "boot_id": "b", "seq": 0, "sent_unix_s": 1.0, "hello": hello}
+    batch = {
+        "schema_version": schema.SCHEMA_VERSION,
+        "engine_id": hello["engine_id"],
+        "boot_id": "b",
+        "seq": 0,
+        "sent_unix_s": 1.0,
+        "hello": hello,
+    }
     schema.validate_batch(batch)
     light_vllm_config.kv_events_config = KVEventsConfig(
-        enable_kv_cache_events=True, publisher="zmq", endpoint="inproc://kv")
+        enable_kv_cache_events=True, publisher="zmq", endpoint="inproc://kv"
+    )
     assert KvscopeStatLogger(light_vllm_config, 2).build_hello("b")["kv_events_endpoint"] == (
-        ZmqEventPublisher.offset_endpoint_port("inproc://kv", 2))
+        ZmqEventPublisher.offset_endpoint_port("inproc://kv", 2)
+    )
     # Events off, the null publisher, or a port vLLM picks at bind time: nothing to advertise.
-    for cfg in (KVEventsConfig(enable_kv_cache_events=False, publisher="zmq"),
-                KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
-                KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
-                               endpoint="tcp://*:0")):
+    for cfg in (
+        KVEventsConfig(enable_kv_cache_events=False, publisher="zmq"),
+        KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+        KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:0"),
+    ):
         light_vllm_config.kv_events_config = cfg
         assert "kv_events_endpoint" not in KvscopeStatLogger(light_vllm_config, 1).build_hello("b")

@@ -51,10 +51,16 @@ def test_final_flush_emits_carry_even_without_gauges() -> None:
 
 def _batch(steps: dict, requests: dict) -> dict:
     return {
-        "schema_version": schema.SCHEMA_VERSION, "engine_id": "e", "boot_id": "b", "seq": 0,
-        "sent_unix_s": 1.0, "hello": None, "steps": steps, "requests": requests,
+        "schema_version": schema.SCHEMA_VERSION,
+        "engine_id": "e",
+        "boot_id": "b",
+        "seq": 0,
+        "sent_unix_s": 1.0,
+        "hello": None,
+        "steps": steps,
+        "requests": requests,
         "exporter": {},
-    }  # fmt: skip
+    }
 
 
 def test_columns_coerce_bad_values_into_a_valid_batch() -> None:

@@ -18,24 +18,39 @@ from _collector_helpers import batch, encode, hello
 
 from kvscope.collector.process import CollectorProcess
 
-__all__ = ["RssSampler", "batch", "counter", "encode", "hello", "post", "request", "rss_bytes",
-           "start_collector", "unique_steps_batch"]
+__all__ = [
+    "RssSampler",
+    "batch",
+    "counter",
+    "encode",
+    "hello",
+    "post",
+    "request",
+    "rss_bytes",
+    "start_collector",
+    "unique_steps_batch",
+]
 
 QUIET = ["--kv-events", "off", "--advise-interval-s", "0", "--raw-retention-s", "0"]
 """Flags that keep a test collector to the ingest path (no KV-event subscriber, no
 advisor thread, no retention of the old test timestamps)."""
 
 
-def start_collector(store: Path, *extra: str, token: str | None = None,
-                    port: int | None = None) -> CollectorProcess:
+def start_collector(
+    store: Path, *extra: str, token: str | None = None, port: int | None = None
+) -> CollectorProcess:
     """A started ``kvscope collector`` process on a loopback port."""
-    return CollectorProcess(store, token=token, port=port,
-                            extra_args=[*QUIET, *extra]).start()
+    return CollectorProcess(store, token=token, port=port, extra_args=[*QUIET, *extra]).start()
 
 
-def request(url: str, method: str, path: str, body: bytes | None = None,
-            headers: dict[str, str] | None = None,
-            timeout_s: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+def request(
+    url: str,
+    method: str,
+    path: str,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 30.0,
+) -> tuple[int, dict[str, str], bytes]:
     """One HTTP request on a fresh connection: (status, lower-cased headers, body)."""
     host, port = url.split("//", 1)[1].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
@@ -47,8 +62,9 @@ def request(url: str, method: str, path: str, body: bytes | None = None,
         conn.close()
 
 
-def post(url: str, obj: Any, *, token: str | None = None, compress: bool = True,
-         timeout_s: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+def post(
+    url: str, obj: Any, *, token: str | None = None, compress: bool = True, timeout_s: float = 30.0
+) -> tuple[int, dict[str, str], bytes]:
     """POST one batch as the plugin does (gzip JSON)."""
     headers = {"Content-Type": "application/json"}
     if compress:
@@ -58,12 +74,18 @@ def post(url: str, obj: Any, *, token: str | None = None, compress: bool = True,
     return request(url, "POST", "/v1/ingest", encode(obj, compress=compress), headers, timeout_s)
 
 
-def unique_steps_batch(engine_id: str, seq: int, n_steps: int, t0: float,
-                       with_hello: bool = False) -> dict[str, Any]:
+def unique_steps_batch(
+    engine_id: str, seq: int, n_steps: int, t0: float, with_hello: bool = False
+) -> dict[str, Any]:
     """A valid batch whose step numbers (``seq * n_steps + i``) are unique per engine, so a
     stored duplicate would show as a repeated step."""
-    b = batch(engine_id, "boot-1", seq, with_hello=with_hello,
-              step_ts=[t0 + seq + i / n_steps for i in range(n_steps)])
+    b = batch(
+        engine_id,
+        "boot-1",
+        seq,
+        with_hello=with_hello,
+        step_ts=[t0 + seq + i / n_steps for i in range(n_steps)],
+    )
     b["steps"]["step"] = [seq * n_steps + i for i in range(n_steps)]
     return b
 
@@ -92,8 +114,12 @@ class RssSampler(threading.Thread):
 def counter(metrics_text: str, name: str, **labels: str) -> float | None:
     """The value of one sample of a /metrics text, None if absent."""
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    pat = re.compile(rf"^{re.escape(name)}(?:{{{re.escape(want)}}})? (\S+)$" if want
-                     else rf"^{re.escape(name)} (\S+)$", re.M)
+    pat = re.compile(
+        rf"^{re.escape(name)}(?:{{{re.escape(want)}}})? (\S+)$"
+        if want
+        else rf"^{re.escape(name)} (\S+)$",
+        re.M,
+    )
     m = pat.search(metrics_text)
     return float(m.group(1)) if m else None
 

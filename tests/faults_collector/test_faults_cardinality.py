@@ -33,9 +33,13 @@ def _flood_batch(i: int, seq: int = 0) -> dict[str, object]:
 
 
 def test_flood_of_engine_ids_is_capped_and_counted(tmp_path: Path) -> None:
-    c = start_collector(tmp_path / "flood.duckdb",
-                        "--max-new-engines-per-minute", str(MAX_NEW_PER_MIN),
-                        "--max-exported-engines", str(MAX_EXPORTED))
+    c = start_collector(
+        tmp_path / "flood.duckdb",
+        "--max-new-engines-per-minute",
+        str(MAX_NEW_PER_MIN),
+        "--max-exported-engines",
+        str(MAX_EXPORTED),
+    )
     try:
         with ThreadPoolExecutor(16) as pool:
             answers = list(pool.map(lambda i: post(c.url, _flood_batch(i)), range(N_IDS)))
@@ -52,22 +56,28 @@ def test_flood_of_engine_ids_is_capped_and_counted(tmp_path: Path) -> None:
         c.stop()
     exported = set(re.findall(r'^kvscope_engine_steps_total\{engine="([^"]*)"', metrics, re.M))
     longest = max(len(v) for v in re.findall(r'="([^"]*)"', metrics))
-    print(f"\n[cardinality] {N_IDS} new engine ids: {statuses.count(200)} admitted, "
-          f"{statuses.count(429)} refused (429); /metrics: {len(exported)} engines exported, "
-          f"{counter(metrics, 'kvscope_collector_engines_not_exported'):.0f} not exported, "
-          f"{len(metrics) / 1024:.0f} KiB in {scrape_s * 1e3:.0f} ms; longest label value "
-          f"{longest} chars; store: {engines['n_rows']} engines")
+    print(
+        f"\n[cardinality] {N_IDS} new engine ids: {statuses.count(200)} admitted, "
+        f"{statuses.count(429)} refused (429); /metrics: {len(exported)} engines exported, "
+        f"{counter(metrics, 'kvscope_collector_engines_not_exported'):.0f} not exported, "
+        f"{len(metrics) / 1024:.0f} KiB in {scrape_s * 1e3:.0f} ms; longest label value "
+        f"{longest} chars; store: {engines['n_rows']} engines"
+    )
     assert statuses.count(200) == MAX_NEW_PER_MIN
     assert statuses.count(429) == N_IDS - MAX_NEW_PER_MIN
     assert retry_after == {"60"}
     assert known == [200] * 5
-    assert counter(metrics, "kvscope_collector_rejected_batches_total",
-                   reason="engine_limit") == N_IDS - MAX_NEW_PER_MIN
+    assert (
+        counter(metrics, "kvscope_collector_rejected_batches_total", reason="engine_limit")
+        == N_IDS - MAX_NEW_PER_MIN
+    )
     # The store holds only what was admitted.
     assert engines["n_rows"] == MAX_NEW_PER_MIN
     # /metrics: capped, the most recently seen kept (the 5 that sent again among them).
     assert len(exported) == MAX_EXPORTED
-    assert counter(metrics, "kvscope_collector_engines_not_exported") == MAX_NEW_PER_MIN - MAX_EXPORTED
+    assert (
+        counter(metrics, "kvscope_collector_engines_not_exported") == MAX_NEW_PER_MIN - MAX_EXPORTED
+    )
     assert counter(metrics, "kvscope_collector_engines") == MAX_NEW_PER_MIN
     assert {_flood_batch(i)["engine_id"] for i in admitted[:5]} <= exported
     assert longest <= LABEL_CHARS

@@ -38,16 +38,26 @@ BODY_TIMEOUT_S = 2.0
 
 @pytest.fixture(scope="module")
 def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CollectorProcess]:
-    c = start_collector(tmp_path_factory.mktemp("hostile") / "hostile.duckdb",
-                        "--header-timeout-s", str(HEADER_TIMEOUT_S),
-                        "--body-timeout-s", str(BODY_TIMEOUT_S))
+    c = start_collector(
+        tmp_path_factory.mktemp("hostile") / "hostile.duckdb",
+        "--header-timeout-s",
+        str(HEADER_TIMEOUT_S),
+        "--body-timeout-s",
+        str(BODY_TIMEOUT_S),
+    )
     yield c
     c.stop()
 
 
 def _valid() -> dict[str, Any]:
-    return batch("evil-host:8000:0", "boot-1", 0, with_hello=True, step_ts=[1.7e9, 1.7e9 + 0.5],
-                 req_ts=[1.7e9 + 0.4])
+    return batch(
+        "evil-host:8000:0",
+        "boot-1",
+        0,
+        with_hello=True,
+        step_ts=[1.7e9, 1.7e9 + 0.5],
+        req_ts=[1.7e9 + 0.4],
+    )
 
 
 def _with(path: tuple[Any, ...], value: Any) -> dict[str, Any]:
@@ -151,13 +161,17 @@ def test_hostile_ingest_is_rejected_counted_and_writes_nothing(hostile: Collecto
     sampler.join()
     bomb_rss = sampler.peak - rss0
     check(status, body, 413, "too_large", "decompressed body exceeds")
-    print(f"\n[hostile] gzip bomb {len(bomb) / 2**20:.1f} MiB -> 1 GiB: 413 in {bomb_s:.2f} s, "
-          f"collector peak RSS +{bomb_rss / 2**20:.0f} MiB")
+    print(
+        f"\n[hostile] gzip bomb {len(bomb) / 2**20:.1f} MiB -> 1 GiB: 413 in {bomb_s:.2f} s, "
+        f"collector peak RSS +{bomb_rss / 2**20:.0f} MiB"
+    )
     assert bomb_rss < 80 * 2**20  # the 64 MiB inflation limit, not the bomb's 1 GiB
 
     after = c.get_text("/metrics")
     for reason, n in expected.items():
-        assert counter(after, "kvscope_collector_rejected_batches_total", reason=reason) == n, reason
+        assert counter(after, "kvscope_collector_rejected_batches_total", reason=reason) == n, (
+            reason
+        )
     assert counter(after, "kvscope_collector_ingest_batches_total", result="stored") == 0
     assert c.get_json("/v1/engines")["n_rows"] == 0, "a rejected batch left data behind"
     assert c.get_json("/v1/totals")["n_rows"] == 0
@@ -172,7 +186,7 @@ def _chunked_post(url: str, data: bytes) -> tuple[int, dict[str, str], bytes]:
     host, port = url.split("//", 1)[1].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     try:
-        chunks = (data[i:i + 65536] for i in range(0, len(data), 65536))
+        chunks = (data[i : i + 65536] for i in range(0, len(data), 65536))
         # The server may answer and close before the rest was sent.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             conn.request("POST", "/v1/ingest", body=chunks, encode_chunked=True)
@@ -200,20 +214,29 @@ BAD_READS = [
 
 def test_bad_read_parameters_get_400_and_are_counted(hostile: CollectorProcess) -> None:
     c = hostile
-    base = counter(c.get_text("/metrics"), "kvscope_collector_rejected_reads_total",
-                   reason="bad_params") or 0
+    base = (
+        counter(
+            c.get_text("/metrics"), "kvscope_collector_rejected_reads_total", reason="bad_params"
+        )
+        or 0
+    )
     for path, params, words in BAD_READS:
         status, body = c.request(path, params=params)
         assert status == 400, (path, params, status, body[:200])
         assert words in json.loads(body)["error"], (path, params, body[:300])
     status, body = c.request("/v1/engines/" + "x" * 5000 + "/configs")
     assert status == 404 and "not known" in json.loads(body)["error"]
-    for method, path in (("POST", "/metrics"), ("DELETE", "/v1/engines"), ("PUT", "/healthz"),
-                         ("GET", "/v1/ingest")):
+    for method, path in (
+        ("POST", "/metrics"),
+        ("DELETE", "/v1/engines"),
+        ("PUT", "/healthz"),
+        ("GET", "/v1/ingest"),
+    ):
         assert request(c.url, method, path)[0] == 405, (method, path)
     metrics = c.get_text("/metrics")
-    assert counter(metrics, "kvscope_collector_rejected_reads_total",
-                   reason="bad_params") == base + len(BAD_READS)
+    assert counter(
+        metrics, "kvscope_collector_rejected_reads_total", reason="bad_params"
+    ) == base + len(BAD_READS)
     assert c.get_json("/healthz")["status"] == "ok"
 
 
@@ -280,10 +303,12 @@ def test_slow_clients_are_cut_off_and_do_not_hold_the_server(hostile: CollectorP
     sock.close()
     metrics = c.get_text("/metrics")
     closed = counter(metrics, "kvscope_collector_slow_connections_closed_total")
-    print(f"\n[hostile] 50 slow connections closed after {min(closed_at.values()):.1f}-"
-          f"{max(closed_at.values()):.1f} s (header timeout {HEADER_TIMEOUT_S:g} s); /healthz "
-          f"meanwhile: max {max(served) * 1e3:.0f} ms over {len(served)} requests; dribbled "
-          f"body answered after {body_cut_s:.1f} s (body timeout {BODY_TIMEOUT_S:g} s)")
+    print(
+        f"\n[hostile] 50 slow connections closed after {min(closed_at.values()):.1f}-"
+        f"{max(closed_at.values()):.1f} s (header timeout {HEADER_TIMEOUT_S:g} s); /healthz "
+        f"meanwhile: max {max(served) * 1e3:.0f} ms over {len(served)} requests; dribbled "
+        f"body answered after {body_cut_s:.1f} s (body timeout {BODY_TIMEOUT_S:g} s)"
+    )
     assert not open_socks, f"{len(open_socks)} slow connections still open after 10 s"
     assert max(closed_at.values()) < HEADER_TIMEOUT_S + 2.0
     assert closed is not None and closed - (base or 0) >= 50

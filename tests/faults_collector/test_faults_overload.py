@@ -41,8 +41,9 @@ def _bodies(n_engines: int) -> list[tuple[bytes, bytes]]:
     """Per engine, the JSON body split around its ``seq`` (so any seq costs a concat)."""
     out = []
     for i in range(n_engines):
-        b = unique_steps_batch(f"load-host:{8000 + i}:0", 0, STEPS_PER_BATCH, 1.7e9,
-                               with_hello=True)
+        b = unique_steps_batch(
+            f"load-host:{8000 + i}:0", 0, STEPS_PER_BATCH, 1.7e9, with_hello=True
+        )
         b["seq"] = 987654321
         text = json.dumps(b).encode()
         head, tail = text.split(b"987654321", 1)
@@ -50,25 +51,29 @@ def _bodies(n_engines: int) -> list[tuple[bytes, bytes]]:
     return out
 
 
-async def _drive(url: str, rate_per_s: float, duration_s: float, bodies: list[tuple[bytes, bytes]],
-                 seq0: int) -> list[tuple[int, str | None, float]]:
+async def _drive(
+    url: str, rate_per_s: float, duration_s: float, bodies: list[tuple[bytes, bytes]], seq0: int
+) -> list[tuple[int, str | None, float]]:
     """Open-loop load: one POST every 1/rate s, whatever the answers; (status, Retry-After,
     seconds) per request, status 0 for a connection error."""
     results: list[tuple[int, str | None, float]] = []
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60),
-                                     auto_decompress=False) as session:
+    async with aiohttp.ClientSession(
+        connector=conn, timeout=aiohttp.ClientTimeout(total=60), auto_decompress=False
+    ) as session:
 
         async def one(k: int) -> None:
             head, tail = bodies[k % len(bodies)]
             body = head + str(seq0 + k // len(bodies)).encode() + tail
             t = time.perf_counter()
             try:
-                async with session.post(url + "/v1/ingest", data=body,
-                                        headers={"Content-Type": "application/json"}) as r:
+                async with session.post(
+                    url + "/v1/ingest", data=body, headers={"Content-Type": "application/json"}
+                ) as r:
                     await r.read()
-                    results.append((r.status, r.headers.get("Retry-After"),
-                                    time.perf_counter() - t))
+                    results.append(
+                        (r.status, r.headers.get("Retry-After"), time.perf_counter() - t)
+                    )
             except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
                 results.append((0, None, time.perf_counter() - t))
 
@@ -84,8 +89,9 @@ async def _drive(url: str, rate_per_s: float, duration_s: float, bodies: list[tu
     return results
 
 
-def _phase(pid: int, url: str, rate: float, duration_s: float, bodies: Any,
-           seq0: int) -> tuple[list[tuple[int, str | None, float]], int]:
+def _phase(
+    pid: int, url: str, rate: float, duration_s: float, bodies: Any, seq0: int
+) -> tuple[list[tuple[int, str | None, float]], int]:
     sampler = RssSampler(pid)
     sampler.start()
     try:
@@ -98,8 +104,13 @@ def _phase(pid: int, url: str, rate: float, duration_s: float, bodies: Any,
 
 def test_ten_times_expected_rate_sheds_and_recovers(tmp_path: Path) -> None:
     bodies = _bodies(N_ENGINES)
-    c = start_collector(tmp_path / "load.duckdb", "--max-inflight-mib", str(INFLIGHT_MIB),
-                        "--store-memory-mib", str(STORE_MIB))
+    c = start_collector(
+        tmp_path / "load.duckdb",
+        "--max-inflight-mib",
+        str(INFLIGHT_MIB),
+        "--store-memory-mib",
+        str(STORE_MIB),
+    )
     try:
         assert c.proc is not None
         pid = c.proc.pid
@@ -125,17 +136,19 @@ def test_ten_times_expected_rate_sheds_and_recovers(tmp_path: Path) -> None:
     bound = idle_rss + (STORE_MIB + 2 * INFLIGHT_MIB + HEADROOM_MIB) * 2**20
     store_mem = counter(metrics, "kvscope_collector_store_memory_bytes") or 0.0
     statuses = sorted({s for s, _, _ in burst})
-    print(f"\n[overload] batch {STEPS_PER_BATCH} steps ({body_mib:.2f} MiB JSON); in-flight "
-          f"limit {INFLIGHT_MIB} MiB, store limit {STORE_MIB} MiB; idle RSS "
-          f"{idle_rss / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB; store memory at the end "
-          f"{store_mem / 2**20:.0f} MiB\n"
-          f"  expected {EXPECTED_BATCHES_PER_S:g}/s: {share(normal, 200):.0%} 200, ack p50 "
-          f"{p50(normal) * 1e3:.0f} ms, peak RSS {normal_rss / 2**20:.0f} MiB\n"
-          f"  burst {burst_rate:g}/s ({BURST_FACTOR}x): {share(burst, 200):.0%} 200, "
-          f"{share(burst, 503):.0%} 503, statuses {statuses}, peak RSS "
-          f"{burst_rss / 2**20:.0f} MiB (+{(burst_rss - normal_rss) / 2**20:.0f} MiB), "
-          f"queue drained {drain_s:.1f} s after\n"
-          f"  after: {share(after, 200):.0%} 200, ack p50 {p50(after) * 1e3:.0f} ms")
+    print(
+        f"\n[overload] batch {STEPS_PER_BATCH} steps ({body_mib:.2f} MiB JSON); in-flight "
+        f"limit {INFLIGHT_MIB} MiB, store limit {STORE_MIB} MiB; idle RSS "
+        f"{idle_rss / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB; store memory at the end "
+        f"{store_mem / 2**20:.0f} MiB\n"
+        f"  expected {EXPECTED_BATCHES_PER_S:g}/s: {share(normal, 200):.0%} 200, ack p50 "
+        f"{p50(normal) * 1e3:.0f} ms, peak RSS {normal_rss / 2**20:.0f} MiB\n"
+        f"  burst {burst_rate:g}/s ({BURST_FACTOR}x): {share(burst, 200):.0%} 200, "
+        f"{share(burst, 503):.0%} 503, statuses {statuses}, peak RSS "
+        f"{burst_rss / 2**20:.0f} MiB (+{(burst_rss - normal_rss) / 2**20:.0f} MiB), "
+        f"queue drained {drain_s:.1f} s after\n"
+        f"  after: {share(after, 200):.0%} 200, ack p50 {p50(after) * 1e3:.0f} ms"
+    )
     assert share(normal, 200) == 1.0
     # The burst is shed, not failed: only 200 and 503, every 503 with Retry-After.
     assert set(statuses) <= {200, 503}, f"unexpected answers under overload: {statuses}"

@@ -43,8 +43,9 @@ class _Client(threading.Thread):
     def run(self) -> None:
         attempts = 0
         while not self.stop.is_set():
-            b = unique_steps_batch(self.engine_id, self.seq, STEPS_PER_BATCH, self.t0,
-                                   with_hello=self.seq == 0)
+            b = unique_steps_batch(
+                self.engine_id, self.seq, STEPS_PER_BATCH, self.t0, with_hello=self.seq == 0
+            )
             try:
                 status, _, body = post(self.url, b, timeout_s=5)
             except (OSError, http.client.HTTPException):
@@ -88,9 +89,12 @@ def test_sigkill_many_times_loses_no_acknowledged_batch(tmp_path: Path) -> None:
         for cl in clients:
             cl.join(30)
         # Resending already acknowledged batches must not store them again.
-        dup_statuses = [post(url, unique_steps_batch(cl.engine_id, 0, STEPS_PER_BATCH, cl.t0,
-                                                     with_hello=True))[2]
-                        for cl in clients]
+        dup_statuses = [
+            post(url, unique_steps_batch(cl.engine_id, 0, STEPS_PER_BATCH, cl.t0, with_hello=True))[
+                2
+            ]
+            for cl in clients
+        ]
     finally:
         final.stop()
     assert all(json.loads(b)["status"] == "duplicate" for b in dup_statuses)
@@ -102,13 +106,16 @@ def test_sigkill_many_times_loses_no_acknowledged_batch(tmp_path: Path) -> None:
     finally:
         con.close()
     total_acked = sum(len(cl.acked) for cl in clients)
-    missing = [(cl.engine_id, s) for cl in clients for s in cl.acked
-               if (cl.engine_id, s) not in ledger]
-    print(f"\n[sigkill] {N_KILLS} kills in {kill_phase_s:.1f} s (restart median "
-          f"{sorted(restarts)[len(restarts) // 2]:.2f} s); {total_acked} batches acknowledged, "
-          f"{len(ledger)} stored, {sum(cl.errors for cl in clients)} failed attempts, "
-          f"{sum(cl.resends for cl in clients)} batches resent after a failure; "
-          f"{len(steps)} step rows")
+    missing = [
+        (cl.engine_id, s) for cl in clients for s in cl.acked if (cl.engine_id, s) not in ledger
+    ]
+    print(
+        f"\n[sigkill] {N_KILLS} kills in {kill_phase_s:.1f} s (restart median "
+        f"{sorted(restarts)[len(restarts) // 2]:.2f} s); {total_acked} batches acknowledged, "
+        f"{len(ledger)} stored, {sum(cl.errors for cl in clients)} failed attempts, "
+        f"{sum(cl.resends for cl in clients)} batches resent after a failure; "
+        f"{len(steps)} step rows"
+    )
     assert total_acked >= N_KILLS, "too little traffic reached the collector to test anything"
     assert sum(cl.resends for cl in clients) > 0, "no kill interrupted a send"
     assert not missing, f"acknowledged batches missing after the kills: {missing[:5]}"

@@ -26,8 +26,7 @@ ENGINE_ID = "fphost:9100:0"
 def fp_settings(url: str, **kw: Any) -> Settings:
     """Settings for these tests: this host and port, larger buffers, else as
     :func:`make_settings`."""
-    base: dict[str, Any] = dict(host="fphost", port=9100, buffer_steps=5_000,
-                                buffer_requests=5_000)  # fmt: skip
+    base: dict[str, Any] = dict(host="fphost", port=9100, buffer_steps=5_000, buffer_requests=5_000)
     return make_settings(url, **{**base, **kw})
 
 
@@ -48,14 +47,20 @@ def push(eng: EngineBuffer, n_steps: int, ts_unix_s: float, n_requests: int = 0)
 
 def stored_counts(collector: CollectorProcess) -> tuple[dict[str, int], dict[str, int]]:
     """Steps and finished requests stored per engine, read through the query API."""
-    steps = {r["engine_id"]: int(r["n_steps"])
-             for r in collector.get_json("/v1/totals", params={"source": "steps"})["rows"]}
-    reqs = {r["engine_id"]: int(r["n_requests"]) for r in collector.get_json(
-        "/v1/request_stats", params={"since": "0", "group_by": "engine"})["rows"]}  # fmt: skip
+    steps = {
+        r["engine_id"]: int(r["n_steps"])
+        for r in collector.get_json("/v1/totals", params={"source": "steps"})["rows"]
+    }
+    reqs = {
+        r["engine_id"]: int(r["n_requests"])
+        for r in collector.get_json(
+            "/v1/request_stats", params={"since": "0", "group_by": "engine"}
+        )["rows"]
+    }
     return steps, reqs
 
 
-_SAMPLE = re.compile(r'^(\w+)\{([^}]*)\} (\S+)$')
+_SAMPLE = re.compile(r"^(\w+)\{([^}]*)\} (\S+)$")
 
 
 def metric(collector: CollectorProcess, name: str, **labels: str) -> float:

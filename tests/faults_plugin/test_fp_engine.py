@@ -67,9 +67,13 @@ def vllm_per_engine(server: VllmServer) -> dict[str, dict[str, float]]:
 
 def stored_per_engine(collector: CollectorProcess) -> dict[str, dict[str, float]]:
     rows = collector.get_json("/v1/totals", params={"source": "steps"})["rows"]
-    out = {r["engine_id"]: {k: float(r[k]) for k in ("prompt_tokens", "generation_tokens",
-                                                     "preemptions")} | {"steps": r["n_steps"]}
-           for r in rows}  # fmt: skip
+    out = {
+        r["engine_id"]: {
+            k: float(r[k]) for k in ("prompt_tokens", "generation_tokens", "preemptions")
+        }
+        | {"steps": r["n_steps"]}
+        for r in rows
+    }
     reqs = collector.get_json("/v1/request_stats", params={"since": "0", "group_by": "engine"})
     for r in reqs["rows"]:
         out.setdefault(r["engine_id"], {})["finished_requests"] = float(r["n_requests"])
@@ -84,13 +88,23 @@ def wait_for(pred: Any, timeout_s: float, what: str) -> None:
         time.sleep(0.5)
 
 
-def sweep(server: VllmServer, model: str, levels: int, concurrency: int = 4,
-          duration_s: float = LEVEL_S) -> list[float]:  # fmt: skip
-    result = run_sweep(SweepConfig(
-        url=server.url, model=model, concurrency=[concurrency] * levels, duration_s=duration_s,
-        warmup_s=1.0, cooldown_s=0.2, prompt_words=(8, 24), output_tokens=(64, 64), seed=3,
-        progress=False,
-    ))  # fmt: skip
+def sweep(
+    server: VllmServer, model: str, levels: int, concurrency: int = 4, duration_s: float = LEVEL_S
+) -> list[float]:
+    result = run_sweep(
+        SweepConfig(
+            url=server.url,
+            model=model,
+            concurrency=[concurrency] * levels,
+            duration_s=duration_s,
+            warmup_s=1.0,
+            cooldown_s=0.2,
+            prompt_words=(8, 24),
+            output_tokens=(64, 64),
+            seed=3,
+            progress=False,
+        )
+    )
     for level in result.levels:
         assert not level.errors, level.errors
     return [level.output_tokens_per_s for level in result.levels]
@@ -116,17 +130,25 @@ def fp_tiny_model() -> Path:
 
 
 @pytest.fixture(scope="module")
-def fp_server_a(fp_mid_model: Path, fp_collector: CollectorProcess,
-                tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+def fp_server_a(
+    fp_mid_model: Path, fp_collector: CollectorProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmServer]:
     """Server A (not started): the first test starts it, the second stops it."""
     workdir = tmp_path_factory.mktemp("fp_server_a")
     server = VllmServer(
-        fp_mid_model, served_model_name="fp-a", num_gpu_blocks=512, max_num_seqs=16,
-        env={"KVSCOPE_COLLECTOR_URL": fp_collector.url, "KVSCOPE_FLUSH_INTERVAL_S": str(FLUSH_S),
-             "KVSCOPE_MAX_PENDING_BATCHES": str(MAX_PENDING), "KVSCOPE_TIMEOUT_S": "1",
-             "KVSCOPE_STATS_FILE": str(workdir / "stats.json")},
+        fp_mid_model,
+        served_model_name="fp-a",
+        num_gpu_blocks=512,
+        max_num_seqs=16,
+        env={
+            "KVSCOPE_COLLECTOR_URL": fp_collector.url,
+            "KVSCOPE_FLUSH_INTERVAL_S": str(FLUSH_S),
+            "KVSCOPE_MAX_PENDING_BATCHES": str(MAX_PENDING),
+            "KVSCOPE_TIMEOUT_S": "1",
+            "KVSCOPE_STATS_FILE": str(workdir / "stats.json"),
+        },
         log_path=workdir / "vllm-a.log",
-    )  # fmt: skip
+    )
     try:
         yield server
     finally:
@@ -144,8 +166,10 @@ def fp_engines() -> dict[str, Any]:
 
 
 def test_collector_away_for_a_minute_under_load(
-    fp_server_a: VllmServer, fp_collector: CollectorProcess, fp_engines: dict[str, Any],
-) -> None:  # fmt: skip
+    fp_server_a: VllmServer,
+    fp_collector: CollectorProcess,
+    fp_engines: dict[str, Any],
+) -> None:
     server = fp_server_a
     stats_file = Path(server.extra_env["KVSCOPE_STATS_FILE"])
     server.start()
@@ -174,16 +198,21 @@ def test_collector_away_for_a_minute_under_load(
     recovered = time.monotonic()
     after = sweep(server, "fp-a", 2)
     # Load stopped: everything drains, and the counters settle.
-    wait_for(lambda: read_stats(stats_file)["total"]["batches_pending"] == 0, 30.0,
-             "the backlog to drain")  # fmt: skip
+    wait_for(
+        lambda: read_stats(stats_file)["total"]["batches_pending"] == 0,
+        30.0,
+        "the backlog to drain",
+    )
     drained_s = time.monotonic() - recovered
     time.sleep(3 * FLUSH_S)
     final = read_stats(stats_file)["engines"][engine_id]
-    wait_for(lambda: stored_per_engine(fp_collector)[engine_id]["steps"]
-             == final["steps_sent"], 20.0, "the store to hold every step sent")  # fmt: skip
+    wait_for(
+        lambda: stored_per_engine(fp_collector)[engine_id]["steps"] == final["steps_sent"],
+        20.0,
+        "the store to hold every step sent",
+    )
     dropped_metric = _metric(fp_collector, "kvscope_exporter_dropped_steps_total", engine_id)
-    full_metric = _metric(fp_collector, "kvscope_exporter_dropped_batches_full_total",
-                          engine_id)  # fmt: skip
+    full_metric = _metric(fp_collector, "kvscope_exporter_dropped_batches_full_total", engine_id)
     fp_engines["a"] = {"engine_id": engine_id}
     # Baseline: the levels with the collector up, before and after the outage.
     baseline = statistics.median(before + after)
@@ -192,18 +221,26 @@ def test_collector_away_for_a_minute_under_load(
     max_bytes = max(s["pending_bytes"] for s in samples)
     print(f"\nserver A ({engine_id}), 4 clients, output tok/s per {LEVEL_S:g} s level:")
     print(f"  before   {', '.join(f'{x:.0f}' for x in before)}")
-    print(f"  outage   {', '.join(f'{x:.0f}' for x in during)}  (median "
-          f"{statistics.median(during):.0f}), ratio to baseline {ratio:.2f}; collector away "
-          f"{outage_s:.0f} s")
-    print(f"  after    {', '.join(f'{x:.0f}' for x in after)}  (baseline: median of "
-          f"before and after {baseline:.0f})")
-    print(f"  pending at most {max_pending} batches / {max_bytes} bytes (cap {MAX_PENDING}); "
-          f"dropped in the outage {at_end['batches_dropped_full']} batches "
-          f"({at_end['steps_dropped']} steps); drained {drained_s:.1f} s after the restart")
-    print(f"  final: produced {final['steps_produced']} = sent {final['steps_sent']} + merged "
-          f"{final['steps_merged']} + dropped {final['steps_dropped']} + buffered "
-          f"{final['steps_buffered']}; collector /metrics dropped_steps {dropped_metric:.0f}, "
-          f"dropped_batches_full {full_metric:.0f}")
+    print(
+        f"  outage   {', '.join(f'{x:.0f}' for x in during)}  (median "
+        f"{statistics.median(during):.0f}), ratio to baseline {ratio:.2f}; collector away "
+        f"{outage_s:.0f} s"
+    )
+    print(
+        f"  after    {', '.join(f'{x:.0f}' for x in after)}  (baseline: median of "
+        f"before and after {baseline:.0f})"
+    )
+    print(
+        f"  pending at most {max_pending} batches / {max_bytes} bytes (cap {MAX_PENDING}); "
+        f"dropped in the outage {at_end['batches_dropped_full']} batches "
+        f"({at_end['steps_dropped']} steps); drained {drained_s:.1f} s after the restart"
+    )
+    print(
+        f"  final: produced {final['steps_produced']} = sent {final['steps_sent']} + merged "
+        f"{final['steps_merged']} + dropped {final['steps_dropped']} + buffered "
+        f"{final['steps_buffered']}; collector /metrics dropped_steps {dropped_metric:.0f}, "
+        f"dropped_batches_full {full_metric:.0f}"
+    )
     # Throughput unchanged within noise. The bound is generous: the machine is shared and
     # the engine core runs at nice 19, so single levels swing 40-200% of the median; a
     # plugin that blocked vLLM's event loop while the collector is away would show as a
@@ -213,10 +250,15 @@ def test_collector_away_for_a_minute_under_load(
     assert max_pending <= MAX_PENDING and at_end["batches_dropped_full"] > 0
     assert max_bytes < 8 * 1024 * 1024
     # Exact accounting, drops visible on the collector, backlog gone.
-    assert final["steps_produced"] == (final["steps_sent"] + final["steps_merged"]
-                                       + final["steps_dropped"] + final["steps_buffered"])
-    assert final["requests_produced"] == (final["requests_sent"] + final["requests_dropped"]
-                                          + final["requests_buffered"])  # fmt: skip
+    assert final["steps_produced"] == (
+        final["steps_sent"]
+        + final["steps_merged"]
+        + final["steps_dropped"]
+        + final["steps_buffered"]
+    )
+    assert final["requests_produced"] == (
+        final["requests_sent"] + final["requests_dropped"] + final["requests_buffered"]
+    )
     assert final["steps_buffered"] == 0 and final["batches_pending"] == 0
     assert dropped_metric == final["steps_dropped"] > 0
     assert full_metric == final["batches_dropped_full"]
@@ -230,9 +272,12 @@ def _metric(collector: CollectorProcess, name: str, engine_id: str) -> float:
 
 
 def test_two_servers_on_one_host_at_once_keep_their_series(
-    fp_tiny_model: Path, fp_server_a: VllmServer, fp_collector: CollectorProcess,
-    fp_engines: dict[str, Any], tmp_path: Path,
-) -> None:  # fmt: skip
+    fp_tiny_model: Path,
+    fp_server_a: VllmServer,
+    fp_collector: CollectorProcess,
+    fp_engines: dict[str, Any],
+    tmp_path: Path,
+) -> None:
     a = fp_server_a
     if a.pid is None:  # the first test did not run
         a.start()
@@ -243,16 +288,23 @@ def test_two_servers_on_one_host_at_once_keep_their_series(
     a_vllm0 = vllm_per_engine(a)["0"]
     a_stored0 = settled_stored(fp_collector, a_id)
     b = VllmServer(
-        fp_tiny_model, served_model_name="fp-b", num_gpu_blocks=128, max_num_seqs=8,
-        extra_args=["--data-parallel-size", "2"], startup_timeout_s=240,
+        fp_tiny_model,
+        served_model_name="fp-b",
+        num_gpu_blocks=128,
+        max_num_seqs=8,
+        extra_args=["--data-parallel-size", "2"],
+        startup_timeout_s=240,
         # vLLM binds every engine to core 0 by default: B's two (in lockstep, as
         # data-parallel engines are) go to core 1, as the second engine of a pool does in
         # bench/prefix_routing.py; A keeps core 0.
-        env={"KVSCOPE_COLLECTOR_URL": fp_collector.url, "KVSCOPE_FLUSH_INTERVAL_S": "0.5",
-             "KVSCOPE_STATS_FILE": str(tmp_path / "stats.json"),
-             "VLLM_CPU_OMP_THREADS_BIND": "1|1"},
+        env={
+            "KVSCOPE_COLLECTOR_URL": fp_collector.url,
+            "KVSCOPE_FLUSH_INTERVAL_S": "0.5",
+            "KVSCOPE_STATS_FILE": str(tmp_path / "stats.json"),
+            "VLLM_CPU_OMP_THREADS_BIND": "1|1",
+        },
         log_path=tmp_path / "vllm-b.log",
-    )  # fmt: skip
+    )
     with side_by_side(2), b:  # started here, next to A, on purpose
         b_startup_s = b.startup_s
         # Both servers under load at the same time.
@@ -267,14 +319,18 @@ def test_two_servers_on_one_host_at_once_keep_their_series(
 
         def expected() -> dict[str, dict[str, float]]:
             out = {f"{b_host_port}:{k}": row for k, row in vllm_per_engine(b).items()}
-            out[a_id] = {k: a_stored0[k] + v - a_vllm0[k]
-                         for k, v in vllm_per_engine(a)["0"].items()}  # fmt: skip
+            out[a_id] = {
+                k: a_stored0[k] + v - a_vllm0[k] for k, v in vllm_per_engine(a)["0"].items()
+            }
             return out
 
         def settled() -> bool:
             stored = stored_per_engine(fp_collector)
-            return all(stored.get(eid, {}).get(name) == value
-                       for eid, row in expected().items() for name, value in row.items())  # fmt: skip
+            return all(
+                stored.get(eid, {}).get(name) == value
+                for eid, row in expected().items()
+                for name, value in row.items()
+            )
 
         with contextlib.suppress(AssertionError):  # the checks below say what differs
             wait_for(settled, 30.0, "the store to equal each server's vLLM counters")
@@ -297,13 +353,17 @@ def test_two_servers_on_one_host_at_once_keep_their_series(
         started = time.monotonic()
         b.stop()  # the collector up
         b_stop_s = time.monotonic() - started
-    print(f"\nserver B (--data-parallel-size 2) started in {b_startup_s:.0f} s next to server A; "
-          f"both under load at once: A {a_tps[0]:.0f} tok/s (4 clients), B {b_tps[0]:.0f} "
-          f"tok/s (8 clients); engine ids A {a_id}, B {b_ids}")
+    print(
+        f"\nserver B (--data-parallel-size 2) started in {b_startup_s:.0f} s next to server A; "
+        f"both under load at once: A {a_tps[0]:.0f} tok/s (4 clients), B {b_tps[0]:.0f} "
+        f"tok/s (8 clients); engine ids A {a_id}, B {b_ids}"
+    )
     for eid in sorted(want):
         print(f"  {eid}: expected {want[eid]} | stored {stored.get(eid)}")
-    print(f"  server stop (SIGTERM to gone): A with the collector frozen {a_stop_s:.1f} s; "
-          f"B with the collector up {b_stop_s:.1f} s")
+    print(
+        f"  server stop (SIGTERM to gone): A with the collector frozen {a_stop_s:.1f} s; "
+        f"B with the collector up {b_stop_s:.1f} s"
+    )
     # Distinct, stable engine ids: one per engine, the same before and after the load.
     assert b_ids == [f"{b_host_port}:0", f"{b_host_port}:1"] and a_id not in b_ids
     assert ids_after == ([a_id], b_ids)

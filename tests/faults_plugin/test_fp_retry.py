@@ -38,8 +38,9 @@ def server() -> Iterator[RecordingServer]:
 
 
 @pytest.mark.parametrize(("status", "retry_after_s"), [(429, 1.0), (503, 2.0)])
-def test_retry_after_is_honoured(server: RecordingServer, status: int,
-                                 retry_after_s: float) -> None:  # fmt: skip
+def test_retry_after_is_honoured(
+    server: RecordingServer, status: int, retry_after_s: float
+) -> None:
     server.answer(status, headers={"Retry-After": f"{retry_after_s:g}"})
     exp, eng = fp_exporter(server.url)
     push(eng, 20, time.time() - 5.0, n_requests=2)
@@ -51,19 +52,25 @@ def test_retry_after_is_honoured(server: RecordingServer, status: int,
     t = server.times()
     gap = t[1] - t[0]
     first, second = server.batches(acknowledged=False)[:2]
-    print(f"\n{status} Retry-After {retry_after_s:g} s: resent after {gap:.3f} s "
-          f"(allowed {retry_after_s:g}-{retry_after_s * 1.1 + 0.25:.2f} s)")  # fmt: skip
+    print(
+        f"\n{status} Retry-After {retry_after_s:g} s: resent after {gap:.3f} s "
+        f"(allowed {retry_after_s:g}-{retry_after_s * 1.1 + 0.25:.2f} s)"
+    )
     # The wait is Retry-After times a jitter of 1.0-1.1, checked at the next 0.1 s tick.
     assert retry_after_s <= gap <= retry_after_s * 1.1 + 0.25
     assert (second["engine_id"], second["boot_id"], second["seq"]) == (
-        first["engine_id"], first["boot_id"], first["seq"])  # fmt: skip
+        first["engine_id"],
+        first["boot_id"],
+        first["seq"],
+    )
     s = assert_accounting(exp)
     assert s["steps_sent"] == 20 and s["send_failures"] == 1 and s["batches_dropped"] == 0
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 422])
-def test_other_4xx_is_not_retried_and_is_counted_by_reason(server: RecordingServer,
-                                                           status: int) -> None:  # fmt: skip
+def test_other_4xx_is_not_retried_and_is_counted_by_reason(
+    server: RecordingServer, status: int
+) -> None:
     server.answer(status)
     exp, eng = fp_exporter(server.url)
     now = time.time()
@@ -76,7 +83,10 @@ def test_other_4xx_is_not_retried_and_is_counted_by_reason(server: RecordingServ
     assert [b["seq"] for b in sent] == [0, 1]  # batch 0 was not resent
     s = assert_accounting(exp)
     assert (s["batches_dropped"], s["batches_dropped_rejected"], s["batches_dropped_full"]) == (
-        1, 1, 0)  # fmt: skip
+        1,
+        1,
+        0,
+    )
     assert (s["steps_dropped"], s["requests_dropped"], s["steps_sent"]) == (10, 1, 7)
     # The next batch tells the collector, by reason.
     counters = sent[1]["exporter"]
@@ -133,8 +143,12 @@ def _exit_delay(url: str, shutdown_timeout_s: float) -> float:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "KVSCOPE_COLLECTOR_URL": url,
            "KVSCOPE_SHUTDOWN_TIMEOUT_S": f"{shutdown_timeout_s:g}", "KVSCOPE_TIMEOUT_S": "10",
            "KVSCOPE_FLUSH_INTERVAL_S": "0.1"}  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", _EXIT_SCRIPT], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _EXIT_SCRIPT],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     out, err = proc.communicate(timeout=60)
     ended = time.time()
     assert proc.returncode == 0, err.decode()
@@ -159,8 +173,10 @@ def test_exit_keeps_its_deadline_with_an_unreachable_collector(server: Recording
         }
     finally:
         blackhole.close()
-    print("\nexit delay after sys.exit (s), KVSCOPE_SHUTDOWN_TIMEOUT_S=1 unless said, "
-          "request timeout 10 s:")
+    print(
+        "\nexit delay after sys.exit (s), KVSCOPE_SHUTDOWN_TIMEOUT_S=1 unless said, "
+        "request timeout 10 s:"
+    )
     for what, d in delays.items():
         print(f"  {what:<22} {d:.3f}")
     # Interpreter teardown takes ~0.05 s; the flush adds at most its deadline.
@@ -189,9 +205,11 @@ def test_drops_reach_the_collector_without_waiting_for_new_rows(
         exp.tick(now_unix_s=now + 1.0 + i * 0.1)
     s = assert_accounting(exp)
     ok = server.batches(status=200)
-    print(f"\nqueue cap 2, 5 batches: dropped {s['batches_dropped_full']}; the last of "
-          f"{len(ok)} delivered batches carries dropped_batches_full="
-          f"{ok[-1]['exporter']['dropped_batches_full']}")  # fmt: skip
+    print(
+        f"\nqueue cap 2, 5 batches: dropped {s['batches_dropped_full']}; the last of "
+        f"{len(ok)} delivered batches carries dropped_batches_full="
+        f"{ok[-1]['exporter']['dropped_batches_full']}"
+    )
     assert s["batches_dropped_full"] == 3 and s["batches_pending"] == 0
     assert ok[-1]["exporter"]["dropped_batches_full"] == 3
     assert ok[-1]["exporter"]["dropped_steps"] == s["steps_dropped"] == 30

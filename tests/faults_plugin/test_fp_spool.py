@@ -112,12 +112,14 @@ def test_ten_minutes_without_collector_lose_nothing_and_store_no_duplicate(
     produced_steps = 600 * STEPS_PER_S
     produced_requests = 600 * REQUESTS_PER_S
     steps, reqs = stored_counts(collector)
-    print(f"\n600 simulated s without a collector, 2 boots: {s2['spool_records']} left, "
-          f"spool peaked at {spool_bytes} bytes; drained {n_spooled} batches in "
-          f"{drain_s:.1f} s; "
-          f"stored {steps[ENGINE_ID]} of {produced_steps} steps, {reqs[ENGINE_ID]} of "
-          f"{produced_requests} requests; replayed from the earlier boot: "
-          f"{exp2.replayed_batches}")  # fmt: skip
+    print(
+        f"\n600 simulated s without a collector, 2 boots: {s2['spool_records']} left, "
+        f"spool peaked at {spool_bytes} bytes; drained {n_spooled} batches in "
+        f"{drain_s:.1f} s; "
+        f"stored {steps[ENGINE_ID]} of {produced_steps} steps, {reqs[ENGINE_ID]} of "
+        f"{produced_requests} requests; replayed from the earlier boot: "
+        f"{exp2.replayed_batches}"
+    )
     assert steps[ENGINE_ID] == produced_steps and reqs[ENGINE_ID] == produced_requests
     assert exp2.replayed_batches == s1["batches_built"]
     assert s2["steps_sent"] == 200 * STEPS_PER_S and s2["steps_dropped"] == 0
@@ -125,14 +127,16 @@ def test_ten_minutes_without_collector_lose_nothing_and_store_no_duplicate(
     # A replay of the same spool (a crash right after sending, before the records were
     # removed): the collector recognises every batch and stores nothing twice.
     dup_before = metric(collector, "kvscope_collector_ingest_batches_total", result="duplicate")
-    exp3, _ = fp_exporter(url, spool_dir=str(snapshot), max_pending_batches=5,
-                          flush_interval_s=5.0)  # fmt: skip
+    exp3, _ = fp_exporter(url, spool_dir=str(snapshot), max_pending_batches=5, flush_interval_s=5.0)
     drain(exp3, t0, 700)
-    dup = metric(collector, "kvscope_collector_ingest_batches_total",
-                 result="duplicate") - dup_before  # fmt: skip
+    dup = (
+        metric(collector, "kvscope_collector_ingest_batches_total", result="duplicate") - dup_before
+    )
     steps_again, reqs_again = stored_counts(collector)
-    print(f"replayed a copy of the spool: {dup:.0f} duplicates answered, stored steps "
-          f"{steps_again[ENGINE_ID]}, requests {reqs_again[ENGINE_ID]}")
+    print(
+        f"replayed a copy of the spool: {dup:.0f} duplicates answered, stored steps "
+        f"{steps_again[ENGINE_ID]}, requests {reqs_again[ENGINE_ID]}"
+    )
     assert dup >= n_spooled
     assert (steps_again, reqs_again) == (steps, reqs)
     exp2.shutdown(timeout_s=1.0)
@@ -145,14 +149,21 @@ def test_size_cap_drops_oldest_segments_and_counts_them(
     url = f"http://127.0.0.1:{port}"
     t0 = math.floor(time.time()) - 900.0
     cap = 64 * 1024
-    exp, eng = fp_exporter(url, spool_dir=str(tmp_path / "spool"), spool_max_bytes=cap,
-                           max_pending_batches=5, flush_interval_s=1.0)  # fmt: skip
+    exp, eng = fp_exporter(
+        url,
+        spool_dir=str(tmp_path / "spool"),
+        spool_max_bytes=cap,
+        max_pending_batches=5,
+        flush_interval_s=1.0,
+    )
     run_seconds(exp, t0, 0, 400)
     s = assert_accounting(exp)
     segment_bytes = exp._spool.store.segment_bytes if exp._spool else 0
-    print(f"\nspool cap {cap} bytes (segments of {segment_bytes}): holds {s['spool_bytes']} "
-          f"bytes, {s['spool_records']} of 400 batches; dropped {s['batches_dropped_full']} "
-          f"batches ({s['steps_dropped']} steps, {s['requests_dropped']} requests)")
+    print(
+        f"\nspool cap {cap} bytes (segments of {segment_bytes}): holds {s['spool_bytes']} "
+        f"bytes, {s['spool_records']} of 400 batches; dropped {s['batches_dropped_full']} "
+        f"batches ({s['steps_dropped']} steps, {s['requests_dropped']} requests)"
+    )
     assert 0 < s["spool_bytes"] <= cap + segment_bytes
     assert s["batches_dropped_full"] == s["batches_dropped"] > 0
     assert s["batches_dropped"] + s["spool_records"] == 400
@@ -168,11 +179,14 @@ def test_size_cap_drops_oldest_segments_and_counts_them(
     steps, reqs = stored_counts(collector)
     assert steps[ENGINE_ID] == s["steps_sent"] == s["steps_produced"] - s["steps_dropped"]
     assert reqs[ENGINE_ID] == s["requests_sent"]
-    dropped_full = metric(collector, "kvscope_exporter_dropped_batches_full_total",
-                          engine=ENGINE_ID)  # fmt: skip
+    dropped_full = metric(
+        collector, "kvscope_exporter_dropped_batches_full_total", engine=ENGINE_ID
+    )
     dropped_steps = metric(collector, "kvscope_exporter_dropped_steps_total", engine=ENGINE_ID)
-    print(f"collector /metrics: dropped_batches_full {dropped_full:.0f}, dropped_steps "
-          f"{dropped_steps:.0f}")
+    print(
+        f"collector /metrics: dropped_batches_full {dropped_full:.0f}, dropped_steps "
+        f"{dropped_steps:.0f}"
+    )
     assert dropped_full == s["batches_dropped_full"]
     assert dropped_steps == s["steps_dropped"]
     exp.shutdown(timeout_s=1.0)
@@ -238,10 +252,12 @@ def test_torn_segment_after_kill_is_skipped_and_counted(
     steps, _ = stored_counts(collector)
     stored_from_spool = steps[ENGINE_ID] - s["steps_sent"]
     corrupt = metric(collector, "kvscope_exporter_spool_corrupt_records_total", engine=ENGINE_ID)
-    print(f"\nkilled writer left {len(segments)} segment(s), {expected_batches + 1} records; "
-          f"tore the last: replayed {exp.replayed_batches} batches, stored {stored_from_spool} "
-          f"of {expected_steps} intact steps; corrupt records counted: {s['spool_corrupt_records']}"
-          f" (collector /metrics: {corrupt:.0f})")  # fmt: skip
+    print(
+        f"\nkilled writer left {len(segments)} segment(s), {expected_batches + 1} records; "
+        f"tore the last: replayed {exp.replayed_batches} batches, stored {stored_from_spool} "
+        f"of {expected_steps} intact steps; corrupt records counted: {s['spool_corrupt_records']}"
+        f" (collector /metrics: {corrupt:.0f})"
+    )
     assert s["spool_corrupt_records"] == 1 and corrupt == 1
     assert exp.replayed_batches == expected_batches
     assert stored_from_spool == expected_steps
@@ -256,14 +272,18 @@ def test_spool_io_runs_only_in_the_exporter_thread(tmp_path: Path) -> None:
         def wrapper(self, *a, **kw):  # type: ignore[no-untyped-def]
             threads.add(threading.current_thread().name)
             return originals[name](self, *a, **kw)
+
         return wrapper
 
     mp = pytest.MonkeyPatch()
     try:
         for name in originals:
             mp.setattr(Spool, name, spy(name))
-        exp, eng = fp_exporter(f"http://127.0.0.1:{free_port()}",
-                               spool_dir=str(tmp_path / "spool"), max_pending_batches=1)
+        exp, eng = fp_exporter(
+            f"http://127.0.0.1:{free_port()}",
+            spool_dir=str(tmp_path / "spool"),
+            max_pending_batches=1,
+        )
         exp.start()
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline and exp.stats()["batches_spooled"] < 5:
@@ -281,8 +301,10 @@ def test_spool_io_runs_only_in_the_exporter_thread(tmp_path: Path) -> None:
 def test_flipped_byte_skips_the_rest_of_its_segment_only(tmp_path: Path) -> None:
     spool = Spool(tmp_path / "s", max_bytes=1 << 20, segment_bytes=2_000)
     for seq in range(30):
-        spool.append({"engine_id": "e", "boot_id": "b", "seq": seq, "n_steps": 1,
-                      "n_requests": 0}, os.urandom(200))  # fmt: skip
+        spool.append(
+            {"engine_id": "e", "boot_id": "b", "seq": seq, "n_steps": 1, "n_requests": 0},
+            os.urandom(200),
+        )
     spool.close()
     segments = sorted((tmp_path / "s").glob("*.seg"), key=lambda p: int(p.stem))
     assert len(segments) >= 3
@@ -297,8 +319,10 @@ def test_flipped_byte_skips_the_rest_of_its_segment_only(tmp_path: Path) -> None
     while (got := reopened.peek()) is not None:
         seqs.append(got[0].meta["seq"])
         reopened.pop()
-    print(f"\n30 records in {len(segments)} segments, byte flipped in record "
-          f"{first[1]}: read back {len(seqs)}, corrupt {reopened.corrupt_records}")
+    print(
+        f"\n30 records in {len(segments)} segments, byte flipped in record "
+        f"{first[1]}: read back {len(seqs)}, corrupt {reopened.corrupt_records}"
+    )
     assert reopened.corrupt_records == 1
     assert seqs == [first[0], *range(len(first), 30)]
     reopened.close()

@@ -72,14 +72,18 @@ class OverloadRun:
         lines = ["clients  tok/s  in flight  batch  waiting  KV used  preempt/s"]
         for lv in levels:
             m = measure_level(lv, w, r)
-            lines.append(f"{m.concurrency:>7} {m.client_tokens_per_s:>6,.0f} {m.load_mean:>10.1f} "
-                         f"{m.batch_median:>6.1f} {m.waiting_median:>8.1f} "
-                         f"{m.kv_usage_median:>8.0%} {m.preemptions_per_s:>10.1f}")
+            lines.append(
+                f"{m.concurrency:>7} {m.client_tokens_per_s:>6,.0f} {m.load_mean:>10.1f} "
+                f"{m.batch_median:>6.1f} {m.waiting_median:>8.1f} "
+                f"{m.kv_usage_median:>8.0%} {m.preemptions_per_s:>10.1f}"
+            )
         try:
             v = analyze(src, since, until).engines[0]
-            lines.append(f"advisor on the sweep: {v.bottleneck}, saturated {v.saturated}, knee "
-                         f"{v.knee_concurrency}, plateau {v.plateau_tokens_per_s}, cap "
-                         f"{v.recommended_concurrency_cap}")
+            lines.append(
+                f"advisor on the sweep: {v.bottleneck}, saturated {v.saturated}, knee "
+                f"{v.knee_concurrency}, plateau {v.plateau_tokens_per_s}, cap "
+                f"{v.recommended_concurrency_cap}"
+            )
         except Exception as e:  # the diagnosis must not hide the failure it explains
             lines.append(f"advisor on the sweep failed: {e!r}")
         return "\n".join(lines)
@@ -88,8 +92,11 @@ class OverloadRun:
         """vLLM's counters now and kvscope's stored totals, once they agree (or the
         timeout passes). Other tests may drive more load through this session's engine,
         so the comparison is with vLLM's counters now, not at the fixture's end."""
-        return wait_until_equal(lambda: vllm_totals(self.server.metrics_text()),
-                                lambda: collector_totals(self.collector), timeout_s=timeout_s)
+        return wait_until_equal(
+            lambda: vllm_totals(self.server.metrics_text()),
+            lambda: collector_totals(self.collector),
+            timeout_s=timeout_s,
+        )
 
 
 def collector_totals(collector: CollectorProcess) -> dict[str, float]:
@@ -98,11 +105,19 @@ def collector_totals(collector: CollectorProcess) -> dict[str, float]:
     Step sums come from the raw steps and, separately, from the 1-second windows;
     both must agree or the windows are not exact.
     """
+
     def sums(source: str) -> dict[str, float]:
         rows = collector.get_json("/v1/totals", params={"source": source})["rows"]
-        return {k: float(sum(r[k] for r in rows)) for k in
-                ("preemptions", "prompt_tokens", "generation_tokens", "prefix_queries",
-                 "prefix_hits")}
+        return {
+            k: float(sum(r[k] for r in rows))
+            for k in (
+                "preemptions",
+                "prompt_tokens",
+                "generation_tokens",
+                "prefix_queries",
+                "prefix_hits",
+            )
+        }
 
     # Two reads are two snapshots: while batches still arrive the windows (read second)
     # may hold more than the steps. Re-read until a window read is bracketed by two
@@ -113,8 +128,9 @@ def collector_totals(collector: CollectorProcess) -> dict[str, float]:
             break
         time.sleep(0.25)
     assert from_steps == from_windows, (from_steps, from_windows)
-    stats = collector.get_json("/v1/request_stats",
-                               params={"since": "0", "group_by": "all"})["rows"]
+    stats = collector.get_json("/v1/request_stats", params={"since": "0", "group_by": "all"})[
+        "rows"
+    ]
     from_steps["finished_requests"] = float(stats[0]["n_requests"]) if stats else 0.0
     return from_steps
 
@@ -152,8 +168,9 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
-def overload_run(mid_model: Path, tmp_path_factory: pytest.TempPathFactory,
-                 request: pytest.FixtureRequest) -> Iterator[OverloadRun]:
+def overload_run(
+    mid_model: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[OverloadRun]:
     """A KV-starved engine (48 blocks of 32 tokens) driven past its plateau; shared by the
     modules that read it, stopped after the last of them (``tests/_resources.py``)."""
     workdir = tmp_path_factory.mktemp("overload")
@@ -187,9 +204,18 @@ def overload_run(mid_model: Path, tmp_path_factory: pytest.TempPathFactory,
         before = vllm_totals(server.metrics_text())
         sweep = run_sweep(
             SweepConfig(
-                url=server.url, model=MODEL_NAME, concurrency=OVERLOAD_LEVELS, duration_s=5.0,
-                warmup_s=1.0, cooldown_s=0.5, prompt_words=(8, 40), output_tokens=(96, 128),
-                shared_prefix_words=64, prefix_groups=4, seed=7, progress=False,
+                url=server.url,
+                model=MODEL_NAME,
+                concurrency=OVERLOAD_LEVELS,
+                duration_s=5.0,
+                warmup_s=1.0,
+                cooldown_s=0.5,
+                prompt_words=(8, 40),
+                output_tokens=(96, 128),
+                shared_prefix_words=64,
+                prefix_groups=4,
+                seed=7,
+                progress=False,
             )
         )
         after, _ = wait_until_equal(
@@ -229,8 +255,9 @@ def _say(text: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def advisor_lab(mid_model: Path, tmp_path_factory: pytest.TempPathFactory,
-                pytestconfig: pytest.Config) -> Iterator[AdvisorLab]:
+def advisor_lab(
+    mid_model: Path, tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config
+) -> Iterator[AdvisorLab]:
     """A collector process for the advisor scenarios; the figures are written at the end."""
     figures = _advisor_figures(pytestconfig)
     started = time.monotonic()
@@ -263,15 +290,17 @@ def kv_starved_run(advisor_lab: AdvisorLab, pytestconfig: pytest.Config) -> Regi
 
 
 @pytest.fixture(scope="module")
-def kv_engine_cap_run(advisor_lab: AdvisorLab, kv_starved_run: RegimeRun,
-                      pytestconfig: pytest.Config) -> CapRun:
+def kv_engine_cap_run(
+    advisor_lab: AdvisorLab, kv_starved_run: RegimeRun, pytestconfig: pytest.Config
+) -> CapRun:
     """The KV-starved engine restarted with ``--max-num-seqs`` = the advisor's cap,
     driven at the sweep's highest concurrency."""
     if kv_starved_run.verdict.recommended_concurrency_cap is None:
-        pytest.fail("the advisor recommended no cap for the KV-starved engine; its verdict "
-                    f"{kv_starved_run.verdict.bottleneck} (saturated "
-                    f"{kv_starved_run.verdict.saturated}) on this sweep:\n"
-                    + levels_table(kv_starved_run))
+        pytest.fail(
+            "the advisor recommended no cap for the KV-starved engine; its verdict "
+            f"{kv_starved_run.verdict.bottleneck} (saturated "
+            f"{kv_starved_run.verdict.saturated}) on this sweep:\n" + levels_table(kv_starved_run)
+        )
     cap = advisor_lab.run_engine_cap(kv_starved_run)
     _advisor_figures(pytestconfig).engine_cap = cap
     return cap
@@ -296,5 +325,6 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         return
     terminalreporter.section("advisor on the real engine")
     terminalreporter.write_line(format_all(figures.ordered_runs(), figures.engine_cap))
-    terminalreporter.write_line(f"scenarios took {figures.elapsed_s:.0f} s; figures in "
-                                f"{figures.json_path}")
+    terminalreporter.write_line(
+        f"scenarios took {figures.elapsed_s:.0f} s; figures in {figures.json_path}"
+    )

@@ -149,27 +149,34 @@ def _judged_and_delivered(cap: CapRun) -> None:
             assert lv.errors == 0, lv
         assert lv.delivered, (
             f"the front end stalled: the engine saw {lv.load_mean:.1f} of {lv.offered} "
-            f"requests in flight (mean) in each of {lv.attempts} run(s)")
-    assert cap.judged, (f"not judged: runs spread above {MAX_SPREAD:.0%} after "
-                        f"{len(cap.capped.runs)} rounds: {cap.noise()}")
+            f"requests in flight (mean) in each of {lv.attempts} run(s)"
+        )
+    assert cap.judged, (
+        f"not judged: runs spread above {MAX_SPREAD:.0%} after "
+        f"{len(cap.capped.runs)} rounds: {cap.noise()}"
+    )
 
 
 def test_cap_as_client_concurrency_keeps_throughput_and_cuts_the_tail(
-        kv_starved_run: RegimeRun) -> None:
+    kv_starved_run: RegimeRun,
+) -> None:
     cap = kv_starved_run.client_cap
     assert cap is not None
     _judged_and_delivered(cap)
     assert cap.plateau_fraction >= MIN_THROUGHPUT_FRACTION, (
         f"cap {cap.cap}: {cap.plateau_fraction:.0%} of the uncapped overload's throughput; "
-        f"{cap.noise()}")
+        f"{cap.noise()}"
+    )
     assert cap.p99_ratio is not None and cap.p99_ratio < MAX_P99_RATIO, (
         f"cap {cap.cap}: vLLM e2e P99 {cap.capped.engine_e2e_p99_s} s vs "
         f"{cap.reference.engine_e2e_p99_s} s uncapped (medians; ratio {cap.p99_ratio}); "
-        f"load generator's ratio {cap.client_p99_ratio}")
+        f"load generator's ratio {cap.client_p99_ratio}"
+    )
 
 
 def test_cap_as_vllm_flags_keeps_throughput_and_cuts_the_tail(
-        kv_starved_run: RegimeRun, kv_engine_cap_run: CapRun) -> None:
+    kv_starved_run: RegimeRun, kv_engine_cap_run: CapRun
+) -> None:
     """The recommendation's vLLM flags (``--max-num-seqs C --max-num-queued-reqs C+Q``) on a
     restarted engine at the overload concurrency: the engine admits ``C + Q`` requests
     and rejects the rest with 503 (for the gateway to retry on another replica).
@@ -183,7 +190,8 @@ def test_cap_as_vllm_flags_keeps_throughput_and_cuts_the_tail(
     assert c is not None and cap.cap <= c  # at most the sequences the KV cache holds
     assert cap.plateau_fraction >= MIN_THROUGHPUT_FRACTION_RESTARTED, (
         f"{' '.join(cap.flags)}: {cap.plateau_fraction:.0%} of the uncapped engine's "
-        f"throughput; {cap.noise()}")
+        f"throughput; {cap.noise()}"
+    )
     capped_pre = statistics.median(lv.preemptions_per_s for lv in cap.capped.runs)
     uncapped_pre = statistics.median(lv.preemptions_per_s for lv in cap.reference.runs)
     assert capped_pre <= MAX_PREEMPTION_RATIO * uncapped_pre, (capped_pre, uncapped_pre)
@@ -196,10 +204,12 @@ def test_cap_as_vllm_flags_keeps_throughput_and_cuts_the_tail(
     assert 0 < cap.rejected_share < 1, cap.rejected_share
     assert cap.p99_ratio is not None and cap.p99_ratio < MAX_P99_RATIO_FLAGS, (
         f"admitted requests' vLLM e2e P99 {cap.capped.engine_e2e_p99_s} s vs "
-        f"{cap.reference.engine_e2e_p99_s} s uncapped (medians; ratio {cap.p99_ratio})")
+        f"{cap.reference.engine_e2e_p99_s} s uncapped (medians; ratio {cap.p99_ratio})"
+    )
     predicted = run.verdict.predicted_p99_e2e_s_at_cap
     measured = cap.capped.engine_e2e_p99_s
     assert predicted and measured is not None
     assert measured <= MAX_FLAGS_OVER_PREDICTED * predicted, (
         f"admitted requests' vLLM e2e P99 {measured:.2f} s (median) vs {predicted:.2f} s "
-        f"predicted at the cap ({measured / predicted:.2f}x)")
+        f"predicted at the cap ({measured / predicted:.2f}x)"
+    )

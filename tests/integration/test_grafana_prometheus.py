@@ -45,10 +45,15 @@ from .conftest import MODEL_NAME, POOL, OverloadRun, collector_totals, vllm_tota
 
 pytestmark = pytest.mark.engine
 
-QUIET_ALERTS = ("KvscopeEngineNotReporting", "KvscopeExporterDroppingData",
-                "KvscopePluginRecordErrors", "KvscopeCollectorRejectingBatches",
-                "KvscopeCollectorStoreFailing", "KvscopeAdvisorRunsFailing",
-                "KvscopeCollectorAbsent")
+QUIET_ALERTS = (
+    "KvscopeEngineNotReporting",
+    "KvscopeExporterDroppingData",
+    "KvscopePluginRecordErrors",
+    "KvscopeCollectorRejectingBatches",
+    "KvscopeCollectorStoreFailing",
+    "KvscopeAdvisorRunsFailing",
+    "KvscopeCollectorAbsent",
+)
 
 
 def _verdict_ready(run: OverloadRun) -> str:
@@ -56,15 +61,20 @@ def _verdict_ready(run: OverloadRun) -> str:
     deadline = time.monotonic() + 150  # the advisor runs every 60 s
     while True:
         text = run.collector.get_text("/metrics")
-        caps = [ln for ln in text.splitlines()
-                if ln.startswith("kvscope_advisor_recommended_concurrency_cap{")]
+        caps = [
+            ln
+            for ln in text.splitlines()
+            if ln.startswith("kvscope_advisor_recommended_concurrency_cap{")
+        ]
         if caps:
             engines = run.collector.get_json("/v1/engines")["rows"]
             return str(engines[0]["engine_id"])
         assert time.monotonic() < deadline, (
             "the collector's advisor gave no cap for the overloaded engine; its series:\n"
             + "\n".join(ln for ln in text.splitlines() if ln.startswith("kvscope_advisor"))
-            + "\nthe overload run:\n" + run.diagnosis())
+            + "\nthe overload run:\n"
+            + run.diagnosis()
+        )
         time.sleep(2)
 
 
@@ -77,18 +87,34 @@ class Live:
 def live(overload_run: OverloadRun, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     engine_id = _verdict_ready(overload_run)
     collector, server = overload_run.collector, overload_run.server
-    prom = Prometheus(tmp_path_factory.mktemp("grafana-prom"),
-                      targets=[f"{collector.host}:{collector.port}"], rule_files=[ALERTS])
+    prom = Prometheus(
+        tmp_path_factory.mktemp("grafana-prom"),
+        targets=[f"{collector.host}:{collector.port}"],
+        rule_files=[ALERTS],
+    )
     prom.start()
     try:
         prom.wait_for('up{job="kvscope"} == 1', "the first scrape of the collector", 30)
-        sweep = run_sweep(SweepConfig(
-            url=server.url, model=MODEL_NAME, concurrency=[32], duration_s=20.0, warmup_s=1.0,
-            cooldown_s=0.5, prompt_words=(8, 40), output_tokens=(96, 128),
-            shared_prefix_words=64, prefix_groups=4, seed=11, progress=False))
+        sweep = run_sweep(
+            SweepConfig(
+                url=server.url,
+                model=MODEL_NAME,
+                concurrency=[32],
+                duration_s=20.0,
+                warmup_s=1.0,
+                cooldown_s=0.5,
+                prompt_words=(8, 40),
+                output_tokens=(96, 128),
+                shared_prefix_words=64,
+                prefix_groups=4,
+                seed=11,
+                progress=False,
+            )
+        )
         at = time.time() - 1.0  # the overload's last second (the sweep has cancelled since)
-        after, stored = wait_until_equal(lambda: vllm_totals(server.metrics_text()),
-                                         lambda: collector_totals(collector))
+        after, stored = wait_until_equal(
+            lambda: vllm_totals(server.metrics_text()), lambda: collector_totals(collector)
+        )
         assert after == stored, f"vLLM {after} != kvscope {stored} after the extra load"
         overload_run.vllm_after = after
         (level,) = sweep.levels
@@ -139,10 +165,13 @@ def test_overload_alerts_are_active(live: Live) -> None:
     exprs = {q.where: q.expr for q in rule_queries()}
     for name in OVERLOAD_ALERTS:
         res = p.query(exprs[name], live.at)
-        assert live.engine_id in {s["metric"].get("engine") for s in res}, f"{name}: {describe(res)}"
+        assert live.engine_id in {s["metric"].get("engine") for s in res}, (
+            f"{name}: {describe(res)}"
+        )
         alerts = p.query(f'ALERTS{{alertname="{name}", engine="{live.engine_id}"}}', live.at)
         assert {s["metric"]["alertstate"] for s in alerts} & {"pending", "firing"}, (
-            f"{name}: {describe(alerts)}")
+            f"{name}: {describe(alerts)}"
+        )
     bad = [(n, h, e) for n, h, e in p.rule_health() if h != "ok"]
     assert not bad, bad
 

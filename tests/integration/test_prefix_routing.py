@@ -30,18 +30,21 @@ MAX_PREDICTION_ERROR = 0.05
 
 @pytest.fixture(scope="module")
 def routing(mid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RoutingResult]:
-    lab = RoutingLab(tmp_path_factory.mktemp("routing"), model_dir=mid_model,
-                     log=lambda t: print(t, flush=True))
+    lab = RoutingLab(
+        tmp_path_factory.mktemp("routing"), model_dir=mid_model, log=lambda t: print(t, flush=True)
+    )
     with side_by_side(2), lab:  # a pool of two replicas, on purpose
         res = lab.scenario()
     print(format_result(res), flush=True)
     (tmp_path_factory.getbasetemp() / "prefix_routing.json").write_text(
-        json.dumps(res.to_dict(), indent=2) + "\n")
+        json.dumps(res.to_dict(), indent=2) + "\n"
+    )
     yield res
 
 
 def test_round_robin_spreads_every_prefix_and_both_replicas_hit_alike(
-        routing: RoutingResult) -> None:
+    routing: RoutingResult,
+) -> None:
     rr = routing.round_robin
     assert rr.errors == 0 and rr.completed > 100, rr
     a, b = rr.requests_per_engine
@@ -51,7 +54,8 @@ def test_round_robin_spreads_every_prefix_and_both_replicas_hit_alike(
 
 
 def test_advisor_sees_the_duplication_and_recommends_prefix_aware_routing(
-        routing: RoutingResult) -> None:
+    routing: RoutingResult,
+) -> None:
     rec = routing.recommendation
     assert rec is not None, routing.pool_evidence
     assert rec["change"]["router_policy"] == "prefix-aware", rec
@@ -65,4 +69,5 @@ def test_prefix_affine_routing_reaches_the_predicted_hit_rate(routing: RoutingRe
     assert affine.hit_rate >= rr.hit_rate + MIN_MEASURED_GAIN, (rr.hit_rate, affine.hit_rate)
     assert routing.hit_rate_error is not None
     assert abs(routing.hit_rate_error) <= MAX_PREDICTION_ERROR, (
-        f"predicted {routing.predicted_hit_rate:.1%}, measured {affine.hit_rate:.1%}")
+        f"predicted {routing.predicted_hit_rate:.1%}, measured {affine.hit_rate:.1%}"
+    )

@@ -42,11 +42,14 @@ pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
-def scraped_sweep(overload_run: OverloadRun, tmp_path_factory: pytest.TempPathFactory
-                  ) -> Iterator[dict[str, Any]]:
+def scraped_sweep(
+    overload_run: OverloadRun, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
     workdir = tmp_path_factory.mktemp("prom-engine")
-    targets = [overload_run.server.url.split("://", 1)[1],
-               overload_run.collector.url.split("://", 1)[1]]
+    targets = [
+        overload_run.server.url.split("://", 1)[1],
+        overload_run.collector.url.split("://", 1)[1],
+    ]
     backends: list[Backend] = []
     try:
         for cls in (PrometheusServer, VictoriaMetricsServer):
@@ -54,17 +57,35 @@ def scraped_sweep(overload_run: OverloadRun, tmp_path_factory: pytest.TempPathFa
         for b in backends:
             wait_scraped(b.url, len(targets))
         since = time.time()
-        sweep = run_sweep(SweepConfig(
-            url=overload_run.server.url, model=MODEL_NAME, concurrency=[1, 2, 4, 8, 12, 16, 32],
-            duration_s=5.0, warmup_s=1.0, cooldown_s=0.5, prompt_words=(8, 40),
-            output_tokens=(96, 128), shared_prefix_words=64, prefix_groups=4, seed=11,
-            progress=False))
-        wait_until_equal(lambda: vllm_totals(overload_run.server.metrics_text()),
-                         lambda: collector_totals(overload_run.collector))
+        sweep = run_sweep(
+            SweepConfig(
+                url=overload_run.server.url,
+                model=MODEL_NAME,
+                concurrency=[1, 2, 4, 8, 12, 16, 32],
+                duration_s=5.0,
+                warmup_s=1.0,
+                cooldown_s=0.5,
+                prompt_words=(8, 40),
+                output_tokens=(96, 128),
+                shared_prefix_words=64,
+                prefix_groups=4,
+                seed=11,
+                progress=False,
+            )
+        )
+        wait_until_equal(
+            lambda: vllm_totals(overload_run.server.metrics_text()),
+            lambda: collector_totals(overload_run.collector),
+        )
         time.sleep(2.5)  # the last samples scraped
         until = time.time()
-        yield {"since": since, "until": until, "sweep": sweep, "run": overload_run,
-               "backends": {b.name: b for b in backends}}
+        yield {
+            "since": since,
+            "until": until,
+            "sweep": sweep,
+            "run": overload_run,
+            "backends": {b.name: b for b in backends},
+        }
     finally:
         for b in backends:
             b.stop()
@@ -80,9 +101,11 @@ def _one(report: Any) -> Any:
 
 
 def _text(v: Any) -> str:
-    return (f"{v.bottleneck} saturated={v.saturated} knee={v.knee_concurrency} "
-            f"plateau={v.plateau_tokens_per_s} cap={v.recommended_concurrency_cap} "
-            f"max_load={v.max_load_seen} ({v.headroom})")
+    return (
+        f"{v.bottleneck} saturated={v.saturated} knee={v.knee_concurrency} "
+        f"plateau={v.plateau_tokens_per_s} cap={v.recommended_concurrency_cap} "
+        f"max_load={v.max_load_seen} ({v.headroom})"
+    )
 
 
 KNEE_LOG2_TOLERANCE = 1.0
@@ -108,8 +131,9 @@ def _agree(store: Any, other: Any, where: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["prometheus", "victoria-metrics"])
-def test_verdict_from_vllm_series_equals_the_store_s(scraped_sweep: dict[str, Any],
-                                                     backend: str) -> None:
+def test_verdict_from_vllm_series_equals_the_store_s(
+    scraped_sweep: dict[str, Any], backend: str
+) -> None:
     d = scraped_sweep
     store = _one(_store_report(d))
     source = PrometheusSource(d["backends"][backend].url, series="vllm")
@@ -124,8 +148,9 @@ def test_verdict_from_vllm_series_equals_the_store_s(scraped_sweep: dict[str, An
     assert n_prom == pytest.approx(n_store, rel=0.02, abs=2)
 
 
-def test_verdict_from_the_collector_s_series_equals_the_store_s(scraped_sweep: dict[str, Any]
-                                                                 ) -> None:
+def test_verdict_from_the_collector_s_series_equals_the_store_s(
+    scraped_sweep: dict[str, Any],
+) -> None:
     d = scraped_sweep
     store = _one(_store_report(d))
     source = PrometheusSource(d["backends"]["prometheus"].url, series="kvscope")

@@ -46,14 +46,20 @@ def test_stored_totals_equal_vllm_counters(overload_run: OverloadRun):
     vllm, kvscope = overload_run.settled_totals()
     assert kvscope == vllm, f"kvscope {kvscope} != vLLM {vllm}"
     # The comparison is not vacuous: the run produced all of these.
-    for key in ("prompt_tokens", "generation_tokens", "prefix_queries", "prefix_hits",
-                "finished_requests"):
+    for key in (
+        "prompt_tokens",
+        "generation_tokens",
+        "prefix_queries",
+        "prefix_hits",
+        "finished_requests",
+    ):
         assert vllm[key] > 0, key
 
 
 def test_overload_saturates_the_kv_cache_and_preempts(overload_run: OverloadRun):
     windows = overload_run.collector.get_json(
-        "/v1/windows", params={"since": "0", "format": "columns", "limit": 1_000_000})["columns"]
+        "/v1/windows", params={"since": "0", "format": "columns", "limit": 1_000_000}
+    )["columns"]
     assert max(windows["kv_usage_max"]) >= 0.95
     assert max(windows["waiting_max"]) > 0
     assert overload_run.vllm_after["preemptions"] > 0
@@ -61,7 +67,8 @@ def test_overload_saturates_the_kv_cache_and_preempts(overload_run: OverloadRun)
 
 def test_batch_size_never_exceeds_max_num_seqs(overload_run: OverloadRun):
     steps = overload_run.collector.get_json(
-        "/v1/steps", params={"since": "0", "format": "columns", "limit": 1_000_000})["columns"]
+        "/v1/steps", params={"since": "0", "format": "columns", "limit": 1_000_000}
+    )["columns"]
     assert len(steps["batch_size"]) > 100
     assert 0 < max(steps["batch_size"]) <= MAX_NUM_SEQS
     blocks = NUM_GPU_BLOCKS
@@ -87,22 +94,21 @@ def test_engine_hello_carries_identity_and_configuration(overload_run: OverloadR
 def test_metrics_endpoint_passes_promtool_and_matches_vllm(overload_run: OverloadRun):
     vllm, _ = overload_run.settled_totals()
     text = overload_run.collector.get_text("/metrics")
-    check = subprocess.run(["promtool", "check", "metrics"], input=text.encode(),
-                           capture_output=True, timeout=60)
+    check = subprocess.run(
+        ["promtool", "check", "metrics"], input=text.encode(), capture_output=True, timeout=60
+    )
     # promtool exits 0 when the exposition is valid (lint warnings go to stdout).
     assert check.returncode == 0, check.stdout.decode() + check.stderr.decode()
     samples = parse_prometheus_text(text)
 
     def value(name: str) -> float:
-        vals = [v for (n, labels), v in samples.items()
-                if n == name and ("pool", POOL) in labels]
+        vals = [v for (n, labels), v in samples.items() if n == name and ("pool", POOL) in labels]
         assert vals, f"{name} missing for pool {POOL}"
         return sum(vals)
 
     assert value("kvscope_engine_generation_tokens_total") == vllm["generation_tokens"]
     assert value("kvscope_engine_preemptions_total") == vllm["preemptions"]
-    assert value("kvscope_engine_step_kv_usage_ratio_count") == value(
-        "kvscope_engine_steps_total")
+    assert value("kvscope_engine_step_kv_usage_ratio_count") == value("kvscope_engine_steps_total")
     assert value("kvscope_engine_step_batch_size_count") > 100
 
 
@@ -112,10 +118,26 @@ def test_sweep_cli_against_the_real_server(overload_run: OverloadRun, tmp_path):
 
     out_json = tmp_path / "sweep.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvscope.cli.main", "sweep", "--url", overload_run.server.url,
-         "--concurrency", "1,4", "--duration", "2", "--warmup", "0.5", "--no-progress",
-         "--out", str(out_json)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "kvscope.cli.main",
+            "sweep",
+            "--url",
+            overload_run.server.url,
+            "--concurrency",
+            "1,4",
+            "--duration",
+            "2",
+            "--warmup",
+            "0.5",
+            "--no-progress",
+            "--out",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads(out_json.read_text())
@@ -131,10 +153,12 @@ def test_engine_keeps_serving_when_the_collector_goes_away(overload_run: Overloa
     collector.stop(sig=signal.SIGKILL)
     t0 = time.monotonic()
     for i in range(4):
-        body = json.dumps({"model": MODEL_NAME, "prompt": f"hello world {i}",
-                           "max_tokens": 16}).encode()
-        req = urllib.request.Request(server.url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+        body = json.dumps(
+            {"model": MODEL_NAME, "prompt": f"hello world {i}", "max_tokens": 16}
+        ).encode()
+        req = urllib.request.Request(
+            server.url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=60) as resp:
             assert resp.status == 200
             assert json.loads(resp.read())["choices"][0]["text"] is not None
@@ -142,10 +166,12 @@ def test_engine_keeps_serving_when_the_collector_goes_away(overload_run: Overloa
     assert server.healthy()
     # The collector comes back on the same store; the exporter's retained batches
     # arrive and the totals agree with vLLM's again.
-    revived = CollectorProcess(collector.store_path, port=collector.port,
-                               log_path=overload_run.workdir / "collector2.log")
+    revived = CollectorProcess(
+        collector.store_path, port=collector.port, log_path=overload_run.workdir / "collector2.log"
+    )
     revived.start()
     overload_run.collector = revived
-    vllm, kvscope = wait_until_equal(lambda: vllm_totals(server.metrics_text()),
-                                     lambda: collector_totals(revived), timeout_s=30)
+    vllm, kvscope = wait_until_equal(
+        lambda: vllm_totals(server.metrics_text()), lambda: collector_totals(revived), timeout_s=30
+    )
     assert kvscope == vllm

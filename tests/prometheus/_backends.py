@@ -33,8 +33,9 @@ def require(path: str, package: str) -> str:
     """The binary's path, or a test failure naming the Debian package (scripts/test
     installs both)."""
     if not os.access(path, os.X_OK):
-        pytest.fail(f"{path} is missing: install the Debian package {package!r} "
-                    "(scripts/test does it)")
+        pytest.fail(
+            f"{path} is missing: install the Debian package {package!r} (scripts/test does it)"
+        )
     return path
 
 
@@ -48,9 +49,17 @@ class Backend:
 
     name = "backend"
 
-    def __init__(self, workdir: Path, targets: list[str], *, scrape_interval_s: float = 1.0,
-                 metrics_path: str = "/metrics", job: str = "vllm",
-                 extra_labels: dict[str, str] | None = None, fresh: bool = True) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        targets: list[str],
+        *,
+        scrape_interval_s: float = 1.0,
+        metrics_path: str = "/metrics",
+        job: str = "vllm",
+        extra_labels: dict[str, str] | None = None,
+        fresh: bool = True,
+    ) -> None:
         self.workdir = workdir / self.name
         if fresh:
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -62,10 +71,15 @@ class Backend:
         if extra_labels:
             sc["labels"] = dict(extra_labels)
         self.config = {
-            "global": {"scrape_interval": _dur(scrape_interval_s),
-                       "scrape_timeout": _dur(min(scrape_interval_s, 10))},
-            "scrape_configs": [{"job_name": job, "metrics_path": metrics_path,
-                                "static_configs": [sc]}] if targets else [],
+            "global": {
+                "scrape_interval": _dur(scrape_interval_s),
+                "scrape_timeout": _dur(min(scrape_interval_s, 10)),
+            },
+            "scrape_configs": [
+                {"job_name": job, "metrics_path": metrics_path, "static_configs": [sc]}
+            ]
+            if targets
+            else [],
         }
         self.config_path = self.workdir / "scrape.yml"
         self.config_path.write_text(yaml.safe_dump(self.config))
@@ -85,13 +99,15 @@ class Backend:
 
     def start(self, timeout_s: float = 30.0) -> Backend:
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.returncode}):\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited ({self.proc.returncode}):\n{self.log_tail()}"
+                )
             req, ctx = self._ready_request()
             try:
                 with urllib.request.urlopen(req, timeout=1, context=ctx) as r:
@@ -130,19 +146,29 @@ class PrometheusServer(Backend):
 
     name = "prometheus"
 
-    def __init__(self, workdir: Path, targets: list[str], *,
-                 rule_files: list[Path] | None = None, evaluation_interval_s: float = 1.0,
-                 **kw: Any) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        targets: list[str],
+        *,
+        rule_files: list[Path] | None = None,
+        evaluation_interval_s: float = 1.0,
+        **kw: Any,
+    ) -> None:
         super().__init__(workdir, targets, **kw)
         self.config["global"]["evaluation_interval"] = _dur(evaluation_interval_s)
         self.config["rule_files"] = [str(p) for p in rule_files or []]
         self.config_path.write_text(yaml.safe_dump(self.config))
 
     def command(self) -> list[str]:
-        return [require(PROMETHEUS, "prometheus"), f"--config.file={self.config_path}",
-                f"--storage.tsdb.path={self.workdir / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                "--storage.tsdb.retention.time=1d", "--log.level=warn"]
+        return [
+            require(PROMETHEUS, "prometheus"),
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={self.workdir / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            "--storage.tsdb.retention.time=1d",
+            "--log.level=warn",
+        ]
 
 
 class SecuredPrometheusServer(PrometheusServer):
@@ -152,8 +178,15 @@ class SecuredPrometheusServer(PrometheusServer):
 
     name = "prometheus-secured"
 
-    def __init__(self, workdir: Path, targets: list[str], *, user: str = "kvscope",
-                 password: str = "s3cret-Pa55", **kw: Any) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        targets: list[str],
+        *,
+        user: str = "kvscope",
+        password: str = "s3cret-Pa55",
+        **kw: Any,
+    ) -> None:
         import bcrypt
 
         from kvscope.sources.prometheus.auth import PromAuth
@@ -163,17 +196,42 @@ class SecuredPrometheusServer(PrometheusServer):
         self.user, self.password = user, password
         self.ca_file = self.workdir / "cert.pem"
         key = self.workdir / "key.pem"
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-                        "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2",
-                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
-                        "-keyout", str(key), "-out", str(self.ca_file)],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=127.0.0.1",
+                "-addext",
+                "subjectAltName=IP:127.0.0.1",
+                "-keyout",
+                str(key),
+                "-out",
+                str(self.ca_file),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         # Cost 4, the lowest bcrypt allows: Prometheus checks the hash on every request.
         hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
         self.web_config_path = self.workdir / "web.yml"
-        self.web_config_path.write_text(yaml.safe_dump({
-            "tls_server_config": {"cert_file": str(self.ca_file), "key_file": str(key)},
-            "basic_auth_users": {user: hashed}}))
+        self.web_config_path.write_text(
+            yaml.safe_dump(
+                {
+                    "tls_server_config": {"cert_file": str(self.ca_file), "key_file": str(key)},
+                    "basic_auth_users": {user: hashed},
+                }
+            )
+        )
         self.auth = PromAuth(username=user, password=password, ca_file=str(self.ca_file))
 
     def command(self) -> list[str]:
@@ -181,8 +239,9 @@ class SecuredPrometheusServer(PrometheusServer):
 
     def _ready_request(self) -> tuple[urllib.request.Request, ssl.SSLContext | None]:
         pair = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
-        req = urllib.request.Request(self.url + self.ready_path(),
-                                     headers={"Authorization": f"Basic {pair}"})
+        req = urllib.request.Request(
+            self.url + self.ready_path(), headers={"Authorization": f"Basic {pair}"}
+        )
         return req, ssl.create_default_context(cafile=str(self.ca_file))
 
 
@@ -194,12 +253,16 @@ class VictoriaMetricsServer(Backend):
     name = "victoria-metrics"
 
     def command(self) -> list[str]:
-        return [require(VICTORIA_METRICS, "victoria-metrics"),
-                f"-promscrape.config={self.config_path}",
-                f"-storageDataPath={self.workdir / 'data'}",
-                f"-httpListenAddr=127.0.0.1:{self.port}",
-                "-search.latencyOffset=0s", "-search.disableCache", "-retentionPeriod=1d",
-                "-loggerLevel=WARN"]
+        return [
+            require(VICTORIA_METRICS, "victoria-metrics"),
+            f"-promscrape.config={self.config_path}",
+            f"-storageDataPath={self.workdir / 'data'}",
+            f"-httpListenAddr=127.0.0.1:{self.port}",
+            "-search.latencyOffset=0s",
+            "-search.disableCache",
+            "-retentionPeriod=1d",
+            "-loggerLevel=WARN",
+        ]
 
     def ready_path(self) -> str:
         return "/health"

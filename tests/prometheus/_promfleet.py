@@ -24,8 +24,9 @@ class PacedFeed:
     def __init__(self, recording: Recording, url: str, t0_wall: float) -> None:
         first, _ = recording.span_unix_s
         self.shift = t0_wall - first
-        self.batches = list(rebased(sorted(recording.batches, key=_batch_end),
-                                    shift_s=self.shift, boot_ids={}))
+        self.batches = list(
+            rebased(sorted(recording.batches, key=_batch_end), shift_s=self.shift, boot_ids={})
+        )
         self.url = url
         self.errors: list[str] = []
         self.thread = threading.Thread(target=self._run, name="paced-feed", daemon=True)
@@ -82,5 +83,3 @@ class Fleet:
 
     def engine_id(self, replay: VllmReplay) -> str:
         return f"{replay.target}:0"
-
-

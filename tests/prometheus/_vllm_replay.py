@@ -30,12 +30,14 @@ _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?\s+(\S+)$")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 #: vLLM 0.9.1's names for what 0.32 calls otherwise.
-OLD_NAMES = {"vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
-             "vllm:prefix_cache_queries_total": "vllm:gpu_prefix_cache_queries_total",
-             "vllm:prefix_cache_hits_total": "vllm:gpu_prefix_cache_hits_total",
-             "vllm:prefix_cache_queries_created": "vllm:gpu_prefix_cache_queries_created",
-             "vllm:prefix_cache_hits_created": "vllm:gpu_prefix_cache_hits_created",
-             "vllm:inter_token_latency_seconds": "vllm:time_per_output_token_seconds"}
+OLD_NAMES = {
+    "vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
+    "vllm:prefix_cache_queries_total": "vllm:gpu_prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total": "vllm:gpu_prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_created": "vllm:gpu_prefix_cache_queries_created",
+    "vllm:prefix_cache_hits_created": "vllm:gpu_prefix_cache_hits_created",
+    "vllm:inter_token_latency_seconds": "vllm:time_per_output_token_seconds",
+}
 
 
 def _labels(text: str | None) -> dict[str, str]:
@@ -49,8 +51,13 @@ def _fmt(v: float) -> str:
 class _Hist:
     """Cumulative bucket counts of observations sorted by time."""
 
-    def __init__(self, times: np.ndarray, values: np.ndarray, les: list[float],
-                 weights: np.ndarray | None = None) -> None:
+    def __init__(
+        self,
+        times: np.ndarray,
+        values: np.ndarray,
+        les: list[float],
+        weights: np.ndarray | None = None,
+    ) -> None:
         order = np.argsort(times, kind="stable")
         self.times = np.asarray(times, float)[order]
         v = np.asarray(values, float)[order]
@@ -70,9 +77,16 @@ class _Hist:
 class VllmReplay:
     """Serves ``GET /metrics`` for one replayed engine (see the module docstring)."""
 
-    def __init__(self, recording: Recording, *, speed: float = 1.0, old_names: bool = False,
-                 restart_at: float | None = None, model: str | None = None,
-                 template: Path = FIXTURE) -> None:
+    def __init__(
+        self,
+        recording: Recording,
+        *,
+        speed: float = 1.0,
+        old_names: bool = False,
+        restart_at: float | None = None,
+        model: str | None = None,
+        template: Path = FIXTURE,
+    ) -> None:
         self.speed = speed
         self.old_names = old_names
         self.restart_at = restart_at  # share of the recording after which counters reset
@@ -95,55 +109,81 @@ class VllmReplay:
         s = {k: v[order] for k, v in s.items()}
         self.t_first, self.t_last = float(s["ts_unix_s"][0]), float(s["ts_unix_s"][-1])
         self.steps = s
-        self.cum = {k: np.concatenate([[0.0], np.cumsum(s[k])]) for k in
-                    ("prefix_queries", "prefix_hits", "preemptions", "prompt_tokens",
-                     "generation_tokens")}
+        self.cum = {
+            k: np.concatenate([[0.0], np.cumsum(s[k])])
+            for k in (
+                "prefix_queries",
+                "prefix_hits",
+                "preemptions",
+                "prompt_tokens",
+                "generation_tokens",
+            )
+        }
         r = {k: np.asarray(v, dtype=object) for k, v in reqs.items()}
         fin = np.asarray(r["finished_unix_s"], float)
 
         def col(name: str) -> np.ndarray:
             return np.array([np.nan if x is None else float(x) for x in r[name]], float)
 
-        e2e, queue, prefill, decode = col("e2e_s"), col("queue_s"), col("prefill_s"), \
-            col("decode_s")
-        ttft, p, g, c = col("ttft_s"), col("prompt_tokens"), col("generation_tokens"), \
-            col("cached_tokens")
+        e2e, queue, prefill, decode = (
+            col("e2e_s"),
+            col("queue_s"),
+            col("prefill_s"),
+            col("decode_s"),
+        )
+        ttft, p, g, c = (
+            col("ttft_s"),
+            col("prompt_tokens"),
+            col("generation_tokens"),
+            col("cached_tokens"),
+        )
         self.fin = np.sort(fin)
         self.template = template.read_text().splitlines()
         les = self._bucket_bounds()
         itl = decode / np.maximum(g - 1, 1)
         self.hists = {
-            "vllm:iteration_tokens_total": _Hist(s["ts_unix_s"], s["prompt_tokens"]
-                                                 + s["generation_tokens"],
-                                                 les["vllm:iteration_tokens_total"]),
+            "vllm:iteration_tokens_total": _Hist(
+                s["ts_unix_s"],
+                s["prompt_tokens"] + s["generation_tokens"],
+                les["vllm:iteration_tokens_total"],
+            ),
             "vllm:request_prompt_tokens": _Hist(fin, p, les["vllm:request_prompt_tokens"]),
-            "vllm:request_generation_tokens": _Hist(fin, g,
-                                                    les["vllm:request_generation_tokens"]),
-            "vllm:request_max_num_generation_tokens":
-                _Hist(fin, g, les["vllm:request_max_num_generation_tokens"]),
+            "vllm:request_generation_tokens": _Hist(fin, g, les["vllm:request_generation_tokens"]),
+            "vllm:request_max_num_generation_tokens": _Hist(
+                fin, g, les["vllm:request_max_num_generation_tokens"]
+            ),
             "vllm:request_params_n": _Hist(fin, np.ones(len(fin)), les["vllm:request_params_n"]),
             "vllm:request_params_max_tokens": _Hist(fin, g, les["vllm:request_params_max_tokens"]),
-            "vllm:time_to_first_token_seconds": _Hist(fin, ttft,
-                                                      les["vllm:time_to_first_token_seconds"]),
-            "vllm:inter_token_latency_seconds": _Hist(fin, itl,
-                                                      les["vllm:inter_token_latency_seconds"],
-                                                      np.maximum(g - 1, 0)),
-            "vllm:request_time_per_output_token_seconds":
-                _Hist(fin, itl, les["vllm:request_time_per_output_token_seconds"]),
-            "vllm:e2e_request_latency_seconds": _Hist(fin, e2e,
-                                                      les["vllm:e2e_request_latency_seconds"]),
-            "vllm:request_queue_time_seconds": _Hist(fin, queue,
-                                                     les["vllm:request_queue_time_seconds"]),
-            "vllm:request_inference_time_seconds":
-                _Hist(fin, prefill + decode, les["vllm:request_inference_time_seconds"]),
-            "vllm:request_prefill_time_seconds": _Hist(fin, prefill,
-                                                       les["vllm:request_prefill_time_seconds"]),
-            "vllm:request_decode_time_seconds": _Hist(fin, decode,
-                                                      les["vllm:request_decode_time_seconds"]),
-            "vllm:request_num_preemptions": _Hist(fin, col("preemptions"),
-                                                  les["vllm:request_num_preemptions"]),
-            "vllm:request_prefill_kv_computed_tokens":
-                _Hist(fin, p - c, les["vllm:request_prefill_kv_computed_tokens"]),
+            "vllm:time_to_first_token_seconds": _Hist(
+                fin, ttft, les["vllm:time_to_first_token_seconds"]
+            ),
+            "vllm:inter_token_latency_seconds": _Hist(
+                fin, itl, les["vllm:inter_token_latency_seconds"], np.maximum(g - 1, 0)
+            ),
+            "vllm:request_time_per_output_token_seconds": _Hist(
+                fin, itl, les["vllm:request_time_per_output_token_seconds"]
+            ),
+            "vllm:e2e_request_latency_seconds": _Hist(
+                fin, e2e, les["vllm:e2e_request_latency_seconds"]
+            ),
+            "vllm:request_queue_time_seconds": _Hist(
+                fin, queue, les["vllm:request_queue_time_seconds"]
+            ),
+            "vllm:request_inference_time_seconds": _Hist(
+                fin, prefill + decode, les["vllm:request_inference_time_seconds"]
+            ),
+            "vllm:request_prefill_time_seconds": _Hist(
+                fin, prefill, les["vllm:request_prefill_time_seconds"]
+            ),
+            "vllm:request_decode_time_seconds": _Hist(
+                fin, decode, les["vllm:request_decode_time_seconds"]
+            ),
+            "vllm:request_num_preemptions": _Hist(
+                fin, col("preemptions"), les["vllm:request_num_preemptions"]
+            ),
+            "vllm:request_prefill_kv_computed_tokens": _Hist(
+                fin, p - c, les["vllm:request_prefill_kv_computed_tokens"]
+            ),
         }
         self.t0_wall: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -158,7 +198,8 @@ class VllmReplay:
             if m and m.group(1).endswith("_bucket"):
                 le = _labels(m.group(2))["le"]
                 out.setdefault(m.group(1)[: -len("_bucket")], []).append(
-                    float("inf") if le == "+Inf" else float(le))
+                    float("inf") if le == "+Inf" else float(le)
+                )
         return out
 
     # -- the replay clock ----------------------------------------------------------------
@@ -184,8 +225,11 @@ class VllmReplay:
 
     def render(self, wall: float | None = None) -> str:
         t = self.recorded_time(time.time() if wall is None else wall)
-        t_reset = (self.t_first + self.restart_at * (self.t_last - self.t_first)
-                   if self.restart_at is not None else None)
+        t_reset = (
+            self.t_first + self.restart_at * (self.t_last - self.t_first)
+            if self.restart_at is not None
+            else None
+        )
         base = 0.0 if t_reset is not None and t >= t_reset else 1.0  # fixture baseline
         t_from = t_reset if t_reset is not None and t >= t_reset else -np.inf
         k = int(np.searchsorted(self.steps["ts_unix_s"], t, side="right"))
@@ -198,8 +242,10 @@ class VllmReplay:
         def counter(name: str) -> float:
             return float(self.cum[name][k] - self.cum[name][k0])
 
-        n_fin = float(np.searchsorted(self.fin, t, side="right")
-                      - np.searchsorted(self.fin, t_from, side="right"))
+        n_fin = float(
+            np.searchsorted(self.fin, t, side="right")
+            - np.searchsorted(self.fin, t_from, side="right")
+        )
         gauges = {
             "vllm:num_requests_running": step_val("batch_size"),
             "vllm:num_requests_waiting": step_val("waiting") + step_val("deferred"),
@@ -229,14 +275,22 @@ class VllmReplay:
         if not self.old_names:
             return name
         for new, old in OLD_NAMES.items():
-            if name == new or (name.startswith(new) and name[len(new):] in
-                               ("_bucket", "_sum", "_count", "_created")):
-                return old + name[len(new):]
+            if name == new or (
+                name.startswith(new)
+                and name[len(new) :] in ("_bucket", "_sum", "_count", "_created")
+            ):
+                return old + name[len(new) :]
         return name
 
-    def _line(self, line: str, gauges: dict[str, float], counters: dict[str, float],
-              hists: dict[str, tuple[np.ndarray, float, float]], n_fin: float,
-              base: float) -> str:
+    def _line(
+        self,
+        line: str,
+        gauges: dict[str, float],
+        counters: dict[str, float],
+        hists: dict[str, tuple[np.ndarray, float, float]],
+        n_fin: float,
+        base: float,
+    ) -> str:
         if line.startswith("#"):
             parts = line.split(" ", 3)
             if len(parts) >= 3:
@@ -260,8 +314,9 @@ class VllmReplay:
         elif name in counters:
             value = base * value + counters[name]
         elif name == "vllm:num_requests_waiting_by_reason":
-            value = gauges["vllm:num_requests_waiting"] if labels.get("reason") == "capacity" \
-                else 0.0
+            value = (
+                gauges["vllm:num_requests_waiting"] if labels.get("reason") == "capacity" else 0.0
+            )
         elif name == "vllm:request_success_total":
             value = base * value + (n_fin if labels.get("finished_reason") == "length" else 0)
         else:
@@ -279,14 +334,21 @@ class VllmReplay:
                     value = base * value + sm
                     break
         body = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        return f"{self._rename(name)}{{{body}}} {_fmt(value)}" if labels else \
-            f"{self._rename(name)} {_fmt(value)}"
+        return (
+            f"{self._rename(name)}{{{body}}} {_fmt(value)}"
+            if labels
+            else f"{self._rename(name)} {_fmt(value)}"
+        )
 
     # -- the server ----------------------------------------------------------------------
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.render(), content_type="text/plain",
-                            charset="utf-8", headers={"X-Replay": "vllm"})
+        return web.Response(
+            text=self.render(),
+            content_type="text/plain",
+            charset="utf-8",
+            headers={"X-Replay": "vllm"},
+        )
 
     def start(self) -> VllmReplay:
         ready = threading.Event()

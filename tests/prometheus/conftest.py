@@ -38,16 +38,20 @@ from tests._resources import release_after_last_use
 
 
 @pytest.fixture(scope="session")
-def fleet(tmp_path_factory: pytest.TempPathFactory,
-          request: pytest.FixtureRequest) -> Iterator[Fleet]:
+def fleet(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Fleet]:
     """Two replayed vLLM servers and a collector, scraped by Prometheus, VictoriaMetrics
     and a Prometheus behind TLS and basic auth; all stopped after the last test using it."""
     workdir = tmp_path_factory.mktemp("prom-fleet")
     recording = load_recording(BUNDLED_RECORDING)
     new = VllmReplay(recording).start()
     old = VllmReplay(recording, old_names=True, restart_at=0.5, model="old-model").start()
-    collector = CollectorProcess(workdir / "store.duckdb", log_path=workdir / "collector.log",
-                                 extra_args=["--advise-interval-s", "0", "--kv-events", "off"])
+    collector = CollectorProcess(
+        workdir / "store.duckdb",
+        log_path=workdir / "collector.log",
+        extra_args=["--advise-interval-s", "0", "--kv-events", "off"],
+    )
     started: list[Backend] = []
     feed: PacedFeed | None = None
 
@@ -80,7 +84,15 @@ def fleet(tmp_path_factory: pytest.TempPathFactory,
         since = new.t0_wall - 2.0
         time.sleep(new.duration_wall_s + 3 * SCRAPE_S)
         feed.thread.join(15)
-        yield Fleet(recording, new, old, collector, {b.name: b for b in started},
-                    since=since, until=time.time(), feed_errors=feed.errors)
+        yield Fleet(
+            recording,
+            new,
+            old,
+            collector,
+            {b.name: b for b in started},
+            since=since,
+            until=time.time(),
+            feed_errors=feed.errors,
+        )
     finally:
         stop()

@@ -29,31 +29,70 @@ DEPLOY_RULES = ROOT / "deploy" / "prometheus" / "kvscope-alerts.yml"
 #: (where, kind, subject, fix contains) of every broken reference in the old dashboard.
 DASHBOARD_PROBLEMS = {
     ("variable $kv_models", "renamed", "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"),
-    ("panel 'KV cache usage' [A]", "renamed", "vllm:gpu_cache_usage_perc",
-     "vllm:kv_cache_usage_perc"),
-    ("panel 'Token throughput' [A]", "missing_total", "vllm:prompt_tokens",
-     "vllm:prompt_tokens_total"),
-    ("panel 'Prefix cache hit rate' [A]", "renamed", "vllm:gpu_prefix_cache_hits_total",
-     "vllm:prefix_cache_hits_total"),
-    ("panel 'Prefix cache hit rate' [A]", "renamed", "vllm:gpu_prefix_cache_queries_total",
-     "vllm:prefix_cache_queries_total"),
-    ("panel 'Time per output token P99' [A]", "renamed",
-     "vllm:time_per_output_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket"),
-    ("panel 'Swapped and running' [A]", "removed", "vllm:num_requests_swapped",
-     "no replacement"),
-    ("panel 'Swapped and running' [B]", "missing_label", "vllm:num_requests_running{gpu}",
-     "engine, instance, job, model_name"),
+    (
+        "panel 'KV cache usage' [A]",
+        "renamed",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:kv_cache_usage_perc",
+    ),
+    (
+        "panel 'Token throughput' [A]",
+        "missing_total",
+        "vllm:prompt_tokens",
+        "vllm:prompt_tokens_total",
+    ),
+    (
+        "panel 'Prefix cache hit rate' [A]",
+        "renamed",
+        "vllm:gpu_prefix_cache_hits_total",
+        "vllm:prefix_cache_hits_total",
+    ),
+    (
+        "panel 'Prefix cache hit rate' [A]",
+        "renamed",
+        "vllm:gpu_prefix_cache_queries_total",
+        "vllm:prefix_cache_queries_total",
+    ),
+    (
+        "panel 'Time per output token P99' [A]",
+        "renamed",
+        "vllm:time_per_output_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+    ),
+    ("panel 'Swapped and running' [A]", "removed", "vllm:num_requests_swapped", "no replacement"),
+    (
+        "panel 'Swapped and running' [B]",
+        "missing_label",
+        "vllm:num_requests_running{gpu}",
+        "engine, instance, job, model_name",
+    ),
     ("panel 'Swapped and running' [C]", "grouping_label", "pod", "available: engine"),
-    ("panel 'Generation throughput (old gauge)' [A]", "removed",
-     "vllm:avg_generation_throughput_toks_per_s", "rate(vllm:generation_tokens_total[1m])"),
-    ("panel 'E2E latency' [A]", "histogram_base", "vllm:e2e_request_latency_seconds",
-     "vllm:e2e_request_latency_seconds_bucket"),
+    (
+        "panel 'Generation throughput (old gauge)' [A]",
+        "removed",
+        "vllm:avg_generation_throughput_toks_per_s",
+        "rate(vllm:generation_tokens_total[1m])",
+    ),
+    (
+        "panel 'E2E latency' [A]",
+        "histogram_base",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:e2e_request_latency_seconds_bucket",
+    ),
 }
 RULES_PROBLEMS = {
-    ("alert VllmKvCacheFull (group vllm)", "renamed", "vllm:gpu_cache_usage_perc",
-     "vllm:kv_cache_usage_perc"),
-    ("alert VllmPreempting (group vllm)", "missing_total", "vllm:num_preemptions",
-     "vllm:num_preemptions_total"),
+    (
+        "alert VllmKvCacheFull (group vllm)",
+        "renamed",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:kv_cache_usage_perc",
+    ),
+    (
+        "alert VllmPreempting (group vllm)",
+        "missing_total",
+        "vllm:num_preemptions",
+        "vllm:num_preemptions_total",
+    ),
 }
 
 
@@ -107,8 +146,13 @@ def test_bad_input() -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope.cli.main", "lint", *args],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope.cli.main", "lint", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
 
 
 def test_cli_exit_codes(tmp_path: Path) -> None:
@@ -121,8 +165,23 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
     assert len(doc["problems"]) == len(DASHBOARD_PROBLEMS)
     assert doc["unchecked_metrics"] == ["DCGM_FI_DEV_GPU_UTIL"]
     clean = tmp_path / "clean.json"
-    clean.write_text(json.dumps({"panels": [{"title": "ok", "targets": [
-        {"refId": "A", "expr": "sum by (model_name) (rate(vllm:prompt_tokens_total[5m]))"}]}]}))
+    clean.write_text(
+        json.dumps(
+            {
+                "panels": [
+                    {
+                        "title": "ok",
+                        "targets": [
+                            {
+                                "refId": "A",
+                                "expr": "sum by (model_name) (rate(vllm:prompt_tokens_total[5m]))",
+                            }
+                        ],
+                    }
+                ]
+            }
+        )
+    )
     ok = _cli(str(clean), "--against", str(FIXTURE))
     assert ok.returncode == 0 and ok.stdout.startswith("clean: 1 queries"), ok.stdout
     bad_json = tmp_path / "bad.json"
@@ -139,30 +198,38 @@ def test_cli_exit_codes(tmp_path: Path) -> None:
 def test_against_a_live_metrics_url(fleet: Fleet) -> None:
     p = _cli(str(DASHBOARD), "--against", f"{fleet.new.url}/metrics", "--json")
     assert p.returncode == 1, p.stderr
-    got = {(x["where"], x["kind"], x["subject"], x["fix"]) for x in
-           json.loads(p.stdout)["problems"]}
+    got = {
+        (x["where"], x["kind"], x["subject"], x["fix"]) for x in json.loads(p.stdout)["problems"]
+    }
     _matches(got, DASHBOARD_PROBLEMS)
 
 
 def test_against_prometheus(fleet: Fleet) -> None:
     """What Prometheus stored for the 0.32 engine: the same references are broken."""
     url = fleet.backends["prometheus"].url
-    p = _cli(str(DASHBOARD), "--prometheus", url, "--selector", '{model_name="kvscope-demo"}',
-             "--json")
+    p = _cli(
+        str(DASHBOARD), "--prometheus", url, "--selector", '{model_name="kvscope-demo"}', "--json"
+    )
     assert p.returncode == 1, p.stderr
-    got = {(x["where"], x["kind"], x["subject"], x["fix"]) for x in
-           json.loads(p.stdout)["problems"]}
+    got = {
+        (x["where"], x["kind"], x["subject"], x["fix"]) for x in json.loads(p.stdout)["problems"]
+    }
     _matches(got, DASHBOARD_PROBLEMS)
     # The whole fleet also holds the engine still on the old names: those are not broken.
     whole = json.loads(_cli(str(DASHBOARD), "--prometheus", url, "--json").stdout)
     assert not [x for x in whole["problems"] if x["subject"] == "vllm:gpu_cache_usage_perc"]
 
 
-@pytest.mark.skipif(not (DEPLOY_DASHBOARD.exists() and DEPLOY_RULES.exists()),
-                    reason="deploy/ dashboard or alert rules not present")
+@pytest.mark.skipif(
+    not (DEPLOY_DASHBOARD.exists() and DEPLOY_RULES.exists()),
+    reason="deploy/ dashboard or alert rules not present",
+)
 def test_kvscope_dashboard_and_alerts_lint_clean_against_a_collector(tmp_path: Path) -> None:
-    collector = CollectorProcess(tmp_path / "store.duckdb", log_path=tmp_path / "collector.log",
-                                 extra_args=["--advise-interval-s", "1"])
+    collector = CollectorProcess(
+        tmp_path / "store.duckdb",
+        log_path=tmp_path / "collector.log",
+        extra_args=["--advise-interval-s", "1"],
+    )
     collector.start()
     try:
         replay(load_recording(BUNDLED_RECORDING), collector.url, progress=False)

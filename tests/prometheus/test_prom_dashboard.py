@@ -24,10 +24,12 @@ KVSCOPE_ENGINE = "demo-host:8000:0"
 PAGES = ["pages/engine.py", "pages/plateau.py", "pages/recommendations.py", "pages/prefix.py"]
 
 
-def _app(monkeypatch: pytest.MonkeyPatch, fleet: Fleet, *where: str,
-         page: str | None = None) -> AppTest:
-    monkeypatch.setattr(sys, "argv", ["app.py", *where, "--refresh", "0",
-                                      "--since", f"{fleet.since:.3f}"])
+def _app(
+    monkeypatch: pytest.MonkeyPatch, fleet: Fleet, *where: str, page: str | None = None
+) -> AppTest:
+    monkeypatch.setattr(
+        sys, "argv", ["app.py", *where, "--refresh", "0", "--since", f"{fleet.since:.3f}"]
+    )
     at = AppTest.from_file(str(APP), default_timeout=120)
     at.run()
     if page is not None:
@@ -48,7 +50,8 @@ def _verdicts(at: AppTest) -> dict[str, str]:
 
 
 def test_overview_from_prometheus_matches_the_advisor_and_the_store(
-        monkeypatch: pytest.MonkeyPatch, fleet: Fleet) -> None:
+    monkeypatch: pytest.MonkeyPatch, fleet: Fleet
+) -> None:
     url = fleet.backends["prometheus"].url
     at = _app(monkeypatch, fleet, "--prometheus", url)
     assert not at.error, [e.value for e in at.error]
@@ -58,10 +61,14 @@ def test_overview_from_prometheus_matches_the_advisor_and_the_store(
     assert len(got) == 3
     for v in expected.engines:
         assert got[v.engine_id].startswith(
-            f"{v.bottleneck}, {'saturated' if v.saturated else 'headroom'}"), v.engine_id
+            f"{v.bottleneck}, {'saturated' if v.saturated else 'headroom'}"
+        ), v.engine_id
     caption = at.caption[0].value
-    assert f"from {url}" in caption and "1-second windows (Prometheus, confidences scaled" \
-        in caption and "(estimated from histograms)" in caption
+    assert (
+        f"from {url}" in caption
+        and "1-second windows (Prometheus, confidences scaled" in caption
+        and "(estimated from histograms)" in caption
+    )
     assert f"**Prometheus** `{url}`" in "\n".join(m.value for m in at.sidebar.markdown)
 
     store = _verdicts(_app(monkeypatch, fleet, "--collector", fleet.collector.url))
@@ -70,8 +77,9 @@ def test_overview_from_prometheus_matches_the_advisor_and_the_store(
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_every_page_renders_from_prometheus(monkeypatch: pytest.MonkeyPatch, fleet: Fleet,
-                                            page: str) -> None:
+def test_every_page_renders_from_prometheus(
+    monkeypatch: pytest.MonkeyPatch, fleet: Fleet, page: str
+) -> None:
     at = _app(monkeypatch, fleet, "--prometheus", fleet.backends["prometheus"].url, page=page)
     assert not at.error, [e.value for e in at.error]
     if page == "pages/engine.py":
@@ -79,11 +87,18 @@ def test_every_page_renders_from_prometheus(monkeypatch: pytest.MonkeyPatch, fle
         assert at.get("vega_lite_chart")  # the per-scrape series are drawn
 
 
-def test_dashboard_with_basic_auth_from_the_environment(monkeypatch: pytest.MonkeyPatch,
-                                                        fleet: Fleet) -> None:
+def test_dashboard_with_basic_auth_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, fleet: Fleet
+) -> None:
     b = fleet.backends["prometheus-secured"]
-    where = ["--prometheus", b.url, "--prometheus-user", b.user, "--prometheus-ca-file",
-             str(b.ca_file)]
+    where = [
+        "--prometheus",
+        b.url,
+        "--prometheus-user",
+        b.user,
+        "--prometheus-ca-file",
+        str(b.ca_file),
+    ]
     monkeypatch.setenv("KVSCOPE_PROMETHEUS_PASSWORD", "not-the-Pa55word")
     at = _app(monkeypatch, fleet, *where)
     errors = "\n".join(e.value for e in at.error)

@@ -23,22 +23,42 @@ ROOT = Path(__file__).resolve().parents[2]
 KVSCOPE_ENGINE = "demo-host:8000:0"
 
 
-def _report(fleet: Fleet, out: Path, *where: str) -> tuple[subprocess.CompletedProcess[str],
-                                                           dict[str, Any]]:
-    p = subprocess.run([sys.executable, "-m", "kvscope.cli.main", "report", *where,
-                        "--since", f"{fleet.since:.3f}", "--until", f"{fleet.until:.3f}",
-                        "--out", str(out), "--no-progress"],
-                       capture_output=True, text=True, timeout=180, cwd=ROOT)
+def _report(
+    fleet: Fleet, out: Path, *where: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvscope.cli.main",
+            "report",
+            *where,
+            "--since",
+            f"{fleet.since:.3f}",
+            "--until",
+            f"{fleet.until:.3f}",
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
     doc = json.loads((out / "report.json").read_text()) if p.returncode == 0 else {}
     return p, doc
 
 
 @pytest.fixture(scope="module")
-def reports(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory
-            ) -> dict[str, tuple[Path, dict[str, Any]]]:
+def reports(
+    fleet: Fleet, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, dict[str, Any]]]:
     out = {}
-    for name, where in (("store", ["--collector", fleet.collector.url]),
-                        ("prometheus", ["--prometheus", fleet.backends["prometheus"].url])):
+    for name, where in (
+        ("store", ["--collector", fleet.collector.url]),
+        ("prometheus", ["--prometheus", fleet.backends["prometheus"].url]),
+    ):
         d = tmp_path_factory.mktemp(f"report-{name}")
         p, doc = _report(fleet, d, *where)
         assert p.returncode == 0, p.stderr
@@ -51,8 +71,9 @@ def _engines(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {e["engine_id"]: e for e in doc["current"]["engines"]}
 
 
-def test_same_verdicts_as_from_the_store(reports: dict[str, tuple[Path, dict[str, Any]]],
-                                         fleet: Fleet) -> None:
+def test_same_verdicts_as_from_the_store(
+    reports: dict[str, tuple[Path, dict[str, Any]]], fleet: Fleet
+) -> None:
     store = _engines(reports["store"][1])
     prom = _engines(reports["prometheus"][1])
     assert set(store) == {KVSCOPE_ENGINE}
@@ -70,8 +91,7 @@ def test_same_verdicts_as_from_the_store(reports: dict[str, tuple[Path, dict[str
     assert pools == {"demo", "kvscope-demo", "old-model"}
 
 
-def test_the_report_states_its_resolution(reports: dict[str, tuple[Path, dict[str, Any]]]
-                                          ) -> None:
+def test_the_report_states_its_resolution(reports: dict[str, tuple[Path, dict[str, Any]]]) -> None:
     out, doc = reports["prometheus"]
     cov = doc["current"]["coverage"]
     assert cov["source"] == "prometheus" and cov["resolution_s"] == 1
@@ -91,12 +111,24 @@ def test_report_errors_from_prometheus(fleet: Fleet, tmp_path: Path) -> None:
     url = fleet.backends["prometheus"].url
     none, _ = _report(fleet, tmp_path / "a", "--prometheus", url, "--selector", '{job="nope"}')
     assert none.returncode == 3 and "no vLLM series" in none.stderr
-    down, _ = _report(fleet, tmp_path / "b", "--prometheus", "http://127.0.0.1:9",
-                      "--timeout", "2")
+    down, _ = _report(fleet, tmp_path / "b", "--prometheus", "http://127.0.0.1:9", "--timeout", "2")
     assert down.returncode == 2 and "cannot reach Prometheus at http://127.0.0.1:9" in down.stderr
-    both = subprocess.run([sys.executable, "-m", "kvscope.cli.main", "report", "--prometheus", url,
-                           "--collector", fleet.collector.url], capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    both = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvscope.cli.main",
+            "report",
+            "--prometheus",
+            url,
+            "--collector",
+            fleet.collector.url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
 
 
@@ -104,9 +136,20 @@ def test_report_with_basic_auth(fleet: Fleet, tmp_path: Path) -> None:
     b = fleet.backends["prometheus-secured"]
     pw = tmp_path / "pw"
     pw.write_text(b.password)
-    p, doc = _report(fleet, tmp_path / "r", "--prometheus", b.url, "--prometheus-user", b.user,
-                     "--prometheus-password-file", str(pw), "--prometheus-ca-file",
-                     str(b.ca_file), "--pool", "kvscope-demo")
+    p, doc = _report(
+        fleet,
+        tmp_path / "r",
+        "--prometheus",
+        b.url,
+        "--prometheus-user",
+        b.user,
+        "--prometheus-password-file",
+        str(pw),
+        "--prometheus-ca-file",
+        str(b.ca_file),
+        "--pool",
+        "kvscope-demo",
+    )
     assert p.returncode == 0, p.stderr
     assert [e["bottleneck"] for e in doc["current"]["engines"]] == ["kv_cache_bound"]
     assert b.password not in (tmp_path / "r" / "report.html").read_text()

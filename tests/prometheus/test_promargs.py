@@ -38,8 +38,12 @@ def test_no_prometheus_no_target() -> None:
 
 
 def test_bearer_token_from_file_or_environment(tmp_path: Path) -> None:
-    t = _parse("--prometheus", "prom:9090", "--prometheus-bearer-token-file",
-               _file(tmp_path, "t", "  abc123\n"))
+    t = _parse(
+        "--prometheus",
+        "prom:9090",
+        "--prometheus-bearer-token-file",
+        _file(tmp_path, "t", "  abc123\n"),
+    )
     assert t is not None and t.url == "http://prom:9090" and t.auth is not None
     assert t.auth.request_headers() == {"Authorization": "Bearer abc123"}
     e = _parse("--prometheus", "https://prom", env={ENV_BEARER: "fromenv"})
@@ -48,10 +52,17 @@ def test_bearer_token_from_file_or_environment(tmp_path: Path) -> None:
 
 
 def test_basic_auth_and_headers(tmp_path: Path) -> None:
-    t = _parse("--prometheus", "http://p", "--prometheus-user", "ops",
-               "--prometheus-password-file", _file(tmp_path, "pw", "pa:ss\n"),
-               "--prometheus-header", "X-Scope-OrgID: team-a",
-               env={ENV_HEADERS: "X-Extra: 1"})
+    t = _parse(
+        "--prometheus",
+        "http://p",
+        "--prometheus-user",
+        "ops",
+        "--prometheus-password-file",
+        _file(tmp_path, "pw", "pa:ss\n"),
+        "--prometheus-header",
+        "X-Scope-OrgID: team-a",
+        env={ENV_HEADERS: "X-Extra: 1"},
+    )
     assert t is not None and t.auth is not None
     h = t.auth.request_headers()
     assert h["Authorization"] == "Basic " + base64.b64encode(b"ops:pa:ss").decode()
@@ -80,8 +91,16 @@ def test_inconsistent_options_name_the_option(tmp_path: Path) -> None:
         _parse("--prometheus", "http://u:hunter2@p")
     assert "hunter2" not in str(e.value)
     with pytest.raises(PromArgError, match="not both"):
-        _parse("--prometheus", "p", "--prometheus-bearer-token-file", _file(tmp_path, "t", "x"),
-               "--prometheus-user", "u", "--prometheus-password-file", _file(tmp_path, "w", "y"))
+        _parse(
+            "--prometheus",
+            "p",
+            "--prometheus-bearer-token-file",
+            _file(tmp_path, "t", "x"),
+            "--prometheus-user",
+            "u",
+            "--prometheus-password-file",
+            _file(tmp_path, "w", "y"),
+        )
 
 
 def test_auth_repr_masks_secrets() -> None:
@@ -94,8 +113,19 @@ def test_auth_repr_masks_secrets() -> None:
 
 def test_dashboard_settings_round_trip_without_secrets(tmp_path: Path) -> None:
     env = {ENV_PASSWORD: "hunter2"}
-    s = parse_settings(["--prometheus", "p:9090", "--prometheus-user", "ops", "--selector",
-                        '{job="vllm"}', "--step", "15"], env)
+    s = parse_settings(
+        [
+            "--prometheus",
+            "p:9090",
+            "--prometheus-user",
+            "ops",
+            "--selector",
+            '{job="vllm"}',
+            "--step",
+            "15",
+        ],
+        env,
+    )
     assert s.prometheus is not None and s.collector_url == ""
     argv = to_argv(s)
     assert "hunter2" not in " ".join(argv) and "hunter2" not in s.cache_key()
@@ -143,8 +173,11 @@ def test_authorization_does_not_follow_a_redirect() -> None:
     for srv in (other, first):
         threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        client = PromClient(f"http://127.0.0.1:{first.server_address[1]}", timeout_s=5,
-                            auth=PromAuth(bearer_token="s3cr3t-token"))
+        client = PromClient(
+            f"http://127.0.0.1:{first.server_address[1]}",
+            timeout_s=5,
+            auth=PromAuth(bearer_token="s3cr3t-token"),
+        )
         with pytest.raises(SourceError, match="answered 401") as e:
             client.metadata()
         assert "s3cr3t-token" not in str(e.value)
@@ -156,7 +189,8 @@ def test_authorization_does_not_follow_a_redirect() -> None:
 
 
 def test_dashboard_refuses_prometheus_with_a_collector_or_the_demo(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from kvscope.cli import dashboard as cli
 
     p = argparse.ArgumentParser()

@@ -59,11 +59,16 @@ def test_pseudo_requests_spread_each_window_over_its_histograms() -> None:
     les = np.array([1.0, 2.0, INF])
     e2e = np.array([[0.0, 0.0, 0.0], [1.0, 3.0, 3.0], [0.0, 2.0, 2.0]])
     gen = np.array([[0.0, 0.0, 0.0], [0.0, 3.0, 3.0], [0.0, 0.0, 2.0]])
-    r = pseudo_requests("e", np.array([100.0, 101.0, 102.0]), np.array([0.0, 3.0, 2.0]),
-                        {"e2e": (les, e2e), "request_generation_tokens": (les, gen)},
-                        {"request_generation_tokens": np.array([math.nan, 1.5, math.nan])},
-                        scale=1.0, prompt_tokens=np.array([10.0, 20.0, 30.0]),
-                        cached_share=0.25)
+    r = pseudo_requests(
+        "e",
+        np.array([100.0, 101.0, 102.0]),
+        np.array([0.0, 3.0, 2.0]),
+        {"e2e": (les, e2e), "request_generation_tokens": (les, gen)},
+        {"request_generation_tokens": np.array([math.nan, 1.5, math.nan])},
+        scale=1.0,
+        prompt_tokens=np.array([10.0, 20.0, 30.0]),
+        cached_share=0.25,
+    )
     assert len(r) == 5 and set(r["engine_id"]) == {"e"}
     assert r["finished_unix_s"].tolist() == [101.5] * 3 + [102.5] * 2
     first = r[r["finished_unix_s"] == 101.5]
@@ -72,15 +77,23 @@ def test_pseudo_requests_spread_each_window_over_its_histograms() -> None:
     assert first["prompt_tokens"].tolist() == [20.0] * 3 and first["cached_tokens"].iloc[0] == 5
     assert r["ttft_s"].isna().all()  # no TTFT histogram given
     assert (r["weight"] == 1.0).all()
-    half = pseudo_requests("e", np.array([100.0, 101.0, 102.0]), np.array([0.0, 3.0, 2.0]),
-                           {"e2e": (les, e2e)}, {}, scale=0.5,
-                           prompt_tokens=np.full(3, 10.0), cached_share=0.0)
+    half = pseudo_requests(
+        "e",
+        np.array([100.0, 101.0, 102.0]),
+        np.array([0.0, 3.0, 2.0]),
+        {"e2e": (les, e2e)},
+        {},
+        scale=0.5,
+        prompt_tokens=np.full(3, 10.0),
+        cached_share=0.0,
+    )
     assert len(half) in (2, 3) and (half["weight"] == 2.0).all()
 
 
 def test_footprint_matches_the_capacity_models_formula() -> None:
-    r = pd.DataFrame({"prompt_tokens": [100, 100], "generation_tokens": [100, 300],
-                      "cached_tokens": [20, 20]})
+    r = pd.DataFrame(
+        {"prompt_tokens": [100, 100], "generation_tokens": [100, 300], "cached_tokens": [20, 20]}
+    )
     # weights g: (100*(80+50) + 300*(80+150)) / 400 + 16/2
     assert footprint_tokens(r, 16) == pytest.approx((100 * 130 + 300 * 230) / 400 + 8)
     assert math.isnan(footprint_tokens(r.iloc[0:0], 16))
@@ -111,10 +124,19 @@ def test_confidence_factor_falls_with_resolution() -> None:
 
 def _scraped_windows(steps: list[float], batch: list[float], gen: list[float]) -> pd.DataFrame:
     n = len(steps)
-    return pd.DataFrame({"engine_id": "e", "ts_s": np.arange(n), "n_steps": steps,
-                         "batch_mean": batch, "waiting_mean": 0.0, "generation_tokens": gen,
-                         "prompt_tokens": 0.0, "first_step_unix_s": math.nan,
-                         "last_step_unix_s": math.nan})
+    return pd.DataFrame(
+        {
+            "engine_id": "e",
+            "ts_s": np.arange(n),
+            "n_steps": steps,
+            "batch_mean": batch,
+            "waiting_mean": 0.0,
+            "generation_tokens": gen,
+            "prompt_tokens": 0.0,
+            "first_step_unix_s": math.nan,
+            "last_step_unix_s": math.nan,
+        }
+    )
 
 
 def test_busy_share_from_the_step_count_drops_draining_windows() -> None:
@@ -122,6 +144,7 @@ def test_busy_share_from_the_step_count_drops_draining_windows() -> None:
     at the same batch was idle part of the time and is left out of the curve."""
     from kvscope.advisor import ThroughputCurve
     from kvscope.advisor.frames import prepare_windows, step_count_busy_ratio
+
     levels = [(1, 240), (2, 230), (4, 200), (8, 155), (12, 118)]
     steps, batch = [], []
     for b, s in levels:

@@ -33,9 +33,11 @@ KVSCOPE_ENGINE = "demo-host:8000:0"
 def _recorded_totals(fleet: Fleet) -> dict[str, float]:
     steps = [b["steps"] for b in fleet.recording.batches if b.get("steps")]
     reqs = [b["requests"] for b in fleet.recording.batches if b.get("requests")]
-    return {"generation_tokens": float(sum(sum(s["generation_tokens"]) for s in steps)),
-            "preemptions": float(sum(sum(s["preemptions"]) for s in steps)),
-            "requests": float(sum(len(r["finished_unix_s"]) for r in reqs))}
+    return {
+        "generation_tokens": float(sum(sum(s["generation_tokens"]) for s in steps)),
+        "preemptions": float(sum(sum(s["preemptions"]) for s in steps)),
+        "requests": float(sum(len(r["finished_unix_s"]) for r in reqs)),
+    }
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -50,8 +52,9 @@ def test_the_fleet_was_fed(fleet: Fleet) -> None:
     assert fleet.new.scrapes > 50 and fleet.old.scrapes > 50
 
 
-def test_verdicts_agree_with_the_plugin_path(analysed: tuple[str, PrometheusSource, Any],
-                                             fleet: Fleet) -> None:
+def test_verdicts_agree_with_the_plugin_path(
+    analysed: tuple[str, PrometheusSource, Any], fleet: Fleet
+) -> None:
     name, _, report = analysed
     ids = {fleet.engine_id(fleet.new), fleet.engine_id(fleet.old), KVSCOPE_ENGINE}
     assert {v.engine_id for v in report.engines} == ids, name
@@ -68,8 +71,11 @@ def test_verdicts_agree_with_the_plugin_path(analysed: tuple[str, PrometheusSour
         assert 6 <= v.recommended_concurrency_cap <= 16, where
         assert 0 < v.confidence <= 0.9, where  # scaled by the resolution
     pools = {p.pool: p.engine_ids for p in report.pools}
-    assert pools == {"kvscope-demo": [fleet.engine_id(fleet.new)],
-                     "old-model": [fleet.engine_id(fleet.old)], "demo": [KVSCOPE_ENGINE]}
+    assert pools == {
+        "kvscope-demo": [fleet.engine_id(fleet.new)],
+        "old-model": [fleet.engine_id(fleet.old)],
+        "demo": [KVSCOPE_ENGINE],
+    }
 
 
 def test_resolution_is_stated(analysed: tuple[str, PrometheusSource, Any]) -> None:
@@ -91,12 +97,15 @@ def test_both_name_generations_are_read(analysed: tuple[str, PrometheusSource, A
     assert f is not None
     assert f.vllm["kv_usage"] == ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"]
     assert f.vllm["prefix_hits"] == ["vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"]
-    assert f.vllm["itl"] == ["vllm:inter_token_latency_seconds",
-                             "vllm:time_per_output_token_seconds"]
+    assert f.vllm["itl"] == [
+        "vllm:inter_token_latency_seconds",
+        "vllm:time_per_output_token_seconds",
+    ]
 
 
-def test_counters_add_up_to_the_recording(analysed: tuple[str, PrometheusSource, Any],
-                                          fleet: Fleet) -> None:
+def test_counters_add_up_to_the_recording(
+    analysed: tuple[str, PrometheusSource, Any], fleet: Fleet
+) -> None:
     """Increases between scrapes, summed, are the run's totals: exactly for the engine
     that ran through, within the few seconds lost at the restart for the other."""
     name, source, _ = analysed
@@ -108,16 +117,18 @@ def test_counters_add_up_to_the_recording(analysed: tuple[str, PrometheusSource,
         mine = w[w["engine_id"] == eid]
         gen = float(mine["generation_tokens"].sum())  # per second, 1 s windows
         assert gen == pytest.approx(want["generation_tokens"], rel=tol, abs=1e-6), (name, eid)
-        assert float(mine["preemptions"].sum()) == pytest.approx(want["preemptions"],
-                                                                 rel=max(tol, 0.0), abs=1e-6)
+        assert float(mine["preemptions"].sum()) == pytest.approx(
+            want["preemptions"], rel=max(tol, 0.0), abs=1e-6
+        )
         n = int((r["engine_id"] == eid).sum())
         assert n == pytest.approx(want["requests"], rel=tol, abs=0), (name, eid)
         counts = mine[["generation_tokens", "prompt_tokens", "preemptions"]]
         assert (counts.fillna(0) >= 0).all().all()  # resets never read as negative
 
 
-def test_collector_series_carry_the_queue_per_step(analysed: tuple[str, PrometheusSource, Any],
-                                                  fleet: Fleet) -> None:
+def test_collector_series_carry_the_queue_per_step(
+    analysed: tuple[str, PrometheusSource, Any], fleet: Fleet
+) -> None:
     """From a collector's series the queue is a per-step mean (its per-step sums over the
     steps), as in the store, not the latest step's gauge: weighted by the windows' steps,
     it adds up to the recording's queue summed over its steps."""
@@ -134,8 +145,9 @@ def test_collector_series_carry_the_queue_per_step(analysed: tuple[str, Promethe
     assert (np.abs(queued - np.round(queued)) > 1e-6).mean() > 0.5, name
 
 
-def test_engine_configuration_from_the_info_series(analysed: tuple[str, PrometheusSource, Any],
-                                                   fleet: Fleet) -> None:
+def test_engine_configuration_from_the_info_series(
+    analysed: tuple[str, PrometheusSource, Any], fleet: Fleet
+) -> None:
     _, source, _ = analysed
     e = source.engines().set_index("engine_id")
     new = e.loc[fleet.engine_id(fleet.new)]
@@ -148,13 +160,15 @@ def test_engine_configuration_from_the_info_series(analysed: tuple[str, Promethe
     assert (kv["max_num_seqs"], kv["max_num_batched_tokens"]) == (256, 2048)
 
 
-def test_requests_are_histogram_estimates(analysed: tuple[str, PrometheusSource, Any],
-                                          fleet: Fleet) -> None:
+def test_requests_are_histogram_estimates(
+    analysed: tuple[str, PrometheusSource, Any], fleet: Fleet
+) -> None:
     _, source, _ = analysed
     r = source.requests(fleet.since, fleet.until)
     mine = r[r["engine_id"] == fleet.engine_id(fleet.new)]
-    real = np.concatenate([b["requests"]["e2e_s"] for b in fleet.recording.batches
-                           if b.get("requests")])
+    real = np.concatenate(
+        [b["requests"]["e2e_s"] for b in fleet.recording.batches if b.get("requests")]
+    )
     # Bucket interpolation keeps each percentile in the bucket the real one is in.
     les = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0]  # vLLM's e2e buckets
     for q in (0.1, 0.5, 0.9, 0.99):
@@ -179,8 +193,11 @@ def test_selector_and_pool_label(fleet: Fleet) -> None:
 def test_engines_before_any_range_is_read(fleet: Fleet) -> None:
     source = PrometheusSource(fleet.backends["prometheus"].url, lookback_s=3600)
     e = source.engines()
-    assert set(e["engine_id"]) == {fleet.engine_id(fleet.new), fleet.engine_id(fleet.old),
-                                   KVSCOPE_ENGINE}
+    assert set(e["engine_id"]) == {
+        fleet.engine_id(fleet.new),
+        fleet.engine_id(fleet.old),
+        KVSCOPE_ENGINE,
+    }
     assert set(e.loc[e["series"] == "vllm", "num_gpu_blocks"]) == {48}
 
 
@@ -195,8 +212,13 @@ def test_errors_name_the_cause(fleet: Fleet) -> None:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvscope.cli.main", *args], capture_output=True,
-                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    return subprocess.run(
+        [sys.executable, "-m", "kvscope.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
 
 
 def test_cli_advise_from_prometheus(fleet: Fleet, tmp_path: Path) -> None:

@@ -27,8 +27,10 @@ def test_wire_names() -> None:
     assert wire_names("vllm:prompt_tokens", "counter") == ("vllm:prompt_tokens_total",)
     assert wire_names("vllm:num_preemptions_total", "counter") == ("vllm:num_preemptions_total",)
     assert wire_names("vllm:e2e_request_latency_seconds", "histogram") == (
-        "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
-        "vllm:e2e_request_latency_seconds_count")
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_sum",
+        "vllm:e2e_request_latency_seconds_count",
+    )
     assert wire_names("vllm:kv_cache_usage_perc", "gauge") == ("vllm:kv_cache_usage_perc",)
 
 
@@ -42,16 +44,23 @@ def test_every_role_resolves_on_the_real_vllm_032_scrape() -> None:
 
 
 def test_old_names_resolve_when_only_they_are_exposed() -> None:
-    old = {"vllm:num_requests_running", "vllm:gpu_cache_usage_perc",
-           "vllm:gpu_prefix_cache_queries_total", "vllm:gpu_prefix_cache_hits_total",
-           "vllm:time_per_output_token_seconds_count", "vllm:time_in_queue_requests_count"}
+    old = {
+        "vllm:num_requests_running",
+        "vllm:gpu_cache_usage_perc",
+        "vllm:gpu_prefix_cache_queries_total",
+        "vllm:gpu_prefix_cache_hits_total",
+        "vllm:time_per_output_token_seconds_count",
+        "vllm:time_in_queue_requests_count",
+    }
     got = resolve(old)
-    assert got == {"running": "vllm:num_requests_running",
-                   "kv_usage": "vllm:gpu_cache_usage_perc",
-                   "prefix_queries": "vllm:gpu_prefix_cache_queries",
-                   "prefix_hits": "vllm:gpu_prefix_cache_hits",
-                   "itl": "vllm:time_per_output_token_seconds",
-                   "queue": "vllm:time_in_queue_requests"}
+    assert got == {
+        "running": "vllm:num_requests_running",
+        "kv_usage": "vllm:gpu_cache_usage_perc",
+        "prefix_queries": "vllm:gpu_prefix_cache_queries",
+        "prefix_hits": "vllm:gpu_prefix_cache_hits",
+        "itl": "vllm:time_per_output_token_seconds",
+        "queue": "vllm:time_in_queue_requests",
+    }
     # 0.9.2 - 0.11 exposed both: the new name wins.
     assert resolve(old | {"vllm:kv_cache_usage_perc"})["kv_usage"] == "vllm:kv_cache_usage_perc"
     # A counter's family name without _total is not what is on the wire.
@@ -64,14 +73,20 @@ def test_renames_and_removals() -> None:
     assert replacement("vllm:gpu_prefix_cache_hits_total") == "vllm:prefix_cache_hits_total"
     assert replacement("vllm:gpu_prefix_cache_hits") == "vllm:prefix_cache_hits_total"
     assert replacement("vllm:gpu_cache_usage_perc") == "vllm:kv_cache_usage_perc"
-    assert replacement("vllm:time_per_output_token_seconds_bucket") == \
-        "vllm:inter_token_latency_seconds_bucket"
+    assert (
+        replacement("vllm:time_per_output_token_seconds_bucket")
+        == "vllm:inter_token_latency_seconds_bucket"
+    )
     assert replacement("vllm:num_requests_swapped") is None
     assert change_for("vllm:num_requests_running") is None
-    assert family_of("vllm:iteration_tokens_total_count") == ("vllm:iteration_tokens_total",
-                                                              "_count")
+    assert family_of("vllm:iteration_tokens_total_count") == (
+        "vllm:iteration_tokens_total",
+        "_count",
+    )
     assert family_of("vllm:gpu_prefix_cache_queries_total") == (
-        "vllm:gpu_prefix_cache_queries", "_total")
+        "vllm:gpu_prefix_cache_queries",
+        "_total",
+    )
 
 
 def test_no_new_name_is_also_retired_and_new_names_exist_in_032() -> None:
@@ -89,6 +104,7 @@ def test_markdown_table_lists_every_change() -> None:
     lines = table.splitlines()
     assert lines[0].startswith("| old name | use instead |")
     assert len(lines) == 2 + len(CHANGES)
-    assert "| `vllm:gpu_prefix_cache_hits_total` | `vllm:prefix_cache_hits_total` | counter |" \
-        in table
+    assert (
+        "| `vllm:gpu_prefix_cache_hits_total` | `vllm:prefix_cache_hits_total` | counter |" in table
+    )
     assert "`rate(vllm:generation_tokens_total[1m])`" in table

@@ -62,13 +62,16 @@ def plan(now_unix_s: float) -> Week:
         second_week, weekday = day >= 7, day % 7 < 5
         full = 1.0 if weekday else WEEKEND
         day0 = start + day * DAY_S
-        week.runs.append(Run(CHAT_A, "ample_kv" if second_week else "seq_capped", full,
-                             day0 + 3 * 3600))
-        week.runs.append(Run(CHAT_B, "overload_kv_starved",
-                             full if second_week else LIGHT, day0 + 5 * 3600))
+        week.runs.append(
+            Run(CHAT_A, "ample_kv" if second_week else "seq_capped", full, day0 + 3 * 3600)
+        )
+        week.runs.append(
+            Run(CHAT_B, "overload_kv_starved", full if second_week else LIGHT, day0 + 5 * 3600)
+        )
         week.runs.append(Run(BATCH_A, "seq_capped", full, day0 + 9 * 3600))
-    first = min(r.end_unix_s for r in week.runs if r.engine_id == CHAT_A
-                and r.recording == "ample_kv")
+    first = min(
+        r.end_unix_s for r in week.runs if r.engine_id == CHAT_A and r.recording == "ample_kv"
+    )
     week.config_change_unix_s = first - 90.0
     return week
 
@@ -105,17 +108,24 @@ def merged_run(rec: Recording, run: Run) -> dict[str, Any]:
     host, port, index = run.engine_id.split(":")
     out["engine_id"] = run.engine_id
     out["seq"] = 0
-    out["hello"] = {**hello, "engine_id": run.engine_id, "host": host, "port": int(port),
-                    "engine_index": int(index), "pool": POOLS[run.engine_id],
-                    "boot_id": out["boot_id"]}
+    out["hello"] = {
+        **hello,
+        "engine_id": run.engine_id,
+        "host": host,
+        "port": int(port),
+        "engine_index": int(index),
+        "pool": POOLS[run.engine_id],
+        "boot_id": out["boot_id"],
+    }
     return out
 
 
 def generate(url: str, now_unix_s: float) -> Week:
     """Send the two weeks to the collector at ``url``; return what was sent."""
     week = plan(now_unix_s)
-    recs = {n: load_recording(RECORDINGS / f"{n}.jsonl.gz")
-            for n in {r.recording for r in week.runs}}
+    recs = {
+        n: load_recording(RECORDINGS / f"{n}.jsonl.gz") for n in {r.recording for r in week.runs}
+    }
     for run in week.runs:
         batch = merged_run(recs[run.recording], run)
         answer = post_batch(url, batch, timeout_s=120.0)

@@ -83,8 +83,14 @@ class Session:
 def kvscope_report(*args: str, out: Path) -> Run:
     cmd = [sys.executable, "-m", "kvscope.cli.main", "report", *args, "--out", str(out)]
     t0 = time.monotonic()
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    p = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     return Run(cmd, out, p.returncode, p.stdout, p.stderr, time.monotonic() - t0)
 
 
@@ -92,15 +98,30 @@ def chromium(html: Path, shot: Path) -> Browser:
     """Screenshot and DOM of ``html`` in headless Chromium (fails when it is missing)."""
     binary = shutil.which("chromium") or shutil.which("chromium-browser")
     if binary is None:
-        pytest.fail("chromium is not installed: the report test renders the HTML in a real "
-                    "headless Chromium (Debian: apt-get install -y chromium; ./scripts/test "
-                    "installs it)")
-    base = [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-            "--no-first-run", "--disable-dev-shm-usage", f"--user-data-dir={shot.parent / 'profile'}"]
-    p = subprocess.run([*base, f"--screenshot={shot}", "--window-size=1300,2000",
-                        html.resolve().as_uri()], capture_output=True, text=True, timeout=120)
-    dom = subprocess.run([*base, "--dump-dom", html.resolve().as_uri()], capture_output=True,
-                         text=True, timeout=120)
+        pytest.fail(
+            "chromium is not installed: the report test renders the HTML in a real "
+            "headless Chromium (Debian: apt-get install -y chromium; ./scripts/test "
+            "installs it)"
+        )
+    base = [
+        binary,
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--hide-scrollbars",
+        "--no-first-run",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={shot.parent / 'profile'}",
+    ]
+    p = subprocess.run(
+        [*base, f"--screenshot={shot}", "--window-size=1300,2000", html.resolve().as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    dom = subprocess.run(
+        [*base, "--dump-dom", html.resolve().as_uri()], capture_output=True, text=True, timeout=120
+    )
     return Browser(shot, dom.stdout, p.returncode or dom.returncode, p.stderr + dom.stderr)
 
 
@@ -119,19 +140,19 @@ def session(tmp_path_factory: pytest.TempPathFactory, artefacts: Path) -> Iterat
     c.start()
     try:
         week = generate(c.url, time.time())
-        via_collector = kvscope_report("--collector", c.url, "--since", "7d",
-                                       out=artefacts / "via-collector")
+        via_collector = kvscope_report(
+            "--collector", c.url, "--since", "7d", out=artefacts / "via-collector"
+        )
         assert via_collector.returncode == 0, via_collector.stderr
         window = via_collector.json["window"]
-        reference = analyze(CollectorSource(c.url), window["since_unix_s"],
-                            window["until_unix_s"])
+        reference = analyze(CollectorSource(c.url), window["since_unix_s"], window["until_unix_s"])
         locked = kvscope_report("--store", str(store), "--since", "7d", out=work / "locked")
-        no_data = kvscope_report("--collector", c.url, "--since", "1000", "--until", "2000",
-                                 out=work / "no-data")
+        no_data = kvscope_report(
+            "--collector", c.url, "--since", "1000", "--until", "2000", out=work / "no-data"
+        )
     finally:
         c.stop()
-    via_store = kvscope_report("--store", str(store), "--since", "7d",
-                               out=artefacts / "via-store")
+    via_store = kvscope_report("--store", str(store), "--since", "7d", out=artefacts / "via-store")
     assert via_store.returncode == 0, via_store.stderr
     window = via_store.json["window"]
     offline = StoreSource(open_store(store))
@@ -139,10 +160,17 @@ def session(tmp_path_factory: pytest.TempPathFactory, artefacts: Path) -> Iterat
         store_reference = analyze(offline, window["since_unix_s"], window["until_unix_s"])
     finally:
         offline.close()
-    s = Session(week=week, url=c.url, store=store, via_collector=via_collector,
-                via_store=via_store, locked=locked, no_data=no_data,
-                advisor_engines=[v.to_dict() for v in reference.engines],
-                store_advisor_engines=[v.to_dict() for v in store_reference.engines])
+    s = Session(
+        week=week,
+        url=c.url,
+        store=store,
+        via_collector=via_collector,
+        via_store=via_store,
+        locked=locked,
+        no_data=no_data,
+        advisor_engines=[v.to_dict() for v in reference.engines],
+        store_advisor_engines=[v.to_dict() for v in store_reference.engines],
+    )
     ARTEFACTS.extend([via_collector.out / "report.html", via_store.out / "report.html"])
     yield s
 

@@ -44,15 +44,16 @@ def source(store_path: Path) -> Iterator[StoreSource]:
 
 @pytest.fixture(scope="module")
 def reports(source: StoreSource) -> dict:
-    return {"sampled": analyze(source, SINCE, UNTIL, max_windows_per_engine=BUDGET),
-            "all": analyze(source, SINCE, UNTIL, max_windows_per_engine=None)}
+    return {
+        "sampled": analyze(source, SINCE, UNTIL, max_windows_per_engine=BUDGET),
+        "all": analyze(source, SINCE, UNTIL, max_windows_per_engine=None),
+    }
 
 
 def test_the_sample_is_a_small_part_and_coverage_counts_everything(reports: dict) -> None:
     s, a = reports["sampled"].coverage, reports["all"].coverage
     assert 0 < s["window_sample_share"] <= 1.5 * BUDGET / (SPEC.days * 86400)
-    for k in ("n_windows", "n_requests", "first_window_s", "last_window_s",
-              "n_engines_analyzed"):
+    for k in ("n_windows", "n_requests", "first_window_s", "last_window_s", "n_engines_analyzed"):
         assert s[k] == a[k], k
     assert a["n_windows"] > 3 * 40000
 
@@ -72,42 +73,65 @@ def test_sampled_verdicts_agree_with_every_window(reports: dict) -> None:
         assert s.plateau_tokens_per_s == pytest.approx(a.plateau_tokens_per_s, rel=0.05), eid
         if s.recommended_concurrency_cap and a.recommended_concurrency_cap:
             assert s.recommended_concurrency_cap == pytest.approx(
-                a.recommended_concurrency_cap, rel=0.20), eid
+                a.recommended_concurrency_cap, rel=0.20
+            ), eid
     assert {full[e].bottleneck for e in full} >= {"kv_cache_bound", "max_num_seqs_bound"}
 
 
 def test_a_budget_above_the_data_reads_everything(source: StoreSource, reports: dict) -> None:
     whole = analyze(source, SINCE, UNTIL, max_windows_per_engine=10**6)
     assert "window_sample_share" not in whole.coverage
-    assert [v.to_dict() for v in whole.engines] == [v.to_dict()
-                                                    for v in reports["all"].engines]
+    assert [v.to_dict() for v in whole.engines] == [v.to_dict() for v in reports["all"].engines]
 
 
-def test_usage_summed_in_sql_equals_usage_from_frames(source: StoreSource,
-                                                      reports: dict) -> None:
+def test_usage_summed_in_sql_equals_usage_from_frames(source: StoreSource, reports: dict) -> None:
     report = reports["all"]
     assert any(v.saturated for v in report.engines)
     since = SINCE + 0.5  # a fractional start: windows from its second, requests after it
-    frames = weekly_usage(source.windows(since, UNTIL), source.requests(since, UNTIL),
-                          report, since, UNTIL)
-    knees = pd.DataFrame({"engine_id": [v.engine_id for v in report.engines],
-                          "knee": [v.knee_concurrency if v.saturated else None
-                                   for v in report.engines]}, dtype=object)
+    frames = weekly_usage(
+        source.windows(since, UNTIL), source.requests(since, UNTIL), report, since, UNTIL
+    )
+    knees = pd.DataFrame(
+        {
+            "engine_id": [v.engine_id for v in report.engines],
+            "knee": [v.knee_concurrency if v.saturated else None for v in report.engines],
+        },
+        dtype=object,
+    )
     sql = usage_from_days(source.usage_days(knees, since, UNTIL), report, since, UNTIL)
     assert sql.to_dict() == frames.to_dict()
     assert sum(sql.engines["saturated_s"]) > 0 and sum(sql.engines["requests"]) > 0
 
 
-def test_report_cli_bounds_the_read_and_reads_everything_with_0(store_path: Path,
-                                                                tmp_path: Path) -> None:
+def test_report_cli_bounds_the_read_and_reads_everything_with_0(
+    store_path: Path, tmp_path: Path
+) -> None:
     covs = {}
     for n in ("2000", "0"):
         p = subprocess.run(
-            [sys.executable, "-m", "kvscope.cli.main", "report", "--store", str(store_path),
-             "--since", str(int(SINCE)), "--until", str(int(UNTIL)), "--no-progress",
-             "--max-windows-per-engine", n, "--out", str(tmp_path / n)],
-            cwd=ROOT, capture_output=True, text=True, timeout=300,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
+            [
+                sys.executable,
+                "-m",
+                "kvscope.cli.main",
+                "report",
+                "--store",
+                str(store_path),
+                "--since",
+                str(int(SINCE)),
+                "--until",
+                str(int(UNTIL)),
+                "--no-progress",
+                "--max-windows-per-engine",
+                n,
+                "--out",
+                str(tmp_path / n),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         assert p.returncode == 0, p.stderr
         covs[n] = json.loads((tmp_path / n / "report.json").read_text())["current"]["coverage"]
     assert covs["2000"]["window_sample_share"] < 0.1

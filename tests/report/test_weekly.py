@@ -33,19 +33,30 @@ def fleet() -> dict:
     not saturated) in week 2."""
     w1 = make_engine("max_num_seqs_bound", seed=1, engine_id=EID, t0=T0)
     w2 = make_engine("not_saturated", seed=2, engine_id=EID, t0=T0 + WEEK)
-    configs = pd.concat([_hello(w1.engines, "boot-1", T0 - 60),
-                         _hello(w1.engines, "boot-2", T0 + 86400 - 60),  # a plain restart
-                         _hello(w2.engines, "boot-3", T0 + WEEK - 60)], ignore_index=True)
-    return {"w1": w1, "w2": w2, "configs": configs, "engines": w2.engines,
-            "windows": pd.concat([w1.windows, w2.windows], ignore_index=True),
-            "requests": pd.concat([w1.requests, w2.requests], ignore_index=True)}
+    configs = pd.concat(
+        [
+            _hello(w1.engines, "boot-1", T0 - 60),
+            _hello(w1.engines, "boot-2", T0 + 86400 - 60),  # a plain restart
+            _hello(w2.engines, "boot-3", T0 + WEEK - 60),
+        ],
+        ignore_index=True,
+    )
+    return {
+        "w1": w1,
+        "w2": w2,
+        "configs": configs,
+        "engines": w2.engines,
+        "windows": pd.concat([w1.windows, w2.windows], ignore_index=True),
+        "requests": pd.concat([w1.requests, w2.requests], ignore_index=True),
+    }
 
 
 def test_config_as_of_takes_the_last_hello_before(fleet: dict) -> None:
     then = config_as_of(fleet["engines"], fleet["configs"], T0 + WEEK - 120)
     assert then["max_num_seqs"].iloc[0] == 6
-    assert config_as_of(fleet["engines"], fleet["configs"], T0 + WEEK)["max_num_seqs"].iloc[0] \
-        == 256
+    assert (
+        config_as_of(fleet["engines"], fleet["configs"], T0 + WEEK)["max_num_seqs"].iloc[0] == 256
+    )
     assert config_as_of(fleet["engines"], None, T0).equals(fleet["engines"])
     before_any = config_as_of(fleet["engines"], fleet["configs"], T0 - 3600)
     assert before_any["max_num_seqs"].iloc[0] == 256  # no hello then: the row stays
@@ -62,8 +73,11 @@ def test_config_changes_only_real_changes_in_the_window(fleet: dict) -> None:
 def _weeks(fleet: dict) -> tuple:
     out = []
     for since in (T0 - 3600, T0 - 3600 + WEEK):
-        src = FrameSource(config_as_of(fleet["engines"], fleet["configs"], since + WEEK),
-                          fleet["windows"], fleet["requests"])
+        src = FrameSource(
+            config_as_of(fleet["engines"], fleet["configs"], since + WEEK),
+            fleet["windows"],
+            fleet["requests"],
+        )
         out.append(analyze(src, since, since + WEEK))
     return tuple(out)
 

@@ -21,8 +21,11 @@ from kvscope.report.model import REPORT_KIND, REPORT_SCHEMA_VERSION, WeeklyRepor
 
 
 def _changes(report: dict[str, Any], kind: str, engine_id: str | None = None) -> list[dict]:
-    return [c for c in report["comparison"]["changes"] if c["kind"] == kind
-            and (engine_id is None or c["scope"]["engine_id"] == engine_id)]
+    return [
+        c
+        for c in report["comparison"]["changes"]
+        if c["kind"] == kind and (engine_id is None or c["scope"]["engine_id"] == engine_id)
+    ]
 
 
 def _verdict(report: dict[str, Any], week: str, engine_id: str) -> dict[str, Any]:
@@ -36,8 +39,10 @@ def test_writes_three_files_and_a_progress_bar(session: Session) -> None:
             assert (run.out / name).stat().st_size > 1000, name
         assert "analysing this week" in run.stderr  # tqdm, on stderr
         assert "report.html" in run.stdout
-    print(f"report via collector: {session.via_collector.seconds:.1f} s, via store: "
-          f"{session.via_store.seconds:.1f} s")
+    print(
+        f"report via collector: {session.via_collector.seconds:.1f} s, via store: "
+        f"{session.via_store.seconds:.1f} s"
+    )
 
 
 def test_json_is_versioned_and_round_trips(session: Session) -> None:
@@ -60,11 +65,17 @@ def test_verdicts_are_the_advisors(session: Session) -> None:
     for a, b in zip(offline, got, strict=True):
         assert a.keys() == b.keys()
         for k in a:
-            same = (a[k] == pytest.approx(b[k], rel=1e-8)
-                    if isinstance(a[k], float) and isinstance(b[k], float) else a[k] == b[k])
+            same = (
+                a[k] == pytest.approx(b[k], rel=1e-8)
+                if isinstance(a[k], float) and isinstance(b[k], float)
+                else a[k] == b[k]
+            )
             assert same, (a["engine_id"], k, a[k], b[k])
     assert {v["engine_id"]: v["bottleneck"] for v in got} == {
-        BATCH_A: "max_num_seqs_bound", CHAT_A: "not_saturated", CHAT_B: "kv_cache_bound"}
+        BATCH_A: "max_num_seqs_bound",
+        CHAT_A: "not_saturated",
+        CHAT_B: "kv_cache_bound",
+    }
 
 
 def test_last_week_is_judged_by_last_weeks_configuration(session: Session) -> None:
@@ -80,15 +91,21 @@ def test_what_changed(session: Session) -> None:
     (cfg,) = _changes(d, "config_change")
     assert cfg["scope"]["engine_id"] == CHAT_A
     assert cfg["before"] == {"max_num_seqs": 6} and cfg["after"] == {"max_num_seqs": 256}
-    first_ample = min(r.end_unix_s for r in session.week.runs
-                      if r.engine_id == CHAT_A and r.recording == "ample_kv")
+    first_ample = min(
+        r.end_unix_s
+        for r in session.week.runs
+        if r.engine_id == CHAT_A and r.recording == "ample_kv"
+    )
     assert d["window"]["since_unix_s"] <= cfg["at_unix_s"] < first_ample
     plateau = _changes(d, "plateau_move", CHAT_A)
     assert plateau and plateau[0]["after"] > 1.5 * plateau[0]["before"]
     assert _changes(d, "knee_move", CHAT_A)
     (worse,) = _changes(d, "bottleneck_change", CHAT_B)
     assert (worse["before"], worse["after"], worse["direction"]) == (
-        "not_saturated", "kv_cache_bound", "worse")
+        "not_saturated",
+        "kv_cache_bound",
+        "worse",
+    )
     (better,) = _changes(d, "bottleneck_change", CHAT_A)
     assert better["before"] == "max_num_seqs_bound" and better["direction"] == "better"
     resolved = {c["evidence"]["kind"] for c in _changes(d, "resolved_recommendation", CHAT_A)}
@@ -104,8 +121,13 @@ def test_recommendations_ranked_by_expected_gain(session: Session) -> None:
     recs = d["current"]["recommendations"]
     gains = [r["expected_gain"] for r in recs]
     assert len(recs) >= 3 and gains == sorted(gains, reverse=True)
-    status = dict(zip([(r["kind"], r["scope"]["engine_id"]) for r in recs],
-                      d["comparison"]["recommendation_status"], strict=True))
+    status = dict(
+        zip(
+            [(r["kind"], r["scope"]["engine_id"]) for r in recs],
+            d["comparison"]["recommendation_status"],
+            strict=True,
+        )
+    )
     assert status[("raise_max_num_seqs", BATCH_A)] == "open"
     assert status[("concurrency_cap", CHAT_B)] == "new"
     html = session.via_collector.html
@@ -115,8 +137,13 @@ def test_recommendations_ranked_by_expected_gain(session: Session) -> None:
 
 
 def _escaped(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;") \
-        .replace('"', "&quot;").replace("'", "&#x27;")
+    return (
+        text.replace("&", "&amp;")
+        .replace("<", "&lt;")
+        .replace(">", "&gt;")
+        .replace('"', "&quot;")
+        .replace("'", "&#x27;")
+    )
 
 
 def test_usage_and_time_past_the_knee(session: Session) -> None:
@@ -129,8 +156,11 @@ def test_usage_and_time_past_the_knee(session: Session) -> None:
         assert rep.engine(eid).saturated and 0.1 < share < 0.9, (eid, share)
     assert col["saturated_s"][eng[CHAT_A]] == 0  # not saturated: no time past a knee
     days = d["usage"]["days"]
-    busy = {days["day_start_unix_s"][i] for i, e in enumerate(days["engine_id"])
-            if e == BATCH_A and days["active_s"][i] > 0}
+    busy = {
+        days["day_start_unix_s"][i]
+        for i, e in enumerate(days["engine_id"])
+        if e == BATCH_A and days["active_s"][i] > 0
+    }
     assert len(busy) == 7  # one run a day
     assert sum(col["requests"]) == d["current"]["coverage"]["n_requests"]
 
@@ -173,11 +203,15 @@ def test_renders_in_chromium(session: Session, browser: Browser) -> None:
     assert "kvscope weekly tuning report" in dom
     d = session.via_collector.json
     chat_b = _verdict(d, "current", CHAT_B)
-    for text in (f"{chat_b['knee_concurrency']:.1f} in flight",
-                 f"{chat_b['plateau_tokens_per_s']:,.0f} tok/s",
-                 f"{chat_b['recommended_concurrency_cap']} in flight",
-                 "max_num_seqs 6 → 256", "What changed since the previous week",
-                 "Recommendations, ranked by expected gain", "time past the knee per day"):
+    for text in (
+        f"{chat_b['knee_concurrency']:.1f} in flight",
+        f"{chat_b['plateau_tokens_per_s']:,.0f} tok/s",
+        f"{chat_b['recommended_concurrency_cap']} in flight",
+        "max_num_seqs 6 → 256",
+        "What changed since the previous week",
+        "Recommendations, ranked by expected gain",
+        "time past the knee per day",
+    ):
         assert text in dom, text
     assert dom.count("<svg") >= 7 and dom.count("<circle") > 20
     print(f"\nreport screenshot: {browser.screenshot}")
