@@ -36,15 +36,24 @@ Algorithm
    doubling of load would otherwise drag the knee far past where the batch stopped
    growing).
 6. **Saturated** when the highest load bin lies at least ``saturation_margin`` times
-   beyond the knee: only then has throughput been seen *not* to grow. Otherwise the
-   engine is not saturated; ``growth_last_doubling_`` (relative throughput gain over
-   the last doubling of load in the data) says how much it was still growing.
+   beyond the knee: only then has throughput been seen *not* to grow. Or, from the
+   engine's own evidence, when it hit a ceiling: over the last doubling of load the
+   running batch grew by at most ``ceiling_batch_growth`` while at least
+   ``ceiling_min_waiting`` requests waited at the highest load. vLLM's scheduler leaves
+   requests waiting only when a limit binds (KV cache, ``max_num_seqs``, the token
+   budget), so more load past that point only queues, whatever one noisy level of
+   throughput says (a level measured 10-25% high while the batch stood still would
+   otherwise move the knee past the observed range). Otherwise the engine is not
+   saturated; ``growth_last_doubling_`` (relative throughput gain over the last
+   doubling of load in the data) says how much it was still growing.
 
 Parameters
 ----------
 knee_fraction : share of the plateau that defines the knee (default 0.9).
 saturation_margin : the highest load bin must be this multiple of the knee to call
     the engine saturated (default 1.5).
+ceiling_batch_growth, ceiling_min_waiting : the ceiling evidence (defaults 0.1: the
+    batch grew at most 10% over the last doubling of load; 1.0 request waiting).
 bins_per_doubling : log-spaced bins per factor of two in load (default 2).
 min_count : windows per bin at least (default 3).
 min_steps, min_load, min_busy_ratio : window filters (defaults 5, 0.5, 0.6).
@@ -80,6 +89,8 @@ class ThroughputCurve:
         *,
         knee_fraction: float = 0.9,
         saturation_margin: float = 1.5,
+        ceiling_batch_growth: float = 0.1,
+        ceiling_min_waiting: float = 1.0,
         bins_per_doubling: int = 2,
         min_count: int = 3,
         min_steps: int = 5,
@@ -88,6 +99,8 @@ class ThroughputCurve:
     ) -> None:
         self.knee_fraction = knee_fraction
         self.saturation_margin = saturation_margin
+        self.ceiling_batch_growth = ceiling_batch_growth
+        self.ceiling_min_waiting = ceiling_min_waiting
         self.bins_per_doubling = bins_per_doubling
         self.min_count = min_count
         self.min_steps = min_steps
@@ -139,9 +152,19 @@ class ThroughputCurve:
         self.plateau_total_tokens_per_s_ = float(bins["total_fit"].max())
         self.knee_load_ = interp_crossing(x, fit, self.knee_fraction * self.plateau_tokens_per_s_)
         self.max_load_ = float(x[-1])
-        self.saturated_ = bool(
+        self.batch_growth_last_doubling_ = self._growth(
+            x, isotonic_increasing(bins["batch"].to_numpy(float), weights)
+        )
+        self.waiting_at_max_load_ = float(bins["waiting"].iloc[-1])
+        self.past_knee_ = bool(
             len(x) > 1 and self.max_load_ >= self.saturation_margin * self.knee_load_
         )
+        self.ceiling_ = bool(
+            self.batch_growth_last_doubling_ is not None
+            and self.batch_growth_last_doubling_ <= self.ceiling_batch_growth
+            and self.waiting_at_max_load_ >= self.ceiling_min_waiting
+        )
+        self.saturated_ = self.past_knee_ or self.ceiling_
         raw = bins["gen_tokens_per_s"].to_numpy(float)
         self.peak_load_ = float(x[int(np.argmax(raw))])
         self.drop_past_peak_ = float(1.0 - raw[-1] / raw.max()) if raw.max() > 0 else 0.0
@@ -165,14 +188,21 @@ class ThroughputCurve:
         )
 
     def headroom_text(self) -> str:
+        g = self.growth_last_doubling_
+        if self.saturated_ and not self.past_knee_:
+            batch = self.bins_["batch"].to_numpy(float)
+            grow = f" (throughput {g:+.0%})" if g is not None else ""
+            return (
+                f"saturated: over the last doubling of load (to {self.max_load_:.1f} in flight) "
+                f"the batch stood at {batch[-1]:.1f} while {self.waiting_at_max_load_:.1f} "
+                f"requests waited{grow}: a limit binds and more load only queues"
+            )
         if self.saturated_:
-            g = self.growth_last_doubling_
             grow = f"; {g:+.0%} throughput over the last doubling" if g is not None else ""
             return (
                 f"saturated: load reached {self.max_load_:.1f} in flight, "
                 f"{self.max_load_ / self.knee_load_:.1f}x the knee{grow}"
             )
-        g = self.growth_last_doubling_
         grow = f" (it grew {g:+.0%} over the last doubling)" if g is not None else ""
         return (
             f"not saturated: highest load seen {self.max_load_:.1f} in flight, "
@@ -203,6 +233,9 @@ class ThroughputCurve:
                 "peak_load": self.peak_load_,
                 "drop_past_peak_ratio": self.drop_past_peak_,
                 "growth_last_doubling_ratio": self.growth_last_doubling_,
+                "batch_growth_last_doubling_ratio": self.batch_growth_last_doubling_,
+                "waiting_at_max_load": self.waiting_at_max_load_,
+                "saturated_by_ceiling": self.ceiling_ and not self.past_knee_,
                 "knee_fraction": self.knee_fraction,
                 "n_windows": n,
                 "n_bins": len(self.bins_),
