@@ -3,9 +3,11 @@ made-up levels: medians, spread, and the not-judged rule."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
-from bench.advisor_scenarios import MAX_SPREAD, CapRun, LevelMeasure, Repeated
+from bench.advisor_scenarios import MAX_SPREAD, MAX_START_SPREAD, CapRun, LevelMeasure, Repeated
 
 
 def level(tps: float, p99: float | None, *, clients: int = 32, errors: int = 0) -> LevelMeasure:
@@ -51,6 +53,47 @@ def test_cap_run_compares_medians_and_refuses_noisy_runs() -> None:
     assert noisy.spread > MAX_SPREAD
     assert not CapRun(
         how="client", cap=8, capped=capped, reference=noisy, peak_tokens_per_s=1100
+    ).judged
+
+
+def test_a_reference_over_two_engine_starts_is_judged_within_each_start() -> None:
+    """Engine restarts differ by up to 10%: the flags' reference brackets the capped start
+    with an uncapped start before and after, and the runs of each start are held to
+    MAX_SPREAD, the two starts to MAX_START_SPREAD (the figures of a real run)."""
+    capped = Repeated("flags", [level(1124, 1.9), level(1110, 1.9), level(1121, 1.9)])
+    before = Repeated("first start", [level(1283, 3.9), level(1272, 3.8), level(1256, 3.7)])
+    after = Repeated("restart", [level(1393, 3.7), level(1389, 3.7), level(1465, 3.3)])
+    both = Repeated("32", [*before.runs, *after.runs])
+    assert both.spread > MAX_SPREAD  # taken as one setting, the starts look like noise
+    run = CapRun(
+        how="engine",
+        cap=8,
+        capped=capped,
+        reference=both,
+        peak_tokens_per_s=1424,
+        reference_start_runs=(before, after),
+    )
+    assert run.reference_starts == (1272, 1393)
+    assert run.start_spread == pytest.approx((1393 - 1272) / statistics.median([1272, 1393]))
+    assert run.judged and run.plateau_fraction == pytest.approx(1121 / both.tokens_per_s)
+    far = Repeated("restart", [level(1700, 3.0), level(1710, 3.0), level(1690, 3.0)])
+    assert (1700 - 1272) / statistics.median([1272, 1700]) > MAX_START_SPREAD
+    assert not CapRun(
+        how="engine",
+        cap=8,
+        capped=capped,
+        reference=both,
+        peak_tokens_per_s=1424,
+        reference_start_runs=(before, far),
+    ).judged
+    shaky = Repeated("restart", [level(1100, 3.7), level(1389, 3.7), level(1465, 3.3)])
+    assert not CapRun(
+        how="engine",
+        cap=8,
+        capped=capped,
+        reference=both,
+        peak_tokens_per_s=1424,
+        reference_start_runs=(before, shaky),
     ).judged
 
 
