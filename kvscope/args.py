@@ -40,17 +40,23 @@ class ParamError(ValueError):
     """A time, duration or header that does not parse; the message names the parameter."""
 
 
+def _seconds(text: str) -> float | None:
+    """A finite number of 0 or more, else None."""
+    try:
+        v = float(text)
+    except ValueError:
+        return None
+    return v if math.isfinite(v) and v >= 0 else None
+
+
 def parse_duration(name: str, text: str) -> float:
     """Seconds from ``90s``, ``30m``, ``2h``, ``7d``, ``1w`` or a plain number of seconds."""
     t = text.strip().lower()
     m = _DURATION.match(t)
     if m:
         return float(m.group(1)) * _UNITS_S[m.group(2)]
-    try:
-        v = float(t)
-    except ValueError:
-        v = math.nan
-    if not math.isfinite(v) or v < 0:
+    v = _seconds(t)
+    if v is None:
         raise ParamError(f"{name}: expected {_DURATION_HINT} (or seconds); got {text!r}")
     return v
 
@@ -63,11 +69,8 @@ def parse_time(name: str, text: str, now_unix_s: float) -> float:
     m = _DURATION.match(t)
     if m:
         return now_unix_s - float(m.group(1)) * _UNITS_S[m.group(2)]
-    try:
-        v = float(t)
-    except ValueError:
-        v = math.nan
-    if not math.isfinite(v) or v < 0:
+    v = _seconds(t)
+    if v is None:
         raise ParamError(
             f"{name}: expected unix seconds, 'now' or {_DURATION_HINT} ago; got {text!r}"
         )
