@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from bench import noise
 from kvscope.collector.process import CollectorProcess
 from kvscope.lab.engine import VllmServer, build_model, default_model_dir, parse_prometheus_text
 from kvscope.lab.sweep import SweepConfig, run_sweep
@@ -34,6 +35,8 @@ pytestmark = pytest.mark.engine
 
 OUTAGE_S = 60.0
 LEVEL_S = 8.0
+MIN_OUTAGE_RATIO = 0.6
+"""Throughput while the collector is away over throughput with it up, at least."""
 MAX_PENDING = 20
 FLUSH_S = 0.5
 _VLLM = {
@@ -244,8 +247,12 @@ def test_collector_away_for_a_minute_under_load(
     # Throughput unchanged within noise. The bound is generous: the machine is shared and
     # the engine core runs at nice 19, so single levels swing 40-200% of the median; a
     # plugin that blocked vLLM's event loop while the collector is away would show as a
-    # collapse far below it.
-    assert ratio >= 0.6, (before, during, after)
+    # collapse far below it. Judged on the levels' ratio and its 95% interval: the test
+    # fails when the whole interval lies below the bound (bench/noise.py).
+    assert min(during) > 0, f"the engine stopped serving while the collector was away: {during}"
+    kept = noise.ratio(during, before + after)
+    print(f"  outage over baseline (geometric means): {kept.describe()}")
+    assert kept.at_least(MIN_OUTAGE_RATIO) != noise.FAILS, (kept.describe(), before, during, after)
     # Memory bounded by the cap, which the minute really hit.
     assert max_pending <= MAX_PENDING and at_end["batches_dropped_full"] > 0
     assert max_bytes < 8 * 1024 * 1024
