@@ -20,6 +20,7 @@ from typing import Any
 
 import pandas as pd
 
+from kvscope import __version__
 from kvscope.advisor.balance import LoadBalance, upstream
 from kvscope.advisor.bottleneck import BottleneckClassifier
 from kvscope.advisor.cap import ConcurrencyCap
@@ -128,13 +129,15 @@ def analyze_frames(
     of the verdicts and counted in ``report.coverage``. ``kv_events`` empty or None:
     KV events are not configured.
     """
-    params = {
+    params: dict[str, Any] = {
+        "kvscope_version": __version__,
         "pool": pool,
         "slo_ttft_p99_s": slo_ttft_p99_s,
         "slo_e2e_p99_s": slo_e2e_p99_s,
         "cap_fraction": cap_fraction,
         "min_routing_loss": min_routing_loss,
         "imbalance_threshold": imbalance_threshold,
+        "bottleneck": BottleneckClassifier().parameters(),
     }
     report = Report(since_unix_s=since, until_unix_s=until, parameters=params)
     known_pools = sorted({str(p) for p in engines["pool"].dropna()}) if "pool" in engines else []
@@ -242,7 +245,12 @@ def _engine(
         )
         return
     report.findings.append(curve.finding(scope))
-    bn = BottleneckClassifier().fit(curve, cfg)
+    steps: StepTimeModel | None = None
+    try:
+        steps = StepTimeModel().fit(w)
+    except NotEnoughData:
+        steps = None
+    bn = BottleneckClassifier().fit(curve, cfg, r if len(r) else None, steps)
     report.findings.extend(bn.findings(scope))
     verdict = EngineVerdict(
         engine_id=eid,
@@ -254,17 +262,12 @@ def _engine(
         plateau_total_tokens_per_s=curve.plateau_total_tokens_per_s_,
         max_load_seen=curve.max_load_,
         headroom=curve.headroom_text(),
-        approaching=None if curve.saturated_ else bn.label_,
+        approaching=bn.approaching_,
         preemption_thrash=bn.thrash_,
         confidence=bn.confidence_,
     )
     report.engines.append(verdict)
 
-    steps: StepTimeModel | None = None
-    try:
-        steps = StepTimeModel().fit(w)
-    except NotEnoughData:
-        steps = None
     kv: KvCapacityModel | None = None
     if steps is not None and len(r):
         try:
@@ -376,20 +379,28 @@ def _config_recommendations(
             )
         )
     elif bn.label_ == "token_budget_bound":
-        budget = bn.evidence_["max_num_batched_tokens"]
+        ev = bn.evidence_
+        budget = ev["max_num_batched_tokens"]
+        gain = float(ev["budget_doubling_gain_ratio"])
         out.append(
             Recommendation(
                 kind="raise_max_num_batched_tokens",
                 scope=scope,
                 summary=(
-                    f"steps are full at {budget:.0f} tokens: raise --max-num-batched-tokens "
-                    f"to {2 * budget:.0f} so long prefills do not hold the queue"
+                    f"steps are full at {budget:.0f} computed tokens and the step-time model "
+                    f"shows a per-step cost bigger steps amortise: raise "
+                    f"--max-num-batched-tokens to {2 * budget:.0f} (predicted prefill rate "
+                    f"{gain:+.0%})"
                 ),
                 change={"vllm_flags": [f"--max-num-batched-tokens {int(2 * budget)}"]},
-                expected_effect={"tokens_per_step_now": bn.evidence_["tokens_per_step_median"]},
+                expected_effect={
+                    "computed_tokens_per_step_now": ev["computed_tokens_per_step_median"],
+                    "gain_ratio": gain,
+                },
                 tradeoff="longer steps: decoding requests see more inter-token latency during prefills",
                 confidence=0.5,
-                expected_gain=0.0,
+                expected_gain=gain,
+                evidence={k: ev[k] for k in ("budget_fill_median", "batch_median")},
             )
         )
     return out

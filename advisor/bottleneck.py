@@ -6,44 +6,77 @@ The classifier looks at the windows of the **plateau region**: those whose load 
 or beyond the knee of a fitted :class:`~kvscope.advisor.curve.ThroughputCurve` (when the
 engine is not saturated, the windows of its highest load bin: what the engine is
 *approaching*). Over those windows it takes medians of KV usage, running batch,
-waiting queue, tokens per step (prompt + generated tokens / steps) and the mean
-preemption rate, and applies the rules in this order:
+waiting queue and computed tokens per step (prompt tokens not served from the prefix
+cache, plus generated tokens, over steps: what vLLM's token budget counts), the
+preemption rate and, from the requests that finished in those seconds, the
+preemptions per finished request and the blocks a waiting request needs to be
+admitted. Each class is named only on positive evidence, in this order:
 
-1. ``token_budget_bound``: steps are filled to ``max_num_batched_tokens``: median
-   tokens per step at least ``budget_fill`` of the budget, and KV usage below
-   ``kv_full``. Long prefills fill the budget; requests queue while the KV cache has
-   room. This rule comes first so a prompt-heavy replica queueing at low KV usage is
-   never called KV-bound.
-2. ``kv_cache_bound``: median KV usage at least ``kv_full`` while the batch stays
-   below ``seq_cap_ratio`` x ``max_num_seqs`` (or preemptions happen at all). The
-   waiting queue and the preemption rate are its supporting evidence. Also without
-   the usage: requests queue, the batch stays below the cap and preemptions run at
-   ``kv_preemptions_per_s`` or more. vLLM preempts only when a running request finds
-   no free block, so this is the cache filling up between samples; it matters for
-   usage read from a gauge sampled once per scrape (vLLM's own series), which reads
-   the cache between steps and often lower than the per-step mean.
-3. ``max_num_seqs_bound``: median batch at least ``seq_cap_ratio`` x ``max_num_seqs``
-   with KV usage below ``kv_full``: the scheduler's sequence cap, not memory.
-4. ``compute_bound``: none of the above. Its evidence is the step rate: steps per
-   second at the plateau against the lowest load bin (each step got slower as the
-   batch grew, so adding sequences stopped adding tokens).
+1. ``kv_cache_bound``: **the free blocks cannot hold the next waiting request.** vLLM
+   admits a waiting request when it can allocate the blocks of its uncached prompt
+   (up to the token budget, as a chunk) and one more token; the need is the
+   ``need_quantile`` of that over the requests observed (the queue's head is as likely
+   to be a long prompt as any). KV is full when the median free blocks
+   (``(1 - usage) x num_gpu_blocks``) are at most the need plus ``kv_slack_blocks``
+   (the block a running request's next token may claim). The threshold follows the
+   engine: 0.98 of 48 blocks of 32 tokens for 26-token prompts, 0.58 of 256 blocks of
+   16 tokens for 1,750-token prompts (two requests fill the cache at 86%, the third
+   waits). Also full, whatever the sampled usage: requests queue while vLLM preempts at
+   least ``kv_preemptions_per_request`` times per finished request (it preempts only
+   when a running request finds no free block). Without a block count or requests the
+   fixed ``kv_full_fallback`` share is used and the evidence says so.
+2. ``max_num_seqs_bound``: the median batch is at least ``seq_cap_ratio`` x
+   ``max_num_seqs``, KV not full.
+3. ``token_budget_bound``: computed tokens per step are at least ``budget_fill`` of
+   ``max_num_batched_tokens`` **and** the step-time model shows that bigger steps
+   would amortise a per-step cost: doubling the budget (twice the prefill tokens per
+   step, the same decode batch) raises the prefill rate by at least
+   ``min_budget_gain`` (the predicted gain is in the evidence and the
+   recommendation). When steps are full but step time grows in proportion to the
+   tokens in them (prefill-bound, as on a CPU), a larger budget would not help: that
+   is ``compute_bound``. Without a step-time model the engine is ``unexplained``.
+4. ``unexplained`` when requests wait (median queue at least ``queue_min``) while the
+   KV cache, the sequence slots and the token budget all have room: vLLM's scheduler
+   does not leave requests waiting in that state, so the evidence contradicts itself
+   (a front end that cannot feed the engine looks like this). The evidence is
+   reported; no cause is guessed.
+5. ``compute_bound``: each step got slower as the work grew: steps per second at the
+   plateau at least ``min_step_slowdown`` below the lowest load bin's (a step took 25%
+   longer), with no queue and every other limit with room.
+6. ``unexplained`` otherwise.
+
+An engine that is not saturated carries the class it is approaching, or none when
+nothing above holds at its highest load ("no limit in sight at the loads seen").
 
 **Preemption thrash** is flagged beside the label when the raw (not monotone-fitted)
 median throughput of the highest load bin lies more than ``thrash_drop`` below the
-best bin while preemptions run at ``thrash_min_preemptions_per_s`` or more there.
+best bin while vLLM preempts at least ``thrash_preemptions_per_request`` times per
+finished request there.
 
 Confidence is the share of plateau windows that satisfy the winning rule's main
 condition, times ``min(1, n / min_windows)``.
 
 Parameters
 ----------
-kv_full : KV usage ratio that counts as full (default 0.9).
-seq_cap_ratio : batch / max_num_seqs ratio that counts as pinned at the cap (0.9).
-budget_fill : tokens per step / max_num_batched_tokens that counts as a full step (0.7).
+Every threshold is in :meth:`BottleneckClassifier.parameters` and in the report's
+``parameters`` (with the kvscope version), so a verdict can be reproduced.
+
+seq_cap_ratio : batch / max_num_seqs that counts as pinned at the cap (0.9).
+budget_fill : computed tokens per step / max_num_batched_tokens that counts as a full
+    step (0.7).
+min_budget_gain : prefill-rate gain from doubling the budget, by the step-time model,
+    that makes a full budget the limit (0.1).
+min_step_slowdown : growth of step time from the lowest load to the plateau that shows
+    compute (0.25: steps/s at the plateau at most 0.8 of the low-load rate).
+queue_min : median waiting requests that count as a persistent queue (1).
+need_quantile : quantile of the observed requests' admission need (0.9).
+kv_slack_blocks : blocks beside the need that still count as full (1).
+kv_full_fallback : KV usage counted as full where the need cannot be derived (0.9).
+kv_preemptions_per_request : preemptions per finished request that, with a queue and
+    the batch below the cap, show a full cache whatever the sampled usage (0.05).
 thrash_drop : relative fall of throughput past the peak that counts as thrash (0.1).
-thrash_min_preemptions_per_s : preemption rate needed for thrash (1.0).
-kv_preemptions_per_s : preemption rate (with a queue, below the sequence cap) that
-    shows a full KV cache whatever the sampled usage (1.0).
+thrash_preemptions_per_request : preemptions per finished request needed for thrash
+    (0.5).
 min_windows : plateau windows for full confidence (10).
 """
 
@@ -57,15 +90,29 @@ import pandas as pd
 
 from kvscope.advisor.curve import ThroughputCurve
 from kvscope.advisor.findings import Finding, Scope
+from kvscope.advisor.steptime import StepTimeModel
 
 _TEXT = {
-    "kv_cache_bound": "the KV cache is full: the batch cannot grow, requests queue{pre}",
+    "kv_cache_bound": "the KV cache is full: the free blocks cannot hold the next waiting "
+    "request, the batch cannot grow, requests queue{pre}",
     "max_num_seqs_bound": "the batch is pinned at max_num_seqs={cap} with KV cache to spare",
-    "token_budget_bound": "steps are filled to max_num_batched_tokens={budget} (long prefills) "
-    "while the KV cache has room",
-    "compute_bound": "each step slows as the batch grows (KV has room, batch below the cap, "
-    "steps below the token budget)",
+    "token_budget_bound": "steps are filled to max_num_batched_tokens={budget} and bigger "
+    "steps would amortise the per-step cost (doubling the budget: {gain} prefill rate)",
+    "compute_bound": "each step slows as the work grows (KV has room, batch below the cap, "
+    "{budget_text})",
+    "unexplained": "{why}",
 }
+
+_WHY_QUEUE = (
+    "requests wait while the KV cache, the sequence slots and the token budget all have "
+    "room; vLLM's scheduler does not leave requests waiting in that state, so something "
+    "outside these limits holds them (for one, a front end that cannot feed the engine)"
+)
+_WHY_NONE = "no limit shows: no queue, KV and sequence slots with room, steps not slowing"
+_WHY_BUDGET = (
+    "steps are full at max_num_batched_tokens={budget}, but without a step-time fit "
+    "nothing tells whether a larger budget would raise throughput"
+)
 
 
 def _num(cfg: dict[str, Any], key: str) -> float:
@@ -76,30 +123,110 @@ def _num(cfg: dict[str, Any], key: str) -> float:
     return v if math.isfinite(v) and v > 0 else math.nan
 
 
+def _col(df: pd.DataFrame, name: str) -> pd.Series:
+    if name in df:
+        return pd.to_numeric(df[name], errors="coerce").astype(float)
+    return pd.Series(np.nan, index=df.index, dtype=float)
+
+
+def _count(requests: pd.DataFrame) -> float:
+    """Requests the rows stand for (rows read from histograms carry a ``weight``)."""
+    if "weight" in requests:
+        return float(pd.to_numeric(requests["weight"], errors="coerce").fillna(1.0).sum())
+    return float(len(requests))
+
+
 class BottleneckClassifier:
     """Names the ceiling at the plateau (see the module docstring)."""
 
     def __init__(
         self,
         *,
-        kv_full: float = 0.9,
         seq_cap_ratio: float = 0.9,
         budget_fill: float = 0.7,
+        min_budget_gain: float = 0.1,
+        min_step_slowdown: float = 0.25,
+        queue_min: float = 1.0,
+        need_quantile: float = 0.9,
+        kv_slack_blocks: float = 1.0,
+        kv_full_fallback: float = 0.9,
+        kv_preemptions_per_request: float = 0.05,
         thrash_drop: float = 0.1,
-        thrash_min_preemptions_per_s: float = 1.0,
+        thrash_preemptions_per_request: float = 0.5,
         min_windows: int = 10,
-        kv_preemptions_per_s: float = 1.0,
     ) -> None:
-        self.kv_full = kv_full
         self.seq_cap_ratio = seq_cap_ratio
         self.budget_fill = budget_fill
+        self.min_budget_gain = min_budget_gain
+        self.min_step_slowdown = min_step_slowdown
+        self.queue_min = queue_min
+        self.need_quantile = need_quantile
+        self.kv_slack_blocks = kv_slack_blocks
+        self.kv_full_fallback = kv_full_fallback
+        self.kv_preemptions_per_request = kv_preemptions_per_request
         self.thrash_drop = thrash_drop
-        self.thrash_min_preemptions_per_s = thrash_min_preemptions_per_s
+        self.thrash_preemptions_per_request = thrash_preemptions_per_request
         self.min_windows = min_windows
-        self.kv_preemptions_per_s = kv_preemptions_per_s
 
-    def fit(self, curve: ThroughputCurve, config: dict[str, Any]) -> BottleneckClassifier:
-        """Classify from a fitted curve (its kept windows) and the engine's configuration."""
+    def parameters(self) -> dict[str, float]:
+        """Every threshold the rules use (the report carries them)."""
+        return {
+            "seq_cap_ratio": self.seq_cap_ratio,
+            "budget_fill": self.budget_fill,
+            "min_budget_gain": self.min_budget_gain,
+            "min_step_slowdown": self.min_step_slowdown,
+            "queue_min": self.queue_min,
+            "need_quantile": self.need_quantile,
+            "kv_slack_blocks": self.kv_slack_blocks,
+            "kv_full_fallback": self.kv_full_fallback,
+            "kv_preemptions_per_request": self.kv_preemptions_per_request,
+            "thrash_drop": self.thrash_drop,
+            "thrash_preemptions_per_request": self.thrash_preemptions_per_request,
+            "min_windows": self.min_windows,
+        }
+
+    # -- evidence ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _finished_in(requests: pd.DataFrame | None, ts: pd.Series) -> pd.DataFrame | None:
+        """The requests that finished inside the given 1-second windows."""
+        if requests is None or not len(requests) or "finished_unix_s" not in requests:
+            return None
+        fin = np.floor(pd.to_numeric(requests["finished_unix_s"], errors="coerce"))
+        secs = set(pd.to_numeric(ts, errors="coerce").dropna().astype(int))
+        done = requests[fin.isin(secs)]
+        if "finish_reason" in done:
+            done = done[done["finish_reason"] != "abort"]
+        return done
+
+    def _admission_need(
+        self, requests: pd.DataFrame | None, block_size: float, budget: float
+    ) -> tuple[float, float]:
+        """Tokens and blocks a waiting request needs to be admitted: its uncached prompt
+        (one chunk of at most the budget) and one more token, at ``need_quantile``."""
+        if requests is None or not len(requests) or not math.isfinite(block_size):
+            return math.nan, math.nan
+        p = _col(requests, "prompt_tokens").fillna(0.0)
+        c = _col(requests, "cached_tokens").fillna(0.0)
+        tokens = (p - c).clip(lower=0.0) + 1.0
+        if math.isfinite(budget):
+            tokens = tokens.clip(upper=budget)
+        blocks = np.ceil(tokens / block_size)
+        return (
+            float(tokens.quantile(self.need_quantile)),
+            float(blocks.quantile(self.need_quantile)),
+        )
+
+    def fit(
+        self,
+        curve: ThroughputCurve,
+        config: dict[str, Any],
+        requests: pd.DataFrame | None = None,
+        steps: StepTimeModel | None = None,
+    ) -> BottleneckClassifier:
+        """Classify from a fitted curve (its kept windows), the engine's configuration,
+        the finished requests (admission need, preemptions per request) and the step-time
+        model (whether a larger token budget would pay)."""
         w = curve.windows_
         if curve.saturated_:
             region = w[w["load"] >= curve.knee_load_]
@@ -107,10 +234,22 @@ class BottleneckClassifier:
             region = w[w["bin"] == w["bin"].max()]
         cap = _num(config, "max_num_seqs")
         budget = _num(config, "max_num_batched_tokens")
+        n_blocks = _num(config, "num_gpu_blocks")
+        block_size = _num(config, "block_size")
         kv = region["kv_usage_mean"].astype(float)
         batch = region["batch_mean"].astype(float)
-        fill = region["tokens_per_step"].astype(float) / budget
+        hits = _col(region, "prefix_hits").fillna(0.0)
+        prompt = region["prompt_tokens"].astype(float).fillna(0.0)
+        computed_prompt = (prompt - hits).clip(lower=0.0)
+        n_steps = region["n_steps"].astype(float)
+        n_steps = n_steps.where(n_steps > 0)
+        computed_per_step = (computed_prompt + region["gen_tokens_per_s"].astype(float)) / n_steps
+        fill = computed_per_step / budget
         low = w[w["bin"] == w["bin"].min()]
+        done = self._finished_in(requests, region["ts_s"]) if "ts_s" in region else None
+        need_tokens, need_blocks = self._admission_need(
+            done if done is not None and len(done) else requests, block_size, budget
+        )
         ev: dict[str, Any] = {
             "n_windows": len(region),
             "load_median": float(region["load"].median()),
@@ -121,55 +260,113 @@ class BottleneckClassifier:
             "waiting_median": float(region["waiting_mean"].median()),
             "preemptions_per_s": float(region["preemptions"].mean()),
             "tokens_per_step_median": float(region["tokens_per_step"].median()),
+            "computed_tokens_per_step_median": float(computed_per_step.median()),
             "max_num_seqs": cap,
             "max_num_batched_tokens": budget,
+            "num_gpu_blocks": n_blocks,
+            "block_size": block_size,
             "budget_fill_median": float(fill.median()),
             "steps_per_s_plateau": float(region["steps_per_s"].median()),
             "steps_per_s_low_load": float(low["steps_per_s"].median()),
             "batch_low_load": float(low["batch_mean"].median()),
+            "admission_need_tokens": need_tokens,
+            "admission_need_blocks": need_blocks,
         }
-        kv_full = ev["kv_usage_median"] >= self.kv_full
+        # KV full: the free blocks cannot hold the next waiting request.
+        free_blocks = (1.0 - kv) * n_blocks
+        if math.isfinite(n_blocks) and math.isfinite(need_blocks):
+            limit = need_blocks + self.kv_slack_blocks
+            kv_threshold = max(0.0, 1.0 - limit / n_blocks)
+            ev["kv_full_from"] = "admission_need"
+        else:
+            kv_threshold = self.kv_full_fallback
+            ev["kv_full_from"] = "fallback_share"
+        ev["kv_full_threshold"] = kv_threshold
+        ev["free_blocks_median"] = float(free_blocks.median())
+        kv_full_w = kv >= kv_threshold
+        kv_full = ev["kv_usage_median"] >= kv_threshold
+        # Preemptions per finished request (vLLM preempts only when no block is free).
+        finished_per_s = (
+            _count(done) / len(region) if done is not None and len(region) else math.nan
+        )
+        ev["finished_per_s"] = finished_per_s
+        per_req = ev["preemptions_per_s"] / finished_per_s if finished_per_s > 0 else math.nan
+        ev["preemptions_per_request"] = per_req
+        pre_w = region["preemptions"].astype(float) > 0
+        if math.isfinite(per_req):
+            preempting_kv = per_req >= self.kv_preemptions_per_request
+        else:  # no finished requests to normalise by: preempting in most seconds
+            preempting_kv = bool(pre_w.mean() >= 0.5)
+        queue = ev["waiting_median"] >= self.queue_min
+        queue_w = region["waiting_mean"].astype(float) >= self.queue_min
         pinned = math.isfinite(cap) and ev["batch_median"] >= self.seq_cap_ratio * cap
         budget_full = math.isfinite(budget) and ev["budget_fill_median"] >= self.budget_fill
-        preempting = (
-            ev["preemptions_per_s"] >= self.kv_preemptions_per_s and ev["waiting_median"] > 0
+        # Would twice the budget pay? Twice the prefill per step, the same decode batch.
+        gain = math.nan
+        if budget_full and steps is not None:
+            b = ev["batch_median"]
+            pp = float((computed_prompt / n_steps).median())
+            t1 = float(steps.step_s(b, pp))
+            t2 = float(steps.step_s(b, 2.0 * pp))
+            gain = 2.0 * t1 / t2 - 1.0 if pp > 0 and t2 > 0 else 0.0
+        ev["budget_doubling_gain_ratio"] = gain
+        slowdown = (
+            ev["steps_per_s_low_load"] / ev["steps_per_s_plateau"] - 1.0
+            if ev["steps_per_s_plateau"] > 0
+            else math.nan
         )
+        ev["step_slowdown_ratio"] = slowdown
+        slowing = math.isfinite(slowdown) and slowdown >= self.min_step_slowdown
         ev["kv_full_from_preemptions"] = False
-        pre = region["preemptions"].astype(float) > 0
-        shares: dict[str, float] = {
-            "token_budget_bound": float((fill >= self.budget_fill).mean()),
-            "kv_cache_bound": float(((kv >= self.kv_full) | (pre if preempting else False)).mean()),
-            "max_num_seqs_bound": float((batch >= self.seq_cap_ratio * cap).mean())
-            if math.isfinite(cap)
-            else 0.0,
-        }
-        if budget_full and not kv_full:
-            label = "token_budget_bound"
-        elif kv_full and (not pinned or ev["preemptions_per_s"] > 0):
-            label = "kv_cache_bound"
-        elif preempting and not pinned:
-            label = "kv_cache_bound"
+        ev["prefill_bound"] = False
+        why = ""
+        if kv_full and (not pinned or ev["preemptions_per_s"] > 0):
+            label, share = "kv_cache_bound", float((kv_full_w | (pre_w & preempting_kv)).mean())
+        elif preempting_kv and queue and not pinned:
+            label, share = "kv_cache_bound", float((pre_w | kv_full_w).mean())
             ev["kv_full_from_preemptions"] = True
         elif pinned:
-            label = "max_num_seqs_bound"
+            label, share = "max_num_seqs_bound", float((batch >= self.seq_cap_ratio * cap).mean())
+        elif budget_full and math.isfinite(gain) and gain >= self.min_budget_gain:
+            label, share = "token_budget_bound", float((fill >= self.budget_fill).mean())
+        elif budget_full and math.isfinite(gain):
+            label, share = "compute_bound", float((fill >= self.budget_fill).mean())
+            ev["prefill_bound"] = True
+        elif budget_full:
+            label, share = "unexplained", float((fill >= self.budget_fill).mean())
+            why = _WHY_BUDGET.format(budget=_fmt_int(budget))
+        elif queue:
+            label, share = "unexplained", float(queue_w.mean())
+            why = _WHY_QUEUE
+        elif slowing:
+            label, share = "compute_bound", float((~queue_w).mean())
         else:
-            label = "compute_bound"
-            shares["compute_bound"] = 1.0 - max(shares.values())
+            label, share = "unexplained", 1.0
+            why = _WHY_NONE
+        ev["why"] = why
         raw = curve.bins_["gen_tokens_per_s"].to_numpy(float)
         top_pre = float(curve.bins_["preemptions_per_s"].iloc[-1])
+        top = w[w["bin"] == w["bin"].max()]
+        top_done = self._finished_in(requests, top["ts_s"]) if "ts_s" in top else None
+        top_fin = _count(top_done) / len(top) if top_done is not None and len(top) else math.nan
+        top_per_req = top_pre / top_fin if top_fin > 0 else math.nan
+        thrashing = (
+            top_per_req >= self.thrash_preemptions_per_request
+            if math.isfinite(top_per_req)
+            else bool((top["preemptions"].astype(float) > 0).mean() >= 0.5)
+        )
         self.thrash_ = bool(
-            curve.saturated_
-            and curve.drop_past_peak_ > self.thrash_drop
-            and top_pre >= self.thrash_min_preemptions_per_s
+            curve.saturated_ and curve.drop_past_peak_ > self.thrash_drop and thrashing
         )
         ev["drop_past_peak_ratio"] = curve.drop_past_peak_
         ev["peak_tokens_per_s"] = float(np.max(raw))
         ev["top_bin_tokens_per_s"] = float(raw[-1])
         ev["top_bin_preemptions_per_s"] = top_pre
+        ev["top_bin_preemptions_per_request"] = top_per_req
         self.label_ = label
         self.saturated_ = curve.saturated_
         self.evidence_ = ev
-        self.confidence_ = round(shares[label] * min(1.0, len(region) / self.min_windows), 3)
+        self.confidence_ = round(share * min(1.0, len(region) / self.min_windows), 3)
         return self
 
     @property
@@ -177,24 +374,53 @@ class BottleneckClassifier:
         """The label for the engine verdict: ``not_saturated`` below the knee."""
         return self.label_ if self.saturated_ else "not_saturated"
 
+    @property
+    def approaching_(self) -> str | None:
+        """For an engine that is not saturated, the limit it approaches (None when no
+        limit shows at its highest load)."""
+        if self.saturated_ or self.label_ == "unexplained":
+            return None
+        return self.label_
+
     def describe(self) -> str:
         ev = self.evidence_
         pre = ""
         if ev["preemptions_per_s"] > 0:
             pre = f" and {ev['preemptions_per_s']:.1f} preemptions/s"
+            if math.isfinite(ev["preemptions_per_request"]):
+                pre += f" ({ev['preemptions_per_request']:.2f} per finished request)"
         if ev.get("kv_full_from_preemptions"):
             pre += ", full between the sampled usage readings"
+        gain = ev["budget_doubling_gain_ratio"]
+        budget_text = (
+            f"steps full at the token budget but step time grows with the tokens in them: "
+            f"doubling it predicts {gain:+.0%}"
+            if ev.get("prefill_bound")
+            else "steps below the token budget"
+        )
         text = _TEXT[self.label_].format(
-            pre=pre, cap=_fmt_int(ev["max_num_seqs"]), budget=_fmt_int(ev["max_num_batched_tokens"])
+            pre=pre,
+            cap=_fmt_int(ev["max_num_seqs"]),
+            budget=_fmt_int(ev["max_num_batched_tokens"]),
+            gain=f"{gain:+.0%}" if math.isfinite(gain) else "?",
+            budget_text=budget_text,
+            why=ev.get("why", ""),
         )
         facts = (
-            f"KV usage {ev['kv_usage_median']:.0%}, batch {ev['batch_median']:.1f} of "
-            f"max_num_seqs {_fmt_int(ev['max_num_seqs'])}, waiting {ev['waiting_median']:.1f}, "
-            f"{ev['tokens_per_step_median']:.0f} tokens/step of "
-            f"{_fmt_int(ev['max_num_batched_tokens'])}, steps/s "
+            f"KV usage {ev['kv_usage_median']:.0%} (full at {ev['kv_full_threshold']:.0%}"
+            f"{'' if ev['kv_full_from'] == 'admission_need' else ', a fixed share'}), batch "
+            f"{ev['batch_median']:.1f} of max_num_seqs {_fmt_int(ev['max_num_seqs'])}, waiting "
+            f"{ev['waiting_median']:.1f}, {ev['computed_tokens_per_step_median']:.0f} computed "
+            f"tokens/step of {_fmt_int(ev['max_num_batched_tokens'])}, steps/s "
             f"{ev['steps_per_s_low_load']:.0f} -> {ev['steps_per_s_plateau']:.0f}"
         )
-        head = self.label_ if self.saturated_ else f"not saturated; approaching {self.label_}"
+        if self.saturated_:
+            head = self.label_
+        elif self.approaching_ is None:
+            head = "not saturated; no limit in sight at the loads seen"
+            return f"{head} ({facts})"
+        else:
+            head = f"not saturated; approaching {self.label_}"
         return f"{head}: {text} ({facts})"
 
     def findings(self, scope: Scope) -> list[Finding]:
@@ -221,6 +447,11 @@ class BottleneckClassifier:
                         f"past its peak ({ev['peak_tokens_per_s']:,.0f} -> "
                         f"{ev['top_bin_tokens_per_s']:,.0f} tok/s) at "
                         f"{ev['top_bin_preemptions_per_s']:.1f} preemptions/s"
+                        + (
+                            f" ({ev['top_bin_preemptions_per_request']:.2f} per finished request)"
+                            if math.isfinite(ev["top_bin_preemptions_per_request"])
+                            else ""
+                        )
                     ),
                     evidence={
                         k: ev[k]
@@ -229,6 +460,7 @@ class BottleneckClassifier:
                             "peak_tokens_per_s",
                             "top_bin_tokens_per_s",
                             "top_bin_preemptions_per_s",
+                            "top_bin_preemptions_per_request",
                         )
                     },
                 )

@@ -42,7 +42,9 @@ def test_prefill_bound_queue_at_low_kv_is_not_called_kv_bound() -> None:
 def test_preempting_below_the_cap_is_kv_bound_whatever_the_sampled_usage(seed: int) -> None:
     """A gauge sampled once per scrape can read the cache below "full" while the engine
     preempts between samples: with a queue, the batch below the cap and preemptions
-    running, the verdict stays KV-bound. Without the preemptions it is compute-bound."""
+    running, the verdict stays KV-bound. Without the preemptions the evidence contradicts
+    itself (requests wait while the cache reads as having room for them, and the steps
+    do not say compute): the verdict is ``unexplained``, never a guess."""
     s = make_engine("kv_cache_bound", seed=seed)
     w = s.windows.copy()
     w["kv_usage_mean"] = w["kv_usage_mean"].clip(upper=0.85)  # as a low-reading gauge
@@ -56,7 +58,10 @@ def test_preempting_below_the_cap_is_kv_bound_whatever_the_sampled_usage(seed: i
     assert found.confidence > 0.5 and found.evidence["kv_full_from_preemptions"] is True
     assert "full between the sampled usage readings" in found.summary
     calm = analyze(FrameSource(s.engines, w.assign(preemptions=0.0), s.requests))
-    assert calm.engines[0].bottleneck == "compute_bound"
+    assert calm.engines[0].bottleneck == "unexplained"
+    found = calm.findings_of("bottleneck")[0]
+    assert "requests wait while the KV cache" in found.summary
+    assert found.evidence["free_blocks_median"] > found.evidence["admission_need_blocks"]
 
 
 def test_kv_model_predicts_the_kv_bound_plateau() -> None:
