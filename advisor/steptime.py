@@ -4,14 +4,15 @@ Algorithm
 ---------
 An engine step (one forward pass) costs a fixed part (reading the weights, launching
 the step: ``a`` seconds), a part per running sequence (its decode token and its KV
-reads: ``b`` seconds per sequence) and a part per prompt token prefilled in that step
-(``c`` seconds per token); a preempted request costs ``d`` seconds more (its tokens are
+reads: ``b`` seconds per sequence) and a part per prompt token computed in that step
+(``c`` seconds per token; prompt tokens served from the prefix cache are not computed
+and are left out); a preempted request costs ``d`` seconds more (its tokens are
 recomputed when it is resumed, and that recomputation is not counted as prompt
 tokens). Summed over a 1-second window in which the engine was busy the whole
 second::
 
-    1 s  ~=  a * n_steps  +  b * sum(batch over steps)  +  c * prompt_tokens
-             +  d * preemptions
+    1 s  ~=  a * n_steps  +  b * sum(batch over steps)
+             +  c * (prompt_tokens - prefix_hits)  +  d * preemptions
 
 Every busy window is one linear equation; the model is their least-squares
 solution. Windows in which the engine idled part of the second sit above the fit
@@ -72,10 +73,13 @@ class StepTimeModel:
             bsum = pd.to_numeric(windows["batch_sum"], errors="coerce").to_numpy(float)
         else:
             bsum = (w["batch_mean"] * w["n_steps"]).to_numpy(float)
+        # Prompt tokens served from the prefix cache cost no compute: only the computed ones
+        # (vLLM counts every prompt token, and the cached ones again as prefix hits).
+        computed = (w["prompt_tokens"] - w["prefix_hits"].fillna(0.0)).clip(lower=0.0)
         X = np.c_[
             w["n_steps"].to_numpy(float),
             bsum,
-            w["prompt_tokens"].to_numpy(float),
+            computed.to_numpy(float),
             w["preemptions"].fillna(0.0).to_numpy(float),
         ]
         busy = w["busy_ratio"].fillna(1.0).to_numpy(float)
