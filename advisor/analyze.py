@@ -257,7 +257,9 @@ def _engine(
         pool=pool,
         bottleneck=bn.verdict_,
         saturated=curve.saturated_,
-        knee_concurrency=curve.knee_load_,
+        # A knee is published only where load went past it: below saturation it is a
+        # fraction of the day's highest load, and moves with it.
+        knee_concurrency=curve.knee_load_ if curve.saturated_ else None,
         plateau_tokens_per_s=curve.plateau_tokens_per_s_,
         plateau_total_tokens_per_s=curve.plateau_total_tokens_per_s_,
         max_load_seen=curve.max_load_,
@@ -466,7 +468,11 @@ def _pools(report: Report) -> None:
     for v in report.engines:
         by_pool.setdefault(v.pool, []).append(v)
     for pool, vs in sorted(by_pool.items(), key=lambda kv: str(kv[0])):
-        plateaus = [v.plateau_tokens_per_s for v in vs if v.plateau_tokens_per_s is not None]
+        # Only a saturated engine has a plateau; an unsaturated one's highest throughput is
+        # a lower bound of its capacity and is not summed.
+        plateaus = [
+            v.plateau_tokens_per_s for v in vs if v.saturated and v.plateau_tokens_per_s is not None
+        ]
         caps = [
             v.recommended_concurrency_cap for v in vs if v.recommended_concurrency_cap is not None
         ]
@@ -477,19 +483,28 @@ def _pools(report: Report) -> None:
             plateau_tokens_per_s=sum(plateaus) if plateaus else None,
             recommended_concurrency_cap=sum(caps) if caps else None,
             engines_without_cap=[v.engine_id for v in vs if v.recommended_concurrency_cap is None],
+            engines_not_saturated=[v.engine_id for v in vs if not v.saturated],
         )
         report.pools.append(pv)
         _pool_cap(report, pool, vs)
         if pv.plateau_tokens_per_s:
-            rep = replica_whatif(pv.plateau_tokens_per_s, len(vs))
+            rep = replica_whatif(pv.plateau_tokens_per_s, len(plateaus))
             report.findings.append(
                 Finding(
                     kind="pool_capacity",
                     scope=Scope(pool=pool),
                     summary=(
                         f"pool {pool}: {len(vs)} engine(s), plateau "
-                        f"{pv.plateau_tokens_per_s:,.0f} tok/s; one more replica: "
-                        f"{rep['plateau_tokens_per_s']:,.0f} tok/s ({rep['gain_ratio']:+.0%})"
+                        f"{pv.plateau_tokens_per_s:,.0f} tok/s"
+                        + (
+                            f" over {len(plateaus)} saturated engine(s) ("
+                            f"{len(pv.engines_not_saturated)} not saturated: their capacity "
+                            "is above what they served)"
+                            if pv.engines_not_saturated
+                            else ""
+                        )
+                        + f"; one more replica: {rep['plateau_tokens_per_s']:,.0f} tok/s "
+                        f"({rep['gain_ratio']:+.0%})"
                     ),
                     evidence={
                         "plateau_tokens_per_s": pv.plateau_tokens_per_s,

@@ -142,7 +142,8 @@ class EngineVerdict:
 
     ``bottleneck`` is one of :data:`BOTTLENECKS`; when the engine is not saturated,
     ``approaching`` names the ceiling the top of the observed load range points to.
-    ``knee_concurrency`` and caps are in in-flight requests (running + waiting).
+    ``knee_concurrency`` and caps are in in-flight requests (running + waiting); the knee
+    is None for an engine that did not saturate.
     """
 
     engine_id: str
@@ -192,6 +193,9 @@ class PoolVerdict:
     plateau_tokens_per_s: float | None = None
     recommended_concurrency_cap: int | None = None
     engines_without_cap: list[str] = field(default_factory=list)
+    engines_not_saturated: list[str] = field(default_factory=list)
+    """Engines whose load never went past a knee: no plateau of theirs is in
+    ``plateau_tokens_per_s`` (their capacity is above what they served)."""
     prefix_hit_rate: float | None = None
     prefix_routing_loss: float | None = None
     predicted_prefix_hit_rate_affine: float | None = None

@@ -113,7 +113,11 @@ def test_overview_ranks_the_kv_starved_pool_first_with_the_advisors_numbers(
         assert row["verdict"].startswith(
             f"{v.bottleneck}, {'saturated' if v.saturated else 'headroom'}"
         )
-        assert row["knee (in flight)"] == f"{v.knee_concurrency:.1f}"
+        # No knee is published for an engine whose load never went past one.
+        assert (v.knee_concurrency is None) == (not v.saturated)
+        assert row["knee (in flight)"] == (
+            "–" if v.knee_concurrency is None else f"{v.knee_concurrency:.1f}"
+        )
         assert row["plateau"] == f"{v.plateau_tokens_per_s:,.0f} tok/s"
         assert row["prefix hit rate"] == pct(v.prefix_hit_rate)
         assert row["cap"] == (
