@@ -36,7 +36,14 @@ Algorithm
    doubling of load would otherwise drag the knee far past where the batch stopped
    growing).
 6. **Saturated** when the highest load bin lies at least ``saturation_margin`` times
-   beyond the knee: only then has throughput been seen *not* to grow. Or, from the
+   beyond the knee (throughput seen *not* to grow) **and** the engine shows why at that
+   load: requests wait (at least ``ceiling_min_waiting``), vLLM preempts, or each step
+   got slower (steps/s at the highest load at least ``saturation_step_slowdown`` below
+   the lowest load's). Generated tokens against requests in flight also bend when the
+   request mix shifts with load (longer prompts at the daily peak: more of the batch
+   prefilling, fewer tokens generated per request in flight) with no queue, free
+   blocks and steps no slower; that is no limit, and such an engine is not saturated
+   (``flat_without_evidence_``). Or, from the
    engine's own evidence, when it hit a ceiling: over the last doubling of load the
    running batch grew by at most ``ceiling_batch_growth`` while at least
    ``ceiling_min_waiting`` requests waited at the highest load. vLLM's scheduler leaves
@@ -54,6 +61,8 @@ saturation_margin : the highest load bin must be this multiple of the knee to ca
     the engine saturated (default 1.5).
 ceiling_batch_growth, ceiling_min_waiting : the ceiling evidence (defaults 0.1: the
     batch grew at most 10% over the last doubling of load; 1.0 request waiting).
+saturation_step_slowdown : step-time growth from the lowest to the highest load that
+    counts as evidence of a limit (0.25, as the bottleneck classifier's compute rule).
 bins_per_doubling : log-spaced bins per factor of two in load (default 2).
 min_count : windows per bin at least (default 3).
 min_steps, min_load, min_busy_ratio : window filters (defaults 5, 0.5, 0.6).
@@ -91,6 +100,7 @@ class ThroughputCurve:
         saturation_margin: float = 1.5,
         ceiling_batch_growth: float = 0.1,
         ceiling_min_waiting: float = 1.0,
+        saturation_step_slowdown: float = 0.25,
         bins_per_doubling: int = 2,
         min_count: int = 3,
         min_steps: int = 5,
@@ -101,6 +111,7 @@ class ThroughputCurve:
         self.saturation_margin = saturation_margin
         self.ceiling_batch_growth = ceiling_batch_growth
         self.ceiling_min_waiting = ceiling_min_waiting
+        self.saturation_step_slowdown = saturation_step_slowdown
         self.bins_per_doubling = bins_per_doubling
         self.min_count = min_count
         self.min_steps = min_steps
@@ -164,7 +175,20 @@ class ThroughputCurve:
             and self.batch_growth_last_doubling_ <= self.ceiling_batch_growth
             and self.waiting_at_max_load_ >= self.ceiling_min_waiting
         )
-        self.saturated_ = self.past_knee_ or self.ceiling_
+        # Past the knee counts only with the engine's own evidence of a limit there.
+        steps_low, steps_top = (
+            float(bins["steps_per_s"].iloc[0]),
+            float(bins["steps_per_s"].iloc[-1]),
+        )
+        slowdown = steps_low / steps_top - 1.0 if steps_top > 0 else math.nan
+        self.step_slowdown_ = slowdown
+        self.limit_evidence_ = bool(
+            self.waiting_at_max_load_ >= self.ceiling_min_waiting
+            or float(bins["preemptions_per_s"].iloc[-1]) > 0
+            or (math.isfinite(slowdown) and slowdown >= self.saturation_step_slowdown)
+        )
+        self.flat_without_evidence_ = self.past_knee_ and not self.limit_evidence_
+        self.saturated_ = (self.past_knee_ and self.limit_evidence_) or self.ceiling_
         raw = bins["gen_tokens_per_s"].to_numpy(float)
         self.peak_load_ = float(x[int(np.argmax(raw))])
         self.drop_past_peak_ = float(1.0 - raw[-1] / raw.max()) if raw.max() > 0 else 0.0
@@ -204,6 +228,13 @@ class ThroughputCurve:
                 f"{self.max_load_ / self.knee_load_:.1f}x the knee{grow}"
             )
         grow = f" (it grew {g:+.0%} over the last doubling)" if g is not None else ""
+        if self.flat_without_evidence_:
+            return (
+                f"not saturated: generated tokens/s flattened up to {self.max_load_:.1f} in "
+                f"flight, but nothing at the engine shows a limit there (no queue, no "
+                f"preemptions, steps no slower: {self.step_slowdown_:+.0%} step time); a "
+                "change in the request mix bends this curve, a limit does not"
+            )
         return (
             f"not saturated: highest load seen {self.max_load_:.1f} in flight, "
             f"throughput still rising{grow}; the plateau lies beyond the observed range"
@@ -236,6 +267,9 @@ class ThroughputCurve:
                 "batch_growth_last_doubling_ratio": self.batch_growth_last_doubling_,
                 "waiting_at_max_load": self.waiting_at_max_load_,
                 "saturated_by_ceiling": self.ceiling_ and not self.past_knee_,
+                "limit_evidence": self.limit_evidence_,
+                "flat_without_evidence": self.flat_without_evidence_,
+                "step_slowdown_ratio": self.step_slowdown_,
                 "knee_fraction": self.knee_fraction,
                 "n_windows": n,
                 "n_bins": len(self.bins_),

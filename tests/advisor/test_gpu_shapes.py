@@ -40,6 +40,9 @@ class Level:
     computed_prompt_per_step: float = 0.0
     cached_prompt_per_step: float = 0.0
     preemptions_per_s: float = 0.0
+    decoding: float | None = None
+    """Sequences that decode a token each step (the rest of the batch is prefilling);
+    the whole batch when None."""
 
 
 def gpu_config(**kw: Any) -> dict[str, Any]:
@@ -81,7 +84,7 @@ def frames(
         for _ in range(seconds):
             jitter = 1 + rng.normal(0, 0.01)
             n_steps = max(1, round(jitter / lv.step_s))
-            gen_tokens = round(lv.batch * n_steps)
+            gen_tokens = round((lv.batch if lv.decoding is None else lv.decoding) * n_steps)
             prompt_tokens = round(
                 (lv.computed_prompt_per_step + lv.cached_prompt_per_step) * n_steps
             )
@@ -439,3 +442,38 @@ def test_every_threshold_is_in_the_reports_parameters() -> None:
     assert params["kvscope_version"]
     assert params["bottleneck"] == BottleneckClassifier().parameters()
     assert set(params["bottleneck"]) >= {"seq_cap_ratio", "budget_fill", "min_budget_gain"}
+
+
+# -- passive mode: a mix shift is not a knee ---------------------------------------------------
+
+
+def test_a_request_mix_shift_at_the_peak_is_not_a_knee() -> None:
+    """Production traffic: in-flight requests rise from 8 to 256 over the day, and at the
+    peak the prompts get long, so a growing share of the batch is prefilling (chunks of
+    long prompts) rather than decoding: generated tokens/s flatten above 32 in flight.
+    Nothing at the engine limits: no queue, no preemptions, the cache at most a third used,
+    every step 30 ms. The curve bends, but the engine is not saturated: no knee, no cap."""
+    cfg = gpu_config()
+    levels = [
+        Level(
+            load=L,
+            batch=L,
+            kv_usage=0.001 * L,
+            step_s=0.03,
+            decoding=min(L, 32 + 0.02 * (L - 32)),
+            computed_prompt_per_step=20.0 * L,
+        )
+        for L in (8, 16, 32, 64, 128, 256)
+    ]
+    engines, windows, requests = frames(levels, cfg, prompt=3000, gen=300)
+    rep = analyze(FrameSource(engines, windows, requests))
+    v = rep.engines[0]
+    curve = rep.findings_of("throughput_curve")[0].evidence
+    assert curve["growth_last_doubling_ratio"] < 0.1  # the curve is flat...
+    assert curve["flat_without_evidence"] and not curve["limit_evidence"]
+    assert not v.saturated and v.bottleneck == "not_saturated"  # ...but nothing limits
+    assert v.knee_concurrency is None and v.recommended_concurrency_cap is None
+    assert not any(r.kind == "concurrency_cap" for r in rep.recommendations)
+    assert "a change in the request mix" in v.headroom
+    pool = rep.pools[0]
+    assert pool.plateau_tokens_per_s is None and pool.engines_not_saturated == [ENGINE]
