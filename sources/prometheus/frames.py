@@ -124,6 +124,7 @@ def infer_max_num_seqs(
     running_max: np.ndarray,
     waiting: np.ndarray,
     kv_usage: np.ndarray,
+    preemptions: np.ndarray | None = None,
     *,
     min_windows: int = 5,
     min_share: float = 0.6,
@@ -134,8 +135,10 @@ def infer_max_num_seqs(
     vLLM publishes its cache configuration (``vllm:cache_config_info``) but not the
     scheduler's. When requests waited (``waiting >= 0.5``) in at least ``min_windows``
     windows and, in at least ``min_share`` of them, the batch stood at its highest value
-    ``m`` with the KV cache below ``kv_full``, the scheduler's cap held it: ``m``.
-    Otherwise None (a KV-bound batch varies below the cap, an unloaded one never waits).
+    ``m`` with the KV cache below ``kv_full`` and no preemption (vLLM preempts only when
+    the cache runs out, which a gauge sampled between steps can miss), the scheduler's
+    cap held it: ``m``. Otherwise None (a KV-bound batch varies below the cap, an
+    unloaded one never waits).
     """
     r = np.asarray(running_max, float)
     w = np.asarray(waiting, float)
@@ -147,7 +150,12 @@ def infer_max_num_seqs(
     queued = ok & (w >= 0.5)
     if m < 1 or queued.sum() < min_windows:
         return None
-    pinned = queued & (r >= m - 1e-9) & (~np.isfinite(kv) | (kv < kv_full))
+    calm = (
+        np.ones(len(r), bool)
+        if preemptions is None
+        else ~(np.nan_to_num(np.asarray(preemptions, float), nan=0.0) > 0)
+    )
+    pinned = queued & (r >= m - 1e-9) & (~np.isfinite(kv) | (kv < kv_full)) & calm
     return round(m) if pinned.sum() >= min_share * queued.sum() else None
 
 

@@ -237,6 +237,7 @@ class Reader:
                 "generation_tokens",
                 "prefix_queries",
                 "prefix_hits",
+                "spec_accepted",
             )
             if col in roles
         }
@@ -280,6 +281,9 @@ class Reader:
                 w.set_index("ts_s")["kv_usage_mean"]
                 .reindex((grid - f.step_s).astype("int64"))
                 .to_numpy(float),
+                w.set_index("ts_s")["preemptions"]
+                .reindex((grid - f.step_s).astype("int64"))
+                .to_numpy(float),
             )
             if m is not None:
                 cfg["max_num_seqs"] = m
@@ -311,16 +315,22 @@ class Reader:
                 "generation_tokens",
                 "prefix_queries",
                 "prefix_hits",
+                "spec_accepted",
             )
         }
         gen, steps = rate["generation_tokens"], rate["n_steps"]
+        # With speculative decoding a sequence gains 1 + its accepted draft tokens per step:
+        # the batch is the generated tokens less the accepted drafts, per step.
+        decode = gen - np.nan_to_num(rate["spec_accepted"], nan=0.0)
         with np.errstate(invalid="ignore", divide="ignore"):
             if "n_steps" not in c:  # no iteration histogram: one token per sequence per step
-                steps = gen / np.where(snap > 0, snap, math.nan)
+                steps = decode / np.where(snap > 0, snap, math.nan)
                 batch = snap
-            else:  # tokens per step: the batch averaged over every step, not one snapshot
+            else:  # decode tokens per step: the batch averaged over every step
                 batch = np.where(
-                    (steps >= 1) & np.isfinite(gen), gen / np.where(steps >= 1, steps, 1.0), snap
+                    (steps >= 1) & np.isfinite(decode),
+                    decode / np.where(steps >= 1, steps, 1.0),
+                    snap,
                 )
             kv_tokens = num(cfg.get("num_gpu_blocks")) * num(cfg.get("block_size"))
             est = (
@@ -330,8 +340,12 @@ class Reader:
                 if len(requests) and kv_tokens > 0
                 else nan
             )
+        # KV usage is vLLM's own gauge (sampled once per scrape, between steps); the
+        # footprint estimate is kept beside it for display, never in its place, so a
+        # verdict does not restate the advisor's own model. A full cache between samples
+        # shows in the preemptions, which the bottleneck classifier reads.
         sampled = c.get("kv_usage_sampled", nan)
-        kv = np.fmax(sampled, est)
+        kv = sampled
         w = pd.DataFrame(
             {
                 "ts_s": (grid - step).astype("int64"),

@@ -70,6 +70,7 @@ ROLES: dict[str, Role] = {
         Role("preemptions", COUNTER, ("vllm:num_preemptions",)),
         Role("prompt_tokens", COUNTER, ("vllm:prompt_tokens",)),
         Role("generation_tokens", COUNTER, ("vllm:generation_tokens",)),
+        Role("spec_accepted", COUNTER, ("vllm:spec_decode_num_accepted_tokens",)),
         Role("iterations", HISTOGRAM, ("vllm:iteration_tokens_total",)),
         Role("e2e", HISTOGRAM, ("vllm:e2e_request_latency_seconds",)),
         Role("ttft", HISTOGRAM, ("vllm:time_to_first_token_seconds",)),
