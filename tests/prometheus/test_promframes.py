@@ -19,8 +19,10 @@ from kvscope.sources.prometheus.frames import (
     pseudo_requests,
     quantiles_from_buckets,
 )
+from kvscope.sources.prometheus.read import Fetch, Reader
 
 INF = math.inf
+T = 1_750_000_000.0
 
 
 def test_increases_count_a_reset_as_the_new_value() -> None:
@@ -110,6 +112,38 @@ def test_infer_max_num_seqs_only_when_the_batch_was_pinned_with_kv_to_spare() ->
     # The batch wandered below its maximum while requests waited.
     wander = np.where(np.arange(n) % 2 == 0, 6.0, 3.0)
     assert infer_max_num_seqs(wander, np.full(n, 4.0), np.full(n, 0.1)) is None
+    # The gauge read the cache at 60% between steps, but vLLM preempted: memory held it.
+    assert infer_max_num_seqs(pinned, np.full(n, 4.0), np.full(n, 0.6), np.full(n, 3.0)) is None
+    assert infer_max_num_seqs(pinned, np.full(n, 4.0), np.full(n, 0.6), np.zeros(n)) == 6
+
+
+def test_vllm_windows_batch_is_decode_tokens_per_step_net_of_accepted_drafts() -> None:
+    """With speculative decoding each sequence gains 1 + its accepted drafts per step: 20
+    sequences, 50 steps/s, 1.5 accepted drafts each per step: 2,500 generated tokens/s
+    of which 1,500 are accepted drafts. The batch is 20, not 50. KV usage is the gauge."""
+    grid = np.array([T + 1.0, T + 2.0])
+    f = Fetch(since=T, until=T + 2, names=set(), step_s=1)
+    c = {
+        "snapshot": np.array([20.0, 20.0]),
+        "batch_max": np.array([20.0, 20.0]),
+        "n_steps": np.array([50.0, 50.0]),
+        "generation_tokens": np.array([2500.0, 2500.0]),
+        "spec_accepted": np.array([1500.0, 1500.0]),
+        "kv_usage_sampled": np.array([0.4, 0.4]),
+    }
+    cfg = {"num_gpu_blocks": 1000, "block_size": 16}
+    reqs = pd.DataFrame(
+        {"prompt_tokens": [4000.0], "generation_tokens": [100.0], "cached_tokens": [0.0]}
+    )
+    w = Reader.vllm_windows(c, grid, f, cfg, reqs)
+    assert w["batch_mean"].tolist() == [20.0, 20.0]
+    # The footprint estimate (20 x ~4,050 tokens > the cache) is kept beside the gauge.
+    assert w["kv_usage_mean"].tolist() == [0.4, 0.4]
+    assert (w["kv_usage_estimated"] == 1.0).all()
+    no_drafts = Reader.vllm_windows(
+        {**c, "spec_accepted": np.array([0.0, 0.0])}, grid, f, cfg, reqs
+    )
+    assert no_drafts["batch_mean"].tolist() == [50.0, 50.0]
 
 
 def test_confidence_factor_falls_with_resolution() -> None:
