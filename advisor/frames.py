@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pandas as pd
+from sklearn.isotonic import IsotonicRegression
 
 _NUMERIC = (
     "n_steps",
@@ -109,21 +110,17 @@ def load_bins(load: np.ndarray, *, bins_per_doubling: int, min_count: int) -> np
 
 
 def isotonic_increasing(y: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Weighted least-squares non-decreasing fit (pool adjacent violators)."""
-    vals: list[float] = []
-    wts: list[float] = []
-    sizes: list[int] = []
-    for yi, wi in zip(np.asarray(y, float), np.asarray(weights, float), strict=True):
-        vals.append(yi)
-        wts.append(wi)
-        sizes.append(1)
-        while len(vals) > 1 and vals[-2] > vals[-1]:
-            w2 = wts[-2] + wts[-1]
-            v2 = (vals[-2] * wts[-2] + vals[-1] * wts[-1]) / w2
-            s2 = sizes[-2] + sizes[-1]
-            del vals[-1], wts[-1], sizes[-1]
-            vals[-1], wts[-1], sizes[-1] = v2, w2, s2
-    return np.repeat(vals, sizes)
+    """Weighted least-squares non-decreasing fit of ``y`` in its order.
+
+    scikit-learn's :class:`~sklearn.isotonic.IsotonicRegression` (pool adjacent
+    violators): the maintained implementation of exactly this fit, with sample weights
+    (the windows behind each load bin)."""
+    y = np.asarray(y, float)
+    if len(y) < 2:
+        return y.copy()
+    x = np.arange(len(y), dtype=float)
+    model = IsotonicRegression(increasing=True, out_of_bounds="clip")
+    return np.asarray(model.fit(x, y, sample_weight=np.asarray(weights, float)).predict(x), float)
 
 
 def interp_crossing(x: np.ndarray, y: np.ndarray, level: float) -> float:

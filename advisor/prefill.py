@@ -20,8 +20,8 @@ Algorithm
   others. ``r2_`` says how much of the prefill time the computed tokens explain,
   measured robustly: ``1 - (MAD of the residuals / MAD of y)^2`` (MAD: median
   absolute deviation), the usual r2 for Gaussian noise, which a few slow requests do
-  not drive to zero. Pairs are all pairs up to ``max_pairs``, else ``max_pairs`` pairs
-  drawn with ``random_state`` (deterministic).
+  not drive to zero. The line is SciPy's ``theilslopes``; beyond ``max_points``
+  requests it is fitted on a sample of them drawn with ``random_state`` (deterministic).
 * **Usable** when at least ``min_requests`` requests with ``min_distinct`` distinct
   computed-token counts give a positive slope. :meth:`PrefillCost.ttft_change_s`
   turns tokens saved per request into a mean TTFT change: ``-slope x tokens``, with the
@@ -36,7 +36,8 @@ min_requests : requests needed for a fit (default 20).
 min_distinct : distinct computed-token counts needed (default 3).
 good_r2 : r2 at or above which the fit counts as good (default 0.3).
 full_confidence_requests : requests for full confidence (default 200).
-max_pairs : pairwise slopes at most (default 20000).
+max_points : requests the line is fitted on at most, a seeded sample beyond (default 400:
+    about 80,000 pairwise slopes).
 random_state : seed for the pair sample (default 0).
 """
 
@@ -47,6 +48,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy import stats
 
 
 def _col(df: pd.DataFrame, name: str) -> np.ndarray:
@@ -69,23 +71,22 @@ def request_prefill_s(requests: pd.DataFrame) -> np.ndarray:
 
 
 def theil_sen(
-    x: np.ndarray, y: np.ndarray, *, max_pairs: int = 20_000, random_state: int = 0
+    x: np.ndarray, y: np.ndarray, *, max_points: int = 400, random_state: int = 0
 ) -> tuple[float, float]:
-    """Slope and intercept of the Theil-Sen line through ``(x, y)`` (NaN without pairs)."""
-    n = len(x)
-    if n < 2:
+    """Slope and intercept of the Theil-Sen line through ``(x, y)`` (NaN without pairs).
+
+    SciPy's :func:`scipy.stats.theilslopes` (the median of pairwise slopes; intercept
+    the median of ``y - slope x``, its "joint" method): robust to the minority of
+    requests whose TTFT a queue or a preemption inflated. It weighs every pair, so
+    beyond ``max_points`` requests a seeded sample of them is used."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) > max_points:
+        pick = np.random.default_rng(random_state).choice(len(x), max_points, replace=False)
+        x, y = x[pick], y[pick]
+    if len(x) < 2 or np.ptp(x) == 0:
         return math.nan, math.nan
-    if n * (n - 1) // 2 <= max_pairs:
-        i, j = np.triu_indices(n, 1)
-    else:
-        rng = np.random.default_rng(random_state)
-        i, j = rng.integers(0, n, max_pairs), rng.integers(0, n, max_pairs)
-    dx = x[j] - x[i]
-    keep = dx != 0
-    if not keep.any():
-        return math.nan, math.nan
-    slope = float(np.median((y[j] - y[i])[keep] / dx[keep]))
-    return slope, float(np.median(y - slope * x))
+    res = stats.theilslopes(y, x, method="joint")
+    return float(res.slope), float(res.intercept)
 
 
 def _mad(v: np.ndarray) -> float:
@@ -114,14 +115,14 @@ class PrefillCost:
         min_distinct: int = 3,
         good_r2: float = 0.3,
         full_confidence_requests: int = 200,
-        max_pairs: int = 20_000,
+        max_points: int = 400,
         random_state: int = 0,
     ) -> None:
         self.min_requests = min_requests
         self.min_distinct = min_distinct
         self.good_r2 = good_r2
         self.full_confidence_requests = full_confidence_requests
-        self.max_pairs = max_pairs
+        self.max_points = max_points
         self.random_state = random_state
 
     def fit(self, requests: pd.DataFrame) -> PrefillCost:
@@ -139,7 +140,7 @@ class PrefillCost:
         self.n_ = int(ok.sum())
         x, y = x[ok], y[ok]
         self.slope_s_per_token_, self.intercept_s_ = theil_sen(
-            x, y, max_pairs=self.max_pairs, random_state=self.random_state
+            x, y, max_points=self.max_points, random_state=self.random_state
         )
         self.r2_ = math.nan
         if self.n_ >= 2 and math.isfinite(self.slope_s_per_token_):

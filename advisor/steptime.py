@@ -19,7 +19,8 @@ solution. Windows in which the engine idled part of the second sit above the fit
 (their steps explain less than a second), so the fit is trimmed: windows whose
 explained time falls short of the second by more than ``idle_tolerance`` are
 dropped and the fit repeated (``n_iter`` times). A negative coefficient is set to
-zero and the rest refitted (it means the data does not separate that cost).
+zero (it means the data does not separate that cost): the fit is a non-negative least
+squares.
 
 With a prompt-to-generation ratio ``r`` (prompt tokens prefilled per generated
 token), a batch of ``B`` sequences produces
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from scipy import optimize
 
 from kvscope.advisor.curve import NotEnoughData
 from kvscope.advisor.frames import prepare_windows
@@ -107,15 +109,12 @@ class StepTimeModel:
 
     @staticmethod
     def _solve(X: np.ndarray) -> np.ndarray:
-        cols = [0, 1, 2, 3]
-        coef = np.zeros(4)
-        while cols:
-            sol, *_ = np.linalg.lstsq(X[:, cols], np.ones(len(X)), rcond=None)
-            if (sol >= 0).all():
-                coef[cols] = sol
-                break
-            cols.pop(int(np.argmin(sol)))
-        return coef
+        """Non-negative least squares (SciPy's :func:`scipy.optimize.nnls`, Lawson-Hanson):
+        the costs are times, never negative, and the active-set method finds the optimum
+        under that constraint (dropping the most negative coefficient and refitting does
+        not always)."""
+        coef, _ = optimize.nnls(X, np.ones(len(X)))
+        return np.asarray(coef, float)
 
     def step_s(
         self, batch: float | np.ndarray, prompt_per_step: float | np.ndarray = 0.0

@@ -20,7 +20,17 @@ def require(cmd: str, extra: str, also: tuple[str, ...] = ()) -> None:
     """Fail with an install hint when an extra's packages (and ``also``) are missing."""
     import importlib.util
 
-    needed = {"collector": ("aiohttp", "duckdb", "pandas", "prometheus_client", "tqdm")}[extra]
+    needed = {
+        "collector": (
+            "aiohttp",
+            "duckdb",
+            "pandas",
+            "prometheus_client",
+            "scipy",
+            "sklearn",
+            "tqdm",
+        )
+    }[extra]
     for mod in (*needed, *also):
         if importlib.util.find_spec(mod) is None:
             raise MissingExtraError(EXTRA_HINT.format(cmd=cmd, extra=extra, missing=mod))
