@@ -407,7 +407,7 @@ class BottleneckClassifier:
             why=ev.get("why", ""),
         )
         facts = (
-            f"KV usage {ev['kv_usage_median']:.0%} (full at {ev['kv_full_threshold']:.0%}"
+            f"KV usage {ev['kv_usage_median']:.0%} (full at {ev['kv_full_threshold']:.1%}"
             f"{'' if ev['kv_full_from'] == 'admission_need' else ', a fixed share'}), batch "
             f"{ev['batch_median']:.1f} of max_num_seqs {_fmt_int(ev['max_num_seqs'])}, waiting "
             f"{ev['waiting_median']:.1f}, {ev['computed_tokens_per_step_median']:.0f} computed "

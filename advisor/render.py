@@ -197,6 +197,11 @@ def _engine_block(report: Report, v: EngineVerdict) -> list[Padding]:
             f"{_tok(v.plateau_tokens_per_s)} generated "
             f"({_tok(v.plateau_total_tokens_per_s)} total); confidence "
             f"{_num(v.confidence, '.2f')}"
+            if v.knee_concurrency is not None
+            else f"no knee yet (load never went past one); highest throughput "
+            f"{_tok(v.plateau_tokens_per_s)} generated "
+            f"({_tok(v.plateau_total_tokens_per_s)} total); confidence "
+            f"{_num(v.confidence, '.2f')}"
         )
     ]
     headroom = v.headroom
