@@ -29,6 +29,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     fast tests (some of which drive small local servers) run on a quiet machine.
     """
     order_items(items)
+    # The long real-engine matrices run only when asked for (``-m matrix``).
+    if "matrix" not in (config.option.markexpr or ""):
+        keep = [i for i in items if i.get_closest_marker("matrix") is None]
+        if len(keep) < len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+            items[:] = keep
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

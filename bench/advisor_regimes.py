@@ -1,0 +1,369 @@
+"""The advisor on more real engine regimes, each set against a control that lifts the
+suspected limit: the ground truth of a regime is what its control measures.
+
+One command (about 5 minutes per regime on a 2-core machine, two engine starts each)::
+
+    .venv/bin/python bench/advisor_regimes.py [--regimes long-context,prefill-bound]
+        [--runs 1] [--json out.json]
+
+For each regime of :data:`REGIMES`: the real vLLM CPU engine on the lab's "mid" model
+with the regime's flags and the kvscope plugin, a closed-loop sweep of the regime's
+workload (prompt and output lengths), the advisor's verdict on the sweep; then the
+**control**: the same workload on an engine with the suspected limit lifted (more KV
+blocks, a larger token budget), at the sweep's two highest concurrencies. A limit that
+binds shows as throughput that grows under the control (``grows``: control over regime
+at least ``min_ratio``, judged on the 95% interval of the runs, :mod:`bench.noise`); a
+limit that does not bind shows as the same throughput (``same``: at most
+``max_ratio``). A regime is right when the advisor's verdict is one of its expected
+classes and the control agrees.
+
+The regimes (the seven of the advisor's documentation that need only closed-loop load
+and the lab's model; open-loop traffic is the next step):
+
+- ``long-context``: 160 blocks of 32 tokens (5,120 tokens) and prompts of ~1,500
+  tokens: three requests fill the cache (KV usage can stay below 90%) and the fourth
+  waits: ``kv_cache_bound``. Control: 1,024 blocks, throughput grows.
+- ``prefill-bound``: a budget of 256 tokens, prompts of ~1,000 tokens and 16 output
+  tokens: steps are full at the budget, but on a CPU step time grows with the tokens
+  in the step: not ``token_budget_bound`` (``compute_bound``). Control: a budget of
+  2,048, the same throughput.
+- ``budget-bound``: a budget of 64 tokens (and ``max_num_seqs`` 64, which vLLM needs
+  beside it), prompts of ~300 tokens: a step's fixed cost (reading the weights) dwarfs
+  64 tokens of prefill, so bigger steps pay: ``token_budget_bound``. Control: a budget
+  of 512, throughput grows.
+- ``long-output-thrash``: 48 blocks, outputs of 512 tokens: sequences outgrow the cache
+  while they run, vLLM preempts and recomputes: ``kv_cache_bound`` (with preemption
+  thrash where throughput falls past its peak). Control: 4,096 blocks, throughput grows.
+- ``ample-high``: 4,096 blocks up to 64 clients: ``compute_bound`` with steps slowing,
+  or not saturated while throughput still grows. Control: none (nothing to lift).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.advisor_scenarios import AdvisorLab, LevelMeasure
+from bench.noise import FAILS, HOLDS, Ratio, ratio
+from kvscope.advisor import CollectorSource, analyze
+from kvscope.lab.engine import VllmServer
+from kvscope.lab.sweep import SweepConfig, SweepResult, run_sweep
+
+
+@dataclass(frozen=True)
+class Engine:
+    """vLLM flags of one engine start."""
+
+    num_gpu_blocks: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+
+    def extra_args(self) -> tuple[str, ...]:
+        if self.max_num_batched_tokens is None:
+            return ()
+        return ("--max-num-batched-tokens", str(self.max_num_batched_tokens))
+
+    def describe(self) -> str:
+        out = f"--num-gpu-blocks-override {self.num_gpu_blocks} --max-num-seqs {self.max_num_seqs}"
+        if self.max_num_batched_tokens is not None:
+            out += f" --max-num-batched-tokens {self.max_num_batched_tokens}"
+        return out
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str
+    expected: tuple[str, ...]
+    """Verdicts that count as right (``not_saturated`` needs ``approaching`` in it too)."""
+    engine: Engine
+    prompt_words: tuple[int, int]
+    output_tokens: int
+    concurrency: tuple[int, ...]
+    control: Engine | None = None
+    control_expect: str = "grows"
+    """``grows``: the lifted limit was binding; ``same``: it was not."""
+    min_ratio: float = 1.2
+    max_ratio: float = 1.15
+    duration_s: float = 6.0
+    why: str = ""
+
+
+REGIMES: dict[str, Regime] = {
+    r.name: r
+    for r in (
+        Regime(
+            "long-context",
+            ("kv_cache_bound",),
+            Engine(num_gpu_blocks=160),
+            prompt_words=(1400, 1600),
+            output_tokens=64,
+            concurrency=(1, 2, 3, 4, 6, 8),
+            control=Engine(num_gpu_blocks=1024),
+            why="three ~1,550-token requests fill 5,120 tokens; the fourth waits",
+        ),
+        Regime(
+            "prefill-bound",
+            ("compute_bound",),
+            Engine(num_gpu_blocks=4096, max_num_batched_tokens=256),
+            prompt_words=(900, 1100),
+            output_tokens=16,
+            concurrency=(1, 2, 4, 8, 16),
+            control=Engine(num_gpu_blocks=4096, max_num_batched_tokens=2048),
+            control_expect="same",
+            why="steps full at 256 tokens, but step time grows with the tokens in them",
+        ),
+        Regime(
+            "budget-bound",
+            ("token_budget_bound",),
+            Engine(num_gpu_blocks=4096, max_num_seqs=64, max_num_batched_tokens=64),
+            prompt_words=(250, 350),
+            output_tokens=16,
+            concurrency=(1, 2, 4, 8, 16, 32),
+            control=Engine(num_gpu_blocks=4096, max_num_seqs=64, max_num_batched_tokens=512),
+            why="64 tokens per step against a step's fixed cost: bigger steps pay",
+        ),
+        Regime(
+            "long-output-thrash",
+            ("kv_cache_bound",),
+            Engine(num_gpu_blocks=48),
+            prompt_words=(8, 40),
+            output_tokens=512,
+            concurrency=(1, 2, 4, 8, 16, 32),
+            control=Engine(num_gpu_blocks=4096),
+            duration_s=8.0,
+            why="sequences outgrow the 1,536-token cache while they run: preemptions",
+        ),
+        Regime(
+            "ample-high",
+            ("compute_bound", "not_saturated"),
+            Engine(num_gpu_blocks=4096),
+            prompt_words=(8, 40),
+            output_tokens=128,
+            concurrency=(1, 2, 4, 8, 16, 32, 48, 64),
+            why="no limit but the compute of each step",
+        ),
+    )
+}
+
+
+@dataclass
+class RegimeResult:
+    name: str
+    expected: tuple[str, ...]
+    verdict: dict[str, Any]
+    evidence: dict[str, Any]
+    levels: list[dict[str, Any]]
+    control_levels: list[dict[str, Any]] = field(default_factory=list)
+    control: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def verdict_right(self) -> bool:
+        v = self.verdict
+        if v["bottleneck"] not in self.expected:
+            return False
+        return v["bottleneck"] != "not_saturated" or v.get("approaching") in self.expected
+
+    @property
+    def control_agrees(self) -> bool | None:
+        c = self.control
+        return None if not c else c["verdict"] != FAILS
+
+    @property
+    def right(self) -> bool:
+        return self.verdict_right and self.control_agrees is not False
+
+
+class RegimeLab(AdvisorLab):
+    """An :class:`AdvisorLab` whose sweeps carry a regime's workload."""
+
+    prompt_words: tuple[int, int] = (8, 40)
+    output_tokens: int = 128
+
+    def _sweep(
+        self,
+        server: VllmServer,
+        concurrency: list[int],
+        duration_s: float,
+        warmup_s: float,
+        seed: int,
+        error_backoff_s: float = 0.1,
+    ) -> SweepResult:
+        return run_sweep(
+            SweepConfig(
+                url=server.url,
+                model="kvscope-advisor",
+                concurrency=concurrency,
+                duration_s=duration_s,
+                warmup_s=warmup_s,
+                cooldown_s=1.0,
+                prompt_words=self.prompt_words,
+                output_tokens=(self.output_tokens, self.output_tokens),
+                seed=seed,
+                error_backoff_s=error_backoff_s,
+                progress=self.progress,
+            )
+        )
+
+    def _levels(
+        self, server: VllmServer, pool: str, levels: tuple[int, ...], duration_s: float, seed: int
+    ) -> tuple[list[LevelMeasure], float, float]:
+        engine_id = self._engine_id(pool)
+        out: list[LevelMeasure] = []
+        since = until = math.nan
+        for i, c in enumerate(levels):
+            level, sweep = self._level(server, engine_id, c, duration_s, self.warmup_s, seed + i, 2)
+            out.append(level)
+            if i == 0:
+                since = sweep.started_unix_s
+            until = sweep.finished_unix_s + 1.0
+        return out, since, until
+
+    def run(self, regime: Regime, run_index: int = 0) -> RegimeResult:
+        started = time.monotonic()
+        self.prompt_words, self.output_tokens = regime.prompt_words, regime.output_tokens
+        seed = self.seed + 1000 * run_index
+        pool = f"regime-{regime.name}-{run_index}"
+        e = regime.engine
+        with self.engine(
+            pool,
+            num_gpu_blocks=e.num_gpu_blocks,
+            max_num_seqs=e.max_num_seqs,
+            extra_args=e.extra_args(),
+        ) as server:
+            self._warm(server)
+            self._say(f"{pool}: {regime.why}; sweeping {regime.concurrency}")
+            levels, since, until = self._levels(
+                server, pool, regime.concurrency, regime.duration_s, seed
+            )
+        report = analyze(CollectorSource(self._collector.url), since, until, pool=pool)
+        v = report.engines[0]
+        found = report.findings_of("bottleneck")
+        res = RegimeResult(
+            name=regime.name,
+            expected=regime.expected,
+            verdict=v.to_dict(),
+            evidence=found[0].evidence if found else {},
+            levels=[asdict(lv) for lv in levels],
+        )
+        self._say(
+            f"{pool}: advisor says {v.bottleneck}"
+            f"{'' if v.saturated else f' (approaching {v.approaching})'}; "
+            f"{found[0].summary if found else ''}"
+        )
+        if regime.control is not None:
+            c = regime.control
+            top = sorted(regime.concurrency)[-2:]
+            cpool = f"{pool}-control"
+            with self.engine(
+                cpool,
+                num_gpu_blocks=c.num_gpu_blocks,
+                max_num_seqs=c.max_num_seqs,
+                extra_args=c.extra_args(),
+            ) as server:
+                self._warm(server)
+                self._say(f"{cpool}: the control ({c.describe()}) at {top} clients")
+                ctl, _, _ = self._levels(server, cpool, tuple(top), regime.duration_s, seed + 500)
+            base = [lv for lv in levels if lv.concurrency in top]
+            r = ratio(
+                [lv.client_tokens_per_s for lv in ctl], [lv.client_tokens_per_s for lv in base]
+            )
+            if regime.control_expect == "grows":
+                judged, what = r.at_least(regime.min_ratio), f">= {regime.min_ratio:g}"
+            else:
+                judged, what = r.at_most(regime.max_ratio), f"<= {regime.max_ratio:g}"
+            res.control_levels = [asdict(lv) for lv in ctl]
+            res.control = {
+                "engine": c.describe(),
+                "expect": regime.control_expect,
+                "property": f"control / regime throughput at {top} clients {what}",
+                "ratio": asdict(r),
+                "verdict": judged,
+            }
+            self._say(f"{cpool}: control / regime {r.describe()} -> {judged}")
+        res.seconds = time.monotonic() - started
+        return res
+
+
+def table(results: list[RegimeResult]) -> str:
+    head = (
+        f"{'regime':<19} {'run':>3} {'expected':<31} {'verdict':<36} {'knee':>5} {'cap':>4} "
+        f"{'control / regime':>22} {'control':<13} right"
+    )
+    lines = [head, "-" * len(head)]
+    for i, r in enumerate(results):
+        v = r.verdict
+        verdict = v["bottleneck"] + (
+            f" -> {v.get('approaching')}" if v["bottleneck"] == "not_saturated" else ""
+        )
+        knee = v.get("knee_concurrency")
+        cap = v.get("recommended_concurrency_cap")
+        ctl = r.control
+        rr = Ratio(**ctl["ratio"]) if ctl else None
+        lines.append(
+            f"{r.name:<19} {i:>3} {' | '.join(r.expected):<31} {verdict:<36} "
+            f"{'-' if knee is None else f'{knee:.1f}':>5} {'-' if cap is None else cap:>4} "
+            f"{'-' if rr is None else f'{rr.estimate:.2f} ({rr.low:.2f}-{rr.high:.2f})':>22} "
+            f"{ctl.get('verdict', '-') if ctl else '-':<13} {'yes' if r.right else 'NO'}"
+        )
+    lines.append(
+        "control / regime: client throughput at the regime's two highest concurrencies "
+        "with the suspected limit lifted, over the regime's (95% interval); control: "
+        f"{HOLDS} / {FAILS} / within noise for the regime's expectation (grows or same)"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--workdir", default="/tmp/kvscope-advisor-regimes")
+    p.add_argument(
+        "--regimes",
+        default=",".join(REGIMES),
+        help="comma-separated regimes (default: %(default)s)",
+    )
+    p.add_argument("--runs", type=int, default=1, help="runs of each regime (default: 1)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument("--no-progress", action="store_true", help="no sweep progress bars")
+    args = p.parse_args(argv)
+    names = [n for n in args.regimes.split(",") if n]
+    unknown = [n for n in names if n not in REGIMES]
+    if unknown:
+        p.error(f"unknown regime(s) {unknown}; choose from {list(REGIMES)}")
+    if args.runs < 1:
+        p.error("--runs must be at least 1")
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    results: list[RegimeResult] = []
+    lab = RegimeLab(args.workdir, log=log, progress=not args.no_progress)
+    with lab:
+        for run in range(args.runs):
+            for name in names:
+                log(f"== {name}, run {run + 1}/{args.runs}")
+                results.append(lab.run(REGIMES[name], run))
+                if args.json:
+                    Path(args.json).write_text(
+                        json.dumps([asdict(r) for r in results], indent=2, default=float) + "\n"
+                    )
+    print(table(results))
+    right = sum(r.right for r in results)
+    print(
+        f"\n{right} of {len(results)} right; median {statistics.median(r.seconds for r in results):.0f} s per regime run"
+    )
+    return 0 if right == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

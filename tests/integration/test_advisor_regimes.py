@@ -1,0 +1,50 @@
+"""The advisor on more real engine regimes, each against a control that lifts the
+suspected limit (``bench/advisor_regimes.py``): every regime x ``KVSCOPE_REGIME_RUNS``
+runs (default 3). A long matrix (about 5 minutes per regime run), run only when asked::
+
+    scripts/test -m matrix tests/integration/test_advisor_regimes.py -s
+
+The figures are printed in the terminal summary and written to ``advisor_regimes.json``
+under pytest's base temporary directory; the latest are in docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.advisor_regimes import REGIMES, RegimeLab, RegimeResult, table
+
+pytestmark = [pytest.mark.engine, pytest.mark.matrix]
+
+RUNS = int(os.environ.get("KVSCOPE_REGIME_RUNS", "3"))
+
+
+@pytest.fixture(scope="module")
+def regime_lab(mid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegimeLab]:
+    lab = RegimeLab(tmp_path_factory.mktemp("regimes"), model_dir=mid_model, log=print)
+    results: list[RegimeResult] = []
+    lab.results = results  # type: ignore[attr-defined]
+    with lab:
+        yield lab
+    if results:
+        path = tmp_path_factory.getbasetemp() / "advisor_regimes.json"
+        path.write_text(json.dumps([r.__dict__ for r in results], indent=2, default=float))
+        print("\n" + table(results))
+
+
+@pytest.mark.parametrize("name", list(REGIMES))
+def test_regime_verdict_matches_its_control(regime_lab: RegimeLab, name: str) -> None:
+    runs = [regime_lab.run(REGIMES[name], i) for i in range(RUNS)]
+    regime_lab.results.extend(runs)  # type: ignore[attr-defined]
+    for r in runs:
+        ctl = r.control
+        assert r.verdict_right, (
+            f"{name}: expected {r.expected}, the advisor said {r.verdict['bottleneck']} "
+            f"(approaching {r.verdict.get('approaching')}); evidence {r.evidence}"
+        )
+        assert r.control_agrees is not False, f"{name}: the control disagrees: {ctl}"
