@@ -34,6 +34,11 @@ and the lab's model; open-loop traffic is the next step):
 - ``long-output-thrash``: 48 blocks, outputs of 512 tokens: sequences outgrow the cache
   while they run, vLLM preempts and recomputes: ``kv_cache_bound`` (with preemption
   thrash where throughput falls past its peak). Control: 4,096 blocks, throughput grows.
+- ``open-loop-kv``: the KV-starved engine (48 blocks) under open-loop Poisson arrivals
+  from vLLM's own benchmark client at 2 to 12 requests/s (30-token prompts, 128 output
+  tokens): past the capacity the queue grows; the verdict, knee and cap come from the
+  engine's requests in flight: ``kv_cache_bound``. Control: 4,096 blocks, the highest
+  rates' throughput grows.
 - ``ample-high``: 4,096 blocks up to 64 clients: ``compute_bound`` with steps slowing,
   or not saturated while throughput still grows. Control: none (nothing to lift).
 """
@@ -57,6 +62,7 @@ from bench.advisor_scenarios import AdvisorLab, LevelMeasure
 from bench.noise import FAILS, HOLDS, Ratio, ratio
 from kvscope.advisor import CollectorSource, analyze
 from kvscope.lab.engine import VllmServer
+from kvscope.lab.openloop import run_rates
 from kvscope.lab.sweep import SweepConfig, SweepResult, run_sweep
 
 
@@ -96,6 +102,9 @@ class Regime:
     max_ratio: float = 1.15
     duration_s: float = 6.0
     why: str = ""
+    rates: tuple[float, ...] = ()
+    """Open loop: Poisson request rates (requests/s) from vLLM's benchmark client, each
+    for about ``duration_s`` seconds of arrivals, instead of the closed-loop sweep."""
 
 
 REGIMES: dict[str, Regime] = {
@@ -142,6 +151,18 @@ REGIMES: dict[str, Regime] = {
             control=Engine(num_gpu_blocks=4096),
             duration_s=8.0,
             why="sequences outgrow the 1,536-token cache while they run: preemptions",
+        ),
+        Regime(
+            "open-loop-kv",
+            ("kv_cache_bound",),
+            Engine(num_gpu_blocks=48),
+            prompt_words=(30, 30),
+            output_tokens=128,
+            concurrency=(),
+            rates=(2, 4, 6, 8, 12),
+            duration_s=20.0,
+            control=Engine(num_gpu_blocks=4096),
+            why="Poisson arrivals from vLLM's benchmark client past the KV-bound capacity",
         ),
         Regime(
             "ample-high",
@@ -229,6 +250,35 @@ class RegimeLab(AdvisorLab):
             until = sweep.finished_unix_s + 1.0
         return out, since, until
 
+    def _open_loop(
+        self, server: VllmServer, pool: str, regime: Regime, rates: tuple[float, ...], seed: int
+    ) -> tuple[list[dict[str, Any]], list[float], float, float]:
+        assert self.model_dir is not None
+        got = run_rates(
+            server.url,
+            "kvscope-advisor",
+            self.model_dir,
+            list(rates),
+            seconds=regime.duration_s,
+            input_len=regime.prompt_words[1],
+            output_len=regime.output_tokens,
+            seed=seed,
+            workdir=self.workdir / f"openloop-{pool}",
+            log=self._say,
+        )
+        for r in got:
+            self._say(
+                f"{pool}: {r.rate:g} requests/s: {r.output_tokens_per_s:,.0f} tok/s, "
+                f"e2e P99 {r.e2e_p99_s:.2f} s, {r.completed} completed, {r.failed} failed"
+            )
+        rows = [asdict(r) for r in got]
+        return (
+            rows,
+            [r.output_tokens_per_s for r in got],
+            got[0].started_unix_s,
+            (got[-1].finished_unix_s + 1.0),
+        )
+
     def run(self, regime: Regime, run_index: int = 0) -> RegimeResult:
         started = time.monotonic()
         self.prompt_words, self.output_tokens = regime.prompt_words, regime.output_tokens
@@ -242,10 +292,16 @@ class RegimeLab(AdvisorLab):
             extra_args=e.extra_args(),
         ) as server:
             self._warm(server)
-            self._say(f"{pool}: {regime.why}; sweeping {regime.concurrency}")
-            levels, since, until = self._levels(
-                server, pool, regime.concurrency, regime.duration_s, seed
-            )
+            if regime.rates:
+                self._say(f"{pool}: {regime.why}; open loop at {regime.rates} requests/s")
+                rows, tput, since, until = self._open_loop(server, pool, regime, regime.rates, seed)
+            else:
+                self._say(f"{pool}: {regime.why}; sweeping {regime.concurrency}")
+                levels, since, until = self._levels(
+                    server, pool, regime.concurrency, regime.duration_s, seed
+                )
+                rows = [asdict(lv) for lv in levels]
+                tput = [lv.client_tokens_per_s for lv in levels]
         report = analyze(CollectorSource(self._collector.url), since, until, pool=pool)
         v = report.engines[0]
         found = report.findings_of("bottleneck")
@@ -254,7 +310,7 @@ class RegimeLab(AdvisorLab):
             expected=regime.expected,
             verdict=v.to_dict(),
             evidence=found[0].evidence if found else {},
-            levels=[asdict(lv) for lv in levels],
+            levels=rows,
         )
         self._say(
             f"{pool}: advisor says {v.bottleneck}"
@@ -263,7 +319,9 @@ class RegimeLab(AdvisorLab):
         )
         if regime.control is not None:
             c = regime.control
-            top = sorted(regime.concurrency)[-2:]
+            loads: tuple[float, ...] = regime.rates or tuple(float(x) for x in regime.concurrency)
+            top = sorted(loads)[-2:]
+            unit = "requests/s" if regime.rates else "clients"
             cpool = f"{pool}-control"
             with self.engine(
                 cpool,
@@ -272,21 +330,28 @@ class RegimeLab(AdvisorLab):
                 extra_args=c.extra_args(),
             ) as server:
                 self._warm(server)
-                self._say(f"{cpool}: the control ({c.describe()}) at {top} clients")
-                ctl, _, _ = self._levels(server, cpool, tuple(top), regime.duration_s, seed + 500)
-            base = [lv for lv in levels if lv.concurrency in top]
-            r = ratio(
-                [lv.client_tokens_per_s for lv in ctl], [lv.client_tokens_per_s for lv in base]
-            )
+                self._say(f"{cpool}: the control ({c.describe()}) at {top} {unit}")
+                if regime.rates:
+                    crows, ctput, _, _ = self._open_loop(
+                        server, cpool, regime, tuple(top), seed + 500
+                    )
+                else:
+                    ctl, _, _ = self._levels(
+                        server, cpool, tuple(int(x) for x in top), regime.duration_s, seed + 500
+                    )
+                    crows = [asdict(lv) for lv in ctl]
+                    ctput = [lv.client_tokens_per_s for lv in ctl]
+            base = [t for load, t in zip(loads, tput, strict=True) if load in top]
+            r = ratio(ctput, base)
             if regime.control_expect == "grows":
                 judged, what = r.at_least(regime.min_ratio), f">= {regime.min_ratio:g}"
             else:
                 judged, what = r.at_most(regime.max_ratio), f"<= {regime.max_ratio:g}"
-            res.control_levels = [asdict(lv) for lv in ctl]
+            res.control_levels = crows
             res.control = {
                 "engine": c.describe(),
                 "expect": regime.control_expect,
-                "property": f"control / regime throughput at {top} clients {what}",
+                "property": f"control / regime throughput at {top} {unit} {what}",
                 "ratio": asdict(r),
                 "verdict": judged,
             }
