@@ -39,6 +39,11 @@ and the lab's model; open-loop traffic is the next step):
   tokens): past the capacity the queue grows; the verdict, knee and cap come from the
   engine's requests in flight: ``kv_cache_bound``. Control: 4,096 blocks, the highest
   rates' throughput grows.
+- ``front-end``: the lab's tiny model (a step takes ~1.5 ms): the API server and the
+  load generator on the shared core cannot feed the engine, which sees a few requests
+  whatever the clients' concurrency. Not blamed on KV or compute: ``unexplained``, or
+  not saturated with no limit in sight. Control: none (the limit is outside vLLM's
+  engine).
 - ``ample-high``: 4,096 blocks up to 64 clients: ``compute_bound`` with steps slowing,
   or not saturated while throughput still grows. Control: none (nothing to lift).
 """
@@ -61,7 +66,7 @@ if __package__ in (None, ""):  # run as a script: the repository root on the pat
 from bench.advisor_scenarios import AdvisorLab, LevelMeasure
 from bench.noise import FAILS, HOLDS, Ratio, ratio
 from kvscope.advisor import CollectorSource, analyze
-from kvscope.lab.engine import VllmServer
+from kvscope.lab.engine import VllmServer, build_model, default_model_dir
 from kvscope.lab.openloop import run_rates
 from kvscope.lab.sweep import SweepConfig, SweepResult, run_sweep
 
@@ -102,6 +107,8 @@ class Regime:
     max_ratio: float = 1.15
     duration_s: float = 6.0
     why: str = ""
+    model: str = "mid"
+    """The lab model (``mid``: the engine is the bottleneck; ``tiny``: the front end is)."""
     rates: tuple[float, ...] = ()
     """Open loop: Poisson request rates (requests/s) from vLLM's benchmark client, each
     for about ``duration_s`` seconds of arrivals, instead of the closed-loop sweep."""
@@ -165,6 +172,16 @@ REGIMES: dict[str, Regime] = {
             why="Poisson arrivals from vLLM's benchmark client past the KV-bound capacity",
         ),
         Regime(
+            "front-end",
+            ("unexplained", "not_saturated", "no_limit"),
+            Engine(num_gpu_blocks=4096),
+            prompt_words=(8, 40),
+            output_tokens=128,
+            concurrency=(1, 2, 4, 8, 16, 32),
+            model="tiny",
+            why="a tiny model: vLLM's API server, not the engine, limits on two cores",
+        ),
+        Regime(
             "ample-high",
             ("compute_bound", "not_saturated"),
             Engine(num_gpu_blocks=4096),
@@ -193,7 +210,9 @@ class RegimeResult:
         v = self.verdict
         if v["bottleneck"] not in self.expected:
             return False
-        return v["bottleneck"] != "not_saturated" or v.get("approaching") in self.expected
+        # ``no_limit`` in ``expected``: not saturated with no limit in sight is right.
+        approaching = v.get("approaching") or "no_limit"
+        return v["bottleneck"] != "not_saturated" or approaching in self.expected
 
     @property
     def control_agrees(self) -> bool | None:
@@ -280,6 +299,16 @@ class RegimeLab(AdvisorLab):
         )
 
     def run(self, regime: Regime, run_index: int = 0) -> RegimeResult:
+        """One run of a regime and its control, on the regime's lab model."""
+        mid_dir = self.model_dir
+        try:
+            if regime.model != "mid":
+                self.model_dir = build_model(default_model_dir(regime.model), regime.model)
+            return self._run(regime, run_index)
+        finally:
+            self.model_dir = mid_dir
+
+    def _run(self, regime: Regime, run_index: int) -> RegimeResult:
         started = time.monotonic()
         self.prompt_words, self.output_tokens = regime.prompt_words, regime.output_tokens
         seed = self.seed + 1000 * run_index
