@@ -66,7 +66,6 @@ from bench.noise import FAILS, HOLDS, Ratio, ratio
 from kvscope.advisor import CollectorSource, analyze
 from kvscope.lab.engine import VllmServer, build_model, default_model_dir
 from kvscope.lab.openloop import run_rates
-from kvscope.lab.sweep import SweepConfig, SweepResult, run_sweep
 
 
 @dataclass(frozen=True)
@@ -215,34 +214,6 @@ class RegimeResult:
 
 class RegimeLab(AdvisorLab):
     """An :class:`AdvisorLab` whose sweeps carry a regime's workload."""
-
-    prompt_words: tuple[int, int] = (8, 40)
-    output_tokens: int = 128
-
-    def _sweep(
-        self,
-        server: VllmServer,
-        concurrency: list[int],
-        duration_s: float,
-        warmup_s: float,
-        seed: int,
-        error_backoff_s: float = 0.1,
-    ) -> SweepResult:
-        return run_sweep(
-            SweepConfig(
-                url=server.url,
-                model="kvscope-advisor",
-                concurrency=concurrency,
-                duration_s=duration_s,
-                warmup_s=warmup_s,
-                cooldown_s=1.0,
-                prompt_words=self.prompt_words,
-                output_tokens=(self.output_tokens, self.output_tokens),
-                seed=seed,
-                error_backoff_s=error_backoff_s,
-                progress=self.progress,
-            )
-        )
 
     def _levels(
         self, server: VllmServer, pool: str, levels: tuple[int, ...], duration_s: float, seed: int

@@ -502,8 +502,11 @@ class AdvisorLab:
     ``duration_s`` and ``warmup_s`` are the sweep's per-level measurement window and
     unmeasured ramp; ``cap_duration_s`` and ``cap_warmup_s`` the same for a capped run.
     ``log`` receives one line per step; ``progress`` shows the sweep's progress bars on
-    stderr.
+    stderr. ``prompt_words`` and ``output_tokens`` are the sweeps' workload.
     """
+
+    prompt_words: tuple[int, int] = (8, 40)
+    output_tokens: int = 128
 
     def __init__(
         self,
@@ -616,8 +619,8 @@ class AdvisorLab:
                 duration_s=duration_s,
                 warmup_s=warmup_s,
                 cooldown_s=1.0,
-                prompt_words=(8, 40),
-                output_tokens=(128, 128),
+                prompt_words=self.prompt_words,
+                output_tokens=(self.output_tokens, self.output_tokens),
                 seed=seed,
                 error_backoff_s=error_backoff_s,
                 progress=self.progress,

@@ -26,72 +26,20 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from scipy import stats
+
 CONFIDENCE = 0.95
 """Two-sided confidence of the intervals: a verdict of ``fails`` has at most a 2.5% chance
 of coming from noise alone when the property holds exactly at its bound."""
 HOLDS, FAILS, WITHIN_NOISE = "holds", "fails", "within noise"
 
 
-def _betacf(a: float, b: float, x: float) -> float:
-    """Continued fraction of the regularised incomplete beta function (modified Lentz)."""
-    tiny = 1e-300
-    qab, qap, qam = a + b, a + 1.0, a - 1.0
-    c, d = 1.0, 1.0 - qab * x / qap
-    d = 1.0 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):
-        m2 = 2 * m
-        for aa in (
-            m * (b - m) * x / ((qam + m2) * (a + m2)),
-            -(a + m) * (qab + m) * x / ((a + m2) * (qap + m2)),
-        ):
-            d = 1.0 + aa * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + aa / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-            last = d * c
-        if abs(last - 1.0) < 1e-14:
-            break
-    return h
-
-
-def _betainc(a: float, b: float, x: float) -> float:
-    """The regularised incomplete beta function I_x(a, b)."""
-    if x <= 0.0:
-        return 0.0
-    if x >= 1.0:
-        return 1.0
-    front = math.exp(
-        math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
-    )
-    if x < (a + 1.0) / (a + b + 2.0):
-        return front * _betacf(a, b, x) / a
-    return 1.0 - front * _betacf(b, a, 1.0 - x) / b
-
-
 def t_quantile(p: float, df: float) -> float:
     """The ``p`` quantile (``0.5 <= p < 1``) of Student's t with ``df`` (> 0, not necessarily
-    whole) degrees of freedom: the cumulative distribution, from the incomplete beta
-    function, inverted by bisection."""
+    whole) degrees of freedom (SciPy's ``stats.t.ppf``)."""
     if not 0.5 <= p < 1.0 or not df > 0:
         raise ValueError(f"t quantile needs 0.5 <= p < 1 and df > 0, got p={p}, df={df}")
-
-    def cdf(t: float) -> float:
-        return 1.0 - 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
-
-    lo, hi = 0.0, 1.0
-    while cdf(hi) < p:
-        hi *= 2.0
-    for _ in range(200):
-        mid = (lo + hi) / 2.0
-        if cdf(mid) < p:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo < 1e-10 * max(1.0, hi):
-            break
-    return (lo + hi) / 2.0
+    return float(stats.t.ppf(p, df))
 
 
 def _logs(xs: Sequence[float], what: str) -> list[float]:
