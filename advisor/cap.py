@@ -9,7 +9,9 @@ Algorithm
    the highest median throughput: when throughput falls past its peak (preemption
    thrash), the falling bins would otherwise pull the fitted plateau, and with it the
    cap, below what the engine delivers at the peak, and the cap exists to keep the
-   engine there. Without such a fall this is the curve's own fit.
+   engine there. Without such a fall this is the curve's own fit. The cap is at most
+   the curve's batch ceiling (the load where the running batch stopped growing while
+   requests waited): load past it only waits in vLLM's queue.
 2. With an SLO (``slo_ttft_p99_s``, ``slo_e2e_p99_s``), the P99 at the cap
    (:meth:`~kvscope.advisor.latency.LatencyVsLoad.p99_at`) must meet it; if not, the cap is
    lowered to the largest whole load whose interpolated P99 meets every SLO, and the
@@ -90,6 +92,9 @@ class ConcurrencyCap:
             dy = fit[crossing] - fit[crossing - 1]
             t = 1.0 if dy <= 0 else (target - fit[crossing - 1]) / dy
             load = x[crossing - 1] + t * (x[crossing] - x[crossing - 1])
+        if curve.batch_ceiling_load_ is not None:
+            # Past the batch ceiling only the queue grows (see the curve's step 5).
+            load = min(load, curve.batch_ceiling_load_)
         cap = max(1, math.ceil(load - 1e-9))
         self.slo_limited_ = False
         self.feasible_ = True

@@ -34,7 +34,13 @@ Algorithm
    it, see :mod:`kvscope.advisor.cap`). 0.9 rather than 0.95 because plateaus
    of real engines drift by a few percent (a plateau that creeps up 6% over a
    doubling of load would otherwise drag the knee far past where the batch stopped
-   growing).
+   growing). The knee is at most the **batch ceiling**: the lowest load at which the
+   (monotone fitted) running batch reached ``1 - ceiling_batch_growth`` of its largest
+   value while at least ``ceiling_min_waiting`` requests waited. Past it the batch no
+   longer grows and the steps get no faster, so any further rise of the measured
+   throughput is the machine's drift between load levels, not the engine (a
+   ``--max-num-seqs 6`` engine measured 754 tok/s at 8 clients and 903 at 24, the
+   batch at 6 throughout; the fraction rule alone put its knee at 12.5).
 6. **Saturated** when the highest load bin lies at least ``saturation_margin`` times
    beyond the knee (throughput seen *not* to grow) **and** the engine shows why at that
    load: requests wait (at least ``ceiling_min_waiting``), vLLM preempts, or each step
@@ -163,9 +169,18 @@ class ThroughputCurve:
         self.plateau_total_tokens_per_s_ = float(bins["total_fit"].max())
         self.knee_load_ = interp_crossing(x, fit, self.knee_fraction * self.plateau_tokens_per_s_)
         self.max_load_ = float(x[-1])
-        self.batch_growth_last_doubling_ = self._growth(
-            x, isotonic_increasing(bins["batch"].to_numpy(float), weights)
+        batch_fit = isotonic_increasing(bins["batch"].to_numpy(float), weights)
+        self.batch_growth_last_doubling_ = self._growth(x, batch_fit)
+        # Where the batch stopped growing while requests waited, a limit bound: more load
+        # past it only queues, so the knee lies at or below it (see step 5).
+        self.batch_ceiling_load_: float | None = None
+        top_batch = float(batch_fit.max())
+        at_ceiling = (batch_fit >= (1.0 - self.ceiling_batch_growth) * top_batch) & (
+            bins["waiting"].to_numpy(float) >= self.ceiling_min_waiting
         )
+        if top_batch > 0 and at_ceiling.any():
+            self.batch_ceiling_load_ = float(x[int(np.argmax(at_ceiling))])
+            self.knee_load_ = min(self.knee_load_, self.batch_ceiling_load_)
         self.waiting_at_max_load_ = float(bins["waiting"].iloc[-1])
         self.past_knee_ = bool(
             len(x) > 1 and self.max_load_ >= self.saturation_margin * self.knee_load_
@@ -271,6 +286,7 @@ class ThroughputCurve:
                 "flat_without_evidence": self.flat_without_evidence_,
                 "step_slowdown_ratio": self.step_slowdown_,
                 "knee_fraction": self.knee_fraction,
+                "batch_ceiling_load": self.batch_ceiling_load_,
                 "n_windows": n,
                 "n_bins": len(self.bins_),
             },

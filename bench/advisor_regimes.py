@@ -216,12 +216,23 @@ class RegimeLab(AdvisorLab):
     """An :class:`AdvisorLab` whose sweeps carry a regime's workload."""
 
     def _levels(
-        self, server: VllmServer, pool: str, levels: tuple[int, ...], duration_s: float, seed: int
+        self,
+        server: VllmServer,
+        pool: str,
+        levels: tuple[int, ...],
+        duration_s: float,
+        seed: int,
+        *,
+        back: bool = False,
     ) -> tuple[list[LevelMeasure], float, float]:
         engine_id = self._engine_id(pool)
         out: list[LevelMeasure] = []
         since = until = math.nan
-        for i, c in enumerate(levels):
+        order = list(levels)
+        if back and self.return_pass:  # up and back down: the machine's drift cancels
+            top = max(levels)
+            order += sorted((c for c in levels if top > c and 4 * c >= top), reverse=True)
+        for i, c in enumerate(order):
             level, sweep = self._level(server, engine_id, c, duration_s, self.warmup_s, seed + i, 2)
             out.append(level)
             if i == 0:
@@ -284,13 +295,15 @@ class RegimeLab(AdvisorLab):
             if regime.rates:
                 self._say(f"{pool}: {regime.why}; open loop at {regime.rates} requests/s")
                 rows, tput, since, until = self._open_loop(server, pool, regime, regime.rates, seed)
+                at: list[float] = list(regime.rates)
             else:
                 self._say(f"{pool}: {regime.why}; sweeping {regime.concurrency}")
                 levels, since, until = self._levels(
-                    server, pool, regime.concurrency, regime.duration_s, seed
+                    server, pool, regime.concurrency, regime.duration_s, seed, back=True
                 )
                 rows = [asdict(lv) for lv in levels]
                 tput = [lv.client_tokens_per_s for lv in levels]
+                at = [float(lv.concurrency) for lv in levels]
         report = analyze(CollectorSource(self._collector.url), since, until, pool=pool)
         v = report.engines[0]
         found = report.findings_of("bottleneck")
@@ -331,7 +344,7 @@ class RegimeLab(AdvisorLab):
                     )
                     crows = [asdict(lv) for lv in ctl]
                     ctput = [lv.client_tokens_per_s for lv in ctl]
-            base = [t for load, t in zip(loads, tput, strict=True) if load in top]
+            base = [t for load, t in zip(at, tput, strict=True) if load in top]
             r = ratio(ctput, base)
             if regime.control_expect == "grows":
                 judged, what = r.at_least(regime.min_ratio), f">= {regime.min_ratio:g}"

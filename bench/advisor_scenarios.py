@@ -10,7 +10,9 @@ What it does
    engine configurations of ``kvscope.lab.engine.REGIMES``) it starts the real vLLM CPU
    engine on the lab's "mid" model with the kvscope plugin pointed at the
    collector, warms it up, and runs a closed-loop sweep (concurrency 1 to 32, a few
-   seconds per level; the overload level as long as the capped runs below). Once the
+   seconds per level; the overload level as long as the capped runs below), then back
+   down from the level below the top to a quarter of it (the machine's drift cancels,
+   see ``AdvisorLab``). Once the
    collector holds every token and preemption vLLM's own ``/metrics`` counted,
    :func:`kvscope.advisor.analyze` reads the sweep's time range back over HTTP
    (:class:`advisor.CollectorSource`) and gives the engine's verdict.
@@ -64,7 +66,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +253,8 @@ class RegimeRun:
     levels: list[LevelMeasure]
     report: Report
     client_cap: CapRun | None = None
+    return_levels: list[LevelMeasure] = field(default_factory=list)
+    """The sweep's way back down (see ``AdvisorLab.return_pass``)."""
 
     @property
     def verdict(self) -> EngineVerdict:
@@ -289,7 +293,7 @@ class RegimeRun:
             return [self.top] if self.top.delivered else []
         return [
             lv
-            for lv in self.levels
+            for lv in [*self.levels, *self.return_levels]
             if lv.delivered and lv.concurrency >= SATURATED_MARGIN * v.knee_concurrency
         ]
 
@@ -503,6 +507,14 @@ class AdvisorLab:
     unmeasured ramp; ``cap_duration_s`` and ``cap_warmup_s`` the same for a capped run.
     ``log`` receives one line per step; ``progress`` shows the sweep's progress bars on
     stderr. ``prompt_words`` and ``output_tokens`` are the sweeps' workload.
+    ``return_pass``: after the way up, the sweep runs its levels from a quarter of the
+    top concurrency to the one below the top once more, downwards. This machine's speed
+    drifts by up to 2x over tens of seconds; on a sweep that only climbs, a drift
+    masquerades as throughput growing (or not) with load and moves the knee (a
+    KV-starved engine measured 1,105 tok/s at 8 clients and 1,086 at 32, against 1,257
+    for 32 clients rerun beside a cap of 7 that gave 910: the knee came out at 7 where
+    the engine still gained 35% past it). Up and back down, each level's windows span
+    both sides of the sweep's midpoint, so a steady drift cancels in the advisor's bins.
     """
 
     prompt_words: tuple[int, int] = (8, 40)
@@ -521,6 +533,7 @@ class AdvisorLab:
         seed: int = 3,
         log: Log = _quiet,
         progress: bool = False,
+        return_pass: bool = True,
     ) -> None:
         self.workdir = Path(workdir)
         self.model_dir = Path(model_dir) if model_dir else None
@@ -532,6 +545,7 @@ class AdvisorLab:
         self.seed = seed
         self.log = log
         self.progress = progress
+        self.return_pass = return_pass
         self.collector: CollectorProcess | None = None
         self._t0 = time.monotonic()
 
@@ -787,6 +801,25 @@ class AdvisorLab:
                 if i == 0:
                     since = sweep.started_unix_s
                 until = sweep.finished_unix_s + 1.0
+            back: list[LevelMeasure] = []
+            if self.return_pass:
+                down = sorted(
+                    (c for c in self.concurrency if top > c and 4 * c >= top), reverse=True
+                )
+                if down:
+                    self._say(f"{scenario.pool}: back down, {','.join(map(str, down))} clients")
+                for j, c in enumerate(down):
+                    level, sweep = self._level(
+                        server,
+                        engine_id,
+                        c,
+                        self.duration_s,
+                        self.warmup_s,
+                        self.seed + 500 + j,
+                        2,
+                    )
+                    back.append(level)
+                    until = sweep.finished_unix_s + 1.0
             # Every window of the sweep, stalled attempts included: the advisor reads load
             # at the engine, so a stall only adds windows at a lower load.
             report = analyze(CollectorSource(self._collector.url), since, until, pool=scenario.pool)
@@ -798,6 +831,7 @@ class AdvisorLab:
                 until_unix_s=until,
                 levels=levels,
                 report=report,
+                return_levels=back,
             )
             v = run.verdict
             self._say(
@@ -1094,7 +1128,9 @@ def levels_table(run: RegimeRun) -> str:
         head,
         "-" * len(head),
     ]
-    for lv in run.levels:
+    for i, lv in enumerate([*run.levels, *run.return_levels]):
+        if i == len(run.levels):
+            lines.append("back down:")
         lines.append(
             f"{lv.concurrency:>7} {_num(lv.load_mean, '.1f'):>9} "
             f"{lv.client_tokens_per_s:>12,.0f} "
@@ -1195,6 +1231,7 @@ def summary(runs: list[RegimeRun], engine_cap: CapRun | None) -> dict[str, Any]:
             "kv_capacity": r.evidence("kv_capacity"),
             "bottleneck": r.evidence("bottleneck"),
             "levels": [asdict(lv) for lv in r.levels],
+            "return_levels": [asdict(lv) for lv in r.return_levels],
         }
         for cap in (r.client_cap, engine_cap if r.scenario.name == "kv-starved" else None):
             if cap is None:
@@ -1294,6 +1331,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", default=None, metavar="FILE", help="write the figures as JSON")
     p.add_argument("--no-progress", action="store_true", help="no sweep progress bars")
+    p.add_argument(
+        "--no-return-pass",
+        action="store_true",
+        help="sweep only upwards (faster; the machine's drift then reads as load's effect)",
+    )
     args = p.parse_args(argv)
     names = [n for n in args.regimes.split(",") if n]
     unknown = [n for n in names if n not in SCENARIOS]
@@ -1313,6 +1355,7 @@ def main(argv: list[str] | None = None) -> int:
         cap_duration_s=args.cap_duration,
         log=log,
         progress=not args.no_progress,
+        return_pass=not args.no_return_pass,
     ) as lab:
         for i, name in enumerate(names, 1):
             log(f"== regime {i}/{len(names)}: {name}")

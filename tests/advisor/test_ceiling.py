@@ -36,11 +36,13 @@ def test_a_flat_batch_with_a_queue_is_saturated_despite_a_fast_top_level() -> No
     by_throughput = ThroughputCurve(ceiling_min_waiting=math.inf).fit(windows)
     assert not by_throughput.saturated_, "the top level should push the knee out of range"
     curve = ThroughputCurve().fit(windows)
-    assert curve.saturated_ and curve.ceiling_ and not curve.past_knee_
+    assert curve.saturated_ and curve.ceiling_
     assert curve.batch_growth_last_doubling_ is not None
     assert curve.batch_growth_last_doubling_ <= 0.1
     assert curve.waiting_at_max_load_ >= 1
-    assert "the batch stood at" in curve.headroom_text()
+    # The knee stops where the batch stopped growing, so the load went past it.
+    assert curve.batch_ceiling_load_ is not None and curve.past_knee_
+    assert curve.knee_load_ <= curve.batch_ceiling_load_ < by_throughput.knee_load_
     report = analyze(FrameSource(eng.engines, windows, eng.requests))
     (v,) = report.engines
     assert v.saturated and v.bottleneck == "kv_cache_bound"
@@ -57,3 +59,43 @@ def test_no_ceiling_without_a_queue_or_while_the_batch_grows() -> None:
     assert curve.batch_growth_last_doubling_ > 0.5
     flat = eng.windows.assign(waiting_mean=0.0, batch_mean=eng.windows["batch_mean"].clip(upper=4))
     assert not ThroughputCurve().fit(flat).ceiling_
+
+
+def _drifting(windows: pd.DataFrame, total: float) -> pd.DataFrame:
+    """The windows as a machine speeding up over the sweep: each second's steps and
+    tokens scaled by a factor rising linearly from 1 to ``total``."""
+    w = windows.copy()
+    f = 1.0 + (total - 1.0) * np.linspace(0.0, 1.0, len(w))
+    for col in ("generation_tokens", "prompt_tokens", "prefix_queries", "n_steps"):
+        w[col] = np.round(w[col] * f).astype(int)
+    w["batch_sum"] = np.round(w["batch_mean"] * w["n_steps"]).astype(int)
+    return w
+
+
+def test_the_knee_and_cap_stop_where_the_batch_stopped_growing() -> None:
+    """A ``--max-num-seqs 6`` engine on a machine speeding up 80% over the sweep: the
+    throughput still rises past 8 in flight with the batch at 6 and a queue (as a real
+    sweep measured it: 754 tok/s at 8 clients, 903 at 24, the batch 6 throughout). The
+    knee and the cap stay at the first load level where the batch is full."""
+    eng = make_engine("max_num_seqs_bound", seed=5, levels=(1, 2, 4, 8, 16, 32))
+    windows = _drifting(eng.windows, 1.8)
+    curve = ThroughputCurve().fit(windows)
+    full = curve.bins_[curve.bins_["batch"] >= 0.95 * 6]  # the engine's --max-num-seqs
+    first_full = float(full["load"].min())
+    assert first_full < 12
+    by_fraction = ThroughputCurve(ceiling_min_waiting=math.inf).fit(windows)
+    assert by_fraction.knee_load_ > 1.5 * first_full, "the drift should push that knee out"
+    assert curve.batch_ceiling_load_ is not None
+    assert curve.knee_load_ <= first_full + 1e-9
+    report = analyze(FrameSource(eng.engines, windows, eng.requests))
+    (v,) = report.engines
+    assert v.bottleneck == "max_num_seqs_bound" and v.saturated
+    assert v.recommended_concurrency_cap is not None
+    assert v.recommended_concurrency_cap <= math.ceil(first_full)
+
+
+def test_no_batch_ceiling_while_the_batch_grows() -> None:
+    """The control: an engine with room keeps its fraction-rule knee."""
+    eng = make_engine("not_saturated", seed=5)
+    curve = ThroughputCurve().fit(_drifting(eng.windows, 1.8))
+    assert curve.batch_ceiling_load_ is None
