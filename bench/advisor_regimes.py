@@ -17,8 +17,13 @@ limit that does not bind shows as the same throughput (``same``: at most
 ``max_ratio``). A regime is right when the advisor's verdict is one of its expected
 classes and the control agrees.
 
-The regimes (the seven of the advisor's documentation that need only closed-loop load
-and the lab's model; open-loop traffic is the next step):
+When the advisor recommends a cap (and the regime is not one that must get none), the
+cap is then checked on the same engine: the cap and the regime's highest load
+interleaved, ``ROUNDS`` rounds; the cap must keep ``MIN_CAP_FRACTION`` of the
+throughput and cut the e2e P99 to ``MAX_CAP_P99_RATIO`` (open loop: the highest rate
+with the cap as the benchmark client's concurrency limit, as a gateway's).
+
+The regimes:
 
 - ``long-context``: 160 blocks of 32 tokens (5,120 tokens) and prompts of ~1,500
   tokens: three requests fill the cache (KV usage can stay below 90%) and the fourth
@@ -42,6 +47,11 @@ and the lab's model; open-loop traffic is the next step):
 - (A front-end-bound regime on the lab's tiny model was tried and left out: with the
   engine core at nice 19 its API server fed it 32 requests in flight, so the engine, not
   the front end, set the pace; ``Regime.model`` stays for such a case.)
+- ``diurnal-mix``: 4,096 blocks, load from 1 to 8 clients (far below the ~32 where
+  this engine's throughput flattens) while the prompts grow from ~25 to ~500 words at
+  the top loads, as at a day's peak: generated tokens per request in flight fall, with
+  no queue, free blocks and no limit binding: not saturated, **no knee and no cap**.
+  Control: the same engine at twice the top loads with the same mix, throughput grows.
 - ``ample-high``: 4,096 blocks up to 64 clients: ``compute_bound`` with steps slowing,
   or not saturated while throughput still grows. Control: none (nothing to lift).
 """
@@ -54,6 +64,7 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,11 +72,17 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.advisor_scenarios import AdvisorLab, LevelMeasure
+from bench.advisor_scenarios import ROUNDS, AdvisorLab, LevelMeasure
 from bench.noise import FAILS, HOLDS, Ratio, ratio
 from kvscope.advisor import CollectorSource, analyze
 from kvscope.lab.engine import VllmServer, build_model, default_model_dir
 from kvscope.lab.openloop import run_rates
+
+MIN_CAP_FRACTION = 0.9
+"""A cap must keep at least this share of the throughput the regime's highest load gives
+(measured beside it, interleaved)."""
+MAX_CAP_P99_RATIO = 0.5
+"""...and cut the e2e P99 to at most this share of that load's."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +126,22 @@ class Regime:
     rates: tuple[float, ...] = ()
     """Open loop: Poisson request rates (requests/s) from vLLM's benchmark client, each
     for about ``duration_s`` seconds of arrivals, instead of the closed-loop sweep."""
+    mix: tuple[tuple[int, tuple[int, int]], ...] = ()
+    """Prompt words by load: ``(clients, (min, max))`` pairs, each from that load up (a
+    request mix that shifts with the day's load); empty: ``prompt_words`` throughout."""
+    no_cap: bool = False
+    """Right only without a knee or a cap (an engine that never saturated)."""
+    control_scale: int = 1
+    """The control runs the regime's top loads times this (``2`` with the same engine:
+    throughput that grows with load shows the engine was not saturated)."""
+
+    def mix_of(self, clients: int) -> tuple[int, int]:
+        """Prompt words at ``clients`` (see ``mix``)."""
+        words = self.prompt_words
+        for c, w in self.mix:
+            if clients >= c:
+                words = w
+        return words
 
 
 REGIMES: dict[str, Regime] = {
@@ -169,6 +202,19 @@ REGIMES: dict[str, Regime] = {
             why="Poisson arrivals from vLLM's benchmark client past the KV-bound capacity",
         ),
         Regime(
+            "diurnal-mix",
+            ("not_saturated", "no_limit", "compute_bound"),
+            Engine(num_gpu_blocks=4096),
+            prompt_words=(8, 40),
+            output_tokens=128,
+            concurrency=(1, 2, 3, 4, 6, 8),
+            mix=((4, (150, 250)), (6, (400, 600))),
+            no_cap=True,
+            control=Engine(num_gpu_blocks=4096),
+            control_scale=2,
+            why="the day's peak, below the knee, brings prompts ten times longer",
+        ),
+        Regime(
             "ample-high",
             ("compute_bound", "not_saturated"),
             Engine(num_gpu_blocks=4096),
@@ -192,6 +238,9 @@ class RegimeResult:
     control: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     run: int = 0
+    no_cap: bool = False
+    cap: dict[str, Any] = field(default_factory=dict)
+    """The cap check (``RegimeLab._cap_check``); empty when the advisor gave no cap."""
 
     @property
     def verdict_right(self) -> bool:
@@ -208,8 +257,29 @@ class RegimeResult:
         return None if not c else c["verdict"] != FAILS
 
     @property
+    def cap_holds(self) -> bool | None:
+        """``None`` without a cap check; else no refuted property."""
+        c = self.cap
+        if not c:
+            return None
+        return FAILS not in (c["throughput_verdict"], c.get("p99_verdict"))
+
+    @property
+    def knee_and_cap_right(self) -> bool:
+        """For an engine that never saturated: no knee and no cap."""
+        v = self.verdict
+        return not self.no_cap or (
+            v.get("knee_concurrency") is None and v.get("recommended_concurrency_cap") is None
+        )
+
+    @property
     def right(self) -> bool:
-        return self.verdict_right and self.control_agrees is not False
+        return (
+            self.verdict_right
+            and self.knee_and_cap_right
+            and self.control_agrees is not False
+            and self.cap_holds is not False
+        )
 
 
 class RegimeLab(AdvisorLab):
@@ -224,6 +294,7 @@ class RegimeLab(AdvisorLab):
         seed: int,
         *,
         back: bool = False,
+        mix: Callable[[int], tuple[int, int]] | dict[int, tuple[int, int]] | None = None,
     ) -> tuple[list[LevelMeasure], float, float]:
         engine_id = self._engine_id(pool)
         out: list[LevelMeasure] = []
@@ -233,6 +304,8 @@ class RegimeLab(AdvisorLab):
             top = max(levels)
             order += sorted((c for c in levels if top > c and 4 * c >= top), reverse=True)
         for i, c in enumerate(order):
+            if mix is not None:  # the request mix of this load level
+                self.prompt_words = mix[c] if isinstance(mix, dict) else mix(c)
             level, sweep = self._level(server, engine_id, c, duration_s, self.warmup_s, seed + i, 2)
             out.append(level)
             if i == 0:
@@ -292,81 +365,195 @@ class RegimeLab(AdvisorLab):
             extra_args=e.extra_args(),
         ) as server:
             self._warm(server)
+            at: list[float]
             if regime.rates:
                 self._say(f"{pool}: {regime.why}; open loop at {regime.rates} requests/s")
                 rows, tput, since, until = self._open_loop(server, pool, regime, regime.rates, seed)
-                at: list[float] = list(regime.rates)
+                at = list(regime.rates)
             else:
                 self._say(f"{pool}: {regime.why}; sweeping {regime.concurrency}")
                 levels, since, until = self._levels(
-                    server, pool, regime.concurrency, regime.duration_s, seed, back=True
+                    server,
+                    pool,
+                    regime.concurrency,
+                    regime.duration_s,
+                    seed,
+                    back=True,
+                    mix=regime.mix_of,
                 )
                 rows = [asdict(lv) for lv in levels]
                 tput = [lv.client_tokens_per_s for lv in levels]
                 at = [float(lv.concurrency) for lv in levels]
-        report = analyze(CollectorSource(self._collector.url), since, until, pool=pool)
-        v = report.engines[0]
-        found = report.findings_of("bottleneck")
-        res = RegimeResult(
-            name=regime.name,
-            expected=regime.expected,
-            verdict=v.to_dict(),
-            evidence=found[0].evidence if found else {},
-            levels=rows,
-            run=run_index + 1,
-        )
-        self._say(
-            f"{pool}: advisor says {v.bottleneck}"
-            f"{'' if v.saturated else f' (approaching {v.approaching})'}; "
-            f"{found[0].summary if found else ''}"
-        )
+            report = analyze(CollectorSource(self._collector.url), since, until, pool=pool)
+            v = report.engines[0]
+            found = report.findings_of("bottleneck")
+            res = RegimeResult(
+                name=regime.name,
+                expected=regime.expected,
+                verdict=v.to_dict(),
+                evidence=found[0].evidence if found else {},
+                levels=rows,
+                run=run_index + 1,
+                no_cap=regime.no_cap,
+            )
+            self._say(
+                f"{pool}: advisor says {v.bottleneck}"
+                f"{'' if v.saturated else f' (approaching {v.approaching})'}, knee "
+                f"{'-' if v.knee_concurrency is None else f'{v.knee_concurrency:.1f}'}, cap "
+                f"{'-' if v.recommended_concurrency_cap is None else v.recommended_concurrency_cap}"
+                f"; {found[0].summary if found else ''}"
+            )
+            cap = v.recommended_concurrency_cap
+            if cap is not None and not regime.no_cap:
+                res.cap = self._cap_check(server, pool, regime, cap, seed + 700)
         if regime.control is not None:
-            c = regime.control
-            loads: tuple[float, ...] = regime.rates or tuple(float(x) for x in regime.concurrency)
-            top = sorted(loads)[-2:]
-            unit = "requests/s" if regime.rates else "clients"
-            cpool = f"{pool}-control"
-            with self.engine(
-                cpool,
-                num_gpu_blocks=c.num_gpu_blocks,
-                max_num_seqs=c.max_num_seqs,
-                extra_args=c.extra_args(),
-            ) as server:
-                self._warm(server)
-                self._say(f"{cpool}: the control ({c.describe()}) at {top} {unit}")
-                if regime.rates:
-                    crows, ctput, _, _ = self._open_loop(
-                        server, cpool, regime, tuple(top), seed + 500
-                    )
-                else:
-                    ctl, _, _ = self._levels(
-                        server, cpool, tuple(int(x) for x in top), regime.duration_s, seed + 500
-                    )
-                    crows = [asdict(lv) for lv in ctl]
-                    ctput = [lv.client_tokens_per_s for lv in ctl]
-            base = [t for load, t in zip(at, tput, strict=True) if load in top]
-            r = ratio(ctput, base)
-            if regime.control_expect == "grows":
-                judged, what = r.at_least(regime.min_ratio), f">= {regime.min_ratio:g}"
+            res.control, res.control_levels = self._control(regime, pool, at, tput, seed + 500)
+        res.seconds = time.monotonic() - started
+        return res
+
+    def _cap_check(
+        self, server: VllmServer, pool: str, regime: Regime, cap: int, seed: int
+    ) -> dict[str, Any]:
+        """The advisor's cap against the regime's highest load on the same engine, the two
+        interleaved for ``ROUNDS`` rounds (more while noisy, as the lab's closed loop):
+        throughput kept (at least ``MIN_CAP_FRACTION``) and vLLM's e2e P99 cut (at most
+        ``MAX_CAP_P99_RATIO``). Open loop: the highest rate with the cap as the client's
+        concurrency limit (a gateway's) against the same rate uncapped."""
+        if regime.rates:
+            top_rate = max(regime.rates)
+            self._say(f"{pool}: cap {cap} against {top_rate:g} requests/s uncapped, interleaved")
+            capped: list[tuple[float, float]] = []
+            uncapped: list[tuple[float, float]] = []
+            for r in range(ROUNDS):
+                for limit, out in ((cap, capped), (None, uncapped)):
+                    got = run_rates(
+                        server.url,
+                        "kvscope-advisor",
+                        self.model_dir or "",
+                        [top_rate],
+                        seconds=regime.duration_s,
+                        input_len=regime.prompt_words[1],
+                        output_len=regime.output_tokens,
+                        seed=seed + 10 * r,
+                        workdir=self.workdir / f"openloop-{pool}-cap",
+                        max_concurrency=limit,
+                    )[0]
+                    out.append((got.output_tokens_per_s, got.e2e_p99_s))
+                self._say(
+                    f"{pool}: round {r + 1}: cap {capped[-1][0]:,.0f} tok/s "
+                    f"(P99 {capped[-1][1]:.2f} s), uncapped {uncapped[-1][0]:,.0f} tok/s "
+                    f"(P99 {uncapped[-1][1]:.2f} s)"
+                )
+            load = f"{top_rate:g} requests/s"
+            p99_from = "the benchmark client's"
+        else:
+            top = max(regime.concurrency)
+            self._say(f"{pool}: cap {cap} against {top} clients, interleaved")
+            reps = self._repeated(
+                server,
+                self._engine_id(pool),
+                [(f"cap {cap}", cap, None), (f"{top} clients", top, None)],
+                seed,
+            )
+            capped = [
+                (lv.client_tokens_per_s, lv.engine_e2e_p99_s or math.nan) for lv in reps[0].runs
+            ]
+            uncapped = [
+                (lv.client_tokens_per_s, lv.engine_e2e_p99_s or math.nan) for lv in reps[1].runs
+            ]
+            load = f"{top} clients"
+            p99_from = "vLLM's"
+        tp = ratio([t for t, _ in capped], [t for t, _ in uncapped])
+        pa = [p for _, p in capped if math.isfinite(p) and p > 0]
+        pb = [p for _, p in uncapped if math.isfinite(p) and p > 0]
+        p99 = ratio(pa, pb) if pa and pb else None
+        out: dict[str, Any] = {
+            "cap": cap,
+            "against": load,
+            "capped_tokens_per_s": statistics.median(t for t, _ in capped),
+            "uncapped_tokens_per_s": statistics.median(t for t, _ in uncapped),
+            "capped_p99_e2e_s": statistics.median(pa) if pa else None,
+            "uncapped_p99_e2e_s": statistics.median(pb) if pb else None,
+            "p99_from": p99_from,
+            "throughput": asdict(tp),
+            "throughput_verdict": tp.at_least(MIN_CAP_FRACTION),
+            "p99": None if p99 is None else asdict(p99),
+            "p99_verdict": None if p99 is None else p99.at_most(MAX_CAP_P99_RATIO),
+        }
+        self._say(
+            f"{pool}: cap {cap} keeps {tp.describe()} of the throughput at {load} "
+            f"-> {out['throughput_verdict']}; e2e P99 {'-' if p99 is None else p99.describe()} "
+            f"-> {out['p99_verdict']}"
+        )
+        return out
+
+    def _control(
+        self, regime: Regime, pool: str, at: list[float], tput: list[float], seed: int
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """The control engine at the regime's two highest loads (see the module docstring)."""
+        c = regime.control
+        assert c is not None
+        loads: tuple[float, ...] = regime.rates or tuple(float(x) for x in regime.concurrency)
+        top = sorted(loads)[-2:]
+        unit = "requests/s" if regime.rates else "clients"
+        cpool = f"{pool}-control"
+        scale = regime.control_scale
+        with self.engine(
+            cpool,
+            num_gpu_blocks=c.num_gpu_blocks,
+            max_num_seqs=c.max_num_seqs,
+            extra_args=c.extra_args(),
+        ) as server:
+            self._warm(server)
+            what = c.describe() + (f", {scale}x the load" if scale != 1 else "")
+            self._say(f"{cpool}: the control ({what}) at {top} {unit}")
+            if regime.rates:
+                crows, ctput, _, _ = self._open_loop(
+                    server, cpool, regime, tuple(x * scale for x in top), seed
+                )
             else:
-                judged, what = r.at_most(regime.max_ratio), f"<= {regime.max_ratio:g}"
-            res.control_levels = crows
-            res.control = {
+                ctl, _, _ = self._levels(
+                    server,
+                    cpool,
+                    tuple(int(x) * scale for x in top),
+                    regime.duration_s,
+                    seed,
+                    mix={int(x) * scale: regime.mix_of(int(x)) for x in top}
+                    if regime.mix
+                    else None,
+                )
+                crows = [asdict(lv) for lv in ctl]
+                ctput = [lv.client_tokens_per_s for lv in ctl]
+        base = [t for load, t in zip(at, tput, strict=True) if load in top]
+        r = ratio(ctput, base)
+        if regime.control_expect == "grows":
+            judged, what = r.at_least(regime.min_ratio), f">= {regime.min_ratio:g}"
+        else:
+            judged, what = r.at_most(regime.max_ratio), f"<= {regime.max_ratio:g}"
+        self._say(f"{cpool}: control / regime {r.describe()} -> {judged}")
+        return (
+            {
                 "engine": c.describe(),
                 "expect": regime.control_expect,
                 "property": f"control / regime throughput at {top} {unit} {what}",
                 "ratio": asdict(r),
                 "verdict": judged,
-            }
-            self._say(f"{cpool}: control / regime {r.describe()} -> {judged}")
-        res.seconds = time.monotonic() - started
-        return res
+            },
+            crows,
+        )
+
+
+def _ci(r: dict[str, Any] | None) -> str:
+    if not r:
+        return "-"
+    x = Ratio(**r)
+    return f"{x.estimate:.2f} ({x.low:.2f}-{x.high:.2f})"
 
 
 def table(results: list[RegimeResult]) -> str:
     head = (
         f"{'regime':<19} {'run':>3} {'expected':<31} {'verdict':<36} {'knee':>5} {'cap':>4} "
-        f"{'control / regime':>22} {'control':<13} right"
+        f"{'cap keeps':>17} {'cap P99':>17} {'control / regime':>17} {'control':<13} right"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -376,18 +563,21 @@ def table(results: list[RegimeResult]) -> str:
         )
         knee = v.get("knee_concurrency")
         cap = v.get("recommended_concurrency_cap")
-        ctl = r.control
-        rr = Ratio(**ctl["ratio"]) if ctl else None
+        ctl, cc = r.control, r.cap
         lines.append(
             f"{r.name:<19} {r.run:>3} {' | '.join(r.expected):<31} {verdict:<36} "
             f"{'-' if knee is None else f'{knee:.1f}':>5} {'-' if cap is None else cap:>4} "
-            f"{'-' if rr is None else f'{rr.estimate:.2f} ({rr.low:.2f}-{rr.high:.2f})':>22} "
+            f"{_ci(cc.get('throughput')):>17} {_ci(cc.get('p99')):>17} "
+            f"{_ci(ctl.get('ratio')):>17} "
             f"{ctl.get('verdict', '-') if ctl else '-':<13} {'yes' if r.right else 'NO'}"
         )
     lines.append(
-        "control / regime: client throughput at the regime's two highest concurrencies "
-        "with the suspected limit lifted, over the regime's (95% interval); control: "
-        f"{HOLDS} / {FAILS} / within noise for the regime's expectation (grows or same)"
+        f"cap keeps / cap P99: throughput and e2e P99 at the cap over the regime's highest load "
+        f"(at least {MIN_CAP_FRACTION:g}, at most {MAX_CAP_P99_RATIO:g}; 95% interval); "
+        "control / regime: client throughput at the regime's two highest loads with the "
+        "suspected limit lifted, over the regime's; control: "
+        f"{HOLDS} / {FAILS} / within noise for the regime's expectation (grows or same); "
+        "right: the verdict expected, no knee or cap where none is due, and nothing refuted"
     )
     return "\n".join(lines)
 

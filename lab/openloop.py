@@ -88,9 +88,14 @@ def bench_serve_args(
     seed: int,
     result_dir: Path,
     result_file: str,
+    max_concurrency: int | None = None,
 ) -> list[str]:
-    """The ``vllm bench serve`` arguments for one rate."""
+    """The ``vllm bench serve`` arguments for one rate; ``max_concurrency`` caps the
+    requests in flight as a gateway would (arrivals beyond it wait at the client, and
+    their latency counts from when they are sent)."""
+    cap = [] if max_concurrency is None else ["--max-concurrency", str(max_concurrency)]
     return [
+        *cap,
         "--backend",
         "openai",
         "--base-url",
@@ -141,6 +146,7 @@ def run_rates(
     python: str = sys.executable,
     timeout_s: float = 900.0,
     log: Any = None,
+    max_concurrency: int | None = None,
 ) -> list[RateResult]:
     """Drive the server at each rate in turn (see the module docstring)."""
     out: list[RateResult] = []
@@ -162,9 +168,14 @@ def run_rates(
             seed=seed + i,
             result_dir=wd,
             result_file=name,
+            max_concurrency=max_concurrency,
         )
         if log:
-            log(f"open loop: {rate:g} requests/s, {n} prompts of {input_len} + {output_len} tokens")
+            capped = "" if max_concurrency is None else f", at most {max_concurrency} in flight"
+            log(
+                f"open loop: {rate:g} requests/s, {n} prompts of {input_len} + {output_len} "
+                f"tokens{capped}"
+            )
         started = time.time()
         proc = subprocess.run(
             [python, "-c", RUNNER, *args],

@@ -34,6 +34,30 @@ def test_vllm_bench_serve_accepts_the_arguments(tmp_path: Path) -> None:
     assert args.dataset_name == "random" and args.ignore_eos
     assert (args.random_input_len, args.random_output_len) == (30, 128)
     assert args.save_result and args.result_filename == "r.json"
+    assert args.max_concurrency is None
+
+
+def test_vllm_bench_serve_takes_the_cap(tmp_path: Path) -> None:
+    from vllm.benchmarks import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    args = parser.parse_args(
+        bench_serve_args(
+            "http://h:1",
+            "m",
+            tmp_path,
+            12.0,
+            240,
+            input_len=30,
+            output_len=128,
+            seed=4,
+            result_dir=tmp_path,
+            result_file="c.json",
+            max_concurrency=9,
+        )
+    )
+    assert args.max_concurrency == 9 and args.request_rate == 12.0
 
 
 def test_rate_result_reads_vllms_result_keys() -> None:

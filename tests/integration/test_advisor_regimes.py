@@ -48,3 +48,5 @@ def test_regime_verdict_matches_its_control(regime_lab: RegimeLab, name: str) ->
             f"(approaching {r.verdict.get('approaching')}); evidence {r.evidence}"
         )
         assert r.control_agrees is not False, f"{name}: the control disagrees: {ctl}"
+        assert r.knee_and_cap_right, f"{name}: an engine that never saturated got {r.verdict}"
+        assert r.cap_holds is not False, f"{name}: the cap's runs refute it: {r.cap}"
