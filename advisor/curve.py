@@ -49,7 +49,10 @@ Algorithm
    request mix shifts with load (longer prompts at the daily peak: more of the batch
    prefilling, fewer tokens generated per request in flight) with no queue, free
    blocks and steps no slower; that is no limit, and such an engine is not saturated
-   (``flat_without_evidence_``). Or, from the
+   (``flat_without_evidence_``). Slower steps count only where the **work** done
+   (computed tokens: prompt tokens not served from the prefix cache, plus generated
+   tokens) is past its own knee as well: a longer prompt mix slows each step and bends
+   the generated-token curve while the engine does ever more work per second. Or, from the
    engine's own evidence, when it hit a ceiling: over the last doubling of load the
    running batch grew by at most ``ceiling_batch_growth`` while at least
    ``ceiling_min_waiting`` requests waited at the highest load. vLLM's scheduler leaves
@@ -151,6 +154,7 @@ class ThroughputCurve:
                 "n_windows": g.size(),
                 "gen_tokens_per_s": g["gen_tokens_per_s"].median(),
                 "total_tokens_per_s": g["total_tokens_per_s"].median(),
+                "computed_tokens_per_s": g["computed_tokens_per_s"].median(),
                 "batch": g["batch_mean"].median(),
                 "waiting": g["waiting_mean"].median(),
                 "kv_usage": g["kv_usage_mean"].median(),
@@ -161,6 +165,7 @@ class ThroughputCurve:
         weights = bins["n_windows"].to_numpy(float)
         bins["gen_fit"] = isotonic_increasing(bins["gen_tokens_per_s"].to_numpy(), weights)
         bins["total_fit"] = isotonic_increasing(bins["total_tokens_per_s"].to_numpy(), weights)
+        bins["work_fit"] = isotonic_increasing(bins["computed_tokens_per_s"].to_numpy(), weights)
         self.windows_ = w
         self.bins_ = bins
         x = bins["load"].to_numpy(float)
@@ -197,10 +202,24 @@ class ThroughputCurve:
         )
         slowdown = steps_low / steps_top - 1.0 if steps_top > 0 else math.nan
         self.step_slowdown_ = slowdown
+        # The work done (computed prompt + generated tokens) against load: slower steps
+        # are a limit only where the work per second stopped growing too. When the mix
+        # shifts to longer prompts with load, steps slow and generated tokens flatten
+        # while the engine does ever more work.
+        work = bins["work_fit"].to_numpy(float)
+        self.work_knee_load_ = interp_crossing(x, work, self.knee_fraction * float(work.max()))
+        self.work_growth_last_doubling_ = self._growth(x, work)
+        self.work_past_knee_ = bool(
+            len(x) > 1 and self.max_load_ >= self.saturation_margin * self.work_knee_load_
+        )
         self.limit_evidence_ = bool(
             self.waiting_at_max_load_ >= self.ceiling_min_waiting
             or float(bins["preemptions_per_s"].iloc[-1]) > 0
-            or (math.isfinite(slowdown) and slowdown >= self.saturation_step_slowdown)
+            or (
+                math.isfinite(slowdown)
+                and slowdown >= self.saturation_step_slowdown
+                and self.work_past_knee_
+            )
         )
         self.flat_without_evidence_ = self.past_knee_ and not self.limit_evidence_
         self.saturated_ = (self.past_knee_ and self.limit_evidence_) or self.ceiling_
@@ -247,12 +266,23 @@ class ThroughputCurve:
             return (
                 f"not saturated: generated tokens/s flattened up to {self.max_load_:.1f} in "
                 f"flight, but nothing at the engine shows a limit there (no queue, no "
-                f"preemptions, steps no slower: {self.step_slowdown_:+.0%} step time); a "
-                "change in the request mix bends this curve, a limit does not"
+                f"preemptions, {self._steps_text()}); a change in the request mix bends "
+                "this curve, a limit does not"
             )
         return (
             f"not saturated: highest load seen {self.max_load_:.1f} in flight, "
             f"throughput still rising{grow}; the plateau lies beyond the observed range"
+        )
+
+    def _steps_text(self) -> str:
+        slow = self.step_slowdown_
+        if not (math.isfinite(slow) and slow >= self.saturation_step_slowdown):
+            return f"steps no slower: {slow:+.0%} step time"
+        w = self.work_growth_last_doubling_
+        grew = f" ({w:+.0%} over the last doubling)" if w is not None else ""
+        return (
+            f"steps {slow:+.0%} slower, but the work done (computed prompt and generated "
+            f"tokens/s) still grew{grew}"
         )
 
     def finding(self, scope: Scope) -> Finding:
@@ -285,6 +315,9 @@ class ThroughputCurve:
                 "limit_evidence": self.limit_evidence_,
                 "flat_without_evidence": self.flat_without_evidence_,
                 "step_slowdown_ratio": self.step_slowdown_,
+                "work_knee_load": self.work_knee_load_,
+                "work_growth_last_doubling_ratio": self.work_growth_last_doubling_,
+                "work_past_knee": self.work_past_knee_,
                 "knee_fraction": self.knee_fraction,
                 "batch_ceiling_load": self.batch_ceiling_load_,
                 "n_windows": n,

@@ -30,7 +30,7 @@ _NUMERIC = (
 
 def prepare_windows(windows: pd.DataFrame) -> pd.DataFrame:
     """Add ``load`` (in-flight: running + waiting + deferred), ``gen_tokens_per_s``,
-    ``total_tokens_per_s``, ``tokens_per_step``, ``steps_per_s`` and ``busy_ratio``
+    ``total_tokens_per_s``, ``computed_tokens_per_s``, ``tokens_per_step``, ``steps_per_s`` and ``busy_ratio``
     (the part of the second between the window's first and last step)."""
     w = windows.copy()
     for c in _NUMERIC:
@@ -40,6 +40,11 @@ def prepare_windows(windows: pd.DataFrame) -> pd.DataFrame:
     )
     w["gen_tokens_per_s"] = w["generation_tokens"].fillna(0.0)
     w["total_tokens_per_s"] = w["gen_tokens_per_s"] + w["prompt_tokens"].fillna(0.0)
+    # The work the engine did: prompt tokens it computed (prefix-cache hits cost none)
+    # and generated tokens.
+    w["computed_tokens_per_s"] = w["gen_tokens_per_s"] + (
+        w["prompt_tokens"].fillna(0.0) - w["prefix_hits"].fillna(0.0)
+    ).clip(lower=0.0)
     steps = w["n_steps"].fillna(0.0)
     w["steps_per_s"] = steps
     w["tokens_per_step"] = (w["total_tokens_per_s"] / steps.where(steps > 0)).astype(float)

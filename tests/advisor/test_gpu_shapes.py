@@ -477,3 +477,62 @@ def test_a_request_mix_shift_at_the_peak_is_not_a_knee() -> None:
     assert "a change in the request mix" in v.headroom
     pool = rep.pools[0]
     assert pool.plateau_tokens_per_s is None and pool.engines_not_saturated == [ENGINE]
+
+
+def test_a_mix_shift_that_slows_the_steps_is_not_a_knee_while_the_work_grows() -> None:
+    """The same day, but the long prompts' prefill chunks cost step time: each step takes
+    30 ms plus 1 ms per 1,000 prompt tokens computed in it, so steps at the peak are
+    slower (30 ms -> 60 ms at 256 in flight), and generated tokens/s flatten and fall.
+    Still no queue, no preemptions, the cache a third used; and per second the engine
+    computes more tokens at every higher load (prompt + generated: about 5,600 at 16 in
+    flight, 85,000 at 256). It did more work when asked: not saturated, no knee, no cap."""
+    cfg = gpu_config()
+    levels = []
+    for L in (8, 16, 32, 64, 128, 256):
+        prompt_per_step = 120.0 * L
+        levels.append(
+            Level(
+                load=L,
+                batch=L,
+                kv_usage=0.001 * L,
+                step_s=0.03 + prompt_per_step / 1e6,
+                decoding=min(L, 32 + 0.02 * (L - 32)),
+                computed_prompt_per_step=prompt_per_step,
+            )
+        )
+    steps = [lv.step_s for lv in levels]
+    assert steps[-1] / steps[0] - 1 >= 0.25  # the steps slowed by more than a quarter
+    work = [(lv.computed_prompt_per_step + (lv.decoding or lv.batch)) / lv.step_s for lv in levels]
+    assert all(b > a for a, b in zip(work, work[1:], strict=False))  # the work kept growing
+    engines, windows, requests = frames(levels, cfg, prompt=3000, gen=300)
+    rep = analyze(FrameSource(engines, windows, requests))
+    v = rep.engines[0]
+    curve = rep.findings_of("throughput_curve")[0].evidence
+    assert curve["step_slowdown_ratio"] >= 0.25 and not curve["work_past_knee"]
+    assert not v.saturated and v.bottleneck == "not_saturated", v
+    assert v.knee_concurrency is None and v.recommended_concurrency_cap is None
+    assert "the work done" in v.headroom
+
+
+def test_the_same_slow_steps_with_the_work_flat_are_a_limit() -> None:
+    """The control: the same slowing steps, but no mix shift; every step does the same
+    work per sequence and step time grows with the batch (30 ms + 0.5 ms per sequence),
+    so tokens computed per second stop growing past ~64 in flight: the engine is at its
+    compute limit there (saturated), not merely serving longer prompts."""
+    cfg = gpu_config()
+    levels = [
+        Level(
+            load=L,
+            batch=L,
+            kv_usage=0.001 * L,
+            step_s=0.03 + 0.0005 * L,
+            computed_prompt_per_step=10.0 * L,
+        )
+        for L in (8, 16, 32, 64, 128, 256)
+    ]
+    engines, windows, requests = frames(levels, cfg, prompt=1000, gen=100)
+    rep = analyze(FrameSource(engines, windows, requests))
+    v = rep.engines[0]
+    curve = rep.findings_of("throughput_curve")[0].evidence
+    assert curve["work_past_knee"] and curve["limit_evidence"]
+    assert v.saturated and v.knee_concurrency is not None
