@@ -1,16 +1,17 @@
 """The advisor on more real engine regimes, each set against a control that lifts the
 suspected limit: the ground truth of a regime is what its control measures.
 
-One command (about 5 minutes per regime on a 2-core machine, two engine starts each)::
+One command (about 6 minutes per regime on a 2-core machine, two engine starts each)::
 
     .venv/bin/python bench/advisor_regimes.py [--regimes long-context,prefill-bound]
         [--runs 1] [--json out.json]
 
 For each regime of :data:`REGIMES`: the real vLLM CPU engine on the lab's "mid" model
 with the regime's flags and the kvscope plugin, a closed-loop sweep of the regime's
-workload (prompt and output lengths), the advisor's verdict on the sweep; then the
-**control**: the same workload on an engine with the suspected limit lifted (more KV
-blocks, a larger token budget), at the sweep's two highest concurrencies. A limit that
+workload (prompt and output lengths) up and back down, the advisor's verdict on the
+sweep; then the **control**: the same workload on an engine with the suspected limit
+lifted (more KV blocks, a larger token budget), ``CONTROL_RUNS`` runs at the regime's
+highest load, against at least as many runs of the regime there. A limit that
 binds shows as throughput that grows under the control (``grows``: control over regime
 at least ``min_ratio``, judged on the 95% interval of the runs, :mod:`bench.noise`); a
 limit that does not bind shows as the same throughput (``same``: at most
@@ -80,6 +81,9 @@ from kvscope.advisor import CollectorSource, analyze
 from kvscope.lab.engine import VllmServer, build_model, default_model_dir
 from kvscope.lab.openloop import run_rates
 
+CONTROL_RUNS = 3
+"""Runs of the control at the regime's highest load, and at least as many of the regime
+there (the sweep's and the cap check's uncapped runs count)."""
 MIN_CAP_FRACTION = 0.9
 """A cap must keep at least this share of the throughput the regime's highest load gives
 (measured beside it, interleaved)."""
@@ -408,8 +412,17 @@ class RegimeLab(AdvisorLab):
             cap = v.recommended_concurrency_cap
             if cap is not None and not regime.no_cap:
                 res.cap = self._cap_check(server, pool, regime, cap, seed + 700)
+            # The regime's runs at its highest load, for the control to be set against:
+            # the sweep's and the cap check's uncapped runs, or two more.
+            top_load = max(at)
+            top_runs = [t for load, t in zip(at, tput, strict=True) if load == top_load]
+            top_runs += res.cap.get("uncapped_runs_tokens_per_s", [])
+            if regime.control is not None and len(top_runs) < CONTROL_RUNS:
+                top_runs += self._top_runs(
+                    server, pool, regime, CONTROL_RUNS - len(top_runs), seed + 800
+                )
         if regime.control is not None:
-            res.control, res.control_levels = self._control(regime, pool, at, tput, seed + 500)
+            res.control, res.control_levels = self._control(regime, pool, top_runs, seed + 500)
         res.seconds = time.monotonic() - started
         return res
 
@@ -477,6 +490,7 @@ class RegimeLab(AdvisorLab):
             "capped_p99_e2e_s": statistics.median(pa) if pa else None,
             "uncapped_p99_e2e_s": statistics.median(pb) if pb else None,
             "p99_from": p99_from,
+            "uncapped_runs_tokens_per_s": [t for t, _ in uncapped],
             "throughput": asdict(tp),
             "throughput_verdict": tp.at_least(MIN_CAP_FRACTION),
             "p99": None if p99 is None else asdict(p99),
@@ -489,17 +503,34 @@ class RegimeLab(AdvisorLab):
         )
         return out
 
+    def _top_runs(
+        self, server: VllmServer, pool: str, regime: Regime, n: int, seed: int
+    ) -> list[float]:
+        """``n`` runs at the regime's highest load (clients or rate): client output tok/s."""
+        if regime.rates:
+            _, tput, _, _ = self._open_loop(server, pool, regime, (max(regime.rates),) * n, seed)
+            return tput
+        top = max(regime.concurrency)
+        if regime.mix:
+            self.prompt_words = regime.mix_of(top)
+        out = []
+        for i in range(n):
+            level, _ = self._level(
+                server, self._engine_id(pool), top, regime.duration_s, self.warmup_s, seed + i, 2
+            )
+            out.append(level.client_tokens_per_s)
+        return out
+
     def _control(
-        self, regime: Regime, pool: str, at: list[float], tput: list[float], seed: int
+        self, regime: Regime, pool: str, regime_runs: list[float], seed: int
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """The control engine at the regime's two highest loads (see the module docstring)."""
+        """The control engine at the regime's highest load (times ``control_scale``),
+        ``CONTROL_RUNS`` runs, against the regime's runs at that load (see the module
+        docstring)."""
         c = regime.control
         assert c is not None
-        loads: tuple[float, ...] = regime.rates or tuple(float(x) for x in regime.concurrency)
-        top = sorted(loads)[-2:]
-        unit = "requests/s" if regime.rates else "clients"
-        cpool = f"{pool}-control"
         scale = regime.control_scale
+        cpool = f"{pool}-control"
         with self.engine(
             cpool,
             num_gpu_blocks=c.num_gpu_blocks,
@@ -508,26 +539,35 @@ class RegimeLab(AdvisorLab):
         ) as server:
             self._warm(server)
             what = c.describe() + (f", {scale}x the load" if scale != 1 else "")
-            self._say(f"{cpool}: the control ({what}) at {top} {unit}")
             if regime.rates:
+                load = max(regime.rates) * scale
+                unit = f"{load:g} requests/s"
+                self._say(f"{cpool}: the control ({what}) at {unit}, {CONTROL_RUNS} runs")
                 crows, ctput, _, _ = self._open_loop(
-                    server, cpool, regime, tuple(x * scale for x in top), seed
+                    server, cpool, regime, (load,) * CONTROL_RUNS, seed
                 )
             else:
-                ctl, _, _ = self._levels(
-                    server,
-                    cpool,
-                    tuple(int(x) * scale for x in top),
-                    regime.duration_s,
-                    seed,
-                    mix={int(x) * scale: regime.mix_of(int(x)) for x in top}
-                    if regime.mix
-                    else None,
-                )
+                top = max(regime.concurrency)
+                clients = top * scale
+                unit = f"{clients} clients"
+                self._say(f"{cpool}: the control ({what}) at {unit}, {CONTROL_RUNS} runs")
+                if regime.mix:
+                    self.prompt_words = regime.mix_of(top)
+                ctl = []
+                for i in range(CONTROL_RUNS):
+                    level, _ = self._level(
+                        server,
+                        self._engine_id(cpool),
+                        clients,
+                        regime.duration_s,
+                        self.warmup_s,
+                        seed + i,
+                        2,
+                    )
+                    ctl.append(level)
                 crows = [asdict(lv) for lv in ctl]
                 ctput = [lv.client_tokens_per_s for lv in ctl]
-        base = [t for load, t in zip(at, tput, strict=True) if load in top]
-        r = ratio(ctput, base)
+        r = ratio(ctput, regime_runs)
         if regime.control_expect == "grows":
             judged, what = r.at_least(regime.min_ratio), f">= {regime.min_ratio:g}"
         else:
@@ -537,9 +577,11 @@ class RegimeLab(AdvisorLab):
             {
                 "engine": c.describe(),
                 "expect": regime.control_expect,
-                "property": f"control / regime throughput at {top} {unit} {what}",
+                "property": f"control / regime throughput at {unit} {what}",
                 "ratio": asdict(r),
                 "verdict": judged,
+                "control_runs_tokens_per_s": ctput,
+                "regime_runs_tokens_per_s": regime_runs,
             },
             crows,
         )
@@ -576,8 +618,8 @@ def table(results: list[RegimeResult]) -> str:
     lines.append(
         f"cap keeps / cap P99: throughput and e2e P99 at the cap over the regime's highest load "
         f"(at least {MIN_CAP_FRACTION:g}, at most {MAX_CAP_P99_RATIO:g}; 95% interval); "
-        "control / regime: client throughput at the regime's two highest loads with the "
-        "suspected limit lifted, over the regime's; control: "
+        "control / regime: client throughput at the regime's highest load with the "
+        "suspected limit lifted, over the regime's there; control: "
         f"{HOLDS} / {FAILS} / within noise for the regime's expectation (grows or same); "
         "right: the verdict expected, no knee or cap where none is due, and nothing refuted"
     )
