@@ -21,8 +21,10 @@ admitted. Each class is named only on positive evidence, in this order:
    (the block a running request's next token may claim). The threshold follows the
    engine: 0.98 of 48 blocks of 32 tokens for 26-token prompts, 0.58 of 256 blocks of
    16 tokens for 1,750-token prompts (two requests fill the cache at 86%, the third
-   waits). Also full, whatever the sampled usage: requests wait (any queue: a preempted
-   request goes back to it) while vLLM preempts at least ``kv_preemptions_per_request``
+   waits). Also full, whatever the sampled usage: requests wait (in any window of the
+   region: a preempted request goes back to the queue, and the region also holds the
+   loads just past the knee, where nobody waits yet) while vLLM preempts at least
+   ``kv_preemptions_per_request``
    times per finished request (it preempts only when a running request finds no free
    block; a gauge sampled once per scrape reads the cache between steps, lower). Without a block count or requests the
    fixed ``kv_full_fallback`` share is used and the evidence says so.
@@ -323,7 +325,7 @@ class BottleneckClassifier:
         why = ""
         if kv_full and (not pinned or ev["preemptions_per_s"] > 0):
             label, share = "kv_cache_bound", float((kv_full_w | (pre_w & preempting_kv)).mean())
-        elif preempting_kv and ev["waiting_median"] > 0 and not pinned:
+        elif preempting_kv and bool(queue_w.any()) and not pinned:
             label, share = "kv_cache_bound", float((pre_w | kv_full_w).mean())
             ev["kv_full_from_preemptions"] = True
         elif pinned:

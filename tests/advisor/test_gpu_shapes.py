@@ -249,6 +249,27 @@ def test_preemptions_count_per_finished_request_not_per_second(gen: int, expecte
         assert ev["preemptions_per_request"] < 0.02
 
 
+def test_preemptions_with_a_queue_past_the_knee_count_though_most_seconds_have_none() -> None:
+    """Load rises through many levels just below the batch's limit (150-180 in flight:
+    nobody waits yet) and two past it (256, 512: a queue, two preemptions a second, one
+    per two finished requests). The seconds past the knee are mostly queue-free, so their
+    median queue is zero; but the preemptions came with a queue, and vLLM preempts only
+    when a running request finds no free block: the cache is full (the sampled gauge
+    reads 92%). Seen on vLLM's own series from VictoriaMetrics: the median queue over the
+    seconds past the knee was 0 and the verdict was ``compute_bound``."""
+    cfg = gpu_config()
+    levels = decode_sweep(
+        180,
+        kv_per_seq=0.92 / 180,
+        loads=(8, 16, 32, 64, 128, 150, 160, 170, 180, 256, 512),
+        preemptions_at_limit=2.0,
+    )
+    v, ev = verdict(levels, cfg, prompt=200, gen=1500)
+    assert ev["waiting_median"] == 0 and ev["kv_usage_median"] < ev["kv_full_threshold"], ev
+    assert ev["preemptions_per_request"] >= 0.05, ev
+    assert v.bottleneck == "kv_cache_bound" and ev["kv_full_from_preemptions"], ev
+
+
 # -- max_num_seqs_bound, and cached prompt tokens that use no budget --------------------------
 
 
