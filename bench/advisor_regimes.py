@@ -67,7 +67,8 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -300,7 +301,7 @@ class RegimeLab(AdvisorLab):
         seed: int,
         *,
         back: bool = False,
-        mix: Callable[[int], tuple[int, int]] | dict[int, tuple[int, int]] | None = None,
+        mix: Callable[[int], tuple[int, int]] | None = None,
     ) -> tuple[list[LevelMeasure], float, float]:
         engine_id = self._engine_id(pool)
         out: list[LevelMeasure] = []
@@ -311,7 +312,7 @@ class RegimeLab(AdvisorLab):
             order += sorted((c for c in levels if top > c and 4 * c >= top), reverse=True)
         for i, c in enumerate(order):
             if mix is not None:  # the request mix of this load level
-                self.prompt_words = mix[c] if isinstance(mix, dict) else mix(c)
+                self.prompt_words = mix(c)
             level, sweep = self._level(server, engine_id, c, duration_s, self.warmup_s, seed + i, 2)
             out.append(level)
             if i == 0:
@@ -363,14 +364,7 @@ class RegimeLab(AdvisorLab):
         self.prompt_words, self.output_tokens = regime.prompt_words, regime.output_tokens
         seed = self.seed + 1000 * run_index
         pool = f"regime-{regime.name}-{run_index}"
-        e = regime.engine
-        with self.engine(
-            pool,
-            num_gpu_blocks=e.num_gpu_blocks,
-            max_num_seqs=e.max_num_seqs,
-            extra_args=e.extra_args(),
-        ) as server:
-            self._warm(server)
+        with self._started(pool, regime.engine) as server:
             at: list[float]
             if regime.rates:
                 self._say(f"{pool}: {regime.why}; open loop at {regime.rates} requests/s")
@@ -420,7 +414,7 @@ class RegimeLab(AdvisorLab):
             if regime.control is not None and len(top_runs) < CONTROL_RUNS:
                 top_runs += self._top_runs(
                     server, pool, regime, CONTROL_RUNS - len(top_runs), seed + 800
-                )
+                )[1]
         if regime.control is not None:
             res.control, res.control_levels = self._control(regime, pool, top_runs, seed + 500)
         res.seconds = time.monotonic() - started
@@ -503,23 +497,38 @@ class RegimeLab(AdvisorLab):
         )
         return out
 
+    @contextmanager
+    def _started(self, pool: str, e: Engine) -> Iterator[VllmServer]:
+        """The engine ``e`` under ``pool``, warmed up."""
+        with self.engine(
+            pool,
+            num_gpu_blocks=e.num_gpu_blocks,
+            max_num_seqs=e.max_num_seqs,
+            extra_args=e.extra_args(),
+        ) as server:
+            self._warm(server)
+            yield server
+
     def _top_runs(
-        self, server: VllmServer, pool: str, regime: Regime, n: int, seed: int
-    ) -> list[float]:
-        """``n`` runs at the regime's highest load (clients or rate): client output tok/s."""
+        self, server: VllmServer, pool: str, regime: Regime, n: int, seed: int, scale: int = 1
+    ) -> tuple[list[dict[str, Any]], list[float]]:
+        """``n`` runs at the regime's highest load (clients or rate) times ``scale``, with
+        the request mix of the highest load: their rows and client output tok/s."""
         if regime.rates:
-            _, tput, _, _ = self._open_loop(server, pool, regime, (max(regime.rates),) * n, seed)
-            return tput
-        top = max(regime.concurrency)
-        if regime.mix:
-            self.prompt_words = regime.mix_of(top)
-        out = []
-        for i in range(n):
-            level, _ = self._level(
-                server, self._engine_id(pool), top, regime.duration_s, self.warmup_s, seed + i, 2
+            rows, tput, _, _ = self._open_loop(
+                server, pool, regime, (max(regime.rates) * scale,) * n, seed
             )
-            out.append(level.client_tokens_per_s)
-        return out
+            return rows, tput
+        top = max(regime.concurrency)
+        self.prompt_words = regime.mix_of(top)
+        levels = [
+            self._level(
+                server, self._engine_id(pool), top * scale, regime.duration_s, self.warmup_s,
+                seed + i, 2,
+            )[0]
+            for i in range(n)
+        ]  # fmt: skip
+        return [asdict(lv) for lv in levels], [lv.client_tokens_per_s for lv in levels]
 
     def _control(
         self, regime: Regime, pool: str, regime_runs: list[float], seed: int
@@ -531,42 +540,15 @@ class RegimeLab(AdvisorLab):
         assert c is not None
         scale = regime.control_scale
         cpool = f"{pool}-control"
-        with self.engine(
-            cpool,
-            num_gpu_blocks=c.num_gpu_blocks,
-            max_num_seqs=c.max_num_seqs,
-            extra_args=c.extra_args(),
-        ) as server:
-            self._warm(server)
+        unit = (
+            f"{max(regime.rates) * scale:g} requests/s"
+            if regime.rates
+            else f"{max(regime.concurrency) * scale} clients"
+        )
+        with self._started(cpool, c) as server:
             what = c.describe() + (f", {scale}x the load" if scale != 1 else "")
-            if regime.rates:
-                load = max(regime.rates) * scale
-                unit = f"{load:g} requests/s"
-                self._say(f"{cpool}: the control ({what}) at {unit}, {CONTROL_RUNS} runs")
-                crows, ctput, _, _ = self._open_loop(
-                    server, cpool, regime, (load,) * CONTROL_RUNS, seed
-                )
-            else:
-                top = max(regime.concurrency)
-                clients = top * scale
-                unit = f"{clients} clients"
-                self._say(f"{cpool}: the control ({what}) at {unit}, {CONTROL_RUNS} runs")
-                if regime.mix:
-                    self.prompt_words = regime.mix_of(top)
-                ctl = []
-                for i in range(CONTROL_RUNS):
-                    level, _ = self._level(
-                        server,
-                        self._engine_id(cpool),
-                        clients,
-                        regime.duration_s,
-                        self.warmup_s,
-                        seed + i,
-                        2,
-                    )
-                    ctl.append(level)
-                crows = [asdict(lv) for lv in ctl]
-                ctput = [lv.client_tokens_per_s for lv in ctl]
+            self._say(f"{cpool}: the control ({what}) at {unit}, {CONTROL_RUNS} runs")
+            crows, ctput = self._top_runs(server, cpool, regime, CONTROL_RUNS, seed, scale)
         r = ratio(ctput, regime_runs)
         if regime.control_expect == "grows":
             judged, what = r.at_least(regime.min_ratio), f">= {regime.min_ratio:g}"
