@@ -172,11 +172,13 @@ def test_cap_as_vllm_flags_keeps_throughput_and_cuts_the_tail(
     capped_pre = statistics.median(lv.preemptions_per_s for lv in cap.capped.runs)
     uncapped_pre = statistics.median(lv.preemptions_per_s for lv in cap.reference.runs)
     assert capped_pre <= MAX_PREEMPTION_RATIO * uncapped_pre, (capped_pre, uncapped_pre)
-    # The engine honours the cap and its queue bound; the excess was rejected.
+    # The engine honours the cap and the admission limit (running and waiting together:
+    # when the cache holds fewer than the cap, more of the admitted requests wait); the
+    # excess was rejected.
     for lv in cap.capped.runs:
         assert lv.admit_limit is not None and lv.admit_limit > c, lv
         assert lv.batch_median <= cap.cap + 0.01, lv
-        assert lv.waiting_median <= lv.admit_limit - cap.cap + 1, lv
+        assert lv.load_median <= lv.admit_limit + 0.01, lv
         assert lv.errors > 0, lv
     assert 0 < cap.rejected_share < 1, cap.rejected_share
     judged = cap_checks(run, cap)
