@@ -1,106 +1,144 @@
 """Seeded synthetic engines with known answers, for tests and examples.
 
-:func:`make_engine` simulates the 1-second windows and finished requests of one
-engine swept through load levels, in one of the regimes the advisor tells apart,
-and returns them with the true answer (bottleneck, knee, plateau);
-:func:`make_prefix_pool` a pool of replicas with prefix-cache reuse and KV-cache
-events, with its true reuse ratios. The simulation of :func:`make_engine`
-is a closed-form steady state per second, not a scheduler:
+:func:`make_engine` runs a small discrete simulation of one vLLM engine swept
+through closed-loop load levels (a fixed number of clients, each sending its next
+request the moment the last one finishes) and returns the 1-second windows and
+finished requests the collector would hold, with the true answer **measured** from
+the same simulation; :func:`make_prefix_pool` a pool of replicas with prefix-cache
+reuse and KV-cache events, with its true reuse ratios.
 
-* the batch is ``min(load, max_num_seqs, KV-bound batch, token-budget batch)``
-  where the KV-bound batch is ``KV tokens / (prompt + gen/2 + block/2)`` and the
-  token-budget batch ``budget x gen / (prompt + gen)`` (sequences whose decode token
-  and amortised prefill fit one step's budget); the rest of the load waits;
-* one step takes ``a + b x batch + c x prompt tokens per step``; throughput is
-  ``batch / step``;
-* ``preemption_thrash`` loses ``thrash_per_request`` of throughput for every
-  request in flight beyond the KV-bound batch (down to 40%), at 20 preemptions/s;
-* noise: multiplicative Gaussian on steps and load (``noise``), and with
-  probability ``lull_prob`` a second in which half the batch finished at once.
+The simulation is a scheduler, not a formula. It shares nothing with the advisor's
+models (no footprint formula, no linear step-time fit, no KV-batch estimate):
 
-The true knee is the smallest load whose noiseless throughput reaches
-``knee_fraction`` of the noiseless plateau, on a fine grid over the swept range.
+* **Scheduler** (vLLM v1's rules, simplified): each step first schedules the running
+  requests in order (one decode token each, or the next chunk of a prefill, within
+  the step's token budget ``max_num_batched_tokens``), allocating KV blocks of
+  ``block_size`` tokens as each request's tokens need them. When no block is free
+  the newest running request is preempted: its blocks are freed and it returns to
+  the head of the queue to recompute its prompt and the tokens it had generated.
+  Waiting requests are admitted in arrival order while the step has budget, a
+  sequence slot is free (``max_num_seqs``) and the blocks of their first chunk fit;
+  none are admitted in a step that preempted.
+* **Step time** is a per-step cost, a cost per scheduled sequence, a cost per prefill
+  token and an attention cost per context token already in the cache (the sum of the
+  sequences' lengths), times a lognormal jitter (``noise``). The attention term makes
+  the step time something the advisor's linear fit of batch and prompt tokens only
+  approximates, as on a real engine.
+* **Requests** draw prompt and output lengths uniformly from the regime's ranges.
+
+The truth is measured, not derived: the same engine run without jitter at every whole
+load from the lowest to the highest level (:func:`true_curve`), its plateau the highest
+throughput, its knee the lowest load reaching ``knee_fraction`` of it, its KV-bound
+batch the mean number of running requests at the top load when the cache is what
+holds it, and thrash a fall of more than 10% from the peak to the top load while
+requests are preempted at least once per two finished requests.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+#: Engines the advisor tells apart. Lengths are ``(low, high)`` token ranges; step
+#: costs in seconds: ``a`` per step, ``b`` per sequence, ``c`` per prefill token,
+#: ``d`` per context token in the cache.
 REGIMES: dict[str, dict[str, Any]] = {
+    # 48 blocks of 32 tokens hold about a dozen requests of ~180 tokens at their ends.
     "kv_cache_bound": {
         "num_gpu_blocks": 48,
         "block_size": 32,
-        "prompt": 50,
-        "gen": 128,
+        "prompt": (40, 60),
+        "gen": (120, 136),
         "max_num_seqs": 256,
         "budget": 2048,
         "a": 3.7e-3,
         "b": 0.25e-3,
-        "c": 0.2e-3,
+        "c": 0.02e-3,
+        "d": 0.5e-6,
     },
+    # Six sequence slots, a cache with room for hundreds.
     "max_num_seqs_bound": {
         "num_gpu_blocks": 4096,
         "block_size": 32,
-        "prompt": 50,
-        "gen": 128,
+        "prompt": (40, 60),
+        "gen": (120, 136),
         "max_num_seqs": 6,
         "budget": 2048,
         "a": 3.3e-3,
         "b": 0.29e-3,
         "c": 0.08e-3,
+        "d": 0.5e-6,
     },
+    # 4,000-token prompts, 20 tokens out: every request needs two steps of the 2,048
+    # budget to prefill, and a large per-step cost makes bigger steps pay.
     "token_budget_bound": {
         "num_gpu_blocks": 25000,
         "block_size": 16,
-        "prompt": 4000,
-        "gen": 20,
+        "prompt": (3800, 4200),
+        "gen": (18, 22),
         "max_num_seqs": 256,
         "budget": 2048,
-        # A per-step cost that bigger steps amortise (doubling the budget: +29% by this
-        # step model); with a = 3 ms and c = 0.01 ms/token prefill dominates the step and
-        # doubling gives +6%: that engine is prefill-bound, not budget-bound.
         "a": 10.0e-3,
         "b": 0.2e-3,
         "c": 0.005e-3,
+        "d": 0.02e-6,
     },
+    # Ample cache and slots; every sequence costs 2 ms a step.
     "compute_bound": {
         "num_gpu_blocks": 100000,
         "block_size": 16,
-        "prompt": 50,
-        "gen": 128,
+        "prompt": (40, 60),
+        "gen": (120, 136),
         "max_num_seqs": 256,
         "budget": 8192,
         "a": 2.0e-3,
         "b": 2.0e-3,
         "c": 0.05e-3,
+        "d": 0.5e-6,
     },
+    # A large per-step cost and cheap sequences: throughput still grows at 32.
     "not_saturated": {
         "num_gpu_blocks": 100000,
         "block_size": 16,
-        "prompt": 50,
-        "gen": 128,
+        "prompt": (40, 60),
+        "gen": (120, 136),
         "max_num_seqs": 256,
         "budget": 8192,
         "a": 8.0e-3,
         "b": 0.05e-3,
         "c": 0.01e-3,
+        "d": 0.05e-6,
     },
+    # Long outputs on a starved cache: sequences outgrow it while they run, and every
+    # preemption recomputes hundreds of tokens (throughput peaks at 4 clients and
+    # falls by a third past it).
     "preemption_thrash": {
-        "num_gpu_blocks": 48,
+        "num_gpu_blocks": 96,
         "block_size": 32,
-        "prompt": 50,
-        "gen": 128,
+        "prompt": (200, 300),
+        "gen": (500, 600),
         "max_num_seqs": 256,
         "budget": 2048,
         "a": 3.7e-3,
         "b": 0.25e-3,
-        "c": 0.2e-3,
-        "thrash_per_request": 0.03,
+        "c": 1.0e-3,
+        "d": 0.5e-6,
+        # Requests live ~5 s here: a level must hold several lifetimes to show the
+        # thrash it settles into rather than the burst of its start.
+        "seconds_per_level": 30,
     },
+}
+
+_LIMITS = {
+    "kv_cache_bound": "num_gpu_blocks",
+    "max_num_seqs_bound": "max_num_seqs",
+    "token_budget_bound": "budget",
 }
 
 
@@ -115,116 +153,300 @@ class SyntheticEngine:
     kv_events: pd.DataFrame = field(default_factory=pd.DataFrame)
 
 
-def _batch(load: np.ndarray, p: dict[str, Any]) -> tuple[np.ndarray, float]:
-    footprint = p["prompt"] + p["gen"] / 2 + p["block_size"] / 2
-    kv_batch = p["num_gpu_blocks"] * p["block_size"] / footprint
-    budget_batch = p["budget"] * p["gen"] / (p["prompt"] + p["gen"])
-    cap = min(kv_batch, p["max_num_seqs"], budget_batch)
-    return np.minimum(load, cap), kv_batch
+@dataclass(eq=False)
+class _Request:
+    prompt: int
+    gen: int
+    arrival: float
+    target: int = 0
+    """Tokens to have in the cache before the next token is sampled."""
+    computed: int = 0
+    generated: int = 0
+    blocks: int = 0
+    preemptions: int = 0
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float = 0.0
 
 
-def _throughput(load: np.ndarray, p: dict[str, Any]) -> np.ndarray:
-    batch, kv_batch = _batch(load, p)
-    step = p["a"] + p["b"] * batch + p["c"] * batch * p["prompt"] / p["gen"]
-    t = batch / step
-    if p.get("thrash_per_request"):
-        t = t * np.clip(1 - p["thrash_per_request"] * np.maximum(load - kv_batch, 0), 0.4, 1)
-    return np.asarray(t)
+class _Engine:
+    """One simulated engine: a queue, a running list, a block pool and a clock."""
+
+    def __init__(self, p: dict[str, Any], rng: np.random.Generator, noise: float) -> None:
+        self.p = p
+        self.rng = rng
+        self.noise = noise
+        self.free = int(p["num_gpu_blocks"])
+        self.running: list[_Request] = []
+        self.waiting: deque[_Request] = deque()
+        self.t = 0.0
+
+    def submit(self) -> None:
+        lo, hi = self.p["prompt"]
+        glo, ghi = self.p["gen"]
+        prompt = int(self.rng.integers(lo, hi + 1))
+        r = _Request(prompt, int(self.rng.integers(glo, ghi + 1)), self.t, target=prompt)
+        if math.ceil((prompt + r.gen) / self.p["block_size"]) > self.p["num_gpu_blocks"]:
+            raise ValueError("a request larger than the whole KV cache never finishes")
+        self.waiting.append(r)
+
+    def _blocks_for(self, r: _Request, n: int) -> int:
+        return math.ceil((r.computed + n) / self.p["block_size"]) - r.blocks
+
+    def _preempt(self, r: _Request) -> None:
+        self.free += r.blocks
+        r.blocks = 0
+        r.computed = 0
+        r.target = r.prompt + r.generated
+        r.preemptions += 1
+        self.waiting.appendleft(r)
+
+    def step(self) -> tuple[dict[str, float], list[_Request]]:
+        """Schedule and run one step; return its row and the requests it finished."""
+        p = self.p
+        budget = int(p["budget"])
+        sched: list[tuple[_Request, int]] = []
+        preempted = 0
+        i = 0
+        while i < len(self.running) and budget > 0:
+            r = self.running[i]
+            n = min(r.target - r.computed, budget) if r.computed < r.target else 1
+            need = self._blocks_for(r, n)
+            lost = False
+            while need > self.free and not lost:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted += 1
+                lost = victim is r
+            if lost:
+                break
+            self.free -= need
+            r.blocks += need
+            sched.append((r, n))
+            budget -= n
+            i += 1
+        queries = 0
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < p["max_num_seqs"]
+        ):
+            r = self.waiting[0]
+            n = min(r.target - r.computed, budget)
+            need = self._blocks_for(r, n)
+            if need > self.free:
+                break
+            self.waiting.popleft()
+            self.free -= need
+            r.blocks += need
+            self.running.append(r)
+            sched.append((r, n))
+            budget -= n
+            if r.scheduled_at is None:
+                r.scheduled_at = self.t
+                queries += r.prompt
+        batch = len(self.running)
+        used = p["num_gpu_blocks"] - self.free
+        prefill = sum(n for r, n in sched if r.computed < r.target)
+        context = sum(r.computed for r, _ in sched)
+        cost = p["a"] + p["b"] * len(sched) + p["c"] * prefill + p["d"] * context
+        if self.noise:
+            cost *= float(self.rng.lognormal(0.0, self.noise))
+        self.t += cost
+        done: list[_Request] = []
+        prompt_tokens = gen_tokens = 0
+        for r, n in sched:
+            if r.computed < r.target:
+                r.computed += n
+                if r.computed < r.target:
+                    continue
+                if r.first_token_at is None:
+                    r.first_token_at = self.t
+                    prompt_tokens += r.prompt
+            else:
+                r.computed += 1
+            r.generated += 1
+            gen_tokens += 1
+            if r.generated >= r.gen:
+                done.append(r)
+        for r in done:
+            self.running.remove(r)
+            self.free += r.blocks
+        row = {
+            "ts": self.t,
+            "batch": batch,
+            "waiting": len(self.waiting),
+            "kv": used / p["num_gpu_blocks"],
+            "kv_blocks": used,
+            "preemptions": preempted,
+            "prompt_tokens": prompt_tokens,
+            "generation_tokens": gen_tokens,
+            "prefix_queries": queries,
+            "iteration_s": cost,
+        }
+        return row, done
+
+
+def _simulate(
+    p: dict[str, Any],
+    levels: tuple[int, ...],
+    seconds_per_level: float,
+    rng: np.random.Generator,
+    noise: float,
+) -> tuple[pd.DataFrame, list[_Request]]:
+    """Closed-loop sweep: ``levels`` clients in turn, ``seconds_per_level`` each."""
+    eng = _Engine(p, rng, noise)
+    rows: list[dict[str, float]] = []
+    finished: list[_Request] = []
+    for level in levels:
+        for _ in range(level - len(eng.running) - len(eng.waiting)):
+            eng.submit()
+        end = eng.t + seconds_per_level
+        while eng.t < end:
+            row, done = eng.step()
+            rows.append(row)
+            finished.extend(done)
+            for r in done:
+                r.finished_at = eng.t
+                eng.submit()
+    return pd.DataFrame(rows), finished
+
+
+def _windows(steps: pd.DataFrame, t0: int) -> pd.DataFrame:
+    """1-second windows of the step rows, with the columns of the collector's reads."""
+    s = steps.assign(ts_unix_s=steps["ts"] + t0)
+    s["ts_s"] = np.floor(s["ts_unix_s"]).astype(np.int64)
+    g = s.groupby("ts_s")
+    w = g.agg(
+        n_steps=("batch", "size"),
+        first_step_unix_s=("ts_unix_s", "min"),
+        last_step_unix_s=("ts_unix_s", "max"),
+        batch_sum=("batch", "sum"),
+        batch_mean=("batch", "mean"),
+        batch_min=("batch", "min"),
+        batch_max=("batch", "max"),
+        kv_usage_mean=("kv", "mean"),
+        kv_usage_max=("kv", "max"),
+        kv_blocks_max=("kv_blocks", "max"),
+        waiting_mean=("waiting", "mean"),
+        waiting_max=("waiting", "max"),
+        preemptions=("preemptions", "sum"),
+        prompt_tokens=("prompt_tokens", "sum"),
+        generation_tokens=("generation_tokens", "sum"),
+        prefix_queries=("prefix_queries", "sum"),
+        iteration_s_mean=("iteration_s", "mean"),
+    )
+    for name, q in (("batch_p50", 0.5), ("batch_p90", 0.9), ("batch_p99", 0.99)):
+        w[name] = g["batch"].quantile(q)
+    w["n_parts"] = 1
+    w["deferred_mean"] = 0.0
+    w["deferred_max"] = 0
+    w["prefix_hits"] = 0
+    return w.reset_index()
+
+
+def _requests(finished: list[_Request], t0: int) -> pd.DataFrame:
+    rows = []
+    for r in finished:
+        assert r.scheduled_at is not None and r.first_token_at is not None
+        rows.append(
+            {
+                "finished_unix_s": t0 + r.finished_at,
+                "e2e_s": r.finished_at - r.arrival,
+                "queue_s": r.scheduled_at - r.arrival,
+                "prefill_s": r.first_token_at - r.scheduled_at,
+                "decode_s": r.finished_at - r.first_token_at,
+                "ttft_s": r.first_token_at - r.arrival,
+                "prompt_tokens": r.prompt,
+                "generation_tokens": r.gen,
+                "cached_tokens": 0,
+                "preemptions": r.preemptions,
+                "finish_reason": "length",
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _steady(p: dict[str, Any], load: int, seconds: float = 40.0) -> dict[str, float]:
+    """Throughput and state of ``p`` held at ``load`` clients, without jitter: the
+    second half of a ``seconds``-long run (the first half fills the pipeline)."""
+    steps, finished = _simulate(p, (load,), seconds, np.random.default_rng(12345), 0.0)
+    late = steps[steps["ts"] >= seconds / 2]
+    span = float(late["ts"].iloc[-1] - late["ts"].iloc[0])
+    done = [r for r in finished if r.finished_at >= seconds / 2]
+    return {
+        "tokens_per_s": float(late["generation_tokens"].sum()) / span,
+        "batch": float(late["batch"].mean()),
+        "waiting": float(late["waiting"].mean()),
+        "preemptions_per_request": float(late["preemptions"].sum()) / max(len(done), 1),
+    }
+
+
+@functools.lru_cache(maxsize=64)
+def _truth_cached(regime: str, lo: int, hi: int, knee_fraction: float) -> dict[str, Any]:
+    p = REGIMES[regime]
+    loads = np.arange(lo, hi + 1)
+    states = [_steady(p, int(x)) for x in loads]
+    tput = np.array([s["tokens_per_s"] for s in states])
+    plateau = float(tput.max())
+    top = states[-1]
+    thrash = bool(tput[-1] < 0.9 * plateau and top["preemptions_per_request"] >= 0.5)
+    # The limit, measured as a real engine's would be: lift each one eightfold at the
+    # top load; the one whose lifting raises throughput by more than 10% is binding.
+    lifted = {
+        name: _steady({**p, key: p[key] * 8}, hi)["tokens_per_s"] / top["tokens_per_s"]
+        for name, key in _LIMITS.items()
+    }
+    binding = [name for name, gain in lifted.items() if gain > 1.1]
+    half = _steady(p, max(lo, hi // 2))["tokens_per_s"]
+    growth = top["tokens_per_s"] / half
+    if len(binding) == 1:
+        bottleneck = binding[0]
+    elif binding:
+        raise ValueError(f"{regime}: more than one limit binds ({lifted})")
+    else:
+        bottleneck = "compute_bound" if growth < 1.1 else "not_saturated"
+    return {
+        "regime": regime,
+        "bottleneck": bottleneck,
+        "saturated": bottleneck != "not_saturated",
+        "knee": float(loads[np.argmax(tput >= knee_fraction * plateau)]),
+        "plateau_tokens_per_s": plateau,
+        "kv_batch": top["batch"] if bottleneck == "kv_cache_bound" else None,
+        "thrash": thrash,
+        "lifted_gain": lifted,
+        "growth_last_doubling": growth,
+        "curve": dict(zip(loads.tolist(), tput.tolist(), strict=True)),
+    }
+
+
+def true_curve(regime: str, levels: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> dict[int, float]:
+    """The regime's noiseless generated tokens/s at every whole load over ``levels``."""
+    return dict(_truth_cached(regime, min(levels), max(levels), 0.9)["curve"])
 
 
 def make_engine(
     regime: str,
     *,
     seed: int = 0,
-    levels: tuple[float, ...] = (1, 2, 4, 8, 16, 32),
-    seconds_per_level: int = 12,
+    levels: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+    seconds_per_level: int | None = None,
     noise: float = 0.04,
-    lull_prob: float = 0.05,
     knee_fraction: float = 0.9,
     engine_id: str = "synth:8000:0",
     pool: str = "synth",
     t0: int = 1_700_000_000,
 ) -> SyntheticEngine:
-    """Simulate one engine swept through ``levels`` (requests in flight)."""
+    """Simulate one engine swept through ``levels`` clients (requests in flight), each
+    held ``seconds_per_level`` (the regime's own, 12 s unless it says)."""
     p = REGIMES[regime]
-    rng = np.random.default_rng(seed)
-    loads = np.repeat(np.asarray(levels, float), seconds_per_level)
-    loads = loads * (1 + rng.normal(0, noise / 2, len(loads)))
-    lull = rng.random(len(loads)) < lull_prob
-    loads = np.where(lull, loads * 0.5, loads).clip(min=0.6)
-    batch, kv_batch = _batch(loads, p)
-    tput = _throughput(loads, p) * (1 + rng.normal(0, noise, len(loads)))
-    n_steps = np.maximum(1, np.round(tput / np.maximum(batch, 1e-9))).astype(int)
-    gen = np.round(n_steps * batch).astype(int)
-    prompt = np.round(gen * p["prompt"] / p["gen"]).astype(int)
-    kv_tokens = p["num_gpu_blocks"] * p["block_size"]
-    footprint = p["prompt"] + p["gen"] / 2 + p["block_size"] / 2
-    kv_usage = np.minimum(1.0, batch * footprint / kv_tokens)
-    thrash = bool(p.get("thrash_per_request"))
-    pre_rate = np.where(loads > kv_batch * 1.05, 20.0 if thrash else 8.0, 0.0)
-    preempt = rng.poisson(pre_rate)
-    ts = t0 + np.arange(len(loads))
-    waiting = loads - batch
-    windows = pd.DataFrame(
-        {
-            "engine_id": engine_id,
-            "ts_s": ts,
-            "n_steps": n_steps,
-            "n_parts": 1,
-            "first_step_unix_s": ts + 0.002,
-            "last_step_unix_s": ts + 0.995,
-            "batch_sum": np.round(batch * n_steps).astype(int),
-            "batch_mean": batch,
-            "batch_min": np.floor(batch * 0.8),
-            "batch_max": np.ceil(batch),
-            "batch_p50": batch,
-            "batch_p90": np.minimum(np.ceil(batch), batch * 1.05),
-            "batch_p99": np.ceil(batch),
-            "kv_usage_mean": kv_usage,
-            "kv_usage_max": np.minimum(1.0, kv_usage * 1.04),
-            "kv_blocks_max": np.ceil(kv_usage * p["num_gpu_blocks"]).astype(int),
-            "waiting_mean": waiting,
-            "waiting_max": np.ceil(waiting),
-            "deferred_mean": 0.0,
-            "deferred_max": 0,
-            "preemptions": preempt,
-            "prompt_tokens": prompt,
-            "generation_tokens": gen,
-            "prefix_queries": prompt,
-            "prefix_hits": 0,
-            "iteration_s_mean": None,
-            "pool": pool,
-            "model": "synthetic",
-        }
+    hold = seconds_per_level or p.get("seconds_per_level", 12)
+    steps, finished = _simulate(
+        p, tuple(int(x) for x in levels), hold, np.random.default_rng(seed), noise
     )
-    # Requests: Little's law per second: time in system = load / request rate.
-    req_rate = gen / p["gen"]
-    rows = []
-    for i, t in enumerate(ts):
-        k = int(min(4, rng.poisson(max(req_rate[i], 0.0) / 4)))
-        if k == 0:
-            continue
-        e2e = loads[i] / max(req_rate[i], 1e-6) * rng.lognormal(0, 0.15, k)
-        queue = e2e * waiting[i] / loads[i]
-        for j in range(k):
-            rows.append(
-                {
-                    "engine_id": engine_id,
-                    "boot_id": "synthetic",
-                    "finished_unix_s": float(t) + rng.random(),
-                    "e2e_s": float(e2e[j]),
-                    "queue_s": float(queue[j]),
-                    "prefill_s": 0.02,
-                    "decode_s": float(e2e[j] - queue[j]),
-                    "ttft_s": float(queue[j]) + 0.02,
-                    "prompt_tokens": p["prompt"],
-                    "generation_tokens": p["gen"],
-                    "cached_tokens": 0,
-                    "preemptions": 0,
-                    "finish_reason": "length",
-                }
-            )
-    requests = pd.DataFrame(rows)
+    windows = _windows(steps, t0)
+    # The last partial second and the seconds a level change split are left in, as
+    # the collector would hold them.
+    windows = windows.assign(engine_id=engine_id, pool=pool, model="synthetic")
+    requests = _requests(finished, t0).assign(engine_id=engine_id, boot_id="synthetic")
     engines = pd.DataFrame(
         [
             {
@@ -243,21 +465,7 @@ def make_engine(
             }
         ]
     )
-    grid = np.linspace(min(levels), max(levels), 2000)
-    clean = _throughput(grid, p)
-    plateau = float(clean.max())
-    knee = float(grid[np.argmax(clean >= knee_fraction * plateau)])
-    truth = {
-        "regime": regime,
-        "bottleneck": "not_saturated"
-        if regime == "not_saturated"
-        else ("kv_cache_bound" if regime == "preemption_thrash" else regime),
-        "knee": knee,
-        "plateau_tokens_per_s": plateau,
-        "kv_batch": kv_batch,
-        "thrash": thrash,
-        "saturated": regime != "not_saturated",
-    }
+    truth = dict(_truth_cached(regime, int(min(levels)), int(max(levels)), knee_fraction))
     return SyntheticEngine(engines=engines, windows=windows, requests=requests, truth=truth)
 
 

@@ -25,6 +25,8 @@ _NUMERIC = (
     "prefix_hits",
     "first_step_unix_s",
     "last_step_unix_s",
+    "batch_min",
+    "ts_s",
 )
 
 
@@ -48,10 +50,35 @@ def prepare_windows(windows: pd.DataFrame) -> pd.DataFrame:
     steps = w["n_steps"].fillna(0.0)
     w["steps_per_s"] = steps
     w["tokens_per_step"] = (w["total_tokens_per_s"] / steps.where(steps > 0)).astype(float)
-    span = (w["last_step_unix_s"] - w["first_step_unix_s"]).clip(lower=0.0)
-    # A window's steps cover [first, last] plus about one step after the last.
+    # A window's steps cover [first, last] plus about one step after the last, and the
+    # steps that ran across its edges when the engine held requests on both sides of
+    # them (vLLM steps back to back while any request runs: a gap there is a step,
+    # not idle time, and a long prefill can take most of a second).
+    across_start, across_end = _running_across_edges(w)
+    start = w["first_step_unix_s"].where(~across_start, w["ts_s"])
+    end = w["last_step_unix_s"].where(~across_end, w["ts_s"] + 1.0)
+    span = (end - start).clip(lower=0.0)
     w["busy_ratio"] = (span + 1.0 / steps.where(steps > 0)).clip(upper=1.0)
     return w
+
+
+def _running_across_edges(w: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """Per window: whether requests ran at every step of it and of the adjacent second
+    (of the same engine) before it, and after it (``batch_min`` of at least one)."""
+    none = pd.Series(False, index=w.index)
+    if w.empty or "ts_s" not in w or w["batch_min"].isna().all():
+        return none, none.copy()
+    keys = w["engine_id"] if "engine_id" in w else pd.Series(0, index=w.index)
+    o = w.assign(_k=keys).sort_values(["_k", "ts_s"])
+    running = o["batch_min"].ge(1)
+    after_prev = o["_k"].eq(o["_k"].shift()) & o["ts_s"].sub(o["ts_s"].shift()).eq(1)
+    before_next = o["_k"].eq(o["_k"].shift(-1)) & o["ts_s"].shift(-1).sub(o["ts_s"]).eq(1)
+    start = after_prev & running & running.shift(fill_value=False)
+    end = before_next & running & running.shift(-1, fill_value=False)
+    return (
+        start.reindex(w.index).fillna(False).astype(bool),
+        end.reindex(w.index).fillna(False).astype(bool),
+    )
 
 
 def active_windows(
@@ -61,7 +88,10 @@ def active_windows(
 
     Where the busy share is unknown (windows read from scraped series carry no step
     times) it is estimated from the step count: see :func:`step_count_busy_ratio`."""
-    keep = (w["n_steps"] >= min_steps) & (w["load"] >= min_load)
+    # Few steps in a second the engine ran through (requests running across its start
+    # and at every step: long prefills) are long steps, not idle time: kept.
+    through = _running_across_edges(w)[0] & (w["n_steps"] >= 1)
+    keep = ((w["n_steps"] >= min_steps) | through) & (w["load"] >= min_load)
     busy = w["busy_ratio"]
     if busy.isna().any():
         busy = busy.fillna(step_count_busy_ratio(w[keep]).reindex(w.index))

@@ -10,19 +10,17 @@ The tests then only read what it kept.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-from _week import Week, generate
+from _runs import Browser, Run, Session
+from _week import generate
 
 from kvscope.advisor import CollectorSource, analyze
 from kvscope.collector.process import CollectorProcess
@@ -31,53 +29,6 @@ from kvscope.report.sources import StoreSource, open_store
 ROOT = Path(__file__).resolve().parents[2]
 ARTEFACTS: list[Path] = []
 """Screenshots and reports kept in this session (listed at the end of the run)."""
-
-
-@dataclass
-class Run:
-    """One ``kvscope report`` subprocess."""
-
-    args: list[str]
-    out: Path
-    returncode: int
-    stdout: str
-    stderr: str
-    seconds: float
-
-    @property
-    def json(self) -> dict[str, Any]:
-        return dict(json.loads((self.out / "report.json").read_text()))
-
-    @property
-    def html(self) -> str:
-        return (self.out / "report.html").read_text()
-
-    @property
-    def md(self) -> str:
-        return (self.out / "report.md").read_text()
-
-
-@dataclass
-class Browser:
-    screenshot: Path
-    dom: str
-    returncode: int
-    stderr: str
-
-
-@dataclass
-class Session:
-    week: Week
-    url: str
-    store: Path
-    via_collector: Run
-    via_store: Run
-    locked: Run
-    no_data: Run
-    advisor_engines: list[dict[str, Any]]
-    """``kvscope.advisor.analyze`` over the collector for the collector run's window."""
-    store_advisor_engines: list[dict[str, Any]]
-    """``kvscope.advisor.analyze`` over the store file for the store run's window."""
 
 
 def kvscope_report(*args: str, out: Path) -> Run:

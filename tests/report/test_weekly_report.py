@@ -13,8 +13,8 @@ import struct
 from typing import Any
 
 import pytest
+from _runs import Browser, Session
 from _week import BATCH_A, CHAT_A, CHAT_B, WEEK_S
-from conftest import Browser, Session
 
 from kvscope.advisor import Report
 from kvscope.report.model import REPORT_KIND, REPORT_SCHEMA_VERSION, WeeklyReport
