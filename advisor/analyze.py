@@ -380,6 +380,30 @@ def _config_recommendations(
                 evidence={"kv_batch": kv.kv_batch_, "load": kv.max_load_},
             )
         )
+    elif bn.label_ == "frontend_bound":
+        ev = bn.evidence_
+        out.append(
+            Recommendation(
+                kind="scale_api_server",
+                scope=scope,
+                summary=(
+                    f"requests spend {ev['frontend_share_median']:.0%} of their life in the "
+                    "API server, not the engine: run more API server processes "
+                    "(vllm serve --api-server-count 2 or more) or more replicas of the front "
+                    "end, and give them cores of their own; streaming fewer, larger chunks "
+                    "and shorter prompts to render also lighten it"
+                ),
+                change={"vllm_flags": ["--api-server-count 2"]},
+                expected_effect={
+                    "frontend_share_now": ev["frontend_share_median"],
+                    "frontend_s_median": ev["frontend_s_median"],
+                },
+                tradeoff="each API server process takes a core and its own memory",
+                confidence=0.5,
+                expected_gain=0.0,
+                evidence={k: ev[k] for k in ("frontend_share_median", "e2e_s_median")},
+            )
+        )
     elif bn.label_ == "token_budget_bound":
         ev = bn.evidence_
         budget = ev["max_num_batched_tokens"]

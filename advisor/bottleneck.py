@@ -43,10 +43,17 @@ admitted. Each class is named only on positive evidence, in this order:
    does not leave requests waiting in that state, so the evidence contradicts itself
    (a front end that cannot feed the engine looks like this). The evidence is
    reported; no cause is guessed.
-5. ``compute_bound``: each step got slower as the work grew: steps per second at the
+5. ``frontend_bound``: with no queue and every limit above with room, the finished
+   requests spent at least ``frontend_share`` of their life (median) outside the engine
+   core: vLLM's end-to-end latency runs from the API server's receipt to the output
+   processor's last token, and its queue, prefill and decode intervals are the engine
+   core's; the rest is the front end (rendering and tokenising, handing the request
+   over, streaming the tokens back). An API server that cannot keep up with the engine
+   leaves it idle between requests while its clients wait.
+6. ``compute_bound``: each step got slower as the work grew: steps per second at the
    plateau at least ``min_step_slowdown`` below the lowest load bin's (a step took 25%
    longer), with no queue and every other limit with room.
-6. ``unexplained`` otherwise.
+7. ``unexplained`` otherwise.
 
 An engine that is not saturated carries the class it is approaching, or none when
 nothing above holds at its highest load ("no limit in sight at the loads seen").
@@ -72,6 +79,10 @@ min_budget_gain : prefill-rate gain from doubling the budget, by the step-time m
 min_step_slowdown : growth of step time from the lowest load to the plateau that shows
     compute (0.25: steps/s at the plateau at most 0.8 of the low-load rate).
 queue_min : median waiting requests that count as a persistent queue (1).
+frontend_share : median share of a finished request's end-to-end latency spent outside
+    the engine core that names the front end (0.25; on the lab's real engines, fed by an
+    API server with a core to itself, the median share is about 1% and its 99th
+    percentile under 9%).
 need_quantile : quantile of the observed requests' admission need (0.9).
 kv_slack_blocks : blocks beside the need that still count as full (1).
 kv_full_fallback : KV usage counted as full where the need cannot be derived (0.9).
@@ -103,6 +114,10 @@ _TEXT = {
     "steps would amortise the per-step cost (doubling the budget: {gain} prefill rate)",
     "compute_bound": "each step slows as the work grows (KV has room, batch below the cap, "
     "{budget_text})",
+    "frontend_bound": "requests spend {fe_share} of their life outside the engine core "
+    "({fe_s} of {e2e_s} at the median: the API server rendering, tokenising, handing them "
+    "over and streaming their tokens back) while the engine has room (no queue, KV and "
+    "sequence slots free, {budget_text})",
     "unexplained": "{why}",
 }
 
@@ -132,6 +147,16 @@ def _col(df: pd.DataFrame, name: str) -> pd.Series:
     return pd.Series(np.nan, index=df.index, dtype=float)
 
 
+def _pct(x: float) -> str:
+    return f"{x:.0%}" if math.isfinite(x) else "?"
+
+
+def _secs(x: float) -> str:
+    if not math.isfinite(x):
+        return "?"
+    return f"{x * 1e3:.0f} ms" if x < 1 else f"{x:.2f} s"
+
+
 def _count(requests: pd.DataFrame) -> float:
     """Requests the rows stand for (rows read from histograms carry a ``weight``)."""
     if "weight" in requests:
@@ -150,6 +175,7 @@ class BottleneckClassifier:
         min_budget_gain: float = 0.1,
         min_step_slowdown: float = 0.25,
         queue_min: float = 1.0,
+        frontend_share: float = 0.25,
         need_quantile: float = 0.9,
         kv_slack_blocks: float = 1.0,
         kv_full_fallback: float = 0.9,
@@ -163,6 +189,7 @@ class BottleneckClassifier:
         self.min_budget_gain = min_budget_gain
         self.min_step_slowdown = min_step_slowdown
         self.queue_min = queue_min
+        self.frontend_share = frontend_share
         self.need_quantile = need_quantile
         self.kv_slack_blocks = kv_slack_blocks
         self.kv_full_fallback = kv_full_fallback
@@ -179,6 +206,7 @@ class BottleneckClassifier:
             "min_budget_gain": self.min_budget_gain,
             "min_step_slowdown": self.min_step_slowdown,
             "queue_min": self.queue_min,
+            "frontend_share": self.frontend_share,
             "need_quantile": self.need_quantile,
             "kv_slack_blocks": self.kv_slack_blocks,
             "kv_full_fallback": self.kv_full_fallback,
@@ -218,6 +246,26 @@ class BottleneckClassifier:
         return (
             float(tokens.quantile(self.need_quantile)),
             float(blocks.quantile(self.need_quantile)),
+        )
+
+    @staticmethod
+    def _frontend(done: pd.DataFrame | None) -> tuple[float, float, float]:
+        """Median share of a finished request's end-to-end latency spent outside the
+        engine core (``e2e - queue - prefill - decode``), and the medians of that time
+        and of the end-to-end latency in seconds. NaN without per-request rows (rows
+        read from histograms, with a ``weight``, do not pair the intervals)."""
+        if done is None or not len(done) or "weight" in done:
+            return math.nan, math.nan, math.nan
+        e2e = _col(done, "e2e_s")
+        inside = _col(done, "queue_s") + _col(done, "prefill_s") + _col(done, "decode_s")
+        outside = (e2e - inside).clip(lower=0.0)
+        ok = (e2e > 0) & outside.notna()
+        if not ok.any():
+            return math.nan, math.nan, math.nan
+        return (
+            float((outside[ok] / e2e[ok]).median()),
+            float(outside[ok].median()),
+            float(e2e[ok].median()),
         )
 
     def fit(
@@ -320,6 +368,11 @@ class BottleneckClassifier:
         )
         ev["step_slowdown_ratio"] = slowdown
         slowing = math.isfinite(slowdown) and slowdown >= self.min_step_slowdown
+        fe_share, fe_s, e2e_s = self._frontend(done)
+        ev["frontend_share_median"] = fe_share
+        ev["frontend_s_median"] = fe_s
+        ev["e2e_s_median"] = e2e_s
+        frontend = math.isfinite(fe_share) and fe_share >= self.frontend_share
         ev["kv_full_from_preemptions"] = False
         ev["prefill_bound"] = False
         why = ""
@@ -341,6 +394,8 @@ class BottleneckClassifier:
         elif queue:
             label, share = "unexplained", float(queue_w.mean())
             why = _WHY_QUEUE
+        elif frontend:
+            label, share = "frontend_bound", float((~queue_w).mean())
         elif slowing:
             label, share = "compute_bound", float((~queue_w).mean())
         else:
@@ -374,14 +429,17 @@ class BottleneckClassifier:
 
     @property
     def verdict_(self) -> str:
-        """The label for the engine verdict: ``not_saturated`` below the knee."""
+        """The label for the engine verdict: ``not_saturated`` below the knee, except a
+        front end that limits the server while the engine itself has room."""
+        if self.label_ == "frontend_bound":
+            return self.label_
         return self.label_ if self.saturated_ else "not_saturated"
 
     @property
     def approaching_(self) -> str | None:
         """For an engine that is not saturated, the limit it approaches (None when no
         limit shows at its highest load)."""
-        if self.saturated_ or self.label_ == "unexplained":
+        if self.saturated_ or self.label_ in ("unexplained", "frontend_bound"):
             return None
         return self.label_
 
@@ -408,6 +466,9 @@ class BottleneckClassifier:
             gain=f"{gain:+.0%}" if math.isfinite(gain) else "?",
             budget_text=budget_text,
             why=ev.get("why", ""),
+            fe_share=_pct(ev.get("frontend_share_median", math.nan)),
+            fe_s=_secs(ev.get("frontend_s_median", math.nan)),
+            e2e_s=_secs(ev.get("e2e_s_median", math.nan)),
         )
         facts = (
             f"KV usage {ev['kv_usage_median']:.0%} (full at {ev['kv_full_threshold']:.1%}"
@@ -417,7 +478,7 @@ class BottleneckClassifier:
             f"tokens/step of {_fmt_int(ev['max_num_batched_tokens'])}, steps/s "
             f"{ev['steps_per_s_low_load']:.0f} -> {ev['steps_per_s_plateau']:.0f}"
         )
-        if self.saturated_:
+        if self.saturated_ or self.label_ == "frontend_bound":
             head = self.label_
         elif self.approaching_ is None:
             head = "not saturated; no limit in sight at the loads seen"

@@ -32,6 +32,7 @@ BOTTLENECKS = (
     "max_num_seqs_bound",
     "token_budget_bound",
     "compute_bound",
+    "frontend_bound",
     "unexplained",
     "not_saturated",
     "insufficient_data",

@@ -181,6 +181,7 @@ def _engine_block(report: Report, v: EngineVerdict) -> list[Padding]:
         "max_num_seqs_bound": "bold yellow",
         "token_budget_bound": "bold yellow",
         "compute_bound": "bold magenta",
+        "frontend_bound": "bold blue",
         "unexplained": "bold cyan",
         "not_saturated": "bold green",
     }.get(v.bottleneck, "bold")

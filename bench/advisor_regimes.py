@@ -47,9 +47,11 @@ The regimes:
   requests in flight (the knee at most where the batch stopped growing while requests
   waited): ``kv_cache_bound``. Control: 4,096 blocks, the highest
   rates' throughput grows.
-- (A front-end-bound regime on the lab's tiny model was tried and left out: with the
-  engine core at nice 19 its API server fed it 32 requests in flight, so the engine, not
-  the front end, set the pace; ``Regime.model`` stays for such a case.)
+- ``front-end``: the lab's tiny model (a step of ~1.5 ms) with the engine core left at the
+  API server's priority: on two cores its spin-wait starves the API server, which hands
+  requests over late and streams their tokens back late: requests spend much of their life
+  outside the engine core while the engine has room: ``frontend_bound``. Control: the
+  same engine with its core at nice 19 (the API server gets the CPU), throughput grows.
 - ``diurnal-mix``: 4,096 blocks, load from 1 to 8 clients (far below the ~32 where
   this engine's throughput flattens) while the prompts grow from ~25 to ~500 words at
   the top loads, as at a day's peak: generated tokens per request in flight fall, with
@@ -99,6 +101,9 @@ class Engine:
     num_gpu_blocks: int
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    engine_core_nice: int = 19
+    """The engine core's nice value after start-up (0: the same priority as the API
+    server, which it then starves on two cores; see ``VllmServer``)."""
 
     def extra_args(self) -> tuple[str, ...]:
         if self.max_num_batched_tokens is None:
@@ -109,6 +114,8 @@ class Engine:
         out = f"--num-gpu-blocks-override {self.num_gpu_blocks} --max-num-seqs {self.max_num_seqs}"
         if self.max_num_batched_tokens is not None:
             out += f" --max-num-batched-tokens {self.max_num_batched_tokens}"
+        if self.engine_core_nice != 19:
+            out += f", engine core at nice {self.engine_core_nice}"
         return out
 
 
@@ -220,6 +227,17 @@ REGIMES: dict[str, Regime] = {
             control=Engine(num_gpu_blocks=4096),
             control_scale=2,
             why="the day's peak, below the knee, brings prompts ten times longer",
+        ),
+        Regime(
+            "front-end",
+            ("frontend_bound",),
+            Engine(num_gpu_blocks=4096, engine_core_nice=0),
+            prompt_words=(8, 40),
+            output_tokens=128,
+            concurrency=(1, 2, 4, 8, 16, 32),
+            model="tiny",
+            control=Engine(num_gpu_blocks=4096),
+            why="a tiny model's engine core spins at the API server's priority and starves it",
         ),
         Regime(
             "ample-high",
@@ -505,6 +523,7 @@ class RegimeLab(AdvisorLab):
             num_gpu_blocks=e.num_gpu_blocks,
             max_num_seqs=e.max_num_seqs,
             extra_args=e.extra_args(),
+            engine_core_nice=e.engine_core_nice,
         ) as server:
             self._warm(server)
             yield server

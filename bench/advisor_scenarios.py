@@ -583,9 +583,16 @@ class AdvisorLab:
 
     @contextmanager
     def engine(
-        self, pool: str, *, num_gpu_blocks: int, max_num_seqs: int, extra_args: tuple[str, ...] = ()
+        self,
+        pool: str,
+        *,
+        num_gpu_blocks: int,
+        max_num_seqs: int,
+        extra_args: tuple[str, ...] = (),
+        engine_core_nice: int = 19,
     ) -> Iterator[VllmServer]:
-        """A real engine with the plugin shipping to the collector under ``pool``."""
+        """A real engine with the plugin shipping to the collector under ``pool``
+        (``engine_core_nice``: see :class:`~kvscope.lab.engine.VllmServer`)."""
         assert self.model_dir is not None
         self._say(
             f"{pool}: starting vLLM (--num-gpu-blocks-override {num_gpu_blocks}, "
@@ -599,6 +606,7 @@ class AdvisorLab:
             max_num_seqs=max_num_seqs,
             enable_prefix_caching=True,
             extra_args=extra_args,
+            engine_core_nice=engine_core_nice,
             env={
                 "KVSCOPE_COLLECTOR_URL": self._collector.url,
                 "KVSCOPE_POOL": pool,

@@ -45,6 +45,7 @@ h3 { font-size:16px; margin:22px 0 8px; }
 .b-kv_cache_bound { background:#fee2e2; color:#991b1b; }
 .b-max_num_seqs_bound, .b-token_budget_bound { background:#ffedd5; color:#9a3412; }
 .b-compute_bound { background:#ede9fe; color:#5b21b6; }
+.b-frontend_bound { background:#dbeafe; color:#1e40af; }
 .b-unexplained { background:#e0f2fe; color:#075985; }
 .b-not_saturated { background:#dcfce7; color:#166534; }
 .s-new { background:#dbeafe; color:#1e40af; }

@@ -32,6 +32,7 @@ _COLORS = {
     "max_num_seqs_bound": "orange",
     "token_budget_bound": "orange",
     "compute_bound": "violet",
+    "frontend_bound": "blue",
     "unexplained": "gray",
     "not_saturated": "green",
 }

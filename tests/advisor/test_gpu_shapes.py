@@ -44,6 +44,9 @@ class Level:
     decoding: float | None = None
     """Sequences that decode a token each step (the rest of the batch is prefilling);
     the whole batch when None."""
+    frontend_s: float = 0.0
+    """Seconds each request spends outside the engine core (in the API server), added to
+    its end-to-end latency and to none of vLLM's engine-side intervals."""
 
 
 def gpu_config(**kw: Any) -> dict[str, Any]:
@@ -130,7 +133,7 @@ def frames(
                         "engine_id": ENGINE,
                         "boot_id": "b",
                         "finished_unix_s": t + rng.random(),
-                        "e2e_s": e2e,
+                        "e2e_s": e2e + lv.frontend_s,
                         "queue_s": e2e * waiting / lv.load,
                         "prefill_s": lv.step_s,
                         "decode_s": gen * lv.step_s,
@@ -436,6 +439,41 @@ def test_a_queue_with_every_limit_at_room_is_unexplained_not_compute() -> None:
     assert ev["waiting_median"] > 10 and ev["kv_usage_median"] < 0.4
     assert v.bottleneck == "unexplained", ev
     assert "front end" in rep_summary(levels, cfg)
+
+
+@pytest.mark.parametrize(("frontend_s", "expected"), ((4.0, "frontend_bound"), (2.0, None)))
+def test_the_front_end_is_named_when_requests_spend_their_life_outside_the_engine(
+    frontend_s: float, expected: str | None
+) -> None:
+    """A GPU engine with room everywhere (KV 10%, 32 of 256 slots, no queue, steps of
+    ~28 ms carrying a few hundred of 8,192 tokens) whose load stops at 32 in flight. Each
+    request spends 300 x 28 ms = 8.4 s in the engine core. With 4 s more in the API server
+    (a third of its life) the front end is what the clients wait for; with 2 s (a fifth)
+    it is a slow front end, not the limit, and nothing else shows either."""
+    cfg = gpu_config()
+    levels = [
+        Level(
+            load=L,
+            batch=L,
+            kv_usage=0.003 * L,
+            step_s=0.025 + 0.0001 * L,
+            frontend_s=frontend_s if L >= 16 else 0.05,
+        )
+        for L in (2, 4, 8, 16, 24, 32)
+    ]
+    v, ev = verdict(levels, cfg, prompt=300, gen=300)
+    assert ev["waiting_median"] < 1 and ev["kv_usage_median"] < 0.2
+    share = frontend_s / (frontend_s + 300 * 0.028)
+    assert ev["frontend_share_median"] == pytest.approx(share, abs=0.03)
+    if expected:
+        assert v.bottleneck == "frontend_bound", ev
+        assert v.recommended_concurrency_cap is None and v.knee_concurrency is None
+        engines, windows, requests = frames(levels, cfg, prompt=300, gen=300)
+        rep = analyze(FrameSource(engines, windows, requests))
+        assert "outside the engine core" in rep.findings_of("bottleneck")[0].summary
+        assert [r.kind for r in rep.recommendations] == ["scale_api_server"]
+    else:
+        assert v.bottleneck != "frontend_bound" and v.approaching != "frontend_bound", ev
 
 
 def rep_summary(levels: list[Level], cfg: dict[str, Any]) -> str:
