@@ -281,6 +281,10 @@ def _engine(
                 observed_plateau_tokens_per_s=curve.plateau_tokens_per_s_,
                 observed_batch=bn.evidence_["batch_median"],
                 preemptions_per_s=bn.evidence_["preemptions_per_s"],
+                windows=curve.windows_,
+                kv_fill=(
+                    bn.evidence_["kv_usage_median"] if bn.label_ == "kv_cache_bound" else None
+                ),
             )
             report.findings.append(kv.finding(scope))
         except NotEnoughData:

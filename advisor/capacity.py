@@ -12,7 +12,17 @@ Algorithm
   requests and are not counted per request. Requests stay in the batch for a time
   proportional to ``g``, so the mean over requests is weighted by ``g``
   (length-biased, as the batch sees them).
-* **KV-bound batch** ``B_kv = KV tokens / footprint``.
+* **Measured footprint**: where the engine reports its KV usage at a real batch (the
+  windows of its highest loads, at least two sequences running), the tokens a running
+  request holds are read from it: ``usage x KV tokens / batch`` (median). This counts
+  prefix blocks as vLLM does (once, however many requests share them; a hit on a free,
+  evictable block takes that block off the free list) and block rounding as it is. The
+  formula above stays in the evidence beside it, and is used where no usage is reported.
+* **Fill**: vLLM admits a request only when the free blocks hold it, so a KV-bound cache
+  tops out below 100%: the usage the engine reached at the plateau when KV was its limit
+  (``kv_fill``), else 100%. The blocks it leaves free are a fixed number (about one
+  request's admission), so a larger cache fills a larger share.
+* **KV-bound batch** ``B_kv = KV tokens x fill / footprint``.
 * **Effective batch** under a configuration: ``min(B_kv, max_num_seqs, L)`` where
   ``L`` is the highest load observed: nothing admits more sequences than are in
   flight. Predictions are therefore "at the load this engine already sees".
@@ -95,7 +105,11 @@ class KvCapacityModel:
         observed_plateau_tokens_per_s: float,
         observed_batch: float,
         preemptions_per_s: float = 0.0,
+        windows: pd.DataFrame | None = None,
+        kv_fill: float | None = None,
     ) -> KvCapacityModel:
+        """``windows``: the engine's kept windows (for the measured footprint);
+        ``kv_fill``: the KV usage the engine reached when the cache was its limit."""
         r = requests
         if len(r) < self.min_requests:
             raise NotEnoughData(f"{len(r)} finished requests; need {self.min_requests}")
@@ -112,7 +126,17 @@ class KvCapacityModel:
         self.kv_tokens_ = self.num_gpu_blocks_ * self.block_size_
         weights = np.maximum(g, 1.0)
         held = np.maximum(p - c, 0.0) + g / 2.0
-        self.footprint_tokens_ = float(np.average(held, weights=weights) + self.block_size_ / 2)
+        self.footprint_formula_tokens_ = float(
+            np.average(held, weights=weights) + self.block_size_ / 2
+        )
+        measured = self._measured_footprint(windows)
+        self.footprint_from_ = "kv_usage" if math.isfinite(measured) else "requests"
+        self.footprint_tokens_ = (
+            measured if math.isfinite(measured) else self.footprint_formula_tokens_
+        )
+        fill = float(kv_fill) if kv_fill is not None and 0 < kv_fill <= 1 else 1.0
+        self.kv_fill_ = fill
+        self.slack_blocks_ = (1.0 - fill) * self.num_gpu_blocks_
         self.prompt_ratio_ = float(np.maximum(p - c, 0).sum() / max(g.sum(), 1.0))
         self.mean_prompt_tokens_ = float(p.mean())
         self.mean_generation_tokens_ = float(g.mean())
@@ -120,7 +144,7 @@ class KvCapacityModel:
         self.max_request_tokens_ = float((p + g).max())
         self.steps_ = steps
         self.max_load_ = float(max_load)
-        self.kv_batch_ = self.kv_tokens_ / self.footprint_tokens_
+        self.kv_batch_ = self._kv_batch(self.num_gpu_blocks_)
         self.effective_batch_ = self._effective(self.kv_batch_, self.max_num_seqs_)
         self.kv_limited_ = self.kv_batch_ <= min(self.max_num_seqs_, self.max_load_)
         share = steps.preemption_time_share(preemptions_per_s) if self.kv_limited_ else 0.0
@@ -136,6 +160,31 @@ class KvCapacityModel:
         self.whatifs_ = self._whatifs(config)
         return self
 
+    def _measured_footprint(self, windows: pd.DataFrame | None, min_windows: int = 5) -> float:
+        """Median tokens held per running request over the windows of the highest
+        loads (the top quarter by load, at least two sequences running); NaN with fewer
+        than ``min_windows`` such windows or no usage reported."""
+        if windows is None or not len(windows) or "kv_usage_mean" not in windows:
+            return math.nan
+        if not math.isfinite(self.kv_tokens_) or self.kv_tokens_ <= 0:
+            return math.nan
+        usage = pd.to_numeric(windows["kv_usage_mean"], errors="coerce").astype(float)
+        batch = pd.to_numeric(windows["batch_mean"], errors="coerce").astype(float)
+        load = pd.to_numeric(windows.get("load", batch), errors="coerce").astype(float)
+        ok = (batch >= 2) & (usage > 0) & load.notna()
+        if ok.sum() < min_windows:
+            return math.nan
+        top = ok & (load >= load[ok].quantile(0.75))
+        if top.sum() < min_windows:
+            top = ok
+        return float((usage[top] * self.kv_tokens_ / batch[top]).median())
+
+    def _kv_batch(self, blocks: float) -> float:
+        """Sequences ``blocks`` hold: the blocks less the free ones vLLM leaves when the
+        cache is full (a fixed number), over the footprint."""
+        usable = max(blocks - self.slack_blocks_, 0.0)
+        return usable * self.block_size_ / self.footprint_tokens_
+
     def _effective(self, kv_batch: float, max_num_seqs: float) -> float:
         return float(min(kv_batch, max_num_seqs, self.max_load_))
 
@@ -150,7 +199,7 @@ class KvCapacityModel:
         assumption: str,
         max_num_seqs: float | None = None,
     ) -> WhatIf:
-        kv_batch = blocks * self.block_size_ / self.footprint_tokens_
+        kv_batch = self._kv_batch(blocks)
         cap = self.max_num_seqs_ if max_num_seqs is None else max_num_seqs
         eff = self._effective(kv_batch, cap)
         # More blocks end the preemptions only if the new batch fits the load.
@@ -224,7 +273,9 @@ class KvCapacityModel:
         return (
             f"KV cache {self.kv_tokens_:,.0f} tokens ({self.num_gpu_blocks_:,.0f} blocks x "
             f"{self.block_size_:.0f}); a request holds {self.footprint_tokens_:.0f} tokens on "
-            f"average -> room for {self.kv_batch_:.1f} sequences; predicted plateau "
+            f"average ({'by the KV usage vLLM reports' if self.footprint_from_ == 'kv_usage' else 'from its prompt and output'}"
+            f"{f', the cache fills to {self.kv_fill_:.0%}' if self.kv_fill_ < 1 else ''}) -> room "
+            f"for {self.kv_batch_:.1f} sequences; predicted plateau "
             f"{self.predicted_plateau_tokens_per_s_:,.0f} tok/s at batch "
             f"{self.effective_batch_:.1f}, observed {self.observed_plateau_tokens_per_s_:,.0f} "
             f"tok/s at batch {self.observed_batch_:.1f} "
@@ -237,6 +288,9 @@ class KvCapacityModel:
             "num_gpu_blocks": self.num_gpu_blocks_,
             "block_size": self.block_size_,
             "footprint_tokens": self.footprint_tokens_,
+            "footprint_from": self.footprint_from_,
+            "footprint_formula_tokens": self.footprint_formula_tokens_,
+            "kv_fill": self.kv_fill_,
             "mean_prompt_tokens": self.mean_prompt_tokens_,
             "mean_generation_tokens": self.mean_generation_tokens_,
             "mean_cached_tokens": self.mean_cached_tokens_,

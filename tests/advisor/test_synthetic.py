@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvscope.advisor import FrameSource, ThroughputCurve, analyze
-from kvscope.advisor.datasets import REGIMES, make_engine
+from kvscope.advisor.datasets import REGIMES, _steady, make_engine
 
 SEEDS = (0, 1, 2)
 
@@ -70,6 +70,20 @@ def test_kv_model_predicts_the_kv_bound_plateau() -> None:
     # The batch the simulated scheduler held at the top load, measured, not derived.
     assert kv.evidence["kv_batch"] == pytest.approx(s.truth["kv_batch"], rel=0.05)
     assert abs(kv.evidence["prediction_error_ratio"]) < 0.15
+    assert kv.evidence["footprint_from"] == "kv_usage" and kv.evidence["kv_fill"] < 1
+
+
+def test_the_fp8_what_if_predicts_the_batch_twice_the_blocks_hold() -> None:
+    """The what-if's batch against the simulated scheduler run with twice the blocks at
+    the same top load (its batch measured): within 10%."""
+    s = make_engine("kv_cache_bound", seed=4)
+    kv = analyze(FrameSource(s.engines, s.windows, s.requests)).findings_of("kv_capacity")[0]
+    assert kv.frame is not None
+    fp8 = kv.frame["kv_batch"][kv.frame["what_if"].index("kv_cache_dtype_fp8")]
+    p = {**REGIMES["kv_cache_bound"]}
+    p["num_gpu_blocks"] *= 2
+    held = _steady(p, 32)["batch"]
+    assert fp8 == pytest.approx(held, rel=0.1), (fp8, held)
 
 
 def test_cap_keeps_the_fraction_and_cuts_the_tail() -> None:
