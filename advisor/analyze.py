@@ -138,6 +138,7 @@ def analyze_frames(
         "min_routing_loss": min_routing_loss,
         "imbalance_threshold": imbalance_threshold,
         "bottleneck": BottleneckClassifier().parameters(),
+        "cap": ConcurrencyCap(cap_fraction=cap_fraction).parameters(),
     }
     report = Report(since_unix_s=since, until_unix_s=until, parameters=params)
     known_pools = sorted({str(p) for p in engines["pool"].dropna()}) if "pool" in engines else []

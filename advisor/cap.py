@@ -9,9 +9,16 @@ Algorithm
    the highest median throughput: when throughput falls past its peak (preemption
    thrash), the falling bins would otherwise pull the fitted plateau, and with it the
    cap, below what the engine delivers at the peak, and the cap exists to keep the
-   engine there. Without such a fall this is the curve's own fit. The cap is at most
-   the curve's batch ceiling (the load where the running batch stopped growing while
-   requests waited): load past it only waits in vLLM's queue.
+   engine there. Without such a fall this is the curve's own fit. Where the top of
+   the curve is flat, a few percent of noise in one bin moves that crossing by whole
+   load levels, and a cap taken from a bin that happened to run fast keeps less than
+   it promises. So the crossing is also found on ``resamples`` refits of the bin
+   medians from windows drawn again within each bin (a bootstrap: the windows of a
+   bin measured on the way up and on the way down, at different host speeds, are in
+   it), and the cap is the ``resample_quantile`` of those loads when that is higher:
+   the load that reaches the fraction in that share of the resamples. The cap is at
+   most the curve's batch ceiling (the load where the running batch stopped growing
+   while requests waited): load past it only waits in vLLM's queue.
 2. With an SLO (``slo_ttft_p99_s``, ``slo_e2e_p99_s``), the P99 at the cap
    (:meth:`~kvscope.advisor.latency.LatencyVsLoad.p99_at`) must meet it; if not, the cap is
    lowered to the largest whole load whose interpolated P99 meets every SLO, and the
@@ -38,6 +45,8 @@ Parameters
 cap_fraction : share of the plateau the cap must keep (default 0.9).
 slo_ttft_p99_s, slo_e2e_p99_s : optional P99 targets in seconds.
 queue_share : the engine-side queue allowed, as a share of the cap (default 0.25).
+resamples, resample_quantile : bootstrap refits of the crossing and the quantile of
+    their loads the cap is at least (default 200, 0.8).
 """
 
 from __future__ import annotations
@@ -63,11 +72,56 @@ class ConcurrencyCap:
         slo_ttft_p99_s: float | None = None,
         slo_e2e_p99_s: float | None = None,
         queue_share: float = 0.25,
+        resamples: int = 200,
+        resample_quantile: float = 0.8,
     ) -> None:
         self.cap_fraction = cap_fraction
         self.slo_ttft_p99_s = slo_ttft_p99_s
         self.slo_e2e_p99_s = slo_e2e_p99_s
         self.queue_share = queue_share
+        self.resamples = resamples
+        self.resample_quantile = resample_quantile
+
+    def parameters(self) -> dict[str, float]:
+        """The thresholds the cap uses (the report carries them)."""
+        return {
+            "cap_fraction": self.cap_fraction,
+            "queue_share": self.queue_share,
+            "resamples": self.resamples,
+            "resample_quantile": self.resample_quantile,
+        }
+
+    def _crossing(self, x: np.ndarray, medians: np.ndarray, weights: np.ndarray) -> float:
+        """The load where the monotone fit of ``medians`` (bins up to the highest)
+        reaches ``cap_fraction`` of its top, interpolated between bins."""
+        upto = int(np.argmax(medians)) + 1
+        fit = isotonic_increasing(medians[:upto], weights[:upto])
+        target = self.cap_fraction * float(fit.max())
+        crossing = next((i for i, v in enumerate(fit) if v >= target), len(fit) - 1)
+        if crossing == 0:
+            return float(x[0])
+        dy = fit[crossing] - fit[crossing - 1]
+        t = 1.0 if dy <= 0 else (target - fit[crossing - 1]) / dy
+        return float(x[crossing - 1] + t * (x[crossing] - x[crossing - 1]))
+
+    def _resampled_crossings(self, curve: ThroughputCurve) -> np.ndarray:
+        """The crossing on ``resamples`` refits of bin medians drawn from each bin's
+        windows with replacement (a fixed seed: the same data give the same cap)."""
+        w = curve.windows_
+        bins = curve.bins_
+        if self.resamples <= 0 or "bin" not in w or len(bins) < 2:
+            return np.array([])
+        groups = [g.to_numpy(float) for _, g in w.groupby("bin")["gen_tokens_per_s"]]
+        if len(groups) != len(bins):
+            return np.array([])
+        x = bins["load"].to_numpy(float)
+        n = bins["n_windows"].to_numpy(float)
+        rng = np.random.default_rng(0)
+        out = np.empty(self.resamples)
+        for i in range(self.resamples):
+            med = np.array([np.median(rng.choice(g, len(g))) for g in groups])
+            out[i] = self._crossing(x, med, n)
+        return out
 
     def _meets(self, lat: LatencyVsLoad, load: float) -> bool:
         for col, slo in (("ttft_s", self.slo_ttft_p99_s), ("e2e_s", self.slo_e2e_p99_s)):
@@ -79,19 +133,20 @@ class ConcurrencyCap:
 
     def fit(self, curve: ThroughputCurve, latency: LatencyVsLoad) -> ConcurrencyCap:
         raw = curve.bins_["gen_tokens_per_s"].to_numpy(float)
+        weights = curve.bins_["n_windows"].to_numpy(float)
         upto = int(np.argmax(raw)) + 1  # bins up to the peak (see step 1)
         x = curve.bins_["load"].to_numpy(float)[:upto]
-        fit = isotonic_increasing(raw[:upto], curve.bins_["n_windows"].to_numpy(float)[:upto])
+        fit = isotonic_increasing(raw[:upto], weights[:upto])
         plateau = float(fit.max())
         self.peak_tokens_per_s_ = plateau
-        target = self.cap_fraction * plateau
-        crossing = next((i for i, v in enumerate(fit) if v >= target), len(fit) - 1)
-        if crossing == 0:
-            load = x[0]
-        else:
-            dy = fit[crossing] - fit[crossing - 1]
-            t = 1.0 if dy <= 0 else (target - fit[crossing - 1]) / dy
-            load = x[crossing - 1] + t * (x[crossing] - x[crossing - 1])
+        load = self._crossing(curve.bins_["load"].to_numpy(float), raw, weights)
+        self.point_load_ = load
+        resampled = self._resampled_crossings(curve)
+        self.resampled_load_ = (
+            float(np.quantile(resampled, self.resample_quantile)) if len(resampled) else math.nan
+        )
+        if math.isfinite(self.resampled_load_):
+            load = max(load, self.resampled_load_)
         if curve.batch_ceiling_load_ is not None:
             # Past the batch ceiling only the queue grows (see the curve's step 5).
             load = min(load, curve.batch_ceiling_load_)
@@ -181,6 +236,8 @@ class ConcurrencyCap:
             expected_gain=max(0.0, gain),
             evidence={
                 "cap_fraction": self.cap_fraction,
+                "point_load": self.point_load_,
+                "resampled_load": self.resampled_load_,
                 "slo_ttft_p99_s": self.slo_ttft_p99_s,
                 "slo_e2e_p99_s": self.slo_e2e_p99_s,
                 "slo_limited": self.slo_limited_,
