@@ -15,8 +15,10 @@ Algorithm
    it promises. So the crossing is also found on ``resamples`` refits of the bin
    medians from windows drawn again within each bin (a bootstrap: the windows of a
    bin measured on the way up and on the way down, at different host speeds, are in
-   it), and the cap is the ``resample_quantile`` of those loads when that is higher:
-   the load that reaches the fraction in that share of the resamples. The cap is at
+   it), and the cap is the ``resample_quantile`` of those loads when that is higher
+   (the median: a bin that ran fast by luck no longer sets the cap alone; a higher
+   quantile moves a cap on a flat top by whole load levels towards the overload, and
+   on real engines that cost more of the tail than it saved in throughput). The cap is at
    most the curve's batch ceiling (the load where the running batch stopped growing
    while requests waited): load past it only waits in vLLM's queue.
 2. With an SLO (``slo_ttft_p99_s``, ``slo_e2e_p99_s``), the P99 at the cap
@@ -46,7 +48,7 @@ cap_fraction : share of the plateau the cap must keep (default 0.9).
 slo_ttft_p99_s, slo_e2e_p99_s : optional P99 targets in seconds.
 queue_share : the engine-side queue allowed, as a share of the cap (default 0.25).
 resamples, resample_quantile : bootstrap refits of the crossing and the quantile of
-    their loads the cap is at least (default 200, 0.8).
+    their loads the cap is at least (default 200, 0.5).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class ConcurrencyCap:
         slo_e2e_p99_s: float | None = None,
         queue_share: float = 0.25,
         resamples: int = 200,
-        resample_quantile: float = 0.8,
+        resample_quantile: float = 0.5,
     ) -> None:
         self.cap_fraction = cap_fraction
         self.slo_ttft_p99_s = slo_ttft_p99_s
