@@ -60,8 +60,14 @@ import numpy as np
 
 from kvscope.advisor.curve import ThroughputCurve
 from kvscope.advisor.findings import Recommendation, Scope
-from kvscope.advisor.frames import isotonic_increasing
+from kvscope.advisor.frames import interp_crossing, isotonic_increasing
 from kvscope.advisor.latency import LatencyVsLoad
+
+
+def _fit_to_peak(medians: np.ndarray, weights: np.ndarray) -> tuple[int, np.ndarray]:
+    """The bins up to the one with the highest median, and their monotone fit."""
+    upto = int(np.argmax(medians)) + 1
+    return upto, isotonic_increasing(medians[:upto], weights[:upto])
 
 
 class ConcurrencyCap:
@@ -94,17 +100,10 @@ class ConcurrencyCap:
         }
 
     def _crossing(self, x: np.ndarray, medians: np.ndarray, weights: np.ndarray) -> float:
-        """The load where the monotone fit of ``medians`` (bins up to the highest)
-        reaches ``cap_fraction`` of its top, interpolated between bins."""
-        upto = int(np.argmax(medians)) + 1
-        fit = isotonic_increasing(medians[:upto], weights[:upto])
-        target = self.cap_fraction * float(fit.max())
-        crossing = next((i for i, v in enumerate(fit) if v >= target), len(fit) - 1)
-        if crossing == 0:
-            return float(x[0])
-        dy = fit[crossing] - fit[crossing - 1]
-        t = 1.0 if dy <= 0 else (target - fit[crossing - 1]) / dy
-        return float(x[crossing - 1] + t * (x[crossing] - x[crossing - 1]))
+        """The load where the monotone fit of ``medians`` (bins up to the highest) reaches
+        ``cap_fraction`` of its top."""
+        upto, fit = _fit_to_peak(medians, weights)
+        return interp_crossing(x[:upto], fit, self.cap_fraction * float(fit.max()))
 
     def _resampled_crossings(self, curve: ThroughputCurve) -> np.ndarray:
         """The crossing on ``resamples`` refits of bin medians drawn from each bin's
@@ -136,12 +135,11 @@ class ConcurrencyCap:
     def fit(self, curve: ThroughputCurve, latency: LatencyVsLoad) -> ConcurrencyCap:
         raw = curve.bins_["gen_tokens_per_s"].to_numpy(float)
         weights = curve.bins_["n_windows"].to_numpy(float)
-        upto = int(np.argmax(raw)) + 1  # bins up to the peak (see step 1)
+        upto, fit = _fit_to_peak(raw, weights)  # bins up to the peak (see step 1)
         x = curve.bins_["load"].to_numpy(float)[:upto]
-        fit = isotonic_increasing(raw[:upto], weights[:upto])
         plateau = float(fit.max())
         self.peak_tokens_per_s_ = plateau
-        load = self._crossing(curve.bins_["load"].to_numpy(float), raw, weights)
+        load = interp_crossing(x, fit, self.cap_fraction * plateau)
         self.point_load_ = load
         resampled = self._resampled_crossings(curve)
         self.resampled_load_ = (

@@ -55,6 +55,7 @@ def prepare_windows(windows: pd.DataFrame) -> pd.DataFrame:
     # them (vLLM steps back to back while any request runs: a gap there is a step,
     # not idle time, and a long prefill can take most of a second).
     across_start, across_end = _running_across_edges(w)
+    w["running_across_start"] = across_start
     start = w["first_step_unix_s"].where(~across_start, w["ts_s"])
     end = w["last_step_unix_s"].where(~across_end, w["ts_s"] + 1.0)
     span = (end - start).clip(lower=0.0)
@@ -84,13 +85,14 @@ def _running_across_edges(w: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
 def active_windows(
     w: pd.DataFrame, *, min_steps: int, min_load: float, min_busy_ratio: float
 ) -> pd.DataFrame:
-    """Windows the engine worked through: enough steps, some load, busy most of the second.
+    """Windows the engine worked through: enough steps, some load, busy most of the second
+    (``w`` as :func:`prepare_windows` returns it).
 
     Where the busy share is unknown (windows read from scraped series carry no step
     times) it is estimated from the step count: see :func:`step_count_busy_ratio`."""
     # Few steps in a second the engine ran through (requests running across its start
     # and at every step: long prefills) are long steps, not idle time: kept.
-    through = _running_across_edges(w)[0] & (w["n_steps"] >= 1)
+    through = w["running_across_start"] & (w["n_steps"] >= 1)
     keep = ((w["n_steps"] >= min_steps) | through) & (w["load"] >= min_load)
     busy = w["busy_ratio"]
     if busy.isna().any():
