@@ -311,16 +311,25 @@ def test_export_equals_metrics_and_survives_a_failing_receiver(
 
         # The receiver answers 503: ingest goes on, the failures are counted and logged once.
         before = _exports(c)
-        assert before["success"] >= 1 and before["failure"] == 0
+        log_before = c.log_path.read_text()
+        assert before["success"] >= 1
+        # A working receiver takes every export; on a loaded machine one can still outlast
+        # the 1 s timeout, and then the collector must have said so and said it recovered.
+        assert before["failure"] == 0 or "works again" in log_before, log_before
         receiver.status = 503
         _wait("a refused export", lambda: receiver.refused >= 1)
         second = _second_engine_batch()
         assert post_batch(c.url, second)["status"] == "stored"
-        _wait("two failed exports", lambda: _exports(c)["failure"] >= 2)
+        _wait("two failed exports", lambda: _exports(c)["failure"] >= before["failure"] + 2)
         assert "otlp-second:8000:0" in {e["engine_id"] for e in c.get_json("/v1/engines")["rows"]}
         log = c.log_path.read_text()
-        assert log.count("OTLP export to") == 2  # the start line and the first failure
-        assert log.count("Failed to export metrics batch") <= 1
+        assert log.startswith(log_before)
+        outage = log[len(log_before) :]
+        # The refusal is logged once, unless an earlier failure of the same kind already was.
+        assert outage.count("OTLP export to") == (" failed (" not in log_before), outage
+        assert log.count("Failed to export metrics batch") <= 1 + log_before.count(
+            "Failed to export metrics batch"
+        )
 
         # It answers again: the next export carries what arrived meanwhile.
         receiver.status = 200
