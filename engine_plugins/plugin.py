@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
@@ -28,6 +29,14 @@ from kvscope.engine_plugins.exporter import EngineBuffer, Exporter, current_expo
 from kvscope.engine_plugins.schema import MAX_ID_CHARS, MAX_LABEL_CHARS, MAX_TEXT_CHARS
 
 _time = time.time
+
+__all__ = [
+    "INERT_MESSAGE",
+    "KvscopeStatLogger",
+    "Settings",
+    "kv_events_endpoint",
+    "offset_endpoint_port",
+]
 
 INERT_MESSAGE = (
     "kvscope: KVSCOPE_COLLECTOR_URL is not set (or not a valid URL), so the kvscope stat "
@@ -116,10 +125,26 @@ def kv_events_endpoint(kv_events_config: Any, engine_index: int) -> str | None:
 class KvscopeStatLogger(StatLoggerBase):
     """Per-engine stat logger: copies a few numbers per step into the exporter's buffer."""
 
-    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        engine_index: int = 0,
+        *,
+        settings: Settings | None = None,
+        exporter: Exporter | None = None,
+        clock: Callable[[], float] | None = None,
+        simulated: bool = False,
+    ) -> None:
+        """vLLM passes ``vllm_config`` and ``engine_index`` only. The keyword arguments
+        are for the engine twin (:mod:`kvscope.twin`), which drives vLLM's scheduler on
+        a simulated clock: its ``settings`` (instead of the environment), its own
+        ``exporter`` (ticked by the twin, not by a thread), the ``clock`` that stamps
+        rows (default :func:`time.time`) and ``simulated`` for the hello."""
         self.vllm_config = vllm_config
         self.engine_index = engine_index
-        self.started_unix_s = _time()
+        self.clock: Callable[[], float] = clock or _time
+        self.simulated = simulated
+        self.started_unix_s = self.clock()
         self.engine_id: str | None = None
         self.settings: Settings | None = None
         self._buf: EngineBuffer | None = None
@@ -128,13 +153,13 @@ class KvscopeStatLogger(StatLoggerBase):
         self._calls = 0
         self._errors = 0  # errors while no buffer exists
         try:
-            settings = load_settings()
+            settings = settings or load_settings()
             if not settings.enabled:
                 ONCE.log(logging.INFO, "plugin:inert", INERT_MESSAGE)
                 return
             self.settings = settings
             self.engine_id = self._make_engine_id(settings)
-            self._attach(get_exporter(settings))
+            self._attach(exporter or get_exporter(settings))
         except Exception:
             self._buf = None
             self._on_error("init")
@@ -193,6 +218,8 @@ class KvscopeStatLogger(StatLoggerBase):
         endpoint = kv_events_endpoint(getattr(cfg, "kv_events_config", None), self.engine_index)
         if endpoint is not None:
             hello["kv_events_endpoint"] = endpoint
+        if self.simulated:
+            hello["simulated"] = True
         return hello
 
     def _attach(self, exporter: Exporter) -> None:
@@ -215,7 +242,7 @@ class KvscopeStatLogger(StatLoggerBase):
         if buf is None:
             return
         try:
-            ts = _time()
+            ts = self.clock()
             if scheduler_stats is not None:
                 self._calls = step = self._calls + 1
                 buf.steps.append(step_row(ts, step, scheduler_stats, iteration_stats))

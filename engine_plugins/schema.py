@@ -143,6 +143,14 @@ HELLO_FIELDS: tuple[Field, ...] = (
         optional=True,
         max_chars=MAX_TEXT_CHARS,
     ),
+    Field(
+        "simulated",
+        BOOL,
+        "true for an engine twin (vLLM's scheduler replaying traffic with a step-time model "
+        "in place of the forward pass), absent for a real server",
+        nullable=True,
+        optional=True,
+    ),
 )
 
 # Exporter counters, cumulative since the process started.

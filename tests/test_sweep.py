@@ -91,14 +91,21 @@ def test_trace_limit_reads_only_the_first_rows() -> None:
 def test_trace_formats_from_small_files(tmp_path: Path) -> None:
     moon = tmp_path / "m.jsonl"
     moon.write_text(
-        '{"timestamp": 0, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]}\n'
+        '{"timestamp": 1000, "input_length": 600, "output_length": 3, "hash_ids": [0, 1]}\n'
         "\n"
         '{"timestamp": 5, "input_length": 0, "output_length": 3, "hash_ids": []}\n'
+        '{"timestamp": 3500, "input_length": 9, "output_length": 1}\n'
     )
-    assert load_trace(moon) == [TraceRow(600, 3, (0, 1))]  # zero-length row skipped
+    # The zero-length row is skipped; times are milliseconds, from the first kept row.
+    assert load_trace(moon) == [TraceRow(600, 3, (0, 1), 0.0), TraceRow(9, 1, (), 2.5)]
     azure = tmp_path / "a.csv"
-    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,10,2\n")
-    assert load_trace(azure) == [TraceRow(10, 2)]
+    azure.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:17:03.9799600,10,2\n2023-11-16 18:17:05.0299600,11,3\n"
+    )
+    rows = load_trace(azure)
+    assert [(r.input_tokens, r.output_tokens) for r in rows] == [(10, 2), (11, 3)]
+    assert rows[0].arrival_s == 0.0 and rows[1].arrival_s == pytest.approx(1.05, abs=1e-6)
     lengths = tmp_path / "l.csv"
     lengths.write_text(
         "num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n7,9,16,0.7\n"

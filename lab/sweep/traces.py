@@ -9,9 +9,10 @@ The format is recognised from the file itself:
 - **Length statistics** (``.csv``, sarathi-serve ShareGPT, vidur arXiv summarization):
   columns ``num_prefill_tokens``, ``num_decode_tokens``.
 
-Arrival times in the traces are not used: the sweep is closed-loop and takes only
-the request lengths (and prefix blocks) from a trace. Rows with a prompt or an
-output of fewer than one token are skipped.
+Arrival times (Mooncake ``timestamp`` in milliseconds, Azure ``TIMESTAMP``) are read
+into ``arrival_s``, seconds after the trace's first request; the closed-loop sweep uses
+only the lengths (and prefix blocks), the engine twin (:mod:`kvscope.twin`) replays the
+arrivals. Rows with a prompt or an output of fewer than one token are skipped.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from __future__ import annotations
 import csv
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TextIO
 
@@ -43,6 +45,8 @@ class TraceRow:
     output_tokens: int
     block_ids: tuple[int, ...] = ()
     """Prefix block ids (Mooncake ``hash_ids``), each :data:`MOONCAKE_BLOCK_TOKENS` tokens."""
+    arrival_s: float | None = None
+    """Seconds after the trace's first arrival; None when the trace has no times."""
 
 
 def load_trace(path: str | os.PathLike[str], limit: int | None = None) -> list[TraceRow]:
@@ -76,16 +80,18 @@ def _read_mooncake(lines: TextIO, limit: int | None) -> list[TraceRow]:
             continue
         try:
             obj = json.loads(line)
+            ts = obj.get("timestamp")
             row = TraceRow(
                 int(obj["input_length"]),
                 int(obj["output_length"]),
                 tuple(int(b) for b in obj.get("hash_ids", ())),
+                None if ts is None else float(ts) / 1000.0,
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise TraceFormatError(f"line {lineno}: not a Mooncake trace row: {exc}") from exc
         if row.input_tokens >= 1 and row.output_tokens >= 1:
             rows.append(row)
-    return rows
+    return _from_first(rows)
 
 
 def _read_csv(fh: TextIO, limit: int | None) -> list[TraceRow]:
@@ -97,14 +103,33 @@ def _read_csv(fh: TextIO, limit: int | None) -> list[TraceRow]:
     else:
         known = "; ".join(" + ".join(cols) for cols in CSV_COLUMNS.values())
         raise TraceFormatError(f"unknown CSV trace header {sorted(header)}; expected {known}")
+    timed = "TIMESTAMP" in header
     rows: list[TraceRow] = []
     for record in reader:
         if limit is not None and len(rows) >= limit:
             break
         try:
-            row = TraceRow(round(float(record[in_col])), round(float(record[out_col])))
+            at = _azure_time(record["TIMESTAMP"]) if timed else None
+            row = TraceRow(round(float(record[in_col])), round(float(record[out_col])), (), at)
         except (ValueError, TypeError) as exc:
-            raise TraceFormatError(f"line {reader.line_num}: bad token count: {exc}") from exc
+            raise TraceFormatError(f"line {reader.line_num}: bad row: {exc}") from exc
         if row.input_tokens >= 1 and row.output_tokens >= 1:
             rows.append(row)
-    return rows
+    return _from_first(rows)
+
+
+def _azure_time(text: str) -> float:
+    """Seconds since the epoch of an Azure ``TIMESTAMP`` (``2023-11-16 18:15:46.6805900``:
+    seven fractional digits, which :meth:`datetime.fromisoformat` of Python 3.10 refuses)."""
+    whole, _, frac = text.strip().partition(".")
+    t = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+    return t.timestamp() + (float(f"0.{frac}") if frac else 0.0)
+
+
+def _from_first(rows: list[TraceRow]) -> list[TraceRow]:
+    """Arrival times relative to the earliest one."""
+    times = [r.arrival_s for r in rows if r.arrival_s is not None]
+    if not times:
+        return rows
+    t0 = min(times)
+    return [r if r.arrival_s is None else replace(r, arrival_s=r.arrival_s - t0) for r in rows]
