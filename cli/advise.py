@@ -117,6 +117,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", metavar="FILE", default=None, help="also write the JSON report to FILE")
     p.add_argument(
+        "--replay",
+        action="store_true",
+        help="also try each proposed vLLM flag and the cap on a twin of the engine: vLLM's "
+        "own scheduler replaying the engine's requests with its fitted step time, next "
+        "to the closed-form figure (needs the 'twin' extra; about a second per what-if)",
+    )
+    p.add_argument(
         "--timeout",
         type=positive,
         default=30.0,
@@ -152,8 +159,14 @@ def run(args: argparse.Namespace) -> int:
     except ParamError as exc:
         return advise_fail(str(exc), 2)
     source = CollectorSource(url, token=args.token, timeout_s=args.timeout)
+    if args.replay:
+        require("advise --replay", "twin")
     try:
         report = analyze(source, since, until, args.pool, **analysis_options(args))
+        if args.replay and report.has_data:
+            from kvscope.twin.whatif import replay_whatifs
+
+            report.findings.extend(replay_whatifs(report, source, since, until))
     except SourceError as exc:
         return advise_fail(source_error_message(exc, url), 2)
     return write_advice(
@@ -171,6 +184,12 @@ def _run_prometheus(args: argparse.Namespace) -> int:
     )
     from kvscope.sources.prometheus.target import PromArgError, prometheus_target
 
+    if args.replay:
+        return advise_fail(
+            "--replay needs a collector (--collector URL): the twin replays the engine's "
+            "stored requests, which vLLM's Prometheus series do not hold",
+            2,
+        )
     now = time.time()
     try:
         since, until = advise_window(args, now)

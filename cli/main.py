@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from kvscope import __version__
-from kvscope.cli import advise, collector, dashboard, lab, lint, report
+from kvscope.cli import advise, collector, dashboard, lab, lint, report, twin
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         dashboard.add_parser,
         lab.add_sweep,
         lab.add_record,
+        twin.add_parser,
         lint.add_parser,
     ):
         add(sub)

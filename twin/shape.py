@@ -182,6 +182,8 @@ def model_dir(model: ModelShape) -> Path:
 def build_vllm_config(shape: EngineShape) -> Any:
     """vLLM's own ``VllmConfig`` for ``shape`` (imports vLLM)."""
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    # vLLM logs its configuration at INFO on every build; a replay builds several.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     except ImportError as exc:  # pragma: no cover - exercised without vllm only

@@ -25,6 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -175,25 +176,62 @@ class Twin:
         self.progress = progress
         self.vllm_config = build_vllm_config(shape)
 
-    # -- replays --------------------------------------------------------------------
-
     def run(self, *phases: Sequence[TwinRequest] | ClosedLoop) -> TwinResult:
         """Replay ``phases`` one after another on one engine (its prefix cache stays warm):
         a list of requests is replayed open loop by their arrival times (relative to the
         phase's start), a :class:`ClosedLoop` by its clients. A phase starts when the
         previous one has no request left."""
+        return TwinPool([self], start_unix_s=self.start_unix_s).run(*phases)[0]
+
+
+#: Routing policies of :class:`TwinPool` (those of the lab's load generator,
+#: :mod:`kvscope.lab.sweep.routing`).
+ROUTING = ("round-robin", "least-loaded", "prefix-affine")
+
+
+class TwinPool:
+    """Several twins behind one router, on one simulated clock.
+
+    Each engine keeps its own clock (when its next step can start); the pool always
+    advances whichever comes first, the next arrival or the engine whose step starts
+    earliest, so the engines run side by side as replicas do. ``routing``:
+    ``round-robin`` (in turn), ``least-loaded`` (fewest requests in flight) or
+    ``prefix-affine`` (the request's first shared block picks the engine).
+    """
+
+    def __init__(
+        self,
+        twins: Sequence[Twin],
+        *,
+        routing: str = "round-robin",
+        start_unix_s: float | None = None,
+        max_sim_s: float | None = None,
+        progress: Callable[[float], None] | None = None,
+    ) -> None:
+        if not twins:
+            raise TwinConfigError("a pool needs at least one engine")
+        if routing not in ROUTING:
+            raise TwinConfigError(f"unknown routing {routing!r}; choose from {', '.join(ROUTING)}")
+        self.twins = list(twins)
+        self.routing = routing
+        self.start_unix_s = twins[0].start_unix_s if start_unix_s is None else float(start_unix_s)
+        self.max_sim_s = max_sim_s if max_sim_s is not None else twins[0].max_sim_s
+        self.progress = progress if progress is not None else twins[0].progress
+
+    def run(self, *phases: Sequence[TwinRequest] | ClosedLoop) -> list[TwinResult]:
+        """Replay ``phases`` (see :meth:`Twin.run`); one result per engine."""
         if not phases:
             raise StreamError("nothing to replay: give at least one phase")
-        replay = _Replay(self)
+        driver = _Driver(self)
         for i, phase in enumerate(phases):
-            replay.phase(phase, i)
-        return replay.finish()
+            driver.phase(phase, i)
+        return driver.finish()
 
 
-class _Replay:
-    """The state of one :meth:`Twin.run`: the scheduler, the clock, the rows."""
+class _Engine:
+    """One twin's scheduler, clock and rows within a replay."""
 
-    def __init__(self, twin: Twin) -> None:
+    def __init__(self, twin: Twin, t0: float) -> None:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.metrics.stats import LoRARequestStates
@@ -205,90 +243,38 @@ class _Replay:
         init_none_hash(hash_fn)
         self.hasher = get_request_block_hasher(twin.shape.block_size, hash_fn)
         self.lora_states = LoRARequestStates(True)
-        self.t0 = self.t = twin.start_unix_s
-        self.deadline = None if twin.max_sim_s is None else self.t0 + twin.max_sim_s
+        self.t = t0
         self.states: dict[str, _ReqState] = {}
         self.step_rows: list[tuple[Any, ...]] = []
         self.req_rows: list[tuple[Any, ...]] = []
         self.rejected = 0
-        self.unfinished = 0
-        self.counter = itertools.count()
-        self.wall0 = time.perf_counter()
-        self.next_progress = self.t0
-        self.phase_starts: list[float] = []
 
-    # -- one phase -----------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.sched.get_num_unfinished_requests() > 0
 
-    def phase(self, stream: Sequence[TwinRequest] | ClosedLoop, index: int) -> None:
-        start = self.t
-        self.phase_starts.append(start)
-        arrivals: list[tuple[float, int, TwinRequest, int | None]] = []
-        backlog: Any = iter(())
-        think = 0.0
-        stop_at = float("inf")
-        if isinstance(stream, ClosedLoop):
-            backlog = iter(stream.requests)
-            think = stream.think_s
-            if stream.duration_s is not None:
-                stop_at = start + stream.duration_s
-            for first in range(stream.concurrency):
-                nxt = next(backlog, None)
-                if nxt is None:
-                    break
-                heapq.heappush(arrivals, (start, next(self.counter), nxt, first))
-        else:
-            for req in stream:
-                if req.arrival_s is None:
-                    raise StreamError(
-                        f"phase {index + 1} is open loop but has requests without arrival "
-                        "times; give it times (with_poisson_arrivals) or replay it as a "
-                        "ClosedLoop"
-                    )
-                heapq.heappush(arrivals, (start + req.arrival_s, next(self.counter), req, None))
+    @property
+    def in_flight(self) -> int:
+        return len(self.states)
 
-        sched = self.sched
+    def add(self, request_id: str, req: TwinRequest, at: float, client: int | None) -> bool:
+        """Hand ``req`` to the scheduler at ``at``; False if vLLM would refuse it."""
         shape = self.shape
-
-        def next_for(sender: int, now: float) -> None:
-            if now + think >= stop_at:
-                return
-            nxt = next(backlog, None)
-            if nxt is not None:
-                heapq.heappush(arrivals, (now + think, next(self.counter), nxt, sender))
-
-        while True:
-            while arrivals and arrivals[0][0] <= self.t:
-                at, n, req, client = heapq.heappop(arrivals)
-                prompt = req.prompt_tokens
-                if prompt >= shape.max_model_len:
-                    self.rejected += 1  # vLLM answers 400: the prompt does not fit the context
-                    if client is not None:
-                        next_for(client, at)
-                    continue
-                max_tokens = min(req.output_tokens, shape.max_model_len - prompt)
-                request = _make_request(f"r{n}", req, max_tokens, at, self.hasher)
-                sched.add_request(request)
-                for ev in request.events:
-                    ev.timestamp = at
-                self.states[request.request_id] = _ReqState(
-                    _request_state_stats(at), prompt, max_tokens, at, client
-                )
-            if self.deadline is not None and self.t >= self.deadline:
-                self.unfinished += len(arrivals) + sum(1 for _ in backlog)
-                return
-            if sched.get_num_unfinished_requests() == 0:
-                if not arrivals:
-                    return
-                self.t = max(self.t, arrivals[0][0])
-                continue
-            finished = self.step()
-            for done in finished:
-                next_for(done, self.t)
-            if self.twin.progress is not None and self.t >= self.next_progress:
-                self.twin.progress(self.t - self.t0)
-                self.next_progress = self.t + 1.0
-
-    # -- one step ------------------------------------------------------------------------
+        prompt = req.prompt_tokens
+        if prompt >= shape.max_model_len:
+            self.rejected += 1  # vLLM answers 400: the prompt does not fit the context
+            return False
+        if not self.busy:
+            self.t = max(self.t, at)  # an idle engine waits for the request
+        max_tokens = min(req.output_tokens, shape.max_model_len - prompt)
+        request = _make_request(request_id, req, max_tokens, at, self.hasher)
+        self.sched.add_request(request)
+        for ev in request.events:
+            ev.timestamp = at
+        self.states[request_id] = _ReqState(
+            _request_state_stats(at), prompt, max_tokens, at, client
+        )
+        return True
 
     def step(self) -> list[int]:
         """Schedule, cost and complete one engine step; return the clients whose request
@@ -298,7 +284,6 @@ class _Replay:
         sched = self.sched
         so = sched.schedule()
         if so.total_num_scheduled_tokens == 0:
-            # Nothing fits: vLLM's engine core idles until something changes.
             _empty_update(sched, so)
             raise TwinError(
                 f"the scheduler cannot run any of {sched.get_num_unfinished_requests()} "
@@ -383,21 +368,117 @@ class _Replay:
             self.twin.sink.record(sched_stats, it, t)
         return clients
 
-    def finish(self) -> TwinResult:
+    def result(self, start: float, end: float, wall_s: float, extra: dict[str, Any]) -> TwinResult:
         if self.twin.sink is not None:
-            self.twin.sink.close(self.t)
+            self.twin.sink.close(max(self.t, end))
         return TwinResult(
             shape=self.shape,
             cost=self.twin.cost.describe(),
             steps=pd.DataFrame(self.step_rows, columns=list(STEP_COLUMNS)),
             requests=pd.DataFrame(self.req_rows, columns=list(REQUEST_COLUMNS)),
-            start_unix_s=self.t0,
-            end_unix_s=self.t,
-            wall_s=time.perf_counter() - self.wall0,
+            start_unix_s=start,
+            end_unix_s=end,
+            wall_s=wall_s,
             rejected=self.rejected,
-            unfinished=self.unfinished + self.sched.get_num_unfinished_requests(),
-            extra={"phase_starts": self.phase_starts},
+            unfinished=self.sched.get_num_unfinished_requests(),
+            extra=dict(extra),
         )
+
+
+class _Driver:
+    """The state of one :meth:`TwinPool.run`: the engines, the arrivals, the clock."""
+
+    def __init__(self, pool: TwinPool) -> None:
+        self.pool = pool
+        self.t0 = self.now = pool.start_unix_s
+        self.engines = [_Engine(tw, self.t0) for tw in pool.twins]
+        self.deadline = None if pool.max_sim_s is None else self.t0 + pool.max_sim_s
+        self.counter = itertools.count()
+        self.rr = itertools.cycle(range(len(self.engines)))
+        self.wall0 = time.perf_counter()
+        self.next_progress = self.t0
+        self.phase_starts: list[float] = []
+        self.unsent = 0
+        self.stopped = False
+
+    def _route(self, req: TwinRequest) -> _Engine:
+        engines = self.engines
+        if len(engines) == 1:
+            return engines[0]
+        if self.pool.routing == "least-loaded":
+            return min(engines, key=lambda e: e.in_flight)
+        if self.pool.routing == "prefix-affine" and req.block_ids:
+            return engines[zlib.crc32(str(req.block_ids[0]).encode()) % len(engines)]
+        return engines[next(self.rr)]
+
+    def phase(self, stream: Sequence[TwinRequest] | ClosedLoop, index: int) -> None:
+        if self.stopped:
+            return
+        start = max([self.now, *(e.t for e in self.engines)])
+        self.phase_starts.append(start)
+        arrivals: list[tuple[float, int, TwinRequest, int | None]] = []
+        backlog: Any = iter(())
+        think = 0.0
+        stop_at = float("inf")
+        if isinstance(stream, ClosedLoop):
+            backlog = iter(stream.requests)
+            think = stream.think_s
+            if stream.duration_s is not None:
+                stop_at = start + stream.duration_s
+            for client0 in range(stream.concurrency):
+                nxt = next(backlog, None)
+                if nxt is None:
+                    break
+                heapq.heappush(arrivals, (start, next(self.counter), nxt, client0))
+        else:
+            for req in stream:
+                if req.arrival_s is None:
+                    raise StreamError(
+                        f"phase {index + 1} is open loop but has requests without arrival "
+                        "times; give it times (with_poisson_arrivals) or replay it as a "
+                        "ClosedLoop"
+                    )
+                heapq.heappush(arrivals, (start + req.arrival_s, next(self.counter), req, None))
+
+        def next_for(sender: int, now: float) -> None:
+            if now + think >= stop_at:
+                return
+            nxt = next(backlog, None)
+            if nxt is not None:
+                heapq.heappush(arrivals, (now + think, next(self.counter), nxt, sender))
+
+        while True:
+            busy = [e for e in self.engines if e.busy]
+            first = min(busy, key=lambda e: e.t) if busy else None
+            t_step = first.t if first is not None else float("inf")
+            if arrivals and arrivals[0][0] <= t_step:
+                at, n, req, client = heapq.heappop(arrivals)
+                self.now = max(self.now, at)
+                if not self._route(req).add(f"r{n}", req, at, client) and client is not None:
+                    next_for(client, at)
+                continue
+            if first is None:
+                return  # nothing in flight and nothing to arrive: the phase is over
+            self.now = max(self.now, first.t)
+            if self.deadline is not None and first.t >= self.deadline:
+                self.unsent += len(arrivals) + sum(1 for _ in backlog)
+                self.stopped = True
+                return
+            for done in first.step():
+                next_for(done, first.t)
+            progress = self.pool.progress
+            if progress is not None and first.t >= self.next_progress:
+                progress(first.t - self.t0)
+                self.next_progress = first.t + 1.0
+
+    def finish(self) -> list[TwinResult]:
+        end = max([self.now, *(e.t for e in self.engines)])
+        wall = time.perf_counter() - self.wall0
+        extra = {"phase_starts": self.phase_starts, "unsent": self.unsent}
+        results = [e.result(self.t0, end, wall, extra) for e in self.engines]
+        if self.unsent and results:
+            results[0].unfinished += self.unsent
+        return results
 
 
 # -- vLLM objects ----------------------------------------------------------------------

@@ -6,7 +6,8 @@ loop (requests arrive whatever the engine does, as production traffic does), and
 send the next request when the previous one finishes (a benchmark client's
 ``--max-concurrency``).
 
-Prefix sharing is carried by block ids, as in the Mooncake traces: a prompt is a
+Prefix sharing is carried by block ids, as in the Mooncake traces (or by the prompts'
+own token ids, for a stream tokenized from real prompts): a prompt is a
 sequence of blocks of ``block_tokens`` tokens, equal ids are equal token blocks, so
 vLLM's prefix cache finds them for real (by hashing the token ids). Token ids are
 derived from the block id; the tokens after the last block are the request's own.
@@ -46,9 +47,13 @@ class TwinRequest:
     block_tokens: int = MOONCAKE_BLOCK_TOKENS
     key: int = 0
     """Seeds the tokens after the shared blocks (distinct keys, distinct tokens)."""
+    tokens: tuple[int, ...] | None = None
+    """The prompt's own token ids, when known (a tokenized prompt): used as they are."""
 
     def token_ids(self) -> list[int]:
         """The prompt's token ids."""
+        if self.tokens is not None:
+            return list(self.tokens)
         out = np.empty(self.prompt_tokens, dtype=np.int64)
         pos = 0
         offsets = np.arange(self.block_tokens, dtype=np.int64)

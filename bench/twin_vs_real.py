@@ -1,0 +1,479 @@
+"""The engine twin against the real engine: calibrate on one run, predict the others.
+
+One command (about 15 minutes on a 2-core machine, five engine starts)::
+
+    .venv/bin/python bench/twin_vs_real.py [--configs blocks-x2,cap] [--json out.json]
+
+1. **Calibration**: the real vLLM CPU engine (the lab's "mid" model, the kvscope plugin,
+   a collector) runs the baseline configuration through a closed-loop sweep of
+   :data:`LEVELS`. The twin's step-time model is the advisor's fit
+   (:class:`kvscope.advisor.steptime.StepTimeModel`) on that run's 1-second windows;
+   nothing else is taken from it.
+2. **Predictions**, made before any other engine starts: for each configuration of
+   :data:`CONFIGS` the twin (vLLM's scheduler, the fitted step time, the engine's own
+   hello for blocks, block size, budget and ``max_num_seqs``) runs the same sweep on
+   the same workload, tokenized with the model's tokenizer, so the prefix cache sees
+   the engine's tokens, and feeds the collector through the plugin (pool
+   ``<config>-twin``).
+3. **Measurements**: the real engine runs each configuration's sweep.
+4. The advisor reads both pools; the table sets, per configuration, the twin's
+   plateau, knee, e2e P99 and preemptions per finished request against the real
+   engine's, with the targets of :data:`TARGETS`.
+
+Configurations (the workload: prompts of 20-300 random words, ~20-300 tokens, 64
+output tokens; the pool's prompts share one of four 150-word prefixes):
+
+- ``baseline``: 128 blocks of 32 tokens (4,096 tokens), ``max_num_seqs`` 256: KV-bound
+  at ~14 requests. The calibration run, and predicted by the twin like the others.
+- ``blocks-x2``: 256 blocks, what fp8 KV would give.
+- ``cap``: 128 blocks and ``--max-num-seqs`` set to the advisor's cap on the baseline.
+- ``small-budget``: 1,024 blocks, ``--max-num-batched-tokens 64`` (and ``max_num_seqs``
+  64, which vLLM needs beside it): prompts prefill in chunks over several steps.
+- ``pool-rr``: two baseline engines under round robin with prefix-sharing prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+if __package__ in (None, ""):  # run as a script: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.advisor_scenarios import MODEL_NAME, AdvisorLab
+from kvscope.advisor import CollectorSource, analyze
+from kvscope.advisor.steptime import StepTimeModel
+from kvscope.lab.sweep import SweepConfig, run_sweep
+from kvscope.lab.sweep.workload import Workload
+
+LEVELS = (2, 4, 8, 12, 16, 24, 32)
+DURATION_S = 10.0
+WARMUP_S = 3.0
+PROMPT_WORDS = (20, 300)
+OUTPUT_TOKENS = 64
+BLOCK_SIZE = 32
+
+TARGETS = {
+    "plateau": 0.10,
+    "knee_levels": 1,
+    "e2e_p99": 0.25,
+    "preemptions_per_request": 0.30,
+}
+"""The issue's targets: plateau within 10%, knee within one load level, e2e P99 within
+25%, preemptions per finished request within 30% (of the real engine's)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    num_gpu_blocks: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    replicas: int = 1
+    shared_prefix_words: int = 0
+    prefix_groups: int = 1
+
+    def flags(self) -> tuple[str, ...]:
+        if self.max_num_batched_tokens is None:
+            return ()
+        return ("--max-num-batched-tokens", str(self.max_num_batched_tokens))
+
+
+CONFIGS: dict[str, Config] = {
+    "baseline": Config("baseline", 128),
+    "blocks-x2": Config("blocks-x2", 256),
+    "cap": Config("cap", 128, max_num_seqs=0),  # the advisor's cap on the baseline
+    "small-budget": Config("small-budget", 1024, 64, 64),
+    "pool-rr": Config("pool-rr", 128, replicas=2, shared_prefix_words=150, prefix_groups=4),
+}
+
+
+@dataclass
+class Level:
+    concurrency: int
+    tokens_per_s: float
+    e2e_p99_s: float | None
+    preemptions_per_request: float | None
+    finished: int
+
+
+@dataclass
+class Side:
+    """One configuration as measured (real) or predicted (twin)."""
+
+    levels: list[Level]
+    bottleneck: str | None = None
+    knee: float | None = None
+    plateau_tokens_per_s: float | None = None
+    cap: int | None = None
+
+
+@dataclass
+class Comparison:
+    config: Config
+    real: Side
+    twin: Side
+    twin_wall_s: float = 0.0
+    twin_sim_s: float = 0.0
+    checks: dict[str, Any] = field(default_factory=dict)
+
+
+# -- the real engine ---------------------------------------------------------------------
+
+
+class TwinLab(AdvisorLab):
+    prompt_words = PROMPT_WORDS
+    output_tokens = OUTPUT_TOKENS
+
+    def real(self, cfg: Config, seed: int) -> tuple[Side, dict[str, Any], float, float]:
+        """Run ``cfg``'s sweep on the real engine(s); the side, one engine's hello, and
+        the sweep's time range."""
+        from contextlib import ExitStack
+
+        with ExitStack() as stack:
+            servers = [
+                stack.enter_context(
+                    self.engine(
+                        cfg.name,
+                        num_gpu_blocks=cfg.num_gpu_blocks,
+                        max_num_seqs=cfg.max_num_seqs,
+                        extra_args=cfg.flags(),
+                    )
+                )
+                for _ in range(cfg.replicas)
+            ]
+            for s in servers:
+                self._warm(s)
+            ids = self._engine_ids(cfg.name, cfg.replicas)
+            result = run_sweep(
+                SweepConfig(
+                    url=servers[0].url,
+                    replicas=[s.url for s in servers[1:]],
+                    routing="round-robin",
+                    model=MODEL_NAME,
+                    concurrency=list(LEVELS),
+                    duration_s=DURATION_S,
+                    warmup_s=WARMUP_S,
+                    cooldown_s=1.0,
+                    prompt_words=PROMPT_WORDS,
+                    output_tokens=(OUTPUT_TOKENS, OUTPUT_TOKENS),
+                    shared_prefix_words=cfg.shared_prefix_words,
+                    prefix_groups=cfg.prefix_groups,
+                    seed=seed,
+                    progress=self.progress,
+                )
+            )
+            for s, eid in zip(servers, ids, strict=True):
+                self._drain(s, eid)
+        src = CollectorSource(self._collector.url)
+        since, until = result.levels[0].window_start_unix_s - WARMUP_S, time.time()
+        w = src.windows(since, until, pool=cfg.name)
+        r = src.requests(since, until, pool=cfg.name)
+        levels = [
+            _level(lv.concurrency, w, r, lv.window_start_unix_s, lv.window_end_unix_s)
+            for lv in result.levels
+        ]
+        hello = next(
+            e for e in self._collector.get_json("/v1/engines")["rows"] if e["engine_id"] == ids[0]
+        )
+        side = _advised(Side(levels), self._collector.url, since, until, cfg.name)
+        return side, hello, since, until
+
+    def _engine_ids(self, pool: str, n: int) -> list[str]:
+        deadline = time.monotonic() + 30.0
+        while True:
+            rows = self._collector.get_json("/v1/engines")["rows"]
+            ids = [r["engine_id"] for r in rows if r.get("pool") == pool]
+            if len(ids) >= n:
+                return [str(i) for i in ids[-n:]]
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{n} engines of pool {pool} did not reach the collector")
+            time.sleep(0.5)
+
+
+def _level(c: int, w: pd.DataFrame, r: pd.DataFrame, a: float, b: float) -> Level:
+    ts = pd.to_numeric(w["ts_s"]) if len(w) else pd.Series(dtype=float)
+    ww = w[(ts >= a) & (ts + 1.0 <= b + 0.5)] if len(w) else w
+    seconds = ww["ts_s"].nunique() if len(ww) else 0
+    gen = float(pd.to_numeric(ww["generation_tokens"]).sum()) if len(ww) else 0.0
+    fin = pd.to_numeric(r["finished_unix_s"]) if len(r) else pd.Series(dtype=float)
+    done = r[(fin >= a) & (fin < b) & (r["finish_reason"] != "abort")] if len(r) else r
+    e2e = float(pd.to_numeric(done["e2e_s"]).quantile(0.99)) if len(done) else None
+    pre = float(pd.to_numeric(done["preemptions"]).mean()) if len(done) else None
+    return Level(c, gen / seconds if seconds else math.nan, e2e, pre, len(done))
+
+
+def _advised(side: Side, url: str, since: float, until: float, pool: str) -> Side:
+    report = analyze(CollectorSource(url), since, until, pool=pool)
+    pv = report.pools[0] if report.pools else None
+    if report.engines:
+        v = report.engines[0]
+        side.bottleneck = v.bottleneck
+        side.knee = v.knee_concurrency
+        side.cap = v.recommended_concurrency_cap
+    if pv is not None:  # a pool's plateau is its engines' sum
+        side.plateau_tokens_per_s = pv.plateau_tokens_per_s
+    return side
+
+
+# -- the twin -------------------------------------------------------------------------------
+
+
+def tokenized_stream(model_dir: Path, cfg: Config, seed: int, n: int = 4000) -> list[Any]:
+    """``n`` requests of the lab workload, with the token ids the engine will see."""
+    from transformers import AutoTokenizer
+
+    from kvscope.twin.streams import TwinRequest
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    wl = Workload(
+        prompt_words=PROMPT_WORDS,
+        output_tokens=(OUTPUT_TOKENS, OUTPUT_TOKENS),
+        shared_prefix_words=cfg.shared_prefix_words,
+        prefix_groups=cfg.prefix_groups,
+        seed=seed,
+    )
+    out = []
+    per_level = -(-n // len(LEVELS))
+    for level in range(len(LEVELS)):
+        stream = wl.requests(level)
+        for _ in range(per_level):
+            spec = next(stream)
+            ids = tuple(tok(spec.prompt)["input_ids"])
+            out.append(TwinRequest(len(ids), spec.max_tokens, None, (), 1, len(out), ids))
+    return out
+
+
+def predict(
+    cfg: Config, hello: dict[str, Any], cost: Any, stream: list[Any], url: str, start: float
+) -> tuple[Side, float, float]:
+    from kvscope.twin.feed import CollectorFeed
+    from kvscope.twin.shape import EngineShape, build_vllm_config, model_shape
+    from kvscope.twin.sim import Twin, TwinPool
+    from kvscope.twin.streams import ClosedLoop
+
+    shape = EngineShape(
+        model_shape("lab-mid"),
+        num_gpu_blocks=cfg.num_gpu_blocks,
+        block_size=int(hello["block_size"]),
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens or int(hello["max_num_batched_tokens"]),
+        # The lab's rule (VllmServer): 2,048 tokens, less when the cache is smaller.
+        max_model_len=min(2048, (cfg.num_gpu_blocks - 1) * BLOCK_SIZE),
+        enable_prefix_caching=True,
+    )
+    pool = f"{cfg.name}-twin"
+    twins = []
+    for i in range(cfg.replicas):
+        t = Twin(shape, cost, start_unix_s=start)
+        t.sink = CollectorFeed(
+            url,
+            build_vllm_config(shape),
+            engine_id=f"twin-{cfg.name}:{i}",
+            pool=pool,
+            start_unix_s=start,
+        )
+        twins.append(t)
+    seconds = DURATION_S + WARMUP_S
+    per = len(stream) // len(LEVELS)
+    phases = [
+        ClosedLoop(stream[i * per : (i + 1) * per], c, duration_s=seconds)
+        for i, c in enumerate(LEVELS)
+    ]
+    wall = time.perf_counter()
+    results = TwinPool(twins, routing="round-robin", start_unix_s=start).run(*phases)
+    wall = time.perf_counter() - wall
+    starts = results[0].extra["phase_starts"]
+    steps = pd.concat([r.steps for r in results])
+    reqs = pd.concat([r.requests for r in results])
+    levels = []
+    for c, s0 in zip(LEVELS, starts, strict=True):
+        a, b = s0 + WARMUP_S, s0 + seconds
+        st = steps[(steps["t_end"] > a) & (steps["t_end"] <= b)]
+        done = reqs[(reqs["finish"] > a) & (reqs["finish"] <= b)]
+        levels.append(
+            Level(
+                c,
+                float(st["generated"].sum()) / DURATION_S,
+                float(done["e2e_s"].quantile(0.99)) if len(done) else None,
+                float(done["preemptions"].mean()) if len(done) else None,
+                len(done),
+            )
+        )
+    end = max(r.end_unix_s for r in results)
+    side = _advised(Side(levels), url, start, end + 1, pool)
+    return side, wall, end - start
+
+
+# -- comparison -------------------------------------------------------------------------------
+
+
+def _rel(twin: float | None, real: float | None) -> float | None:
+    if twin is None or real is None or not real or not math.isfinite(real):
+        return None
+    return twin / real - 1.0
+
+
+def _level_index(knee: float | None) -> float | None:
+    """Position of a knee on the level ladder (fractional between levels)."""
+    if knee is None or not math.isfinite(knee):
+        return None
+    xs = [math.log(c) for c in LEVELS]
+    k = math.log(max(knee, LEVELS[0]))
+    for i in range(len(xs) - 1):
+        if k <= xs[i + 1]:
+            return i + (k - xs[i]) / (xs[i + 1] - xs[i])
+    return float(len(xs) - 1)
+
+
+def judge(cmp: Comparison) -> None:
+    real, twin = cmp.real, cmp.twin
+    top_r, top_t = real.levels[-1], twin.levels[-1]
+    plateau = _rel(twin.plateau_tokens_per_s, real.plateau_tokens_per_s)
+    ki, kj = _level_index(real.knee), _level_index(twin.knee)
+    knee_apart = None if ki is None or kj is None else abs(ki - kj)
+    e2e = _rel(top_t.e2e_p99_s, top_r.e2e_p99_s)
+    pr, pt = top_r.preemptions_per_request, top_t.preemptions_per_request
+    if pr is not None and pt is not None and max(pr, pt) < 0.05:
+        pre: float | None = 0.0  # both (close to) none
+    else:
+        pre = _rel(pt, pr)
+    cmp.checks = {
+        "plateau_error": plateau,
+        "plateau_ok": plateau is not None and abs(plateau) <= TARGETS["plateau"],
+        "knee_levels_apart": knee_apart,
+        "knee_ok": knee_apart is not None and knee_apart <= TARGETS["knee_levels"],
+        "e2e_p99_error": e2e,
+        "e2e_p99_ok": e2e is not None and abs(e2e) <= TARGETS["e2e_p99"],
+        "preemptions_error": pre,
+        "preemptions_ok": pre is not None and abs(pre) <= TARGETS["preemptions_per_request"],
+        "bottleneck_same": real.bottleneck == twin.bottleneck,
+    }
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.0%}"
+
+
+def _f(v: float | None, spec: str = ",.0f") -> str:
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+def table(results: list[Comparison]) -> str:
+    lines = [
+        "| config | flags | real plateau | twin | err | real knee | twin | levels apart | "
+        "real e2e P99 (top) | twin | err | real preempt/req (top) | twin | real verdict | twin verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in results:
+        k = c.checks
+        cfg = c.config
+        flags = f"{cfg.num_gpu_blocks} blocks, seqs {cfg.max_num_seqs}"
+        if cfg.max_num_batched_tokens:
+            flags += f", budget {cfg.max_num_batched_tokens}"
+        if cfg.replicas > 1:
+            flags += f", {cfg.replicas} replicas RR"
+        lines.append(
+            f"| {cfg.name} | {flags} | {_f(c.real.plateau_tokens_per_s)} | "
+            f"{_f(c.twin.plateau_tokens_per_s)} | {_pct(k['plateau_error'])} | "
+            f"{_f(c.real.knee, '.1f')} | {_f(c.twin.knee, '.1f')} | {_f(k['knee_levels_apart'], '.1f')} | "
+            f"{_f(c.real.levels[-1].e2e_p99_s, '.2f')} s | {_f(c.twin.levels[-1].e2e_p99_s, '.2f')} s | "
+            f"{_pct(k['e2e_p99_error'])} | {_f(c.real.levels[-1].preemptions_per_request, '.2f')} | "
+            f"{_f(c.twin.levels[-1].preemptions_per_request, '.2f')} | {c.real.bottleneck} | "
+            f"{c.twin.bottleneck} |"
+        )
+    return "\n".join(lines)
+
+
+def level_table(c: Comparison) -> str:
+    lines = [f"{c.config.name}: generated tok/s per level, real / twin"]
+    for r, t in zip(c.real.levels, c.twin.levels, strict=True):
+        lines.append(
+            f"  {r.concurrency:>3} clients: {_f(r.tokens_per_s):>6} / {_f(t.tokens_per_s):>6} "
+            f"({_pct(_rel(t.tokens_per_s, r.tokens_per_s))}), e2e P99 "
+            f"{_f(r.e2e_p99_s, '.2f')} / {_f(t.e2e_p99_s, '.2f')} s, preempt/req "
+            f"{_f(r.preemptions_per_request, '.2f')} / {_f(t.preemptions_per_request, '.2f')}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="configurations to compare")
+    ap.add_argument("--workdir", default=".kvscope/bench-twin")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    names = [n for n in args.configs.split(",") if n]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configs {unknown}; choose from {list(CONFIGS)}")
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    out: list[Comparison] = []
+    with TwinLab(args.workdir, log=log, progress=not args.no_progress) as lab:
+        assert lab.model_dir is not None
+        base = CONFIGS["baseline"]
+        log("calibration: the baseline on the real engine")
+        base_real, hello, since, until = lab.real(base, args.seed)
+        src = CollectorSource(lab._collector.url)
+        fit = StepTimeModel().fit(src.windows(since, until, pool=base.name))
+        from kvscope.twin.steptime import LinearStepCost
+
+        cost = LinearStepCost.from_fit(fit, source="the baseline run's windows")
+        log(f"step time fitted on the baseline: {cost.describe()}")
+        cfgs = []
+        for n in names:
+            cfg = CONFIGS[n]
+            if n == "cap":
+                cap = base_real.cap or 8
+                cfg = Config("cap", base.num_gpu_blocks, max_num_seqs=cap)
+            cfgs.append(cfg)
+        predictions: dict[str, tuple[Side, float, float]] = {}
+        for cfg in cfgs:
+            log(f"twin: predicting {cfg.name}")
+            stream = tokenized_stream(lab.model_dir, cfg, args.seed)
+            start = time.time() - 3 * len(LEVELS) * (DURATION_S + WARMUP_S) - 600
+            predictions[cfg.name] = predict(cfg, hello, cost, stream, lab._collector.url, start)
+        for cfg in cfgs:
+            if cfg.name == "baseline":
+                real = base_real
+            else:
+                log(f"real engine: {cfg.name}")
+                real = lab.real(cfg, args.seed)[0]
+            twin, wall, sim = predictions[cfg.name]
+            cmp = Comparison(cfg, real, twin, wall, sim)
+            judge(cmp)
+            out.append(cmp)
+            log(level_table(cmp))
+    print(table(out))
+    ok = sum(all(v for k, v in c.checks.items() if k.endswith("_ok")) for c in out)
+    print(f"\n{ok} of {len(out)} configurations within every target; step time: {cost.describe()}")
+    med = statistics.median(c.twin_sim_s / max(c.twin_wall_s, 1e-9) for c in out)
+    print(f"twin speed: median {med:,.0f}x real time")
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"step_time": cost.describe(), "results": [asdict(c) for c in out]},
+                indent=2,
+                default=str,
+            )
+            + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
