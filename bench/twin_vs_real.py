@@ -30,6 +30,13 @@ output tokens; the pool's prompts share one of four 150-word prefixes):
 - ``small-budget``: 1,024 blocks, ``--max-num-batched-tokens 64`` (and ``max_num_seqs``
   64, which vLLM needs beside it): prompts prefill in chunks over several steps.
 - ``pool-rr``: two baseline engines under round robin with prefix-sharing prompts.
+  On a 2-core machine the two engine cores (each spins a core) and their API servers
+  share two cores, so the pool's throughput is not what a step time measured on one
+  engine alone predicts; on GPUs each replica has its own device. The pool's row is
+  read for its prefix-cache hit rate and preemptions.
+
+The plateau of a side is the mean generated tokens/s of its top three levels (measured,
+whatever the advisor decides); knee, bottleneck and cap are the advisor's on each side.
 """
 
 from __future__ import annotations
@@ -104,6 +111,7 @@ class Level:
     e2e_p99_s: float | None
     preemptions_per_request: float | None
     finished: int
+    prefix_hit_rate: float | None = None
 
 
 @dataclass
@@ -209,7 +217,11 @@ def _level(c: int, w: pd.DataFrame, r: pd.DataFrame, a: float, b: float) -> Leve
     done = r[(fin >= a) & (fin < b) & (r["finish_reason"] != "abort")] if len(r) else r
     e2e = float(pd.to_numeric(done["e2e_s"]).quantile(0.99)) if len(done) else None
     pre = float(pd.to_numeric(done["preemptions"]).mean()) if len(done) else None
-    return Level(c, gen / seconds if seconds else math.nan, e2e, pre, len(done))
+    q = float(pd.to_numeric(ww["prefix_queries"]).sum()) if len(ww) else 0.0
+    h = float(pd.to_numeric(ww["prefix_hits"]).sum()) if len(ww) else 0.0
+    return Level(
+        c, gen / seconds if seconds else math.nan, e2e, pre, len(done), h / q if q else None
+    )
 
 
 def _advised(side: Side, url: str, since: float, until: float, pool: str) -> Side:
@@ -300,6 +312,7 @@ def predict(
         a, b = s0 + WARMUP_S, s0 + seconds
         st = steps[(steps["t_end"] > a) & (steps["t_end"] <= b)]
         done = reqs[(reqs["finish"] > a) & (reqs["finish"] <= b)]
+        q = float(st["prefix_queries"].sum())
         levels.append(
             Level(
                 c,
@@ -307,6 +320,7 @@ def predict(
                 float(done["e2e_s"].quantile(0.99)) if len(done) else None,
                 float(done["preemptions"].mean()) if len(done) else None,
                 len(done),
+                float(st["prefix_hits"].sum()) / q if q else None,
             )
         )
     end = max(r.end_unix_s for r in results)
@@ -335,21 +349,38 @@ def _level_index(knee: float | None) -> float | None:
     return float(len(xs) - 1)
 
 
+PLATEAU_LEVELS = 3
+"""The measured plateau: mean generated tokens/s of the top levels (16, 24 and 32
+clients), on each side, whatever the advisor decides about saturation."""
+
+
+def plateau(side: Side) -> float:
+    return statistics.fmean(lv.tokens_per_s for lv in side.levels[-PLATEAU_LEVELS:])
+
+
 def judge(cmp: Comparison) -> None:
     real, twin = cmp.real, cmp.twin
     top_r, top_t = real.levels[-1], twin.levels[-1]
-    plateau = _rel(twin.plateau_tokens_per_s, real.plateau_tokens_per_s)
+    plateau_err = _rel(plateau(twin), plateau(real))
     ki, kj = _level_index(real.knee), _level_index(twin.knee)
-    knee_apart = None if ki is None or kj is None else abs(ki - kj)
+    if real.knee is None and twin.knee is None:
+        knee_apart: float | None = 0.0  # neither saturated: no knee on either side
+    else:
+        knee_apart = None if ki is None or kj is None else abs(ki - kj)
     e2e = _rel(top_t.e2e_p99_s, top_r.e2e_p99_s)
     pr, pt = top_r.preemptions_per_request, top_t.preemptions_per_request
     if pr is not None and pt is not None and max(pr, pt) < 0.05:
         pre: float | None = 0.0  # both (close to) none
     else:
         pre = _rel(pt, pr)
+    hr, ht = top_r.prefix_hit_rate, top_t.prefix_hit_rate
     cmp.checks = {
-        "plateau_error": plateau,
-        "plateau_ok": plateau is not None and abs(plateau) <= TARGETS["plateau"],
+        "plateau_real": plateau(real),
+        "plateau_twin": plateau(twin),
+        "plateau_error": plateau_err,
+        "plateau_ok": plateau_err is not None and abs(plateau_err) <= TARGETS["plateau"],
+        "prefix_hit_rate_real": hr,
+        "prefix_hit_rate_twin": ht,
         "knee_levels_apart": knee_apart,
         "knee_ok": knee_apart is not None and knee_apart <= TARGETS["knee_levels"],
         "e2e_p99_error": e2e,
@@ -371,8 +402,9 @@ def _f(v: float | None, spec: str = ",.0f") -> str:
 def table(results: list[Comparison]) -> str:
     lines = [
         "| config | flags | real plateau | twin | err | real knee | twin | levels apart | "
-        "real e2e P99 (top) | twin | err | real preempt/req (top) | twin | real verdict | twin verdict |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "real e2e P99 (top) | twin | err | real preempt/req (top) | twin | real prefix hits "
+        "| twin | real verdict | twin verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in results:
         k = c.checks
@@ -383,13 +415,14 @@ def table(results: list[Comparison]) -> str:
         if cfg.replicas > 1:
             flags += f", {cfg.replicas} replicas RR"
         lines.append(
-            f"| {cfg.name} | {flags} | {_f(c.real.plateau_tokens_per_s)} | "
-            f"{_f(c.twin.plateau_tokens_per_s)} | {_pct(k['plateau_error'])} | "
+            f"| {cfg.name} | {flags} | {_f(k['plateau_real'])} | "
+            f"{_f(k['plateau_twin'])} | {_pct(k['plateau_error'])} | "
             f"{_f(c.real.knee, '.1f')} | {_f(c.twin.knee, '.1f')} | {_f(k['knee_levels_apart'], '.1f')} | "
             f"{_f(c.real.levels[-1].e2e_p99_s, '.2f')} s | {_f(c.twin.levels[-1].e2e_p99_s, '.2f')} s | "
             f"{_pct(k['e2e_p99_error'])} | {_f(c.real.levels[-1].preemptions_per_request, '.2f')} | "
-            f"{_f(c.twin.levels[-1].preemptions_per_request, '.2f')} | {c.real.bottleneck} | "
-            f"{c.twin.bottleneck} |"
+            f"{_f(c.twin.levels[-1].preemptions_per_request, '.2f')} | "
+            f"{_f(k['prefix_hit_rate_real'], '.0%')} | {_f(k['prefix_hit_rate_twin'], '.0%')} | "
+            f"{c.real.bottleneck} | {c.twin.bottleneck} |"
         )
     return "\n".join(lines)
 

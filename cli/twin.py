@@ -42,6 +42,7 @@ examples:
   kvscope twin replay --trace traces/AzureLLMInferenceTrace_conv.csv --gpu h100-80gb
   kvscope twin replay --prompt-tokens 200:800 --output-tokens 100:400 --rate 12 \\
       --collector http://collector:8844 --pool llama-8b
+  kvscope twin replay --like gpu-7:8000:0 --source http://collector:8844 --kv-cache-dtype fp8
 """
 
 
@@ -157,10 +158,12 @@ def _common(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="KV-cache blocks (default: from the GPU's memory, as vLLM would allocate)",
     )
-    e.add_argument("--block-size", type=count, default=16, metavar="N")
-    e.add_argument("--max-num-seqs", type=count, default=256, metavar="N")
-    e.add_argument("--max-num-batched-tokens", type=count, default=8192, metavar="N")
-    e.add_argument("--max-model-len", type=count, default=8192, metavar="N")
+    e.add_argument("--block-size", type=count, default=None, metavar="N", help="(default: 16)")
+    e.add_argument("--max-num-seqs", type=count, default=None, metavar="N", help="(default: 256)")
+    e.add_argument(
+        "--max-num-batched-tokens", type=count, default=None, metavar="N", help="(default: 8192)"
+    )
+    e.add_argument("--max-model-len", type=count, default=None, metavar="N", help="(default: 8192)")
     e.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto")
     e.add_argument("--no-prefix-caching", action="store_true")
     e.add_argument("--no-chunked-prefill", action="store_true")
@@ -170,6 +173,17 @@ def _common(p: argparse.ArgumentParser) -> None:
         default="roofline",
         metavar="roofline|A,B,C[,D]",
         help="step-time model (default: roofline of the GPU's datasheet)",
+    )
+    like = p.add_argument_group(
+        "a running engine",
+        "start from an engine a collector knows: its configuration (the flags above "
+        "override it), the advisor's fit of its step time, and the requests it served",
+    )
+    like.add_argument("--like", default=None, metavar="ENGINE_ID", help="the engine's id")
+    like.add_argument("--source", default=None, metavar="URL", help="the collector that has it")
+    like.add_argument("--source-token", default=None, help="that collector's bearer token")
+    like.add_argument(
+        "--since", default="1h", help="its data from this long ago (default: 1h; see advise)"
     )
     w = p.add_argument_group("workload")
     w.add_argument("--trace", default=None, metavar="FILE", help="Mooncake, Azure or lengths trace")
@@ -214,11 +228,73 @@ def _fail(msg: str) -> int:
     return 2
 
 
+_DEFAULTS = {
+    "block_size": 16,
+    "max_num_seqs": 256,
+    "max_num_batched_tokens": 8192,
+    "max_model_len": 8192,
+}
+
+
+def _setting(args: argparse.Namespace, name: str) -> int:
+    v = getattr(args, name)
+    return int(_DEFAULTS[name] if v is None else v)
+
+
+def _like(args: argparse.Namespace) -> tuple[Any, Any, list[Any]]:
+    """Shape, step time and requests of a running engine (``--like`` / ``--source``)."""
+    from kvscope.advisor import CollectorSource, analyze
+    from kvscope.args import parse_time
+    from kvscope.twin.shape import TwinConfigError
+    from kvscope.twin.whatif import cost_of, shape_of, stream_of
+
+    if not args.source:
+        raise TwinConfigError("--like needs --source URL, the collector that knows the engine")
+    src = CollectorSource(args.source, token=args.source_token)
+    now = time.time()
+    since = parse_time("--since", args.since, now)
+    engines = src.engines()
+    rows = engines[engines["engine_id"] == args.like] if len(engines) else engines
+    if rows.empty:
+        known = ", ".join(sorted(map(str, engines.get("engine_id", [])))[:10]) or "none"
+        raise TwinConfigError(f"the collector has no engine {args.like!r} (it has: {known})")
+    hello = rows.iloc[-1]
+    report = analyze(src, since, now, hello.get("pool"))
+    cost = cost_of(report, args.like)
+    if cost is None:
+        raise TwinConfigError(
+            f"the advisor could not fit {args.like}'s step time from its data since "
+            f"{args.since}: widen --since, or give --step-time A,B,C"
+        )
+    requests = stream_of(src.requests(since, now, engine=args.like))
+    if not requests:
+        raise TwinConfigError(f"{args.like} served no request since {args.since}")
+    shape = shape_of(hello)
+    changes = {
+        name: int(getattr(args, name))
+        for name in ("num_gpu_blocks", *_DEFAULTS)
+        if getattr(args, name, None) is not None
+    }
+    if args.kv_cache_dtype == "fp8" and not shape.kv_cache_dtype.startswith("fp8"):
+        changes["num_gpu_blocks"] = changes.get("num_gpu_blocks", 2 * shape.num_gpu_blocks)
+        changes["kv_cache_dtype"] = "fp8"  # type: ignore[assignment]
+    if args.no_prefix_caching:
+        changes["enable_prefix_caching"] = False
+    return shape.with_(**changes), cost, requests
+
+
 def _build(args: argparse.Namespace) -> tuple[Any, Any, list[Any]]:
     from kvscope.twin.shape import EngineShape, blocks_for, model_shape
     from kvscope.twin.steptime import LinearStepCost, RooflineStepCost, gpu
     from kvscope.twin.streams import from_trace, synthetic
 
+    cost: Any
+    if args.like:
+        shape, cost, requests = _like(args)
+        if args.step_time != "roofline":
+            v = args.step_time
+            cost = LinearStepCost(v[0], v[1], v[2], v[3] if len(v) > 3 else 0.0, "--step-time")
+        return shape, cost, requests
     model = model_shape(args.model)
     device = gpu(args.gpu)
     kv_bytes = 1.0 if args.kv_cache_dtype == "fp8" else 2.0
@@ -226,23 +302,23 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any, list[Any]]:
         model,
         device.memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        block_size=args.block_size,
+        block_size=_setting(args, "block_size"),
         kv_bytes_per_value=kv_bytes,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     shape = EngineShape(
         model,
         num_gpu_blocks=blocks,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
+        block_size=_setting(args, "block_size"),
+        max_num_seqs=_setting(args, "max_num_seqs"),
+        max_num_batched_tokens=_setting(args, "max_num_batched_tokens"),
+        max_model_len=_setting(args, "max_model_len"),
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         kv_cache_dtype=args.kv_cache_dtype,
     )
     if args.step_time == "roofline":
-        cost: Any = RooflineStepCost(
+        cost = RooflineStepCost(
             model, device, args.tensor_parallel_size, kv_bytes_per_value=kv_bytes
         )
     else:
@@ -306,6 +382,7 @@ def _progress(total_s: float, enabled: bool) -> tuple[Any, Any]:
 def run_sweep(args: argparse.Namespace) -> int:
     require("twin", "twin")
     _quiet_vllm(args)
+    from kvscope.advisor.sources import SourceError
     from kvscope.twin.feed import CollectorFeed
     from kvscope.twin.shape import TwinConfigError, build_vllm_config
     from kvscope.twin.streams import StreamError
@@ -313,7 +390,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     try:
         shape, cost, requests = _build(args)
-    except (TwinConfigError, StreamError, ValueError, OSError) as exc:
+    except (TwinConfigError, StreamError, ValueError, OSError, SourceError) as exc:
         return _fail(str(exc))
     start = time.time() - len(args.levels) * args.seconds_per_level - 60
     tick, bar = _progress(len(args.levels) * args.seconds_per_level, not args.no_progress)
@@ -322,7 +399,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         feed = CollectorFeed(
             col.url,
             build_vllm_config(shape),
-            engine_id=f"twin-{shape.model.name}:0",
+            engine_id=f"twin-{args.like}" if args.like else f"twin-{shape.model.name}:0",
             pool=args.pool,
             token=args.token,
             start_unix_s=start,
@@ -353,6 +430,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 def run_replay(args: argparse.Namespace) -> int:
     require("twin", "twin")
     _quiet_vllm(args)
+    from kvscope.advisor.sources import SourceError
     from kvscope.twin.feed import CollectorFeed
     from kvscope.twin.shape import TwinConfigError, build_vllm_config
     from kvscope.twin.sim import Twin
@@ -364,7 +442,7 @@ def run_replay(args: argparse.Namespace) -> int:
             requests = with_poisson_arrivals(requests, args.rate, args.seed)
         elif any(r.arrival_s is None for r in requests):
             return _fail("this workload has no arrival times: give --rate R, or a timed trace")
-    except (TwinConfigError, StreamError, ValueError, OSError) as exc:
+    except (TwinConfigError, StreamError, ValueError, OSError, SourceError) as exc:
         return _fail(str(exc))
     span = max(r.arrival_s or 0.0 for r in requests)
     start = time.time() - 3 * span - 600
@@ -374,7 +452,7 @@ def run_replay(args: argparse.Namespace) -> int:
         feed = CollectorFeed(
             col.url,
             build_vllm_config(shape),
-            engine_id=f"twin-{shape.model.name}:0",
+            engine_id=f"twin-{args.like}" if args.like else f"twin-{shape.model.name}:0",
             pool=args.pool,
             token=args.token,
             start_unix_s=start,

@@ -85,3 +85,19 @@ def test_advise_replay_tries_the_proposals_on_a_twin_of_the_real_engine(
     assert 0.7 <= cap["twin_fraction"] <= 1.1
     assert cap["twin_e2e_p99_s"] < ev["baseline_e2e_p99_s"]
     assert "replayed through vLLM's scheduler" in replay["summary"]
+
+
+def test_a_twin_of_a_running_engine_replays_its_own_requests(
+    kv_starved_collector: Replayed, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = kv_starved_collector.collector.url
+    args = ["twin", "replay", "--like", "demo-host:8000:0", "--source", url, "--since", "30m"]
+    assert main([*args, "--no-progress"]) == 0
+    base = capsys.readouterr().out
+    # The engine's own configuration (48 blocks of 32) and every request it served.
+    assert "48 KV blocks of 32 (1,536 tokens)" in base
+    assert "replayed 454 requests (0 refused, 0 unfinished)" in base
+    assert main([*args, "--kv-cache-dtype", "fp8", "--no-progress"]) == 0
+    assert "96 KV blocks of 32" in capsys.readouterr().out
+    assert main(["twin", "replay", "--like", "nope:1:0", "--source", url, "--no-progress"]) == 2
+    assert "has no engine 'nope:1:0' (it has: demo-host:8000:0" in capsys.readouterr().err
