@@ -45,11 +45,14 @@ class SchemaVersionError(ValueError):
 
 
 def _clean(v: Any) -> Any:
-    """JSON-safe copy: numpy scalars to Python, NaN/inf to None, tuples to lists."""
+    """JSON-safe copy: numpy scalars to Python, NaN/inf and pandas' missing values
+    (``pd.NA`` of a nullable column, ``pd.NaT``) to None, tuples to lists."""
     if isinstance(v, dict):
         return {str(k): _clean(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [_clean(x) for x in v]
+    if type(v).__name__ in ("NAType", "NaTType"):
+        return None
     if hasattr(v, "item") and not isinstance(v, (str, bytes)):
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):

@@ -99,13 +99,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     twin_sub = p.add_subparsers(dest="twin_command", metavar="{sweep,replay}")
-    s = twin_sub.add_parser(
-        "sweep",
-        help="closed-loop concurrency levels, and the advisor's verdict on them",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _common(s)
+
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        c = twin_sub.add_parser(
+            name, help=text, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        _common(c)
+        return c
+
+    s = command("sweep", "closed-loop concurrency levels, and the advisor's verdict on them")
     s.add_argument(
         "--levels",
         type=_levels,
@@ -120,13 +122,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="simulated seconds per level (default: 60)",
     )
     s.set_defaults(func=run_sweep)
-    r = twin_sub.add_parser(
-        "replay",
-        help="replay arrivals open loop (a trace's times, or Poisson at --rate)",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _common(r)
+    r = command("replay", "replay arrivals open loop (a trace's times, or Poisson at --rate)")
     r.add_argument(
         "--rate",
         type=positive,

@@ -11,9 +11,11 @@ model cards); ``params`` is the parameter count the step-time model reads weight
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -181,49 +183,70 @@ def model_dir(model: ModelShape) -> Path:
 
 def build_vllm_config(shape: EngineShape) -> Any:
     """vLLM's own ``VllmConfig`` for ``shape`` (imports vLLM)."""
-    os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
-    # vLLM logs its configuration at INFO on every build; a replay builds several.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     except ImportError as exc:  # pragma: no cover - exercised without vllm only
         raise TwinConfigError(
             "the engine twin needs vLLM (the CPU build is enough): pip install 'kvscope[twin]'"
         ) from exc
-    model_config = ModelConfig(
-        model=str(model_dir(shape.model)),
-        served_model_name=shape.model.name,
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=shape.max_model_len,
-        seed=0,
-    )
-    scheduler_config = SchedulerConfig(
-        max_num_seqs=shape.max_num_seqs,
-        max_num_batched_tokens=shape.max_num_batched_tokens,
-        max_model_len=shape.max_model_len,
-        enable_chunked_prefill=shape.enable_chunked_prefill,
-        is_encoder_decoder=False,
-    )
-    cache_config = CacheConfig(
-        block_size=shape.block_size,
-        enable_prefix_caching=shape.enable_prefix_caching,
-        cache_dtype=shape.kv_cache_dtype,  # type: ignore[arg-type]
-    )
-    cache_config.num_gpu_blocks = shape.num_gpu_blocks
-    return VllmConfig(
-        model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
-    )
+    # A twin may have a longer context than its stand-in model folder declares; vLLM
+    # reads this switch while it builds the config. And vLLM's platform code sets
+    # switches of its own for the process it configures (a worker start method, kernel
+    # layouts). Both are for this moment only: the environment is inherited by anything
+    # started later, a real vLLM server included.
+    with _restored_environ(VLLM_ALLOW_LONG_MAX_MODEL_LEN="1"):
+        model_config = ModelConfig(
+            model=str(model_dir(shape.model)),
+            served_model_name=shape.model.name,
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            max_model_len=shape.max_model_len,
+            seed=0,
+        )
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=shape.max_num_seqs,
+            max_num_batched_tokens=shape.max_num_batched_tokens,
+            max_model_len=shape.max_model_len,
+            enable_chunked_prefill=shape.enable_chunked_prefill,
+            is_encoder_decoder=False,
+        )
+        cache_config = CacheConfig(
+            block_size=shape.block_size,
+            enable_prefix_caching=shape.enable_prefix_caching,
+            cache_dtype=shape.kv_cache_dtype,  # type: ignore[arg-type]
+        )
+        cache_config.num_gpu_blocks = shape.num_gpu_blocks
+        return VllmConfig(
+            model_config=model_config, scheduler_config=scheduler_config, cache_config=cache_config
+        )
+
+
+@contextlib.contextmanager
+def _restored_environ(**switches: str) -> Iterator[None]:
+    """Set ``switches`` for the block; afterwards the environment is what it was."""
+    saved = dict(os.environ)
+    os.environ.update(switches)
+    try:
+        yield
+    finally:
+        if dict(os.environ) != saved:
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 def build_scheduler(shape: EngineShape, vllm_config: Any | None = None) -> Any:
     """vLLM's v1 ``Scheduler`` and KV-cache manager for ``shape``, without a model."""
+    vc = vllm_config if vllm_config is not None else build_vllm_config(shape)
+    with _restored_environ():
+        return _scheduler(shape, vc)
+
+
+def _scheduler(shape: EngineShape, vc: Any) -> Any:
     import torch
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    vc = vllm_config if vllm_config is not None else build_vllm_config(shape)
     spec = FullAttentionSpec(
         block_size=shape.block_size,
         num_kv_heads=shape.model.num_kv_heads,

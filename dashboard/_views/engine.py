@@ -33,8 +33,13 @@ def _config_line(cfg: dict) -> str:
     )
     on = cfg.get("enable_prefix_caching")
     caching = "unknown" if on is None else ("on" if on else "off")
+    twin = (
+        "**a twin** (vLLM's scheduler replaying traffic with a step-time model, not a server); "
+        if cfg.get("simulated") is True
+        else ""
+    )
     return (
-        f"model `{cfg.get('model')}`, vLLM {cfg.get('vllm_version')}; KV cache {kv}; "
+        f"{twin}model `{cfg.get('model')}`, vLLM {cfg.get('vllm_version')}; KV cache {kv}; "
         f"max_num_seqs {num(cfg.get('max_num_seqs'), '.0f')}, max_num_batched_tokens "
         f"{num(cfg.get('max_num_batched_tokens'), '.0f')}, prefix caching {caching}, "
         f"kv_cache_dtype {cfg.get('kv_cache_dtype')}, tensor parallel "

@@ -197,3 +197,20 @@ def test_trace_replay_shares_mooncake_prefix_blocks(repo_root: object = None) ->
     assert r.requests["cached_tokens"].sum() > 0
     hits = r.steps["prefix_hits"].sum() / max(1, r.steps["prefix_queries"].sum())
     assert 0.05 < hits < 0.95
+
+
+def test_building_a_twin_leaves_the_environment_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Anything started later (a real vLLM server) inherits the environment: a twin must not
+    # leave vLLM switches behind (a leaked VLLM_LOGGING_LEVEL once silenced a server's log).
+    for name in ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_LOGGING_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    import os
+
+    def vllm_switches() -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+
+    before = vllm_switches()
+    # A context beyond the model's 32,768 positions needs vLLM's switch while it builds.
+    shape = EngineShape(model_shape("qwen2.5-7b"), num_gpu_blocks=1000, max_model_len=65_536)
+    Twin(shape, COST, start_unix_s=1e9).run(ClosedLoop(_same(4, 100, 5), 2))
+    assert vllm_switches() == before
