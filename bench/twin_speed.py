@@ -67,6 +67,8 @@ def _bare(n: int, steps: int) -> float:
     ``schedule()`` and ``update_from_output()``, one token per finished prefill,
     finished requests replaced; no clock, no stats, no feed."""
     from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
@@ -74,6 +76,9 @@ def _bare(n: int, steps: int) -> float:
 
     shape = _shape(n)
     sched = build_scheduler(shape)
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(shape.block_size, hash_fn)
     reqs = iter(synthetic(n * 40, prompt_tokens=(300, 300), output_tokens=(1000, 1000), seed=n))
 
     def add(i: int) -> None:
@@ -84,6 +89,7 @@ def _bare(n: int, steps: int) -> float:
                 prompt_token_ids=r.token_ids(),
                 sampling_params=SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
                 pooling_params=None,
+                block_hasher=hasher,
             )
         )
 
