@@ -258,6 +258,17 @@ class CollectorSource:
                 reason=reason,
             ) from e
 
+    def steps(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
+        """Raw engine steps (``/v1/steps``; kept for the collector's raw retention, a day
+        by default), with ``iteration_s`` where vLLM reports it."""
+        return self._ranged("/v1/steps", "ts_unix_s", since, until, engine, pool)
+
     @staticmethod
     def _frame(answer: dict[str, Any]) -> pd.DataFrame:
         if "columns" in answer:

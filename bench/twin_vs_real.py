@@ -154,7 +154,8 @@ class TwinLab(AdvisorLab):
                         cfg.name,
                         num_gpu_blocks=cfg.num_gpu_blocks,
                         max_num_seqs=cfg.max_num_seqs,
-                        extra_args=cfg.flags(),
+                        # vLLM's per-step iteration time, for the twin's step-time fit
+                        extra_args=(*cfg.flags(), "--enable-logging-iteration-details"),
                     )
                 )
                 for _ in range(cfg.replicas)
@@ -446,6 +447,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument(
+        "--step-fit",
+        choices=("steps", "windows"),
+        default="steps",
+        help="fit the step time on the baseline's engine steps (vLLM's iteration times, "
+        "the default) or on its 1-second windows (the advisor's fit)",
+    )
     args = ap.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
     unknown = [n for n in names if n not in CONFIGS]
@@ -462,11 +470,17 @@ def main(argv: list[str] | None = None) -> int:
         log("calibration: the baseline on the real engine")
         base_real, hello, since, until = lab.real(base, args.seed)
         src = CollectorSource(lab._collector.url)
-        fit = StepTimeModel().fit(src.windows(since, until, pool=base.name))
-        from kvscope.twin.steptime import LinearStepCost
+        from kvscope.twin.steptime import LinearStepCost, fit_steps
 
-        cost = LinearStepCost.from_fit(fit, source="the baseline run's windows")
-        log(f"step time fitted on the baseline: {cost.describe()}")
+        windows_fit = LinearStepCost.from_fit(
+            StepTimeModel().fit(src.windows(since, until, pool=base.name)),
+            source="the baseline run's 1-second windows",
+        )
+        log(f"step time fitted on the baseline's windows: {windows_fit.describe()}")
+        cost: Any = windows_fit
+        if args.step_fit == "steps":
+            cost = fit_steps(src.steps(since, until, pool=base.name))
+            log(f"step time fitted on the baseline's steps: {cost.describe()}")
         cfgs = []
         for n in names:
             cfg = CONFIGS[n]

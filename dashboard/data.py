@@ -67,15 +67,6 @@ class _KeepingSource:
         return self.frames["kv_events"]
 
 
-class _StepSource(CollectorSource):
-    """The collector source with the raw steps too (``GET /v1/steps``)."""
-
-    def steps(
-        self, since: float | None = None, until: float | None = None, engine: str | None = None
-    ) -> pd.DataFrame:
-        return self._ranged("/v1/steps", "ts_unix_s", since, until, engine, None)
-
-
 @dataclass
 class Snapshot:
     """One read of the collector: the advisor's report and the frames it was made from.
@@ -279,7 +270,7 @@ def recent_steps(
     Empty when the collector no longer holds them (raw steps are kept
     ``--raw-retention-s``). Raises :class:`advisor.SourceError` on a failed read.
     """
-    source = _StepSource(
+    source = CollectorSource(
         settings.collector_url, token=settings.token, timeout_s=settings.timeout_s, page_rows=limit
     )
     return source.steps(last_step_unix_s - seconds, last_step_unix_s + 1.0, engine_id)

@@ -90,6 +90,47 @@ class LinearStepCost:
         }
 
 
+def fit_steps(steps: Any, *, trim: float = 0.05, min_steps: int = 200) -> LinearStepCost:
+    """``a + b*batch + c*computed prompt tokens`` fitted on single engine steps.
+
+    ``steps`` is the collector's raw step frame of one engine (``/v1/steps``) with
+    ``iteration_s``, which vLLM reports when started with
+    ``--enable-logging-iteration-details``: one equation per step, not per second, so
+    the per-request and per-token costs separate far better than on 1-second sums. The
+    batch is vLLM's ``num_running_reqs`` after the step; computed prompt tokens are the
+    step's prompt tokens less its prefix-cache hits (vLLM counts a prompt at the step
+    that completes it, which is the step that computes it unless it was chunked). A
+    non-negative least-squares fit, refitted once without the ``trim`` share of steps
+    with the largest residuals (steps that waited on something else).
+    """
+    import numpy as np
+    from scipy import optimize
+
+    need = ("iteration_s", "batch_size", "prompt_tokens", "prefix_hits")
+    missing = [c for c in need if c not in steps]
+    if missing:
+        raise ValueError(f"steps lack {missing}; read them from the collector's /v1/steps")
+    t = np.asarray(steps["iteration_s"], dtype=float)
+    batch = np.asarray(steps["batch_size"], dtype=float)
+    prompt = np.asarray(steps["prompt_tokens"], dtype=float)
+    hits = np.nan_to_num(np.asarray(steps["prefix_hits"], dtype=float))
+    ok = np.isfinite(t) & (t > 0) & np.isfinite(batch) & np.isfinite(prompt) & (batch >= 1)
+    if ok.sum() < min_steps:
+        raise ValueError(
+            f"{int(ok.sum())} steps with an iteration time (need {min_steps}): start vLLM "
+            "with --enable-logging-iteration-details, or fit on windows instead"
+        )
+    X = np.c_[np.ones(int(ok.sum())), batch[ok], np.clip(prompt[ok] - hits[ok], 0.0, None)]
+    y = t[ok]
+    coef, _ = optimize.nnls(X, y)
+    resid = np.abs(y - X @ coef)
+    keep = resid <= np.quantile(resid, 1.0 - trim)
+    coef, _ = optimize.nnls(X[keep], y[keep])
+    return LinearStepCost(
+        float(coef[0]), float(coef[1]), float(coef[2]), 0.0, f"{int(keep.sum())} engine steps"
+    )
+
+
 @dataclass(frozen=True)
 class Gpu:
     """A device's datasheet figures."""

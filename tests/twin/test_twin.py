@@ -214,3 +214,26 @@ def test_building_a_twin_leaves_the_environment_as_it_was(monkeypatch: pytest.Mo
     shape = EngineShape(model_shape("qwen2.5-7b"), num_gpu_blocks=1000, max_model_len=65_536)
     Twin(shape, COST, start_unix_s=1e9).run(ClosedLoop(_same(4, 100, 5), 2))
     assert vllm_switches() == before
+
+
+def test_a_step_fit_on_vllms_per_step_accounting_recovers_the_step_time() -> None:
+    # What the plugin stores per step (vLLM's running count after the step, prompt
+    # tokens counted when the prompt completes, the iteration time) from a twin whose
+    # step time is known: the fit must find it again despite vLLM's accounting.
+    from kvscope.twin.steptime import fit_steps
+
+    truth = LinearStepCost(0.006, 0.0005, 0.0002)
+    reqs = synthetic(3000, prompt_tokens=(20, 300), output_tokens=(16, 96), seed=5)
+    r = Twin(_shape(num_gpu_blocks=600), truth, start_unix_s=1e9).run(
+        *(
+            ClosedLoop(reqs[i * 500 : (i + 1) * 500], c, duration_s=30)
+            for i, c in enumerate((2, 4, 8, 16, 32))
+        )
+    )
+    steps = r.steps.rename(columns={"step_s": "iteration_s", "running": "batch_size"})
+    fit = fit_steps(steps)
+    assert fit.a_s == pytest.approx(truth.a_s, rel=0.15)
+    assert fit.b_s == pytest.approx(truth.b_s, rel=0.15)
+    assert fit.c_s == pytest.approx(truth.c_s, rel=0.15)
+    with pytest.raises(ValueError, match="enable-logging-iteration-details"):
+        fit_steps(steps.assign(iteration_s=float("nan")))
