@@ -449,10 +449,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument(
         "--step-fit",
-        choices=("steps", "windows"),
-        default="steps",
-        help="fit the step time on the baseline's engine steps (vLLM's iteration times, "
-        "the default) or on its 1-second windows (the advisor's fit)",
+        choices=("cycle", "steps", "windows"),
+        default="cycle",
+        help="fit the step time on the baseline's step cycle (time between consecutive "
+        "steps, the default), on vLLM's reported per-step execution times, or on its "
+        "1-second windows (the advisor's fit)",
     )
     args = ap.parse_args(argv)
     names = [n for n in args.configs.split(",") if n]
@@ -478,9 +479,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         log(f"step time fitted on the baseline's windows: {windows_fit.describe()}")
         cost: Any = windows_fit
-        if args.step_fit == "steps":
-            cost = fit_steps(src.steps(since, until, pool=base.name))
-            log(f"step time fitted on the baseline's steps: {cost.describe()}")
+        if args.step_fit != "windows":
+            cost = fit_steps(
+                src.steps(since, until, pool=base.name), cycle=args.step_fit == "cycle"
+            )
+            log(f"step time fitted on the baseline's steps ({args.step_fit}): {cost.describe()}")
         cfgs = []
         for n in names:
             cfg = CONFIGS[n]

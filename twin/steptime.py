@@ -90,7 +90,9 @@ class LinearStepCost:
         }
 
 
-def fit_steps(steps: Any, *, trim: float = 0.05, min_steps: int = 200) -> LinearStepCost:
+def fit_steps(
+    steps: Any, *, cycle: bool = False, trim: float = 0.05, min_steps: int = 200
+) -> LinearStepCost:
     """``a + b*batch + c*computed prompt tokens`` fitted on single engine steps.
 
     ``steps`` is the collector's raw step frame of one engine (``/v1/steps``) with
@@ -102,6 +104,12 @@ def fit_steps(steps: Any, *, trim: float = 0.05, min_steps: int = 200) -> Linear
     that completes it, which is the step that computes it unless it was chunked). A
     non-negative least-squares fit, refitted once without the ``trim`` share of steps
     with the largest residuals (steps that waited on something else).
+
+    ``cycle`` fits the step cycle instead: the time from one step's stats to the next's
+    (``ts_unix_s``), which holds what vLLM does around the execution it reports
+    (scheduling, output processing, the hand-over to the API server: 1.5-3 ms per step
+    on the lab's CPU engine), against the requests running when the step began; steps
+    after a gap of 0.5 s or more (idle) are left out.
     """
     import numpy as np
     from scipy import optimize
@@ -110,8 +118,18 @@ def fit_steps(steps: Any, *, trim: float = 0.05, min_steps: int = 200) -> Linear
     missing = [c for c in need if c not in steps]
     if missing:
         raise ValueError(f"steps lack {missing}; read them from the collector's /v1/steps")
-    t = np.asarray(steps["iteration_s"], dtype=float)
-    batch = np.asarray(steps["batch_size"], dtype=float)
+    if cycle:
+        # Step i's cycle ends when its stats arrive and began when step i-1's did; it
+        # ran the requests running after step i-1 and computed step i's prompt tokens.
+        ts = np.asarray(steps["ts_unix_s"], dtype=float)
+        order = np.argsort(ts, kind="stable")
+        steps = steps.iloc[order]
+        gap = np.insert(np.diff(ts[order]), 0, np.nan)
+        t = np.where(gap < 0.5, gap, np.nan)
+        batch = np.insert(np.asarray(steps["batch_size"], dtype=float)[:-1], 0, np.nan)
+    else:
+        t = np.asarray(steps["iteration_s"], dtype=float)
+        batch = np.asarray(steps["batch_size"], dtype=float)
     prompt = np.asarray(steps["prompt_tokens"], dtype=float)
     hits = np.nan_to_num(np.asarray(steps["prefix_hits"], dtype=float))
     ok = np.isfinite(t) & (t > 0) & np.isfinite(batch) & np.isfinite(prompt) & (batch >= 1)

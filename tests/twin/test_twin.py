@@ -235,5 +235,10 @@ def test_a_step_fit_on_vllms_per_step_accounting_recovers_the_step_time() -> Non
     assert fit.a_s == pytest.approx(truth.a_s, rel=0.15)
     assert fit.b_s == pytest.approx(truth.b_s, rel=0.15)
     assert fit.c_s == pytest.approx(truth.c_s, rel=0.15)
+    # The step cycle (time between consecutive steps' stats) is the same here: a closed
+    # loop never idles the twin's engine.
+    by_cycle = fit_steps(steps.assign(ts_unix_s=steps["t_end"]), cycle=True)
+    assert by_cycle.b_s == pytest.approx(truth.b_s, rel=0.15)
+    assert by_cycle.c_s == pytest.approx(truth.c_s, rel=0.15)
     with pytest.raises(ValueError, match="enable-logging-iteration-details"):
         fit_steps(steps.assign(iteration_s=float("nan")))
