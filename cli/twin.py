@@ -362,6 +362,21 @@ class _Collector:
             self._dir.cleanup()
 
 
+def _feed(args: argparse.Namespace, url: str, shape: Any, start: float) -> Any:
+    """The plugin and exporter that send the twin's steps to the collector at ``url``."""
+    from kvscope.twin.feed import CollectorFeed
+    from kvscope.twin.shape import build_vllm_config
+
+    return CollectorFeed(
+        url,
+        build_vllm_config(shape),
+        engine_id=f"twin-{args.like}" if args.like else f"twin-{shape.model.name}:0",
+        pool=args.pool,
+        token=args.token,
+        start_unix_s=start,
+    )
+
+
 def _progress(total_s: float, enabled: bool) -> tuple[Any, Any]:
     if not enabled:
         return None, None
@@ -379,8 +394,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     require("twin", "twin")
     _quiet_vllm(args)
     from kvscope.advisor.sources import SourceError
-    from kvscope.twin.feed import CollectorFeed
-    from kvscope.twin.shape import TwinConfigError, build_vllm_config
+    from kvscope.twin.shape import TwinConfigError
     from kvscope.twin.streams import StreamError
     from kvscope.twin.sweep import sweep
 
@@ -392,14 +406,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     tick, bar = _progress(len(args.levels) * args.seconds_per_level, not args.no_progress)
     with _Collector(args.collector) as col:
         assert col.url is not None
-        feed = CollectorFeed(
-            col.url,
-            build_vllm_config(shape),
-            engine_id=f"twin-{args.like}" if args.like else f"twin-{shape.model.name}:0",
-            pool=args.pool,
-            token=args.token,
-            start_unix_s=start,
-        )
+        feed = _feed(args, col.url, shape, start)
         try:
             result = sweep(
                 shape,
@@ -427,8 +434,7 @@ def run_replay(args: argparse.Namespace) -> int:
     require("twin", "twin")
     _quiet_vllm(args)
     from kvscope.advisor.sources import SourceError
-    from kvscope.twin.feed import CollectorFeed
-    from kvscope.twin.shape import TwinConfigError, build_vllm_config
+    from kvscope.twin.shape import TwinConfigError
     from kvscope.twin.sim import Twin
     from kvscope.twin.streams import StreamError, with_poisson_arrivals
 
@@ -445,14 +451,7 @@ def run_replay(args: argparse.Namespace) -> int:
     tick, bar = _progress(span, not args.no_progress)
     with _Collector(args.collector) as col:
         assert col.url is not None
-        feed = CollectorFeed(
-            col.url,
-            build_vllm_config(shape),
-            engine_id=f"twin-{args.like}" if args.like else f"twin-{shape.model.name}:0",
-            pool=args.pool,
-            token=args.token,
-            start_unix_s=start,
-        )
+        feed = _feed(args, col.url, shape, start)
         twin = Twin(shape, cost, sink=feed, start_unix_s=start, progress=tick)
         try:
             run = twin.run(requests)

@@ -145,7 +145,7 @@ class Snapshot:
         if not len(rows):
             return {}
         return {
-            k: (None if isinstance(v, float) and v != v else v)
+            k: (None if (isinstance(v, float) and v != v) or v is pd.NA else v)
             for k, v in rows.iloc[0].to_dict().items()
         }
 

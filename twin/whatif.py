@@ -231,6 +231,7 @@ def replay_whatifs(
             out.append(Finding("whatif_replay", scope, f"what-ifs not replayed: {exc}"))
             continue
         base = _closed(base_shape, cost, reqs, load, seconds)
+        replayed: dict[EngineShape, _Run] = {base_shape: base}
         rows: list[dict[str, Any]] = []
         for rec in recs:
             flags = list(rec.change["vllm_flags"])
@@ -249,7 +250,9 @@ def replay_whatifs(
                 row["note"] = "not a change the twin models"
                 rows.append(row)
                 continue
-            got = _closed(shape, cost, reqs, load, seconds)
+            if shape not in replayed:  # fp8 and a second GPU both double the blocks
+                replayed[shape] = _closed(shape, cost, reqs, load, seconds)
+            got = replayed[shape]
             ratio = got.tokens_per_s / base.tokens_per_s if base.tokens_per_s else math.nan
             row.update(
                 twin_tokens_per_s=got.tokens_per_s,

@@ -16,8 +16,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="the twin runs vLLM's scheduler (scripts/test installs it)")
-
 from kvscope.advisor import CollectorSource, EngineVerdict, analyze
 from kvscope.collector.process import CollectorProcess
 from kvscope.twin.feed import CollectorFeed

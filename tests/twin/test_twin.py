@@ -24,8 +24,6 @@ from kvscope.twin.streams import (
     with_poisson_arrivals,
 )
 
-pytest.importorskip("vllm", reason="the twin runs vLLM's scheduler (scripts/test installs it)")
-
 MODEL = model_shape("llama-3.1-8b")
 COST = LinearStepCost(0.010, 0.001, 1e-5)
 

@@ -15,8 +15,6 @@ import pytest
 from kvscope.cli.main import main
 from tests.conftest import Replayed
 
-pytest.importorskip("vllm", reason="the twin runs vLLM's scheduler (scripts/test installs it)")
-
 
 def test_sweep_prints_levels_a_plot_and_the_advisors_verdict(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
