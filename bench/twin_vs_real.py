@@ -1,21 +1,28 @@
 """The engine twin against the real engine: calibrate on one run, predict the others.
 
-One command (about 15 minutes on a 2-core machine, five engine starts)::
+One command (about 25 minutes on a 2-core machine with the default two runs of each
+configuration)::
 
     .venv/bin/python bench/twin_vs_real.py [--configs blocks-x2,cap] [--json out.json]
 
 1. **Calibration**: the real vLLM CPU engine (the lab's "mid" model, the kvscope plugin,
    a collector) runs the baseline configuration through a closed-loop sweep of
-   :data:`LEVELS`. The twin's step-time model is the advisor's fit
-   (:class:`kvscope.advisor.steptime.StepTimeModel`) on that run's 1-second windows;
-   nothing else is taken from it.
+   :data:`LEVELS`, with vLLM's per-step details on. The twin's step-time model is fitted
+   on that run's steps (``--step-fit``: by default the step cycle, the time from one
+   step's stats to the next, against the work of the step; or vLLM's reported
+   execution time; or the advisor's fit on 1-second windows); nothing else is taken
+   from it.
 2. **Predictions**, made before any other engine starts: for each configuration of
    :data:`CONFIGS` the twin (vLLM's scheduler, the fitted step time, the engine's own
    hello for blocks, block size, budget and ``max_num_seqs``) runs the same sweep on
    the same workload, tokenized with the model's tokenizer, so the prefix cache sees
    the engine's tokens, and feeds the collector through the plugin (pool
    ``<config>-twin``).
-3. **Measurements**: the real engine runs each configuration's sweep.
+3. **Measurements**: the real engine runs each configuration's sweep, ``--repeats``
+   times on fresh engines in rounds over the configurations (a 2-core machine moves
+   the same configuration's throughput by up to 20% from one engine start to the
+   next); the twin is judged against the per-level median, and each row states the
+   runs' spread.
 4. The advisor reads both pools; the table sets, per configuration, the twin's
    plateau, knee, e2e P99 and preemptions per finished request against the real
    engine's, with the targets of :data:`TARGETS`.
@@ -133,6 +140,42 @@ class Comparison:
     twin_wall_s: float = 0.0
     twin_sim_s: float = 0.0
     checks: dict[str, Any] = field(default_factory=dict)
+    real_runs: list[Side] = field(default_factory=list)
+    """Every real run of the configuration; ``real`` is their per-level median."""
+
+
+def _median(values: list[float | None]) -> float | None:
+    vs = [v for v in values if v is not None and math.isfinite(v)]
+    return statistics.median(vs) if vs else None
+
+
+def median_side(runs: list[Side]) -> Side:
+    """The per-level median of repeated real runs of one configuration (the advisor's
+    knee and cap their medians, its verdict the most frequent)."""
+    if len(runs) == 1:
+        return runs[0]
+    levels = []
+    for per in zip(*(r.levels for r in runs), strict=True):
+        tps = _median([lv.tokens_per_s for lv in per])
+        levels.append(
+            Level(
+                per[0].concurrency,
+                math.nan if tps is None else tps,
+                _median([lv.e2e_p99_s for lv in per]),
+                _median([lv.preemptions_per_request for lv in per]),
+                int(statistics.median(lv.finished for lv in per)),
+                _median([lv.prefix_hit_rate for lv in per]),
+            )
+        )
+    verdicts = [r.bottleneck for r in runs]
+    cap = _median([float(r.cap) for r in runs if r.cap is not None])
+    return Side(
+        levels,
+        bottleneck=max(set(verdicts), key=verdicts.count),
+        knee=_median([r.knee for r in runs]),
+        plateau_tokens_per_s=_median([r.plateau_tokens_per_s for r in runs]),
+        cap=None if cap is None else round(cap),
+    )
 
 
 # -- the real engine ---------------------------------------------------------------------
@@ -142,16 +185,25 @@ class TwinLab(AdvisorLab):
     prompt_words = PROMPT_WORDS
     output_tokens = OUTPUT_TOKENS
 
-    def real(self, cfg: Config, seed: int) -> tuple[Side, dict[str, Any], float, float]:
-        """Run ``cfg``'s sweep on the real engine(s); the side, one engine's hello, and
-        the sweep's time range."""
+    def __enter__(self) -> TwinLab:
+        super().__enter__()
+        return self
+
+    def real(
+        self, cfg: Config, seed: int, run: int = 0
+    ) -> tuple[Side, dict[str, Any], float, float]:
+        """Run ``cfg``'s sweep on the real engine(s), fresh ones for each ``run`` (pool
+        ``<config>`` for the first, ``<config>-r<run>`` after); the side, one engine's
+        hello, and the sweep's time range."""
         from contextlib import ExitStack
+
+        pool = cfg.name if run == 0 else f"{cfg.name}-r{run}"
 
         with ExitStack() as stack:
             servers = [
                 stack.enter_context(
                     self.engine(
-                        cfg.name,
+                        pool,
                         num_gpu_blocks=cfg.num_gpu_blocks,
                         max_num_seqs=cfg.max_num_seqs,
                         # vLLM's per-step iteration time, for the twin's step-time fit
@@ -162,7 +214,7 @@ class TwinLab(AdvisorLab):
             ]
             for s in servers:
                 self._warm(s)
-            ids = self._engine_ids(cfg.name, cfg.replicas)
+            ids = self._engine_ids(pool, cfg.replicas)
             result = run_sweep(
                 SweepConfig(
                     url=servers[0].url,
@@ -185,8 +237,8 @@ class TwinLab(AdvisorLab):
                 self._drain(s, next(i for i in ids if f":{s.port}:" in i))
         src = CollectorSource(self._collector.url)
         since, until = result.levels[0].window_start_unix_s - WARMUP_S, time.time()
-        w = src.windows(since, until, pool=cfg.name)
-        r = src.requests(since, until, pool=cfg.name)
+        w = src.windows(since, until, pool=pool)
+        r = src.requests(since, until, pool=pool)
         levels = [
             _level(lv.concurrency, w, r, lv.window_start_unix_s, lv.window_end_unix_s)
             for lv in result.levels
@@ -194,7 +246,7 @@ class TwinLab(AdvisorLab):
         hello = next(
             e for e in self._collector.get_json("/v1/engines")["rows"] if e["engine_id"] == ids[0]
         )
-        side = _advised(Side(levels), self._collector.url, since, until, cfg.name)
+        side = _advised(Side(levels), self._collector.url, since, until, pool)
         return side, hello, since, until
 
     def _engine_ids(self, pool: str, n: int) -> list[str]:
@@ -255,7 +307,7 @@ def tokenized_stream(model_dir: Path, cfg: Config, seed: int, n: int = 4000) -> 
         prefix_groups=cfg.prefix_groups,
         seed=seed,
     )
-    out = []
+    out: list[Any] = []
     per_level = -(-n // len(LEVELS))
     for level in range(len(LEVELS)):
         stream = wl.requests(level)
@@ -375,8 +427,12 @@ def judge(cmp: Comparison) -> None:
     else:
         pre = _rel(pt, pr)
     hr, ht = top_r.prefix_hit_rate, top_t.prefix_hit_rate
+    runs = [plateau(r) for r in cmp.real_runs] or [plateau(real)]
     cmp.checks = {
         "plateau_real": plateau(real),
+        "plateau_real_runs": runs,
+        # the real engine's own run-to-run spread: (max - min) / median of its runs
+        "plateau_real_spread": (max(runs) - min(runs)) / statistics.median(runs),
         "plateau_twin": plateau(twin),
         "plateau_error": plateau_err,
         "plateau_ok": plateau_err is not None and abs(plateau_err) <= TARGETS["plateau"],
@@ -402,7 +458,7 @@ def _f(v: float | None, spec: str = ",.0f") -> str:
 
 def table(results: list[Comparison]) -> str:
     lines = [
-        "| config | flags | real plateau | twin | err | real knee | twin | levels apart | "
+        "| config | flags | real plateau (runs) | twin | err | real knee | twin | levels apart | "
         "real e2e P99 (top) | twin | err | real preempt/req (top) | twin | real prefix hits "
         "| twin | real verdict | twin verdict |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -415,8 +471,12 @@ def table(results: list[Comparison]) -> str:
             flags += f", budget {cfg.max_num_batched_tokens}"
         if cfg.replicas > 1:
             flags += f", {cfg.replicas} replicas RR"
+        runs = ", ".join(_f(v) for v in k["plateau_real_runs"])
+        spread = (
+            f"; spread {k['plateau_real_spread']:.0%}" if len(k["plateau_real_runs"]) > 1 else ""
+        )
         lines.append(
-            f"| {cfg.name} | {flags} | {_f(k['plateau_real'])} | "
+            f"| {cfg.name} | {flags} | {_f(k['plateau_real'])} ({runs}{spread}) | "
             f"{_f(k['plateau_twin'])} | {_pct(k['plateau_error'])} | "
             f"{_f(c.real.knee, '.1f')} | {_f(c.twin.knee, '.1f')} | {_f(k['knee_levels_apart'], '.1f')} | "
             f"{_f(c.real.levels[-1].e2e_p99_s, '.2f')} s | {_f(c.twin.levels[-1].e2e_p99_s, '.2f')} s | "
@@ -455,7 +515,17 @@ def main(argv: list[str] | None = None) -> int:
         "steps, the default), on vLLM's reported per-step execution times, or on its "
         "1-second windows (the advisor's fit)",
     )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="real runs of each configuration, each on a fresh engine, in rounds over the "
+        "configurations; the twin is judged against their per-level median and each "
+        "row states their spread (the baseline's first run is the calibration)",
+    )
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     names = [n for n in args.configs.split(",") if n]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
@@ -497,18 +567,24 @@ def main(argv: list[str] | None = None) -> int:
             stream = tokenized_stream(lab.model_dir, cfg, args.seed)
             start = time.time() - 3 * len(LEVELS) * (DURATION_S + WARMUP_S) - 600
             predictions[cfg.name] = predict(cfg, hello, cost, stream, lab._collector.url, start)
-        for cfg in cfgs:
-            if cfg.name == "baseline":
-                real = base_real
-            else:
-                log(f"real engine: {cfg.name}")
+        runs: dict[str, list[Side]] = {cfg.name: [] for cfg in cfgs}
+        if "baseline" in runs:
+            runs["baseline"].append(base_real)
+        for k in range(args.repeats):  # rounds: every configuration once per round
+            for cfg in cfgs:
+                if len(runs[cfg.name]) > k:
+                    continue  # the calibration run is the baseline's first
+                log(f"real engine: {cfg.name}, run {k + 1} of {args.repeats}")
                 try:
-                    real = lab.real(cfg, args.seed)[0]
+                    runs[cfg.name].append(lab.real(cfg, args.seed, run=k)[0])
                 except RuntimeError as exc:  # one configuration's failure loses no other
-                    log(f"{cfg.name}: not measured: {exc}")
-                    continue
+                    log(f"{cfg.name}: run {k + 1} not measured: {exc}")
+        for cfg in cfgs:
+            if not runs[cfg.name]:
+                continue
             twin, wall, sim = predictions[cfg.name]
-            cmp = Comparison(cfg, real, twin, wall, sim)
+            cmp = Comparison(cfg, median_side(runs[cfg.name]), twin, wall, sim)
+            cmp.real_runs = runs[cfg.name]
             judge(cmp)
             out.append(cmp)
             log(level_table(cmp))
