@@ -34,6 +34,12 @@ from kvscope.advisor.findings import (
     Report,
     Scope,
 )
+from kvscope.advisor.gateways import (
+    ReplicaCap,
+    balance_routing,
+    pool_renderings,
+    prefix_routing,
+)
 from kvscope.advisor.latency import LatencyVsLoad
 from kvscope.advisor.prefix import PrefixRouting
 from kvscope.advisor.sources import Source, WindowSample
@@ -437,17 +443,27 @@ def _config_recommendations(
     return out
 
 
+def _cap_recs(report: Report, pool: str | None) -> list[Recommendation]:
+    return [
+        r for r in report.recommendations if r.kind == "concurrency_cap" and r.scope.pool == pool
+    ]
+
+
 def _pool_cap(report: Report, pool: str | None, vs: list[EngineVerdict]) -> None:
-    """The pool's summed cap as one recommendation, with per-replica gateway limits."""
+    """The pool's summed cap as one recommendation, with its gateways' renderings (per
+    replica and per pool). A pool of one engine has none: that engine's own recommendation
+    carries the pool's renderings, the replica being the whole pool."""
     capped = [v for v in vs if v.recommended_concurrency_cap is not None]
-    if len(vs) < 2 or not capped:
+    engine_recs = _cap_recs(report, pool)
+    if not capped or not engine_recs:
+        return
+    replicas = [ReplicaCap.from_recommendation(r) for r in engine_recs]
+    uncapped = sorted({upstream(v.engine_id) for v in vs if v.recommended_concurrency_cap is None})
+    gateway = pool_renderings(pool, replicas, uncapped)
+    if len(vs) < 2:
+        engine_recs[0].change["gateway"] = gateway
         return
     total = sum(int(v.recommended_concurrency_cap or 0) for v in capped)
-    per_server: dict[str, int] = {}
-    for v in capped:
-        key = upstream(v.engine_id)
-        per_server[key] = per_server.get(key, 0) + int(v.recommended_concurrency_cap or 0)
-    servers = " ".join(f"server {k} max_conns={c};" for k, c in sorted(per_server.items()))
     weights = [v.plateau_tokens_per_s or 0.0 for v in capped]
     fractions = [v.predicted_throughput_fraction_at_cap for v in capped]
     frac = (
@@ -458,11 +474,9 @@ def _pool_cap(report: Report, pool: str | None, vs: list[EngineVerdict]) -> None
         if sum(weights) > 0 and None not in fractions
         else None
     )
-    engine_recs = [
-        r for r in report.recommendations if r.kind == "concurrency_cap" and r.scope.pool == pool
-    ]
-    gain = (sum(r.expected_gain for r in engine_recs) / len(engine_recs)) if engine_recs else 0.0
+    gain = sum(r.expected_gain for r in engine_recs) / len(engine_recs)
     missing = [v.engine_id for v in vs if v.recommended_concurrency_cap is None]
+    p99s = [r.p99_e2e_s for r in replicas if math.isfinite(r.p99_e2e_s)]
     report.recommendations.append(
         Recommendation(
             kind="pool_concurrency_cap",
@@ -474,13 +488,16 @@ def _pool_cap(report: Report, pool: str | None, vs: list[EngineVerdict]) -> None
             change={
                 "concurrency_cap": total,
                 "per_engine_caps": {v.engine_id: v.recommended_concurrency_cap for v in capped},
-                "gateway": {"nginx_upstream": f"upstream {pool} {{ {servers} }}"},
+                "gateway": gateway,
             },
-            expected_effect={"throughput_fraction": frac},
+            expected_effect={"throughput_fraction": frac, "p99_e2e_s": max(p99s) if p99s else None},
             tradeoff=(
-                "requests beyond a replica's cap wait at the gateway or are rejected"
+                "each replica takes at most its own cap and the pool their sum; the excess is "
+                "rejected (the status, and whether it first waits, depends on the gateway: "
+                "see each rendering)"
                 + (
-                    f"; no cap for {', '.join(missing)} (not saturated or too little data)"
+                    f"; no cap for {', '.join(missing)} (not saturated or too little data), "
+                    "so no pool-level limit"
                     if missing
                     else ""
                 )
@@ -577,7 +594,18 @@ def _prefix_and_balance(
         )
         report.findings.extend(pr.findings(pv.pool))
         rec = pr.recommendation(pv.pool)
+        addresses = sorted({upstream(e) for e in pv.engine_ids})
+        replicas = [ReplicaCap.from_recommendation(c) for c in _cap_recs(report, pv.pool)]
         if rec is not None:
+            rec.change["gateway"] = prefix_routing(
+                addresses,
+                replicas,
+                available=_finite(getattr(pr, "available_", None)),
+                hit_rate=_finite(getattr(pr, "events_hit_rate_", None)),
+                predicted_hit_rate=_finite(pr.predicted_hit_rate_affine_),
+                predicted_hit_rate_max=_finite(pr.predicted_hit_rate_affine_max_),
+                imbalance_threshold=imbalance_threshold,
+            )
             report.recommendations.append(rec)
         rates = dict(zip(pr.engines_["engine_id"], pr.engines_["hit_rate"], strict=True))
         for eid in pv.engine_ids:
@@ -595,4 +623,11 @@ def _prefix_and_balance(
         busiest = report.engine(lb.busiest_) if lb.busiest_ is not None else None
         bal = lb.recommendation(scope, busiest_saturated=bool(busiest and busiest.saturated))
         if bal is not None:
+            # Reuse lost across replicas too: the cache-aware policy, whose balance thresholds
+            # take the load in hand, rather than one that ignores prefixes.
+            bal.change.setdefault("gateway", {}).update(
+                {k: dict(v) for k, v in rec.change["gateway"].items()}
+                if rec is not None
+                else balance_routing(addresses, busiest=lb.busiest_, imbalance=lb.imbalance_)
+            )
             report.recommendations.append(bal)

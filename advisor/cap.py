@@ -32,15 +32,19 @@ Algorithm
 
 Rendering: the cap ``C`` becomes vLLM ``--max-num-seqs min(C, current)`` (for a
 KV-bound engine also at most the sequences its KV cache holds, so that admitted
-requests wait rather than being preempted) and ``--max-num-queued-reqs C + Q``, where ``Q = ceil(queue_share x C)`` is a short queue:
-vLLM's admission limit counts every unfinished request (running and waiting) in the
-API server and rejects the rest with 503 at once, for the gateway or client to retry
-on another replica, instead of letting them queue. Also a gateway cap (nginx
-``limit_conn``, Gateway API / llm-d ``maxConcurrency``) of ``C`` per replica. The
-predicted P99 is the gateway cap's (load ``C``): with the flags alone the queue of
-``Q`` stays full under overload and every admitted request waits in it for a slot; on
-the real KV-starved engine that doubled the admitted requests' P99 against a client
-cap (0.48-0.69x of the uncapped P99 instead of 0.24-0.36x, seven runs), the tradeoff text says so.
+requests wait rather than being preempted) and ``--max-num-queued-reqs C + Q``, where
+``Q = ceil(queue_share x C)`` is a short queue: vLLM's admission limit counts every
+unfinished request (running and waiting) in the API server and rejects the rest with 503
+at once, for the gateway or client to retry on another replica, instead of letting them
+queue. The gateways' renderings (:mod:`kvscope.advisor.gateways`) hold ``C`` per replica
+(nginx ``max_conns``) and the sum of the caps per pool, and say what each does with the
+excess. The predicted P99 is a gateway cap's (load ``C``); with the flags alone the queue
+of ``Q`` stays full under overload and every admitted request waits in it for a slot:
+the P99 at load ``C + Q`` (``p99_e2e_s_queued_``). On the real KV-starved engine that
+doubled the admitted requests' P99 against a client cap (0.48-0.69x of the uncapped P99
+instead of 0.24-0.36x, seven runs), the tradeoff text says so. The waiting requests and
+KV-cache use the engine showed at load ``C`` (``waiting_at_cap_``, ``kv_usage_at_cap_``)
+set the inference gateways' saturation thresholds.
 
 Parameters
 ----------
@@ -57,11 +61,24 @@ import math
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
+from kvscope.advisor.balance import upstream
 from kvscope.advisor.curve import ThroughputCurve
 from kvscope.advisor.findings import Recommendation, Scope
 from kvscope.advisor.frames import interp_crossing, isotonic_increasing
+from kvscope.advisor.gateways import ReplicaCap, replica_renderings, vllm_flags
 from kvscope.advisor.latency import LatencyVsLoad
+
+
+def _at(bins: pd.DataFrame, column: str, load: float) -> float:
+    """``column`` of the curve's bins at ``load`` (linear between bins; NaN without data)."""
+    if column not in bins:
+        return math.nan
+    b = bins[["load", column]].apply(pd.to_numeric, errors="coerce").dropna()
+    if not len(b):
+        return math.nan
+    return float(np.interp(load, b["load"].to_numpy(float), b[column].to_numpy(float)))
 
 
 def _fit_to_peak(medians: np.ndarray, weights: np.ndarray) -> tuple[int, np.ndarray]:
@@ -164,6 +181,10 @@ class ConcurrencyCap:
         self.throughput_fraction_ = (
             float(np.interp(cap, x, fit) / plateau) if plateau > 0 else math.nan
         )
+        self.queue_ = max(1, math.ceil(self.queue_share * self.cap_))
+        self.p99_e2e_s_queued_ = latency.p99_at(cap + self.queue_, "e2e_s")
+        self.waiting_at_cap_ = _at(curve.bins_, "waiting", cap)
+        self.kv_usage_at_cap_ = _at(curve.bins_, "kv_usage", cap)
         self.p99_e2e_s_at_cap_ = latency.p99_at(cap, "e2e_s")
         self.p99_ttft_s_at_cap_ = latency.p99_at(cap, "ttft_s")
         self.p99_e2e_s_at_max_ = latency.p99_at(curve.max_load_, "e2e_s")
@@ -182,9 +203,9 @@ class ConcurrencyCap:
         bad = "; the SLO cannot be met on this engine at any load" if not self.feasible_ else ""
         return (
             f"cap {self.cap_}: {self.throughput_fraction_:.0%} of peak throughput{lat}"
-            f"{slo}{bad}; requests beyond the cap wait at the gateway or are rejected "
-            "(with only the vLLM flags, admitted requests also queue in vLLM, adding "
-            "up to about one request's duration to the P99)"
+            f"{slo}{bad}; requests beyond the cap are rejected (a gateway holding the cap: "
+            "at once; with only the vLLM flags: past a short queue in vLLM, which adds up to "
+            "about one request's duration to the admitted requests' P99)"
         )
 
     def recommendation(
@@ -206,15 +227,24 @@ class ConcurrencyCap:
         seqs = min(c, current) if current > 0 else c
         if kv_fit_sequences is not None and math.isfinite(kv_fit_sequences):
             seqs = max(1, min(seqs, math.floor(kv_fit_sequences)))
-        queue = max(1, math.ceil(self.queue_share * c))
+        replica = ReplicaCap(
+            address=upstream(str(scope.engine_id or "")),
+            cap=c,
+            max_num_seqs=seqs,
+            queue=self.queue_,
+            p99_e2e_s=self.p99_e2e_s_at_cap_,
+            p99_e2e_s_queued=self.p99_e2e_s_queued_,
+            p99_e2e_s_uncapped=self.p99_e2e_s_at_max_,
+            waiting_at_cap=self.waiting_at_cap_,
+            kv_usage_at_cap=self.kv_usage_at_cap_,
+            engine_id=str(scope.engine_id or ""),
+            model=str(config.get("model") or ""),
+        )
         change = {
             "concurrency_cap": c,
             # vLLM's admission limit counts running and waiting requests together.
-            "vllm_flags": [f"--max-num-seqs {seqs}", f"--max-num-queued-reqs {c + queue}"],
-            "gateway": {
-                "nginx": f"limit_conn_zone $server_name zone=vllm_conn:1m; limit_conn vllm_conn {c};",
-                "gateway_api_maxConcurrency": c,
-            },
+            "vllm_flags": vllm_flags(replica),
+            "gateway": replica_renderings(replica),
         }
         gain = 0.0
         if math.isfinite(self.p99_e2e_s_at_cap_) and self.p99_e2e_s_at_max_ > 0:
@@ -242,6 +272,12 @@ class ConcurrencyCap:
                 "slo_e2e_p99_s": self.slo_e2e_p99_s,
                 "slo_limited": self.slo_limited_,
                 "feasible": self.feasible_,
+                "max_num_seqs": seqs,
+                "vllm_queue": self.queue_,
+                "p99_e2e_s_queued": self.p99_e2e_s_queued_,
+                "cap_waiting": self.waiting_at_cap_,
+                "cap_kv_usage_ratio": self.kv_usage_at_cap_,
+                "model": replica.model or None,
                 **(evidence or {}),
             },
         )

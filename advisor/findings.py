@@ -16,13 +16,19 @@ is about (``engine_id`` is ``None`` for a pool-level result).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
 """Version of the report's JSON layout."""
+
+JSON_SCHEMA_PATH = Path(__file__).with_name("advise.schema.json")
+"""JSON Schema (draft 2020-12) of the report ``kvscope advise --json`` writes (with
+``generated_unix_s``, ``kvscope_version`` and ``source`` set)."""
 
 Frame = dict[str, list[Any]]
 
@@ -105,8 +111,9 @@ class Finding:
 class Recommendation:
     """A concrete change with its predicted effect.
 
-    ``change`` holds what to apply, e.g. ``{"vllm_flags": ["--max-num-seqs 12"],
-    "gateway": {"nginx": "limit_conn perserver 12;", "gateway_api_maxConcurrency": 12}}``;
+    ``change`` holds what to apply, e.g. ``{"vllm_flags": ["--max-num-seqs 12"], "gateway":
+    {"nginx": {"config": "server h1:8000 max_conns=12;", "scope": "replica", "excess":
+    "...", ...}}}`` (a gateway's rendering, :mod:`kvscope.advisor.gateways`);
     ``expected_effect`` the predicted numbers (``throughput_fraction``,
     ``plateau_tokens_per_s``, ``p99_e2e_s``...); ``expected_gain`` one number used to
     rank recommendations (relative throughput gain, or relative P99 reduction).
@@ -122,8 +129,18 @@ class Recommendation:
     expected_gain: float = 0.0
     evidence: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def id(self) -> str:
+        """``rec-`` and 12 hex digits of a SHA-256 over ``kind``, ``scope`` and ``change``
+        (canonical JSON): the same advice gets the same id run after run, week after
+        week; a different cap or flag is a different id. Predictions, evidence and wording
+        do not enter it."""
+        key = {"kind": self.kind, "scope": dataclasses.asdict(self.scope), "change": self.change}
+        canon = json.dumps(_clean(key), sort_keys=True, separators=(",", ":"))
+        return "rec-" + hashlib.sha256(canon.encode()).hexdigest()[:12]
+
     def to_dict(self) -> dict[str, Any]:
-        return _clean(dataclasses.asdict(self))
+        return {"id": self.id, **_clean(dataclasses.asdict(self))}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Recommendation:
@@ -233,6 +250,13 @@ class Report:
     engines ever sent, also outside the range) and ``pools`` (every pool the source
     knows)."""
     schema_version: int = SCHEMA_VERSION
+    generated_unix_s: float | None = None
+    """Wall-clock time the report was written (set by the command that writes it; None
+    from :func:`~kvscope.advisor.analyze`, which stays deterministic)."""
+    kvscope_version: str | None = None
+    """The kvscope that wrote the report (set with ``generated_unix_s``)."""
+    source: dict[str, Any] | None = None
+    """What was read: ``{"kind": "collector" | "prometheus", "url": ...}``."""
 
     @property
     def has_data(self) -> bool:
@@ -267,6 +291,9 @@ class Report:
             "findings": [f.to_dict() for f in self.findings],
             "recommendations": [r.to_dict() for r in self.recommendations],
             "coverage": _clean(self.coverage),
+            "generated_unix_s": _clean(self.generated_unix_s),
+            "kvscope_version": self.kvscope_version,
+            "source": _clean(self.source),
         }
 
     def to_json(self, **kw: Any) -> str:
@@ -288,6 +315,9 @@ class Report:
             findings=[Finding.from_dict(x) for x in d.get("findings", [])],
             recommendations=[Recommendation.from_dict(x) for x in d.get("recommendations", [])],
             coverage=dict(d.get("coverage") or {}),
+            generated_unix_s=d.get("generated_unix_s"),
+            kvscope_version=d.get("kvscope_version"),
+            source=d.get("source"),
         )
 
     @classmethod

@@ -29,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvscope.advisor.findings import EngineVerdict, Finding, PoolVerdict, Recommendation, Report
+from kvscope.advisor.gateways import gateway_rows
 from kvscope.advisor.sources import SourceError
 from kvscope.advisor.textplot import throughput_plot
 
@@ -67,11 +68,6 @@ _CHANGE_LABELS = {
     "router_options": "routers",
 }
 _POOL_ROUTING_KINDS = ("prefix_aware_routing", "least_loaded_routing")
-_GATEWAY_LABELS = {
-    "nginx": "nginx",
-    "nginx_upstream": "nginx upstream",
-    "gateway_api_maxConcurrency": "Gateway API / llm-d",
-}
 
 
 # -- small formatters ------------------------------------------------------------------
@@ -325,7 +321,8 @@ def _prefix_block(report: Report, pv: PoolVerdict) -> list[Text | Padding]:
 # -- plots, recommendations, findings ----------------------------------------------------
 
 
-def _plot(report: Report, v: EngineVerdict) -> Panel | None:
+def _plot_lines(report: Report, v: EngineVerdict) -> tuple[str, list[str]] | None:
+    """The plot of one engine: its title and its lines (None without a curve)."""
     curve = report.findings_of("throughput_curve", v.engine_id)
     if not curve or not curve[0].frame:
         return None
@@ -343,12 +340,15 @@ def _plot(report: Report, v: EngineVerdict) -> Panel | None:
     )
     if not lines:
         return None
-    return Panel(
-        Text("\n".join(lines)),
-        expand=False,
-        title=f"{v.engine_id}: generated tok/s vs requests in flight",
-        title_align="left",
-    )
+    return f"{v.engine_id}: generated tok/s vs requests in flight", lines
+
+
+def _plot(report: Report, v: EngineVerdict) -> Panel | None:
+    plot = _plot_lines(report, v)
+    if plot is None:
+        return None
+    title, lines = plot
+    return Panel(Text("\n".join(lines)), expand=False, title=title, title_align="left")
 
 
 def _change_rows(change: dict[str, Any]) -> list[tuple[str, str]]:
@@ -359,10 +359,7 @@ def _change_rows(change: dict[str, Any]) -> list[tuple[str, str]]:
         if key == "vllm_flags":
             rows.append(("vLLM flags", " ".join(map(str, val))))
         elif key == "gateway" and isinstance(val, dict):
-            for gk, gv in val.items():
-                label = _GATEWAY_LABELS.get(str(gk), str(gk))
-                text = f"maxConcurrency: {gv}" if gk == "gateway_api_maxConcurrency" else str(gv)
-                rows.append((label, text))
+            rows.extend(gateway_rows(val))
         elif key == "per_engine_caps" and isinstance(val, dict):
             rows.append(("per engine", ", ".join(f"{k} {c}" for k, c in val.items())))
         else:
@@ -379,11 +376,13 @@ def _facts(d: dict[str, Any], labels: dict[str, str] | None = None) -> str:
     return "; ".join(parts)
 
 
-def _recommendation(i: int, r: Recommendation) -> Table:
+def _recommendation_text(r: Recommendation) -> list[Text]:
+    """A recommendation's heading (summary, scope, confidence) and its expected effect,
+    trade-off and evidence; the change is :func:`_change_rows`."""
     head = Text(r.summary, style="bold")
     scope = r.scope.engine_id or (f"pool {r.scope.pool}" if r.scope.pool else "fleet")
-    head.append(f"  [{scope}; confidence {r.confidence:.2f}]", style="dim")
-    parts: list[Any] = [head]
+    head.append(f"  [{scope}; confidence {r.confidence:.2f}; {r.id}]", style="dim")
+    parts = [head]
     effect = _facts(r.expected_effect, EFFECT_LABELS)
     if effect:
         parts.append(Text(f"expected: {effect}"))
@@ -392,6 +391,11 @@ def _recommendation(i: int, r: Recommendation) -> Table:
     evidence = _facts(r.evidence)
     if evidence:
         parts.append(Text(f"evidence: {evidence}", style="dim"))
+    return parts
+
+
+def _recommendation(i: int, r: Recommendation) -> Table:
+    parts: list[Any] = list(_recommendation_text(r))
     rows = _change_rows(r.change)
     if rows:
         t = Table.grid(padding=(0, 2))
@@ -430,6 +434,16 @@ def _findings_table(findings: list[Finding]) -> Table:
 # -- entry points ---------------------------------------------------------------------
 
 
+def _read_line(report: Report, source: str, window: str) -> str:
+    """``from SOURCE, WINDOW: 1 engine(s), 78 one-second windows, 454 finished requests``."""
+    cov = report.coverage
+    read = (
+        f"{cov.get('n_engines_analyzed', 0)} engine(s), {cov.get('n_windows', 0):,} "
+        f"one-second windows, {cov.get('n_requests', 0):,} finished requests"
+    )
+    return f"from {source or 'the source'}, {window or 'all data'}: {read}"
+
+
 def window_text(
     since: float | None,
     until: float | None,
@@ -454,14 +468,7 @@ def render_report(
     """Print the report: verdict, plots, recommendations, findings, what was read."""
     for line in _verdict(report):
         console.print(line)
-    cov = report.coverage
-    read = (
-        f"{cov.get('n_engines_analyzed', 0)} engine(s), {cov.get('n_windows', 0):,} "
-        f"one-second windows, {cov.get('n_requests', 0):,} finished requests"
-    )
-    console.print(
-        Text(f"from {source or 'the source'}, {window or 'all data'}: {read}", style="dim")
-    )
+    console.print(Text(_read_line(report, source, window), style="dim"))
     plotted = 0
     for i, v in enumerate(report.engines):
         if plotted >= max_plots:
@@ -530,15 +537,37 @@ def no_data_message(
 def source_error_message(err: SourceError, url: str) -> str:
     """One line naming the URL that failed and what to check."""
     where = err.path or "the read API"
+    plain = "http://" + url.split("://", 1)[-1]
+    if err.kind == "tls_mismatch":
+        return (
+            f"https:// on a plain-HTTP collector: {url} does not speak TLS; use {plain} "
+            "(or start the collector with --tls-cert and --tls-key)"
+        )
+    if err.kind == "tls_verify":
+        return (
+            f"the collector at {url} presents a certificate this machine does not trust "
+            f"({err.reason}): set KVSCOPE_CA_FILE to the CA bundle that signed it"
+        )
     if err.status is None:
+        hint = (
+            f"; if it serves HTTPS (--tls-cert), use https://{url.split('://', 1)[-1]}"
+            if err.kind == "closed" and url.startswith("http://")
+            else ""
+        )
         return (
             f"cannot reach the collector at {url} ({err.reason or err}): check that "
             "`kvscope collector` is running there and the host, port and scheme are right"
+            f"{hint}"
         )
     if err.status == 401:
         return (
             f"the collector at {url} refused the request (401, missing or wrong bearer "
             "token): pass --token or set KVSCOPE_TOKEN"
+        )
+    if err.kind == "not_collector":
+        return (
+            f"{url} answered but is not a kvscope collector ({err.reason}): give the "
+            "collector's base URL (`kvscope collector` listens on port 8844 by default)"
         )
     if err.status == 404:
         return f"{url}{where} answered 404: is {url} a kvscope collector (base URL, no path)?"

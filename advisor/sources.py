@@ -26,6 +26,7 @@ place that knows the read API's URLs.
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
@@ -43,8 +44,13 @@ class SourceError(RuntimeError):
     """A source could not deliver (collector unreachable, bad answer).
 
     ``url`` is the base URL that failed, ``path`` the endpoint asked, ``status`` the
-    HTTP status when the server answered (``None`` when it could not be reached) and
-    ``reason`` the short cause (the server's error text, or the connection error).
+    HTTP status when the server answered (``None`` when it could not be reached),
+    ``reason`` the short cause (the server's error text, or the connection error) and
+    ``kind`` what went wrong when it is known: ``not_collector`` (something answered, but
+    not with the collector's read API), ``tls_mismatch`` (``https://`` to a server that
+    speaks plain HTTP), ``tls_verify`` (its certificate is not trusted), ``closed``
+    (the server closed the connection without an answer: an HTTPS server reached with
+    ``http://`` does that), else empty.
     """
 
     def __init__(
@@ -55,12 +61,55 @@ class SourceError(RuntimeError):
         path: str | None = None,
         status: int | None = None,
         reason: str = "",
+        kind: str = "",
     ) -> None:
         super().__init__(message)
         self.url = url
         self.path = path
         self.status = status
         self.reason = reason
+        self.kind = kind
+
+
+_PLAIN_HTTP_TLS_REASONS = frozenset(
+    {
+        "WRONG_VERSION_NUMBER",
+        "RECORD_LAYER_FAILURE",
+        "PACKET_LENGTH_TOO_LONG",
+        "HTTP_REQUEST",
+        "UNKNOWN_PROTOCOL",
+    }
+)
+"""OpenSSL's reasons for a TLS handshake answered in plain HTTP (they vary by version)."""
+
+
+def connection_kind(exc: BaseException) -> str:
+    """:class:`SourceError` ``kind`` of a failed connection (``tls_mismatch``,
+    ``tls_verify``, ``closed``), else empty."""
+    cause = getattr(exc, "reason", None)
+    cause = cause if isinstance(cause, BaseException) else exc
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return "tls_verify"
+    if isinstance(cause, ssl.SSLError):
+        return "tls_mismatch" if cause.reason in _PLAIN_HTTP_TLS_REASONS else ""
+    if isinstance(cause, (http.client.RemoteDisconnected, http.client.BadStatusLine)):
+        return "closed"
+    return ""
+
+
+def not_collector_reason(body: bytes, content_type: str = "") -> str:
+    """What answered instead of the collector's read API, for a person: the dashboard
+    (Streamlit's page), another HTML page, JSON of another shape, something else."""
+    head = body[:4096].decode(errors="replace").lstrip()
+    if head.startswith("<") or "html" in content_type.lower():
+        if "streamlit" in head.lower():
+            return "an HTML page: looks like the kvscope dashboard, which reads a collector"
+        return "an HTML page"
+    try:
+        json.loads(body)
+    except ValueError:
+        return f"not JSON: {head[:60]!r}"
+    return "JSON, but not the collector's rows"
 
 
 @dataclass
@@ -239,15 +288,19 @@ class CollectorSource:
             if self._ssl is None and self.url.startswith("https:"):
                 self._ssl = ssl.create_default_context(cafile=self.ca_file)
             with urllib.request.urlopen(req, timeout=self.timeout_s, context=self._ssl) as resp:
-                return dict(json.loads(resp.read()))
+                body, status = resp.read(), int(resp.status)
+                content_type = resp.headers.get("Content-Type", "")
         except urllib.error.HTTPError as e:
-            detail = _error_text(e.read().decode(errors="replace"))
+            raw = e.read()
+            detail = _error_text(raw.decode(errors="replace"))
+            html = raw.lstrip()[:1] == b"<"  # the collector's errors are JSON
             raise SourceError(
                 f"{path}: collector answered {e.code}: {detail}",
                 url=self.url,
                 path=path,
                 status=e.code,
-                reason=detail,
+                reason=not_collector_reason(raw) if html else detail,
+                kind="not_collector" if html else "",
             ) from e
         except (urllib.error.URLError, OSError, ValueError) as e:
             reason = str(getattr(e, "reason", None) or e)
@@ -256,7 +309,23 @@ class CollectorSource:
                 url=self.url,
                 path=path,
                 reason=reason,
+                kind=connection_kind(e),
             ) from e
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict) or not ("rows" in answer or "columns" in answer):
+            what = not_collector_reason(body, content_type)
+            raise SourceError(
+                f"{path}: {self.url} answered, but not as a kvscope collector ({what})",
+                url=self.url,
+                path=path,
+                status=status,
+                reason=what,
+                kind="not_collector",
+            )
+        return answer
 
     def steps(
         self,

@@ -1,9 +1,11 @@
 """``kvscope advise``: the advisor's verdicts, from a collector (``--collector URL``) or from
 vLLM's own series in a Prometheus-compatible server (``--prometheus URL``).
 
-Both print the same report (text, ``--json``, ``--out``); over Prometheus it carries the
-``scrape_resolution`` finding and confidences scaled to the resolution
-(:mod:`kvscope.sources.prometheus.source`).
+Both print the same report (``--format text|markdown|json``, ``--json``, ``--out``); over
+Prometheus it carries the ``scrape_resolution`` finding and confidences scaled to the
+resolution (:mod:`kvscope.sources.prometheus.source`). Text is the wrapped terminal layout on
+a terminal and unwrapped plain text anywhere else (:mod:`kvscope.advisor.render_text`). The
+JSON (``advisor/advise.schema.json``) says when, by which kvscope and from what it was made.
 
 Exit codes: 0 verdicts; 2 bad arguments, the source unreachable or refusing the query
 (its own error message is shown); 3 no data in the window (the message says what to try).
@@ -18,13 +20,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvscope.args import fraction, positive, ratio
+from kvscope import __version__
+from kvscope.args import TIME_SYNTAX, fraction, positive, ratio
 from kvscope.cli.checks import require
 
 __all__ = ["add_parser", "advise_fail", "advise_window", "analysis_options", "run", "write_advice"]
 
-EPILOG = """\
-times: unix seconds, 'now', or a duration ago: 90s, 30m, 2h, 7d, 1w.
+EPILOG = f"""\
+{TIME_SYNTAX}
+
+output: on a terminal the text wraps to the window; piped or redirected it is plain text,
+  unwrapped, one snippet to copy per line. --format markdown for a ticket, --json (or
+  --format json) for the report, valid against advisor/advise.schema.json.
 
 exit codes:
   0  verdicts printed (engines with too little data say so in their verdict)
@@ -69,9 +76,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--since",
         default="30m",
-        help="start of the window to analyse (default: 30m, i.e. 30 minutes ago)",
+        metavar="TIME",
+        help="start of the window to analyse (default: 30m, i.e. 30 minutes ago; see times below)",
     )
-    p.add_argument("--until", default=None, help="end of the window (default: now)")
+    p.add_argument("--until", default=None, metavar="TIME", help="end of the window (default: now)")
     p.add_argument("--pool", default=None, help="only the engines of this pool")
     p.add_argument(
         "--slo-ttft-p99",
@@ -110,10 +118,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="R",
         help="flag a pool whose busiest replica carries R times the mean load (default: 1.25)",
     )
-    p.add_argument(
+    out = p.add_mutually_exclusive_group()
+    out.add_argument(
+        "--format",
+        choices=("text", "markdown", "json"),
+        default="text",
+        help="text (wrapped on a terminal, plain when piped), markdown, or the JSON "
+        "report (default: text)",
+    )
+    out.add_argument(
         "--json",
-        action="store_true",
-        help="print the report as JSON (schema_version'd) instead of the text view",
+        dest="format",
+        action="store_const",
+        const="json",
+        help="print the report as JSON, the same as --format json",
     )
     p.add_argument("--out", metavar="FILE", default=None, help="also write the JSON report to FILE")
     p.add_argument(
@@ -170,7 +188,13 @@ def run(args: argparse.Namespace) -> int:
     except SourceError as exc:
         return advise_fail(source_error_message(exc, url), 2)
     return write_advice(
-        args, report, since, until, url, lambda window: no_data_message(report, url, window, now)
+        args,
+        report,
+        since,
+        until,
+        url,
+        lambda window: no_data_message(report, url, window, now),
+        kind="collector",
     )
 
 
@@ -212,6 +236,8 @@ def _run_prometheus(args: argparse.Namespace) -> int:
         until,
         f"Prometheus {url}",
         lambda window: no_data_message(source, report, url, window),
+        kind="prometheus",
+        url=url,
     )
 
 
@@ -252,13 +278,19 @@ def write_advice(
     until: float | None,
     source: str,
     no_data: Callable[[str], str],
+    *,
+    kind: str,
+    url: str | None = None,
 ) -> int:
-    """The report to ``--out`` and to stdout (``--json`` or text); exit 3 with no data,
-    saying ``no_data(window)``."""
-    from rich.console import Console
+    """The report to ``--out`` and to stdout (``--format``); exit 3 with no data, saying
+    ``no_data(window)``. The JSON says when and by which kvscope it was written, and what
+    was read (``kind``: collector or prometheus, and its ``url``, default ``source``)."""
+    from kvscope.advisor.render import window_text
+    from kvscope.advisor.render_text import print_report
 
-    from kvscope.advisor.render import render_report, window_text
-
+    report.generated_unix_s = round(time.time(), 3)
+    report.kvscope_version = __version__
+    report.source = {"kind": kind, "url": url or source}
     if args.out:
         try:
             with open(args.out, "w", encoding="utf-8") as f:
@@ -266,10 +298,10 @@ def write_advice(
         except OSError as exc:
             return advise_fail(f"cannot write --out {args.out}: {exc}", 2)
     window = window_text(since, until, args.since, args.until)
-    if args.json:
+    if args.format == "json":
         sys.stdout.write(report.to_json(indent=2) + "\n")
     elif report.has_data:
-        render_report(report, Console(highlight=False), source=source, window=window)
+        print_report(report, sys.stdout, fmt=args.format, source=source, window=window)
     if not report.has_data:
         return advise_fail(no_data(window), 3)
     return 0

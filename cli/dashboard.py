@@ -6,6 +6,8 @@ headless, bound to 127.0.0.1 unless ``--host`` says otherwise, usage statistics 
 The collector's token reaches it through the environment (``KVSCOPE_TOKEN``), not
 the command line; so do Prometheus credentials (``KVSCOPE_PROMETHEUS_*``). ``--demo`` first starts a collector on a temporary store and
 replays the bundled real vLLM recordings into it (:mod:`kvscope.dashboard.demo`).
+A busy ``--port`` is refused before anything starts; SIGTERM stops the app and the demo's
+collector (:mod:`kvscope.cli._lifecycle`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvscope.cli._lifecycle import Terminated, port_problem, stop_on_sigterm
 from kvscope.dashboard.settings import (
     DashboardSettings,
     SettingsError,
@@ -97,8 +100,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--since",
         default=None,
-        help="default window: a duration ago (30m, 2h, 7d) or unix seconds "
-        "(default: 30m; with --demo 3h)",
+        help="start of the default window, a time as in advise: 30m, 1h30m, 7d, -2h, "
+        "2026-11-30T08:00Z or unix seconds (default: 30m; with --demo 3h)",
     )
     p.add_argument("--pool", default=None, help="only the engines of this pool")
     p.add_argument(
@@ -193,17 +196,9 @@ def serve(settings: DashboardSettings, host: str, port: int) -> int:
         return proc.wait()
     except KeyboardInterrupt:
         return _stop(proc, signal.SIGINT, 130)
-    except _Terminated:
+    except Terminated:
         _stop(proc, signal.SIGTERM, 143)
         raise
-
-
-class _Terminated(Exception):
-    """SIGTERM arrived: stop the app (and, with --demo, the collector) and exit."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated
 
 
 def _stop(proc: subprocess.Popen[bytes], sig: int, code: int) -> int:
@@ -219,13 +214,11 @@ def _stop(proc: subprocess.Popen[bytes], sig: int, code: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """``kvscope dashboard``: SIGTERM stops the app and the demo collector too."""
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        return _run(args)
-    except _Terminated:
+        with stop_on_sigterm():
+            return _run(args)
+    except Terminated:
         return 143
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -259,6 +252,12 @@ def _run(args: argparse.Namespace) -> int:
         return fail("--refresh must be >= 0 and --timeout > 0")
     if not 0 < args.port < 65536:
         return fail(f"--port {args.port} is not a TCP port")
+    busy = port_problem(args.host, args.port)
+    if busy:
+        return fail(
+            f"cannot listen on {args.host}:{args.port} ({busy}): another dashboard or "
+            "program holds it; pass another --port"
+        )
     try:
         since = check_since(args.since or ("3h" if args.demo else "30m"))
     except SettingsError as exc:

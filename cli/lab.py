@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
+from kvscope.cli._lifecycle import port_problem
 from kvscope.cli.checks import require
 
 __all__ = ["add_demo", "add_record", "add_sweep"]
@@ -75,7 +77,8 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--serve",
         action="store_true",
-        help="keep the collector running after the demo until Ctrl-C",
+        help="keep the collector running after the demo until Ctrl-C or SIGTERM "
+        "(either stops it and frees its port and store)",
     )
     p.add_argument(
         "--workdir",
@@ -87,6 +90,14 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
 
 def run_demo_command(args: argparse.Namespace) -> int:
     require("demo", "collector")
+    busy = port_problem("127.0.0.1", args.port)
+    if busy:
+        print(
+            f"kvscope demo: cannot listen on 127.0.0.1:{args.port} ({busy}): a collector or "
+            "another program holds it; pass another --port",
+            file=sys.stderr,
+        )
+        return 2
     from kvscope.lab.demo import run_demo
 
     return run_demo(args)

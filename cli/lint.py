@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvscope.args import duration
+from kvscope.args import TIME_SYNTAX, ParamError, parse_time
 from kvscope.sources.prometheus.promql import Expr, PromQLError, scan
 from kvscope.sources.prometheus.vllm_metrics import change_for, replacement
 
@@ -185,7 +185,10 @@ def load_queries(path: str | Path) -> tuple[list[Query], set[str]]:
         try:
             import yaml
         except ImportError as e:
-            raise LintError("reading a rules file needs PyYAML: pip install pyyaml") from e
+            raise LintError(
+                "reading a rules file needs PyYAML (part of the 'collector' extra): "
+                "pip install 'kvscope[collector]'"
+            ) from e
         try:
             doc = yaml.safe_load(text)
         except yaml.YAMLError as e:
@@ -497,6 +500,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "and each label that is not there is reported with the fix.\n"
             "Exit codes: 0 clean, 1 problems found, 2 bad input."
         ),
+        epilog=TIME_SYNTAX,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -516,11 +520,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_prometheus_arguments(p, url_group=where, analysis=False)
     p.add_argument(
         "--since",
-        type=duration,
-        default=3600.0,
-        metavar="DURATION",
-        help="with --prometheus: how much history to look at, e.g. 30m, 6h or "
-        "seconds (default: 1h)",
+        default="1h",
+        metavar="TIME",
+        help="with --prometheus: look at the series stored since this time, written as "
+        "in advise: 30m, 6h, 1h30m, 7d, 2026-11-30T08:00Z (default: 1h)",
     )
     p.add_argument(
         "--extra-labels",
@@ -549,6 +552,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     try:
+        now = time.time()
+        try:
+            history_s = now - parse_time("--since", args.since, now)
+        except ParamError as e:
+            raise LintError(str(e)) from None
+        if history_s <= 0:
+            raise LintError(f"--since {args.since} is not in the past; use a duration such as 1h")
         loaded = [(f, *load_queries(f)) for f in args.files]
         if args.prometheus:
             from kvscope.sources.prometheus.target import PromArgError, prometheus_target
@@ -565,7 +575,7 @@ def run(args: argparse.Namespace) -> int:
                 target.url,
                 names,
                 selector=target.selector,
-                since_s=args.since,
+                since_s=history_s,
                 timeout_s=args.timeout,
                 auth=target.auth,
             )

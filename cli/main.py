@@ -4,6 +4,11 @@ A thin layer: parse arguments into settings objects and hand off to library code
 Subcommands import their dependencies lazily (checked by :mod:`kvscope.cli.checks`), so ``pip install kvscope`` (the
 engine side only) still gives a working ``kvscope --help`` and a clear message
 naming the extra to install.
+
+Options are spelled out in full and a mistyped one gets a suggestion
+(:class:`~kvscope.cli._parser.KvscopeParser`). A command stops on SIGTERM as on Ctrl-C,
+stopping what it started (:mod:`kvscope.cli._lifecycle`); the exit code is then 143
+(130 after Ctrl-C).
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ from collections.abc import Sequence
 
 from kvscope import __version__
 from kvscope.cli import advise, collector, dashboard, lab, lint, report, twin
+from kvscope.cli._lifecycle import Terminated, stop_on_sigterm
+from kvscope.cli._parser import KvscopeParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = KvscopeParser(
         prog="kvscope",
         description=(
             "kvscope: where a vLLM server's throughput stops growing, why, and what to change."
@@ -53,9 +60,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.func(args) or 0)
+        with stop_on_sigterm():
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except Terminated:
+        return 143
 
 
 if __name__ == "__main__":

@@ -8,11 +8,11 @@ import argparse
 import os
 import sys
 
-from kvscope.args import count, fraction, positive, ratio
+from kvscope.args import TIME_SYNTAX, count, fraction, positive, ratio
 from kvscope.cli.checks import require
 
-EPILOG = """\
-times: unix seconds, 'now', or a duration ago: 90s, 30m, 2h, 7d, 1w.
+EPILOG = f"""\
+{TIME_SYNTAX}
 The week before is the window of the same length that ends where --since starts.
 
 exit codes:
@@ -24,7 +24,7 @@ exit codes:
 examples:
   kvscope report --collector http://collector:8844 --since 7d --out weekly/
   kvscope report --store kvscope.duckdb --since 7d --out weekly/   # collector stopped
-  kvscope report --prometheus http://prometheus:9090 --selector '{namespace="prod"}' \
+  kvscope report --prometheus http://prometheus:9090 --selector '{{namespace="prod"}}' \
       --prometheus-bearer-token-file /var/run/secrets/prom-token --out weekly/
 """
 
@@ -129,7 +129,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="seconds per HTTP request to the collector or Prometheus (default: 60)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar on stderr (there is none when stderr is not a terminal)",
+    )
     p.set_defaults(func=run)
 
 
@@ -206,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         desc="kvscope report",
         unit="step",
         file=sys.stderr,
-        disable=args.no_progress,
+        disable=True if args.no_progress else None,  # None: only on a terminal
         leave=False,
     )
     try:

@@ -382,7 +382,7 @@ def _progress(total_s: float, enabled: bool) -> tuple[Any, Any]:
         return None, None
     from tqdm import tqdm
 
-    bar = tqdm(total=round(total_s), unit="sim s", file=sys.stderr, leave=False)
+    bar = tqdm(total=round(total_s), unit="sim s", file=sys.stderr, leave=False, disable=None)
 
     def tick(elapsed: float) -> None:
         bar.update(max(0, min(round(elapsed), bar.total) - bar.n))

@@ -106,7 +106,9 @@ def parse_settings(
     :func:`kvscope.sources.prometheus.target.add_prometheus_arguments`) reads Prometheus instead. Raises :class:`SettingsError` naming what is missing or wrong.
     """
     env = os.environ if environ is None else environ
-    p = argparse.ArgumentParser(prog="dashboard/app.py", add_help=False, exit_on_error=False)
+    p = argparse.ArgumentParser(
+        prog="dashboard/app.py", add_help=False, exit_on_error=False, allow_abbrev=False
+    )
     p.add_argument("--collector", default=env.get("KVSCOPE_COLLECTOR_URL"))
     p.add_argument("--token", default=env.get("KVSCOPE_TOKEN") or None)
     p.add_argument("--since", default=DEFAULT_SINCE)
@@ -150,8 +152,7 @@ def to_argv(settings: DashboardSettings) -> list[str]:
     )
     argv = [
         *where,
-        "--since",
-        settings.since,
+        f"--since={settings.since}",  # one word: a value such as -2h is no option
         "--refresh",
         f"{settings.refresh_s:g}",
         "--timeout",

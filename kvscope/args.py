@@ -2,10 +2,18 @@
 argument types of the ``kvscope`` command and of the dashboard's own arguments.
 
 One parser per kind of value, so ``--since 1h`` means the same to ``advise``, ``report``,
-``lint``, the dashboard and the collector's query API (``?since=1h``), and a header is
-written ``Name: value`` wherever one is given (``--otlp-header``, ``--prometheus-header``,
+``lint``, ``twin``, the dashboard and the collector's query API (``?since=1h``), and a header
+is written ``Name: value`` wherever one is given (``--otlp-header``, ``--prometheus-header``,
 ``$KVSCOPE_PROMETHEUS_HEADERS``). The argument types raise
 :class:`argparse.ArgumentTypeError` saying what was expected and what was given.
+
+A duration is one or more numbers with a unit, ``s``, ``m``, ``h``, ``d`` or ``w``
+(``90s``, ``30m``, ``1h30m``, ``2.5h``, ``7d``, ``1w``), or a plain number of seconds.
+A time (:func:`parse_time`, :data:`TIME_SYNTAX`) is ``now``; a duration ago (``1h``), also
+written with its sign (``-1h``) or as Grafana does (``now-1h``), all three the same instant;
+an ISO 8601 date or time (``2026-11-30``, ``2026-11-30T08:00Z``,
+``2026-11-30T09:00+01:00``), UTC unless it names a zone; or unix seconds (``1764490000``;
+``0`` is the beginning). Nothing reaches into the future: ``+1h`` is refused.
 
 Standard library only, and nothing else of kvscope: every subpackage may import it.
 """
@@ -15,8 +23,10 @@ from __future__ import annotations
 import argparse
 import math
 import re
+from datetime import datetime, timezone
 
 __all__ = [
+    "TIME_SYNTAX",
     "ParamError",
     "at_least_two",
     "count",
@@ -32,8 +42,19 @@ __all__ = [
 ]
 
 _UNITS_S = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
-_DURATION_HINT = "a duration such as 90s, 30m, 2h, 7d, 1w"
+_PART = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_DURATION = re.compile(r"^(?:\d+(?:\.\d+)?[smhdw])+$")
+_AGO = re.compile(r"^(?:now\s*)?-\s*")
+_DURATION_HINT = "a duration such as 90s, 30m, 1h30m, 7d, 1w"
+_TIME_HINT = (
+    f"unix seconds, 'now', {_DURATION_HINT} ago (also written -1h or now-1h) "
+    "or an ISO 8601 time such as 2026-11-30T08:00Z"
+)
+TIME_SYNTAX = """\
+times (--since, --until): a duration ago, 90s, 30m, 1h30m, 7d, 1w (-1h and now-1h say
+  the same as 1h); 'now'; an ISO 8601 time, 2026-11-30T08:00Z or 2026-11-30 (UTC unless
+  it names a zone); or unix seconds (0: the beginning)."""
+"""The time syntax, as the commands' help shows it."""
 
 
 class ParamError(ValueError):
@@ -49,31 +70,54 @@ def _seconds(text: str) -> float | None:
     return v if math.isfinite(v) and v >= 0 else None
 
 
+def _duration_s(t: str) -> float | None:
+    """Seconds of ``90s``, ``1h30m``, ``2.5h`` (lower case, stripped), else None."""
+    if not _DURATION.match(t):
+        return None
+    return sum(float(n) * _UNITS_S[u] for n, u in _PART.findall(t))
+
+
+def _iso_time(text: str) -> float | None:
+    """Unix seconds of an ISO 8601 date or time (UTC unless it names a zone), else None."""
+    t = text.strip()
+    if not re.match(r"^\d{4}-\d{2}-\d{2}", t):
+        return None
+    t = t[:-1] + "+00:00" if t[-1:] in ("Z", "z") else t
+    try:
+        when = datetime.fromisoformat(t)
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.timestamp()
+
+
 def parse_duration(name: str, text: str) -> float:
-    """Seconds from ``90s``, ``30m``, ``2h``, ``7d``, ``1w`` or a plain number of seconds."""
+    """Seconds from ``90s``, ``30m``, ``1h30m``, ``7d``, ``1w`` or a plain number of seconds."""
     t = text.strip().lower()
-    m = _DURATION.match(t)
-    if m:
-        return float(m.group(1)) * _UNITS_S[m.group(2)]
-    v = _seconds(t)
+    v = _duration_s(t)
+    if v is None:
+        v = _seconds(t)
     if v is None:
         raise ParamError(f"{name}: expected {_DURATION_HINT} (or seconds); got {text!r}")
     return v
 
 
 def parse_time(name: str, text: str, now_unix_s: float) -> float:
-    """Unix seconds (``1764430000``), ``now``, or a duration ago (``90s``, ``30m``, ``7d``)."""
+    """Unix seconds of a time: ``now``; a duration ago (``30m``, ``1h30m``; ``-30m`` and
+    ``now-30m`` are the same); an ISO 8601 time (``2026-11-30T08:00Z``, UTC unless it
+    names a zone); or unix seconds (``1764430000``)."""
     t = text.strip().lower()
     if t == "now":
         return now_unix_s
-    m = _DURATION.match(t)
-    if m:
-        return now_unix_s - float(m.group(1)) * _UNITS_S[m.group(2)]
+    ago = _duration_s(_AGO.sub("", t, count=1))
+    if ago is not None:
+        return now_unix_s - ago
     v = _seconds(t)
     if v is None:
-        raise ParamError(
-            f"{name}: expected unix seconds, 'now' or {_DURATION_HINT} ago; got {text!r}"
-        )
+        v = _iso_time(text)
+    if v is None:
+        raise ParamError(f"{name}: expected {_TIME_HINT}; got {text!r}")
     return v
 
 

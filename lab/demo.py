@@ -126,17 +126,15 @@ def summarize(collector: CollectorProcess, levels: list[dict[str, Any]], out: An
 
 def show_verdict(collector: CollectorProcess) -> None:
     """Print the advisor's answer on what was stored, as `kvscope advise` shows it."""
-    from rich.console import Console
-
     from kvscope.advisor import CollectorSource, analyze
-    from kvscope.advisor.render import render_report
+    from kvscope.advisor.render_text import print_report
 
     print(
         "\nThe advisor's verdict (what `kvscope advise --collector "
         f"{collector.url} --since 0` prints):\n"
     )
     report = analyze(CollectorSource(collector.url))
-    render_report(report, Console(highlight=False), source=collector.url, window="all data")
+    print_report(report, sys.stdout, source=collector.url, window="all data")
 
 
 def _feed_recording(collector: CollectorProcess, path: Path) -> list[dict[str, Any]]:
@@ -203,7 +201,10 @@ def run_demo(args: argparse.Namespace) -> int:
         summarize(c, levels, sys.stdout)
         show_verdict(c)
         if args.serve:
-            print(f"\nThe collector keeps running at {c.url}; Ctrl-C to stop.")
+            # Ctrl-C ends the wait here; SIGTERM (kvscope's command line raises it as
+            # an exception) leaves through the `with`, which stops the collector too.
+            print(f"\nThe collector keeps running at {c.url}; Ctrl-C or SIGTERM stops it.")
+            sys.stdout.flush()
             with contextlib.suppress(KeyboardInterrupt):
                 while c.proc is not None and c.proc.poll() is None:
                     time.sleep(1)

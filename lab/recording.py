@@ -156,7 +156,9 @@ def replay(
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(recording.batches), desc="replaying", unit="batch")
+        bar = tqdm(  # disable=None: only on a terminal
+            total=len(recording.batches), desc="replaying", unit="batch", disable=None
+        )
     for b in batches:
         answer = post_batch(url, b, token=token)
         status = str(answer.get("status", "stored"))

@@ -113,7 +113,8 @@ def render_markdown(wr: WeeklyReport) -> str:
         rows = v.change_rows(r)
         if rows:
             out += ["   - change:", "", "     ```"]
-            out += [f"     # {label}\n     {text}" for label, text in rows]
+            for label, text in rows:  # a multi-line rendering stays inside the list item
+                out += [f"     # {label}", *(f"     {line}" for line in text.splitlines())]
             out += ["     ```"]
         out.append("")
     for pool in v.pools(wr):

@@ -1,7 +1,8 @@
 """``kvscope advise`` as a subprocess against real collectors fed a real vLLM recording.
 
 The KV-starved run is replayed to end two minutes ago (the session fixture
-``kv_starved_collector``): ``--since 30m`` covers it, ``--since 60s`` misses it.
+``kv_starved_collector``): ``--since 30m`` covers it, ``--since 60s`` misses it. Its
+stdout is a pipe, as under cron, CI or ``| less``: plain text, unwrapped.
 """
 
 from __future__ import annotations
@@ -11,24 +12,34 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 
-from kvscope.advisor import Report
+from kvscope import __version__
+from kvscope.advisor import Recommendation, Report
+from kvscope.advisor.findings import JSON_SCHEMA_PATH
+from kvscope.advisor.render import _change_rows
 from kvscope.collector.process import CollectorProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = "demo-host:8000:0"
 
 
-def advise(*args: str) -> subprocess.CompletedProcess[str]:
+def advise(*args: str, columns: str | None = "100") -> subprocess.CompletedProcess[str]:
     env = {
-        k: v for k, v in os.environ.items() if k not in ("KVSCOPE_COLLECTOR_URL", "KVSCOPE_TOKEN")
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KVSCOPE_COLLECTOR_URL", "KVSCOPE_TOKEN", "COLUMNS")
     }
-    env["COLUMNS"] = "100"
+    if columns is not None:
+        env["COLUMNS"] = columns
     return subprocess.run(
         [sys.executable, "-m", "kvscope.cli.main", "advise", *args],
         capture_output=True,
@@ -81,8 +92,12 @@ def test_json_verdict_kv_starved(kv_report: tuple[dict[str, Any], str, Path]) ->
         if f.startswith("--max-num-queued-reqs ")
     ]
     assert len(queued) == 1 and cap < queued[0] <= cap + max(1, -(-cap // 4)), queued
-    assert f"limit_conn vllm_conn {cap};" in rec["change"]["gateway"]["nginx"]
-    assert rec["change"]["gateway"]["gateway_api_maxConcurrency"] == cap
+    # A pool of one replica: its cap per server and for the pool, the excess rejected with 503.
+    nginx = rec["change"]["gateway"]["nginx"]
+    assert f"server demo-host:8000 max_conns={cap};" in nginx["config"]
+    assert f"limit_conn vllm_demo_inflight {cap};" in nginx["config"]
+    assert "503" in nginx["excess"] and nginx["p99_e2e_s"] == v["predicted_p99_e2e_s_at_cap"]
+    assert "maxConcurrency" not in json.dumps(rec["change"])
     assert rec["tradeoff"].startswith(f"cap {cap}: ")
     assert {"whatif_kv_cache_dtype_fp8"} <= {r["kind"] for r in d["recommendations"]}
     assert d["coverage"]["n_engines_analyzed"] == 1 and d["coverage"]["n_requests"] == 454
@@ -134,8 +149,8 @@ def test_terminal_shows_the_verdict_first(
     assert f"cap {cap}" in text[plot:recs] and "knee" in text[plot:recs]
     for change in (
         f"--max-num-seqs {cap}",
-        f"limit_conn vllm_conn {cap};",
-        f"maxConcurrency: {cap}",
+        f"limit_conn vllm_demo_inflight {cap};",
+        f"--max-concurrent-requests {cap}",
         "--kv-cache-dtype fp8",
     ):
         assert change in text[recs:table], change
@@ -216,3 +231,172 @@ def test_bad_arguments_exit_2(kv_starved_collector: Any) -> None:
         res = advise("--collector", kv_starved_collector.collector.url, *args)
         assert res.returncode == 2, args
         assert expect in res.stderr, (args, res.stderr)
+
+
+# -- output that pipes ---------------------------------------------------------------
+
+
+def test_piped_text_is_unwrapped_and_unpadded(
+    kv_starved_collector: Any, kv_report: tuple[dict[str, Any], str, Path]
+) -> None:
+    """Piped (no COLUMNS, as under cron), every sentence, summary and snippet of the JSON
+    report stands whole on one line, and no line ends in spaces."""
+    d = kv_report[0]
+    res = advise("--collector", kv_starved_collector.collector.url, columns=None)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert len(lines) > 40
+    assert [ln for ln in lines if ln != ln.rstrip()] == []
+    stripped = {ln.strip() for ln in lines}
+    (v,) = d["engines"]
+    rec = next(r for r in d["recommendations"] if r["kind"] == "concurrency_cap")
+    why = next(f for f in d["findings"] if f["kind"] == "bottleneck")
+    for sentence in (v["headroom"], f"trade-off: {rec['tradeoff']}", f"why: {why['summary']}"):
+        assert sentence in stripped, sentence  # the verdict's sentences: one line each
+    assert len(f"why: {why['summary']}") > 100  # long enough that a wrap would split it
+    findings = lines[lines.index("Findings") + 1 :]
+    assert len(findings) == len(d["findings"])
+    for line, f in zip(findings, d["findings"], strict=True):
+        assert line.startswith(f"- {f['kind']} [") and line.endswith(f": {f['summary']}")
+    n_snippets = 0
+    for r in d["recommendations"]:
+        for _label, text in _change_rows(Recommendation.from_dict(r).change):
+            for snippet_line in str(text).splitlines():
+                assert snippet_line.strip() in stripped, snippet_line  # never split
+                n_snippets += 1
+    assert " ".join(rec["change"]["vllm_flags"]) in stripped
+    assert n_snippets > 10
+
+
+def test_markdown_fences_every_snippet(kv_starved_collector: Any) -> None:
+    res = advise("--collector", kv_starved_collector.collector.url, "--format", "markdown")
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    assert text.startswith("# kvscope advise\n\n## Verdict\n\n- pool demo: kv_cache_bound")
+    assert "## Recommendations, ranked by expected gain" in text and "## Findings" in text
+    assert text.count("```") % 2 == 0
+    flags = re.search(r"- vLLM flags:\n\n\s+```\n\s+(--max-num-seqs \d+[^\n]*)\n\s+```", text)
+    assert flags, text
+    assert [ln for ln in text.splitlines() if ln != ln.rstrip()] == []
+
+
+def test_json_says_when_by_what_and_from_where(
+    kv_starved_collector: Any, kv_report: tuple[dict[str, Any], str, Path]
+) -> None:
+    d, _, out = kv_report
+    schema = json.loads(JSON_SCHEMA_PATH.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate(d, schema)
+    jsonschema.validate(json.loads(out.read_text()), schema)
+    assert abs(d["generated_unix_s"] - time.time()) < 300
+    assert d["kvscope_version"] == __version__
+    assert d["source"] == {"kind": "collector", "url": kv_starved_collector.collector.url}
+    ids = [r["id"] for r in d["recommendations"]]
+    assert len(set(ids)) == len(ids) and all(re.fullmatch(r"rec-[0-9a-f]{12}", i) for i in ids)
+    # The same advice on the same data gets the same ids in another run, by another
+    # window: they come from kind, scope and change only.
+    since = str(int(kv_starved_collector.end_at_unix_s - 1800))
+    res = advise("--collector", kv_starved_collector.collector.url, "--since", since, "--json")
+    assert res.returncode == 0, res.stderr
+    again = json.loads(res.stdout)
+    assert [r["id"] for r in again["recommendations"]] == ids
+    assert again["generated_unix_s"] >= d["generated_unix_s"]
+
+
+@pytest.mark.parametrize("since", ["-30m", "now-30m", "30m", "0h30m"])
+def test_every_way_of_saying_thirty_minutes_ago(kv_starved_collector: Any, since: str) -> None:
+    res = advise(
+        "--collector", kv_starved_collector.collector.url, "--since", since, "--until", "-1m"
+    )
+    assert res.returncode == 0, res.stderr
+    assert f"(--since {since} --until -1m)" in res.stdout
+
+
+def test_an_iso_window(kv_starved_collector: Any) -> None:
+    end = time.gmtime(kv_starved_collector.end_at_unix_s + 60)
+    start = time.gmtime(kv_starved_collector.end_at_unix_s - 3600)
+    res = advise(
+        "--collector",
+        kv_starved_collector.collector.url,
+        "--since",
+        time.strftime("%Y-%m-%dT%H:%M:%SZ", start),
+        "--until",
+        time.strftime("%Y-%m-%dT%H:%M:%SZ", end),
+        "--json",
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["coverage"]["n_requests"] == 454
+
+
+def test_typos_get_a_suggestion_not_a_guess(kv_starved_collector: Any) -> None:
+    url = kv_starved_collector.collector.url
+    res = advise("--collector", url, "--sinc", "7d")  # argparse alone takes it for --since
+    assert res.returncode == 2 and not res.stdout
+    assert "unrecognized arguments: --sinc 7d (--sinc: did you mean --since?)" in res.stderr
+    res = advise("--colector", url)
+    assert res.returncode == 2 and "did you mean --collector?" in res.stderr
+
+
+class _Answer(BaseHTTPRequestHandler):
+    """Answers every GET with one body, as a server that is not the collector would."""
+
+    body = b""
+    content_type = "text/html"
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", self.content_type)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def _streamlit_page() -> bytes:
+    import streamlit
+
+    return (Path(streamlit.__file__).parent / "static" / "index.html").read_bytes()
+
+
+@pytest.fixture()
+def not_a_collector(request: pytest.FixtureRequest) -> Iterator[str]:
+    body, content_type = request.param
+    handler = type("H", (_Answer,), {"body": body, "content_type": content_type})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("not_a_collector", "what"),
+    [
+        ((_streamlit_page(), "text/html"), "an HTML page: looks like the kvscope dashboard"),
+        ((b'{"status":"success","data":[]}', "application/json"), "JSON, but not the collector's"),
+    ],
+    indirect=["not_a_collector"],
+)
+def test_a_url_that_is_not_a_collector_is_named(not_a_collector: str, what: str) -> None:
+    """The dashboard's port (Streamlit answers every path with its page) or another JSON
+    API: said as such, not as a JSON parse error."""
+    res = advise("--collector", not_a_collector)
+    assert res.returncode == 2 and not res.stdout
+    (line,) = res.stderr.splitlines()
+    assert line.startswith(
+        f"kvscope advise: {not_a_collector} answered but is not a kvscope collector ({what}"
+    ), line
+    assert "Expecting value" not in line
+
+
+def test_https_on_a_plain_collector_says_use_http(kv_starved_collector: Any) -> None:
+    plain = kv_starved_collector.collector.url
+    res = advise("--collector", plain.replace("http://", "https://"))
+    assert res.returncode == 2 and not res.stdout
+    (line,) = res.stderr.splitlines()
+    assert line.startswith("kvscope advise: https:// on a plain-HTTP collector: ")
+    assert f"use {plain}" in line and "SSL" not in line

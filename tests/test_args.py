@@ -1,5 +1,5 @@
 """The shared value syntax (kvscope.args): one parser per kind of value, the same answer in
-every command."""
+every command; and the command line's parser (whole option names, did-you-mean, ``-1h``)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ from kvscope.cli.main import build_parser
         ("1w", 604800.0),
         ("3600", 3600.0),
         (" 1H ", 3600.0),
+        ("1h30m", 5400.0),
+        ("1d12h", 129600.0),
     ],
 )
 def test_durations(text: str, seconds: float) -> None:
@@ -41,7 +43,7 @@ def test_durations(text: str, seconds: float) -> None:
     assert duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "1y", "-5m", "soon", "nan", "inf", "1h30m"])
+@pytest.mark.parametrize("text", ["", "1y", "-5m", "soon", "nan", "inf", "1h 30m", "h"])
 def test_bad_durations_name_the_option_and_the_syntax(text: str) -> None:
     with pytest.raises(ParamError, match=r"^--since: expected a duration such as 90s"):
         parse_duration("--since", text)
@@ -49,13 +51,23 @@ def test_bad_durations_name_the_option_and_the_syntax(text: str) -> None:
         duration(text)
 
 
-def test_times_are_unix_seconds_now_or_a_duration_ago() -> None:
+def test_times_are_unix_seconds_now_a_duration_ago_or_iso() -> None:
     now = 1_764_430_000.0
     assert parse_time("since", "now", now) == now
     assert parse_time("since", "2h", now) == now - 7200
     assert parse_time("since", "1764000000", now) == 1_764_000_000.0
-    with pytest.raises(ParamError, match="since: expected unix seconds, 'now' or a duration"):
-        parse_time("since", "yesterday", now)
+    assert parse_time("since", "0", now) == 0.0
+    # A duration ago, with or without its sign, or Grafana's now-1h: the same instant.
+    for text in ("1h30m", "-1h30m", "now-1h30m", "now - 90m", "-90M"):
+        assert parse_time("since", text, now) == now - 5400, text
+    # ISO 8601: UTC unless a zone is named; 2026-11-30T08:00Z is 1796025600 (date -d).
+    for text in ("2026-11-30T08:00Z", "2026-11-30T08:00:00+00:00", "2026-11-30 08:00"):
+        assert parse_time("until", text, now) == 1_796_025_600.0, text
+    assert parse_time("until", "2026-11-30T09:00+01:00", now) == 1_796_025_600.0
+    assert parse_time("until", "2026-11-30", now) == 1_796_025_600.0 - 8 * 3600
+    for bad in ("yesterday", "+1h", "now+1h", "-5", "2026-13-01", "1h ago"):
+        with pytest.raises(ParamError, match="since: expected unix seconds, 'now', a duration"):
+            parse_time("since", bad, now)
 
 
 def test_headers_are_name_colon_value_and_never_echo_the_value() -> None:
@@ -102,8 +114,51 @@ def test_advise_and_report_refuse_the_same_value_the_same_way(
     assert "argument --cap-fraction: must be in (0, 1], got '1.5'" in capsys.readouterr().err
 
 
-def test_lint_takes_a_duration() -> None:
-    args = build_parser().parse_args(
-        ["lint", "d.json", "--prometheus", "http://p:9090", "--since", "6h"]
-    )
-    assert args.since == 6 * 3600.0
+def test_lint_takes_a_time_like_the_other_commands() -> None:
+    for since in ("6h", "-6h", "now-6h", "2026-11-30T08:00Z"):
+        args = build_parser().parse_args(
+            ["lint", "d.json", "--prometheus", "http://p:9090", "--since", since]
+        )
+        assert args.since == since
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["advise", "--since", "-1h", "--until", "-30m"],
+        ["advise", "--since=-1h", "--until=-30m"],
+        ["report", "--since", "-1h", "--until", "-30m"],
+        ["twin", "sweep", "--since", "-1h"],
+        ["dashboard", "--since", "-1h"],
+    ],
+)
+def test_a_negative_offset_is_a_value_not_an_option(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    assert args.since == "-1h"
+    assert getattr(args, "until", "-30m") == "-30m"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expect"),
+    [
+        (
+            ["advise", "--sinc", "7d"],
+            "unrecognized arguments: --sinc 7d (--sinc: did you mean --since?)",
+        ),
+        (["advise", "--colector", "http://c"], "did you mean --collector?"),
+        (["report", "--colector=http://c"], "did you mean --collector?"),
+        (["twin", "sweep", "--seconds-per-levl", "2"], "did you mean --seconds-per-level?"),
+        (["advice"], "invalid choice: 'advice'; did you mean 'advise'?"),
+        (["collector", "--kv-events", "of"], "invalid choice: 'of'; did you mean 'off'?"),
+    ],
+)
+def test_no_abbreviations_and_a_suggestion_for_a_typo(
+    argv: list[str], expect: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert expect in err, err
+    if argv[0] != "advice":  # the usage of the subcommand that was meant
+        assert f"usage: kvscope {argv[0]}" in err

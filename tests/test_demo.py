@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import duckdb
 
 from kvscope.collector.process import free_port
 from kvscope.lab.recording import BUNDLED_RECORDING, load_recording
@@ -84,3 +90,66 @@ def test_demo_fails_clearly_on_a_missing_recording(tmp_path: Path):
     )
     assert out.returncode == 2
     assert "no recording" in out.stderr
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigterm_stops_the_demo_collector_and_frees_its_port_and_store(tmp_path: Path):
+    """``kvscope demo --serve`` stopped as a service manager stops it: SIGTERM to the
+    command alone. Its collector (a child in a session of its own, which the signal does
+    not reach) must stop with it."""
+    store, port = tmp_path / "demo.duckdb", free_port()
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "kvscope.cli.main", "demo", "--serve"),
+            *("--port", str(port), "--store", str(store)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if "keeps running" in line:
+                break
+        assert "keeps running" in seen[-1], "".join(seen)
+        (collector,) = _children(proc.pid)
+        assert _alive(collector)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 143, proc.stdout.read()
+        deadline = time.monotonic() + 5
+        while _alive(collector) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(collector), "the collector outlived kvscope demo"
+        with socket.socket() as s:  # the port is free for the next server (as servers bind)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        duckdb.connect(str(store)).close()  # and the store is no longer locked
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -93,6 +93,7 @@ def test_the_wheel_holds_one_import_package(wheel: Path) -> None:
         "report/html.py",
         "lab/engine.py",
         "lab/recordings/overload_kv_starved.jsonl.gz",
+        "advisor/advise.schema.json",
         "args.py",
         "py.typed",
     ):

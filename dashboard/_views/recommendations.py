@@ -8,6 +8,7 @@ from typing import Any
 import streamlit as st
 
 from kvscope.advisor import Recommendation
+from kvscope.advisor.gateways import gateway_blocks
 from kvscope.dashboard._format import EFFECT_LABELS, facts
 from kvscope.dashboard.data import Snapshot
 
@@ -29,15 +30,7 @@ def change_blocks(change: dict[str, Any]) -> list[tuple[str, str, str]]:
         if key == "vllm_flags":
             out.append(("vLLM flags", " ".join(map(str, val)), "bash"))
         elif key == "gateway" and isinstance(val, dict):
-            for gk, gv in val.items():
-                if gk == "gateway_api_maxConcurrency":
-                    out.append(("Gateway API / llm-d", f"maxConcurrency: {gv}", "yaml"))
-                elif gk == "nginx_upstream":
-                    out.append(("nginx upstream", str(gv), "nginx"))
-                elif gk == "nginx":
-                    out.append(("nginx", str(gv), "nginx"))
-                else:
-                    out.append((str(gk), str(gv), "text"))
+            out.extend(gateway_blocks(val))
         elif key == "per_engine_caps" and isinstance(val, dict):
             out.append(
                 (

@@ -172,6 +172,7 @@ async def _wait_with_progress(
         file=sys.stderr,
         bar_format="{desc} |{bar}| {n:.0f}/{total:.0f} s {postfix}",
         leave=True,
+        disable=None,  # only on a terminal: piped, the bar's redraws would garble the log
     ) as bar:
         while (now := time.perf_counter()) < window_end_s:
             await asyncio.sleep(min(PROGRESS_INTERVAL_S, window_end_s - now))

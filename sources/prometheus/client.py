@@ -17,7 +17,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from kvscope.advisor.sources import SourceError
+from kvscope.advisor.sources import SourceError, connection_kind
 from kvscope.sources.prometheus.auth import PromAuth
 
 __all__ = ["MAX_POINTS", "PromClient", "Series"]
@@ -120,7 +120,11 @@ class PromClient:
         except (urllib.error.URLError, OSError, ValueError) as e:
             cause = getattr(e, "reason", None) or e
             reason = str(cause)
-            if isinstance(cause, ssl.SSLError):
+            if connection_kind(e) == "tls_mismatch":
+                reason += (
+                    f" (https:// on a plain-HTTP server: use http://{self.url.split('://', 1)[-1]})"
+                )
+            elif isinstance(cause, ssl.SSLError):
                 reason += (
                     " (trust its certificate with --prometheus-ca-file, or skip the "
                     "check with --prometheus-insecure-skip-verify)"

@@ -1,4 +1,5 @@
-"""The terminal rendering, the text plot, the messages, and the pool-level cap."""
+"""The terminal rendering, plain text and Markdown, the text plot, the messages, and the
+pool-level cap."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from rich.console import Console
 
 from kvscope.advisor import FrameSource, Report, SourceError, analyze
 from kvscope.advisor.datasets import make_engine
-from kvscope.advisor.render import no_data_message, render_report, source_error_message
+from kvscope.advisor.render import (
+    _change_rows,
+    no_data_message,
+    render_report,
+    source_error_message,
+)
+from kvscope.advisor.render_text import markdown_report, print_report, text_report
 from kvscope.advisor.textplot import CAP, KNEE, POINT, throughput_plot
 
 
@@ -64,9 +71,10 @@ def test_pool_cap_sums_engines_with_per_replica_gateway_limits() -> None:
     rec = next(r for r in rep.recommendations if r.kind == "pool_concurrency_cap")
     assert rec.scope.pool == "p" and rec.scope.engine_id is None
     assert rec.change["concurrency_cap"] == pool.recommended_concurrency_cap
-    upstream = rec.change["gateway"]["nginx_upstream"]
+    upstream = rec.change["gateway"]["nginx"]["config"]
     assert f"server h1:8000 max_conns={caps['h1:8000:0']};" in upstream
     assert f"server h2:8000 max_conns={caps['h2:8000:0']};" in upstream
+    assert f"limit_conn vllm_p_inflight {pool.recommended_concurrency_cap};" in upstream
     assert 0 < rec.expected_effect["throughput_fraction"] <= 1
     text = _text(rep)
     assert text.startswith("pool p: ")
@@ -168,3 +176,68 @@ def test_prefix_section_without_events_names_the_flag() -> None:
     text = " ".join(_text(analyze(FrameSource(s.engines, s.windows, s.requests))).split())
     section = text[text.index("Prefix cache and routing") : text.index("Recommendations")]
     assert KV_EVENTS_FLAG in section and "reuse available" not in section
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_plain_text_keeps_every_line_whole_and_every_snippet_apart() -> None:
+    rep = _pool_of_two()
+    text = text_report(rep, source="test", window="the test window")
+    lines = text.splitlines()
+    assert [ln for ln in lines if ln != ln.rstrip()] == []
+    wrapped = _text(rep).splitlines()[0]  # the terminal's first line, wrapped at 100 columns
+    assert len(lines[0]) > 100 and lines[0].startswith(wrapped.rstrip())
+    assert "from test, the test window: 2 engine(s)" in text
+    listed = lines[lines.index("Findings") + 1 :]  # the findings as a list, each summary whole
+    for line, f in zip(listed, rep.findings, strict=True):
+        scope = f.scope.engine_id or f"pool {f.scope.pool}"
+        assert line.startswith(f"- {f.kind} [{scope}] ") and line.endswith(f.summary)
+    stripped = [ln.strip() for ln in lines]
+    for i, r in enumerate(rep.recommendations, start=1):
+        head = next(n for n, ln in enumerate(lines) if ln.startswith(f"{i}. {r.summary}  ["))
+        assert r.id in lines[head]
+        for label, snippet in _change_rows(r.change):
+            at = stripped.index(f"{label}:", head)  # the label, then the snippet under it
+            body = snippet.splitlines()
+            assert stripped[at + 1 : at + 1 + len(body)] == [b.strip() for b in body]
+
+
+def test_markdown_lists_and_fences() -> None:
+    rep = _pool_of_two()
+    md = markdown_report(rep, source="test", window="W")
+    assert md.startswith("# kvscope advise\n\n## Verdict\n\n- pool p: ")
+    assert "\n  - h1:8000:0: " in md  # an engine nested under its pool
+    assert md.count("```") % 2 == 0 and "## Findings" in md
+    for r in rep.recommendations:
+        for _label, snippet in _change_rows(r.change):
+            for line in snippet.splitlines():
+                assert f"     {line}".rstrip() in md.splitlines()  # inside the item's fence
+
+
+def test_print_report_is_the_terminal_layout_only_on_a_terminal() -> None:
+    rep = _pool_of_two()
+    tty, pipe = _Terminal(), io.StringIO()
+    print_report(rep, tty, source="test", window="W")
+    print_report(rep, pipe, source="test", window="W")
+    assert "╭" in tty.getvalue()  # the plot's panel
+    assert "╭" not in pipe.getvalue() and pipe.getvalue() == text_report(
+        rep, source="test", window="W"
+    )
+
+
+def test_connection_messages_name_the_mix_up() -> None:
+    url = "https://c:8844"
+    tls = SourceError("x", url=url, reason="WRONG_VERSION_NUMBER", kind="tls_mismatch")
+    assert source_error_message(tls, url).startswith(
+        "https:// on a plain-HTTP collector: https://c:8844 does not speak TLS; use http://c:8844"
+    )
+    page = "an HTML page: looks like the kvscope dashboard, which reads a collector"
+    other = SourceError("x", url=url, status=200, reason=page, kind="not_collector")
+    assert source_error_message(other, url).startswith(
+        f"{url} answered but is not a kvscope collector ({page})"
+    )
+    closed = SourceError("x", url="http://c:1", reason="closed", kind="closed")
+    assert "use https://c:1" in source_error_message(closed, "http://c:1")

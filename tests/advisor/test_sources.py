@@ -1,4 +1,5 @@
-"""The sources' kv_events: filtering in memory, and the collector's endpoint over HTTP."""
+"""The sources' kv_events: filtering in memory, and the collector's endpoint over HTTP; what
+the collector source says when the URL is not a collector's."""
 
 from __future__ import annotations
 
@@ -101,3 +102,41 @@ def test_an_older_collector_without_kv_events_gives_an_empty_frame(
     with pytest.raises(SourceError) as err:
         CollectorSource(url).kv_events()
     assert err.value.status == 500
+
+
+class _Page(BaseHTTPRequestHandler):
+    body = b"<!doctype html><html><head><title>Streamlit</title></head></html>"
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_page_or_foreign_json_is_not_a_collector(stub: tuple[str, type[_Handler]]) -> None:
+    url, h = stub
+    h.answers.append((200, {"status": "success", "data": []}))
+    with pytest.raises(SourceError) as err:
+        CollectorSource(url).engines()
+    assert err.value.kind == "not_collector"
+    assert err.value.reason == "JSON, but not the collector's rows"
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        page = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(SourceError) as err:
+            CollectorSource(page).engines()
+        assert err.value.kind == "not_collector"
+        assert "looks like the kvscope dashboard" in err.value.reason
+        # https:// to the same plain-HTTP server: a TLS mix-up, not a certificate problem
+        with pytest.raises(SourceError) as err:
+            CollectorSource(page.replace("http:", "https:"), timeout_s=5).engines()
+        assert err.value.kind == "tls_mismatch" and err.value.status is None
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -106,7 +106,10 @@ def test_cap_keeps_the_fraction_and_cuts_the_tail() -> None:
         f"--max-num-seqs {seqs}",
         f"--max-num-queued-reqs {cap + -(-cap // 4)}",
     ]
-    assert rec.change["gateway"]["gateway_api_maxConcurrency"] == cap
+    # A pool of one: the replica's cap is the pool's, per server and for the whole upstream.
+    nginx = rec.change["gateway"]["nginx"]["config"]
+    assert f"max_conns={cap};" in nginx and f"limit_conn vllm_synth_inflight {cap};" in nginx
+    assert f"--max-concurrent-requests {cap}" in rec.change["gateway"]["vllm_router"]["config"]
 
 
 def test_slo_lowers_the_cap() -> None:

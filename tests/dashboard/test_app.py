@@ -294,13 +294,18 @@ def test_recommendations_are_ranked_with_the_change_to_copy(
     assert flags.startswith(f"--max-num-seqs {cap} ")
     c = codes(at)
     assert flags in c
-    assert f"limit_conn_zone $server_name zone=vllm_conn:1m; limit_conn vllm_conn {cap};" in c
-    assert f"maxConcurrency: {cap}" in c
+    # Per replica its own max_conns; the pool's limit is in the pool's recommendation.
+    assert f"server demo-host:8000 max_conns={cap};" in c
+    assert not [t for t in c if "limit_conn " in t and f" {cap};" in t]
     raise_seqs = next(r for r in expected.recommendations if r.kind == "raise_max_num_seqs")
     assert raise_seqs.scope.engine_id == SEQ_CAPPED
     assert raise_seqs.change["vllm_flags"][0] in c
     pool_cap = next(r for r in expected.recommendations if r.kind == "pool_concurrency_cap")
-    assert pool_cap.change["gateway"]["nginx_upstream"] in c
+    assert pool_cap.change["gateway"]["nginx"]["config"] in c
+    total = pool_cap.change["concurrency_cap"]
+    assert (
+        f"limit_conn vllm_demo_inflight {total};" in pool_cap.change["gateway"]["nginx"]["config"]
+    )
 
 
 # -- prefix and routing ------------------------------------------------------------------

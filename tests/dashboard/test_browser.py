@@ -156,8 +156,8 @@ def _recommendations(r: Report) -> list[str]:
     return [
         f"1. {first.summary}",
         f"--max-num-seqs {cap} --max-num-queued-reqs {cap + -(-cap // 4)}",
-        f"limit_conn vllm_conn {cap};",
-        f"maxConcurrency: {cap}",
+        f"server demo-host:8000 max_conns={cap};",
+        "nginx: what happens to the excess",
         f"{len(r.recommendations)}. {r.recommendations[-1].summary}",
     ]
 

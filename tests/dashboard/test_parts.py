@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import socket
 
 import pandas as pd
 import pytest
@@ -135,6 +136,22 @@ def test_cli_refuses_bad_arguments(
     assert message in capsys.readouterr().err
 
 
+def test_a_busy_port_is_refused_before_anything_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    started: list[object] = []
+    monkeypatch.setattr(cli.subprocess, "Popen", lambda *a, **k: started.append(a))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert cli.run(_args("--collector", "c:8844", "--port", str(port))) == 2
+    out, err = capsys.readouterr()
+    assert f"cannot listen on 127.0.0.1:{port} (Address already in use)" in err
+    assert "pass another --port" in err
+    assert not out and not started  # no "reading collector ..." line, no app
+
+
 # -- attention order and status ------------------------------------------------------------
 
 
@@ -235,13 +252,22 @@ def test_values_read_like_the_terminal_view(key: str, v: object, text: str) -> N
 
 
 def test_every_part_of_a_change_becomes_a_block_to_copy() -> None:
+    nginx = {
+        "config": "server a:1 max_conns=8;",
+        "format": "nginx",
+        "scope": "replica",
+        "excess": "the next one gets 502",
+        "p99_e2e_s": 1.2,
+        "source": "nginx.org",
+    }
+    vllm = {"config": "--max-num-seqs 8", "format": "bash", "scope": "replica", "excess": "503"}
     change = {
         "concurrency_cap": 8,
         "vllm_flags": ["--max-num-seqs 8", "--max-num-queued-reqs 10"],
         "gateway": {
-            "nginx": "limit_conn vllm_conn 8;",
-            "gateway_api_maxConcurrency": 8,
-            "nginx_upstream": "upstream p { server a:1 max_conns=8; }",
+            "vllm": vllm,
+            "nginx": nginx,
+            "nginx_upstream": "upstream p { least_conn; server a:1; }",
         },
         "per_engine_caps": {"a:1:0": 8, "b:1:0": 6},
         "router_policy": "prefix-aware",
@@ -251,9 +277,10 @@ def test_every_part_of_a_change_becomes_a_block_to_copy() -> None:
     blocks = change_blocks(change)
     assert blocks == [
         ("vLLM flags", "--max-num-seqs 8 --max-num-queued-reqs 10", "bash"),
-        ("nginx", "limit_conn vllm_conn 8;", "nginx"),
-        ("Gateway API / llm-d", "maxConcurrency: 8", "yaml"),
-        ("nginx upstream", "upstream p { server a:1 max_conns=8; }", "nginx"),
+        ("vLLM flags: what happens to the excess", "503", "text"),
+        ("nginx (replica)", "server a:1 max_conns=8;", "nginx"),
+        ("nginx: what happens to the excess", "the next one gets 502", "text"),
+        ("nginx upstream", "upstream p { least_conn; server a:1; }", "nginx"),
         ("cap per engine (in flight)", "a:1:0: 8\nb:1:0: 6", "yaml"),
         ("router policy", "prefix-aware", "text"),
         ("vLLM production-stack router", "--routing-logic prefixaware", "bash"),

@@ -1,0 +1,184 @@
+"""The cap and routing advice in vLLM's router (PyPI ``vllm-router`` 0.1.17,
+``python -m vllm_router.launch_router``).
+
+Flags are the router's own (``--help`` of 0.1.17; ``tests/advisor/test_gateways_router.py``
+parses every rendered command with the router's argument parser and runs the router in
+front of two stand-in workers). What the router does with them, measured on 0.1.17:
+
+* No flag limits one worker's requests. ``--max-concurrent-requests N`` is a token bucket of
+  ``N``: a request takes a token and returns it when done, but the bucket also refills at
+  ``--rate-limit-tokens-per-second`` (default ``N``; 0 counts as 1) while requests are still in
+  flight. It is a burst limit, not a bound on requests in flight: under sustained overload
+  the refill lets that many more through each second (a bucket of 4, 10 arrivals a second of
+  3-second requests for 6 s: 26 in flight at the default refill of 4/s, 9 at 1/s; stand-in
+  workers, docs/gateways.md). Past it requests get **429** at once.
+* ``--queue-size`` / ``--queue-timeout-secs``: a queued request waits only until the bucket's
+  refill time for one token (``1 / refill`` seconds) and then gets **408**, whatever
+  ``--queue-timeout-secs`` says (refill 4/s: 408 after 0.2 s with a 5 s timeout), and the
+  queue hands requests on so fast that it hardly fills. A queue sized from the latency model
+  would not be honoured, so none is rendered (``--queue-size 0``).
+* A worker's 503 (vLLM at ``--max-num-queued-reqs``) is retried on another worker
+  (``--retry-max-retries``, default 5) and then passed on. The circuit breaker counts those
+  503s as failures: after one burst on capped workers every worker's circuit was open and the
+  router answered **503** "No available workers" for ``--cb-timeout-duration-secs`` (60 s)
+  while the workers sat idle. Hence ``--disable-circuit-breaker`` (health checks still take a
+  dead worker out).
+
+So each replica's vLLM flags hold its cap; the router adds a pool-level burst limit.
+
+Routing: ``--policy cache_aware`` keeps a prefix tree of request text per worker and sends a
+request to the worker matching the largest share of it when that share exceeds
+``--cache-threshold`` (else to the worker with the smallest tree), unless the load is
+imbalanced: the busiest worker more than ``--balance-abs-threshold`` requests ahead of the
+least busy one and more than ``--balance-rel-threshold`` times its load, when it takes the
+least busy worker. ``--policy power_of_two`` picks the less loaded of two random workers.
+(Semantics: the router's ``--help`` and ``src/policies/cache_aware.rs`` in
+vllm-project/router.)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvscope.advisor.gateways.replica import POOL, ReplicaCap, by_address, rendering, seconds, worst
+
+VERSION = "0.1.17"
+LAUNCH = "python -m vllm_router.launch_router"
+SOURCE = (
+    f"vllm-router {VERSION} --help (flags) and behaviour measured in front of stand-in "
+    "workers; vllm-project/router src/middleware.rs, src/core/token_bucket.rs, "
+    "src/policies/cache_aware.rs"
+)
+REFILL_PER_S = 1
+"""``--rate-limit-tokens-per-second``: the smallest refill the router allows (0 counts as 1),
+so that the bucket lets the fewest extra requests through under sustained overload."""
+DEFAULT_CACHE_THRESHOLD = 0.3
+"""The router's default ``--cache-threshold``."""
+MIN_CACHE_THRESHOLD = 0.05
+
+
+def _command(addresses: list[str], flags: list[str]) -> str:
+    urls = " ".join(f"http://{a}" for a in addresses)
+    return " \\\n    ".join([LAUNCH, f"--worker-urls {urls}", *flags])
+
+
+def router_cap(replicas: list[ReplicaCap], uncapped: list[str] | None = None) -> dict[str, Any]:
+    """The pool's burst limit (the sum of the caps, when every replica has one) in front of
+    the replicas' own vLLM flags."""
+    caps = by_address(replicas)
+    free = sorted(set(uncapped or []) - set(caps))
+    total = sum(caps.values())
+    flags = []
+    if not free:
+        flags = [
+            f"--max-concurrent-requests {total}",
+            f"--rate-limit-tokens-per-second {REFILL_PER_S}",
+            "--queue-size 0",
+        ]
+    flags.append("--disable-circuit-breaker")
+    limits = ", ".join(
+        f"{r.address} {r.max_num_queued_reqs}" for r in sorted(replicas, key=lambda r: r.address)
+    )
+    p99 = worst([r.p99_e2e_s_queued for r in replicas])
+    head = (
+        f"no pool limit: {', '.join(free)} has no cap. "
+        if free
+        else (
+            f"up to {total} requests at once (the sum of the caps), then 429 at once; the "
+            f"limit is a token bucket refilled at {REFILL_PER_S}/s, so under sustained "
+            f"overload about {REFILL_PER_S} more request per second gets through. No router "
+            "queue: vllm-router 0.1.17 holds a queued request only about 1/refill s, "
+            "whatever --queue-timeout-secs says, then answers 408. "
+        )
+    )
+    excess = head + (
+        "The router has no per-worker limit: each replica's vLLM flags hold its cap (past "
+        f"--max-num-queued-reqs, {limits}, it answers 503), the router retries that 503 on "
+        "another worker and then passes it on. The circuit breaker is off: it counts those "
+        "503s as failures and would take every worker out for 60 s after a burst. Admitted "
+        f"requests can wait in vLLM's queue: e2e P99 up to {seconds(p99)}"
+    )
+    return rendering(
+        _command(list(caps) + free, flags),
+        "bash",
+        POOL,
+        excess=excess,
+        p99_e2e_s=p99,
+        source=SOURCE,
+    )
+
+
+def cache_threshold(available: float | None) -> float:
+    """Half the pool's available reuse (the share of looked-up prompt tokens some replica had
+    seen before), so that a request sharing half as much of its prompt as the pool's average
+    goes to the worker holding it; at most the router's default, at least 0.05."""
+    if available is None or not math.isfinite(available):
+        return DEFAULT_CACHE_THRESHOLD
+    return round(min(DEFAULT_CACHE_THRESHOLD, max(MIN_CACHE_THRESHOLD, available / 2)), 2)
+
+
+def balance_thresholds(replicas: list[ReplicaCap], rel: float) -> tuple[int, float] | None:
+    """``--balance-abs-threshold``: the smallest vLLM queue ``Q`` of the pool's replicas (a
+    worker that far ahead has requests waiting in vLLM while another has free room);
+    ``--balance-rel-threshold``: the imbalance the advisor flags. None without caps."""
+    if not replicas:
+        return None
+    return max(1, min(r.queue for r in replicas)), round(float(rel), 2)
+
+
+def router_prefix(
+    addresses: list[str],
+    replicas: list[ReplicaCap],
+    *,
+    available: float | None,
+    hit_rate: float | None,
+    predicted_hit_rate: float | None,
+    predicted_hit_rate_max: float | None,
+    imbalance_threshold: float,
+) -> dict[str, Any]:
+    """``cache_aware`` for a pool whose replicas recompute prefixes another replica holds."""
+    threshold = cache_threshold(available)
+    flags = ["--policy cache_aware", f"--cache-threshold {threshold}"]
+    balance = balance_thresholds(replicas, imbalance_threshold)
+    if balance is not None:
+        flags += [f"--balance-abs-threshold {balance[0]}", f"--balance-rel-threshold {balance[1]}"]
+        load = (
+            f"it takes the least busy worker instead once the busiest is more than "
+            f"{balance[0]} requests ahead and {balance[1]}x its load"
+        )
+    else:
+        load = (
+            "no replica has a cap, so the balance thresholds stay at the router's defaults "
+            "(64 requests, 1.5x)"
+        )
+    effect = (
+        f"requests go to the worker whose prefix tree matches more than {threshold:.0%} of "
+        f"their text; {load}. Predicted pool prefix-cache hit rate {_pct(hit_rate)} -> "
+        f"{_pct(predicted_hit_rate)} (at most {_pct(predicted_hit_rate_max)}): the reuse "
+        "routing loses today, recovered if the router finds the holder (its tree is of "
+        "request text, not the engines' KV blocks, and does not see their evictions)"
+    )
+    return rendering(_command(addresses, flags), "bash", POOL, effect=effect, source=SOURCE)
+
+
+def router_balance(
+    addresses: list[str], *, busiest: str | None, imbalance: float
+) -> dict[str, Any]:
+    """``power_of_two`` for a pool whose load is uneven and whose replicas lose no reuse."""
+    effect = (
+        f"each request goes to the less loaded of two workers picked at random (the router "
+        f"counts its requests in flight per worker): the busiest replica ({busiest}, "
+        f"{imbalance:.2f}x the pool mean) gets no more than its share"
+    )
+    return rendering(
+        _command(addresses, ["--policy power_of_two"]),
+        "bash",
+        POOL,
+        effect=effect,
+        source=SOURCE,
+    )
+
+
+def _pct(v: float | None) -> str:
+    return "?" if v is None or not math.isfinite(v) else f"{v:.0%}"

@@ -1,0 +1,61 @@
+"""How the long-running commands start and stop.
+
+Start: :func:`port_problem` says why a port cannot be listened on, so a command refuses a
+busy port before it prints what it is about to serve (or spends a minute feeding a demo).
+
+Stop: :func:`stop_on_sigterm` turns SIGTERM (``kill``, ``docker stop``, systemd,
+Kubernetes) into :class:`Terminated`, raised where the command is, the way Ctrl-C raises
+:class:`KeyboardInterrupt`. Every ``with`` block on the way out runs its exit, so a
+collector started by ``kvscope demo`` or ``kvscope dashboard --demo`` and the dashboard's
+Streamlit process stop with the command instead of keeping the port and the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+__all__ = ["Terminated", "port_problem", "stop_on_sigterm"]
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived. A :class:`BaseException`, as :class:`KeyboardInterrupt` is, so no
+    ``except Exception`` on the way out swallows it."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up
+    raise Terminated
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Inside the block SIGTERM raises :class:`Terminated` (once: further SIGTERMs are
+    ignored while the block unwinds); the previous handler is back afterwards. A no-op
+    outside the main thread, where Python cannot set signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on right now (``Address already in use``, ...),
+    or None when it can. Binds as servers do (``SO_REUSEADDR``), so a port in TIME_WAIT
+    counts as free."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None

@@ -1,0 +1,192 @@
+"""The vllm-router rendering against the real router (PyPI ``vllm-router``, the test extra):
+every rendered flag exists in its ``--help`` and parses with its own argument parser to what
+the rendering means, and the router run in front of two stand-in workers does with the
+excess what the rendering says."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from vllm_router.launch_router import parse_router_args
+
+from kvscope.advisor.gateways import ReplicaCap, balance_routing, pool_renderings, prefix_routing
+from kvscope.advisor.gateways.vllm_router import LAUNCH, VERSION
+from tests.advisor._upstreams import Burst, Upstream, free_port, post, wait_listening
+
+
+def _replicas(addresses: list[str], cap: int = 12, queue: int = 3) -> list[ReplicaCap]:
+    return [ReplicaCap(address=a, cap=cap, max_num_seqs=cap, queue=queue) for a in addresses]
+
+
+def _args(config: str) -> list[str]:
+    """The arguments of a rendered router command line."""
+    assert config.startswith(LAUNCH + " ")
+    return shlex.split(config[len(LAUNCH) :].replace("\\\n", " "))
+
+
+def _rendered() -> list[str]:
+    pair = _replicas(["h1:8000", "h2:8000"])
+    return [
+        pool_renderings("demo", pair)["vllm_router"]["config"],
+        prefix_routing(
+            ["h1:8000", "h2:8000"],
+            pair,
+            available=0.4,
+            hit_rate=0.3,
+            predicted_hit_rate=0.5,
+            predicted_hit_rate_max=0.6,
+            imbalance_threshold=1.25,
+        )["vllm_router"]["config"],
+        balance_routing(["h1:8000", "h2:8000"], busiest="h1:8000:0", imbalance=1.6)["vllm_router"][
+            "config"
+        ],
+    ]
+
+
+def test_the_installed_router_is_the_version_the_rendering_describes() -> None:
+    from importlib.metadata import version
+
+    assert version("vllm-router") == VERSION
+
+
+def test_every_rendered_flag_is_in_the_routers_help() -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "vllm_router.launch_router", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    known = {w.rstrip(",") for w in res.stdout.split() if w.startswith("--")}
+    for config in _rendered():
+        flags = {a for a in _args(config) if a.startswith("--")}
+        assert flags and flags <= known, flags - known
+
+
+def test_rendered_commands_parse_to_what_the_rendering_means() -> None:
+    cap, prefix, balance = (parse_router_args(_args(c)) for c in _rendered())
+    assert cap.worker_urls == ["http://h1:8000", "http://h2:8000"]
+    assert cap.max_concurrent_requests == 24  # the pool's sum, never one replica's 12
+    assert cap.rate_limit_tokens_per_second == 1 and cap.queue_size == 0
+    assert cap.disable_circuit_breaker is True
+    assert prefix.policy == "cache_aware" and prefix.cache_threshold == 0.2
+    assert prefix.balance_abs_threshold == 3 and prefix.balance_rel_threshold == 1.25
+    assert balance.policy == "power_of_two"
+
+
+@contextmanager
+def _router(args: list[str], tmp: Path) -> Iterator[int]:
+    port = free_port()
+    log = (tmp / f"router-{port}.log").open("w")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--prometheus-port",
+            str(free_port()),
+            *args,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_listening(port, timeout_s=60, alive=lambda: proc.poll() is None)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+@pytest.fixture
+def workers() -> Iterator[tuple[Upstream, Upstream]]:
+    """Two stand-in vLLM replicas: cap 2 and a queue of 1, so 503 past 3 in flight."""
+    a, b = Upstream(hold_s=1.5, limit=3), Upstream(hold_s=1.5, limit=3)
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def test_past_the_pools_sum_the_router_answers_429_at_once(
+    tmp_path: Path, workers: tuple[Upstream, Upstream]
+) -> None:
+    a, b = workers
+    config = pool_renderings("t", _replicas([a.address, b.address], cap=2, queue=1))
+    with _router(
+        [*_args(config["vllm_router"]["config"]), "--policy", "round_robin"], tmp_path
+    ) as port:
+        t0 = time.monotonic()
+        burst = Burst(port, 10)
+        statuses = Counter(burst.join())
+    # The bucket of 4 (2 + 2) lets 4 through (a fifth if the burst took a second to send:
+    # the refill); no queue: the others get 429 at once.
+    assert set(statuses) == {200, 429} and 4 <= statuses[200] <= 5, statuses
+    assert a.peak + b.peak <= 4 and max(a.peak, b.peak) <= 3
+    assert time.monotonic() - t0 < 10
+
+
+def test_the_bucket_refills_while_requests_are_in_flight(
+    tmp_path: Path, workers: tuple[Upstream, Upstream]
+) -> None:
+    """A burst limit, not a bound on requests in flight: with a bucket of 2 refilled at
+    1/s, steady arrivals of 3-second requests get more than 2 in flight."""
+    a, b = workers
+    a.hold_s = b.hold_s = 3.0
+    a.limit = b.limit = None
+    args = _args(
+        pool_renderings("t", _replicas([a.address, b.address], cap=1, queue=1))["vllm_router"][
+            "config"
+        ]
+    )
+    with _router([*args, "--policy", "round_robin"], tmp_path) as port:
+        burst = Burst(port, 30, gap_s=0.1)
+        statuses = Counter(burst.join())
+    assert a.peak + b.peak > 2, (a.peak, b.peak)
+    assert statuses[429] > 0 and statuses[200] > 2, statuses
+
+
+@pytest.mark.parametrize("breaker_off", [True, False])
+def test_the_circuit_breaker_takes_capped_workers_out_unless_disabled(
+    tmp_path: Path, workers: tuple[Upstream, Upstream], breaker_off: bool
+) -> None:
+    """Workers answering 503 at their admission limit (vLLM's --max-num-queued-reqs) open
+    the router's circuits: afterwards it answers 503 with both workers idle. The rendering
+    turns the breaker off."""
+    a, b = workers
+    config = pool_renderings("t", _replicas([a.address, b.address]))["vllm_router"]["config"]
+    assert "--disable-circuit-breaker" in _args(config)
+    # Only the workers and the breaker flag: no router limit, every request reaches them.
+    base = [
+        "--worker-urls",
+        f"http://{a.address}",
+        f"http://{b.address}",
+        "--policy",
+        "round_robin",
+    ]
+    extra = ["--disable-circuit-breaker"] if breaker_off else []
+    with _router([*base, *extra], tmp_path) as port:
+        Burst(port, 40).join()
+        assert a.rejected + b.rejected >= 20  # the workers were full
+        time.sleep(2.0)  # both idle again
+        after = [post(port)[0] for _ in range(3)]
+    if breaker_off:
+        assert after == [200, 200, 200]
+    else:
+        assert after == [503, 503, 503]
