@@ -5,7 +5,7 @@ layout, wrapped to the window. Anywhere else (``| less``, cron mail, a CI log, a
 wrapped layout breaks words at column 80, pads lines with spaces and splits the snippets
 to copy; :func:`text_report` prints the same content, in the same order, with no wrapping
 and no padding: one line per sentence, the findings as a list, and each snippet of a
-change (vLLM flags, an nginx block, a Gateway API field, whatever a recommendation
+change (vLLM flags, an nginx block, a router's flags, whatever a recommendation
 carries) on lines of its own, exactly as it is to be pasted. :func:`markdown_report` is
 the same again as Markdown: lists, and each snippet in a fenced block.
 

@@ -56,7 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "load where throughput stops growing), the plateau, whether load went past\n"
             "it, and the recommended concurrency cap with its predicted share of peak\n"
             "throughput and P99; then the ranked recommendations with the exact change\n"
-            "(vLLM flags, nginx, Gateway API / llm-d) and the findings."
+            "(vLLM flags, nginx, ingress-nginx, vllm-router, the Inference Extension's\n"
+            "endpoint picker, llm-d's autoscaler) and the findings."
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
