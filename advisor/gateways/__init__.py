@@ -94,27 +94,11 @@ def pool_renderings(
 
 
 def prefix_routing(
-    addresses: list[str],
-    replicas: list[ReplicaCap],
-    *,
-    available: float | None,
-    hit_rate: float | None,
-    predicted_hit_rate: float | None,
-    predicted_hit_rate_max: float | None,
-    imbalance_threshold: float,
+    addresses: list[str], replicas: list[ReplicaCap], **thresholds: Any
 ) -> dict[str, dict[str, Any]]:
-    """The router's cache-aware policy for a pool that loses prefix reuse across replicas."""
-    return {
-        "vllm_router": router_prefix(
-            addresses,
-            replicas,
-            available=available,
-            hit_rate=hit_rate,
-            predicted_hit_rate=predicted_hit_rate,
-            predicted_hit_rate_max=predicted_hit_rate_max,
-            imbalance_threshold=imbalance_threshold,
-        )
-    }
+    """The router's cache-aware policy for a pool that loses prefix reuse across replicas
+    (``thresholds``: the keyword arguments of :func:`.vllm_router.router_prefix`)."""
+    return {"vllm_router": router_prefix(addresses, replicas, **thresholds)}
 
 
 def balance_routing(
