@@ -6,21 +6,22 @@ Algorithm
 1. The cap is the smallest load (requests in flight) at which the fitted
    throughput curve reaches ``cap_fraction`` of its peak, rounded up to a whole
    request. The curve here is the monotone fit of the load bins up to the one with
-   the highest median throughput: when throughput falls past its peak (preemption
+   the highest throughput: when throughput falls past its peak (preemption
    thrash), the falling bins would otherwise pull the fitted plateau, and with it the
    cap, below what the engine delivers at the peak, and the cap exists to keep the
    engine there. Without such a fall this is the curve's own fit. Where the top of
    the curve is flat, a few percent of noise in one bin moves that crossing by whole
    load levels, and a cap taken from a bin that happened to run fast keeps less than
    it promises. So the crossing is also found on ``resamples`` refits of the bin
-   medians from windows drawn again within each bin (a bootstrap: the windows of a
+   means from windows drawn again within each bin (a bootstrap: the windows of a
    bin measured on the way up and on the way down, at different host speeds, are in
    it), and the cap is the ``resample_quantile`` of those loads when that is higher
    (the median: a bin that ran fast by luck no longer sets the cap alone; a higher
    quantile moves a cap on a flat top by whole load levels towards the overload, and
    on real engines that cost more of the tail than it saved in throughput). The cap is at
    most the curve's batch ceiling (the load where the running batch stopped growing
-   while requests waited): load past it only waits in vLLM's queue.
+   while requests waited) and its KV ceiling (where requests waited with the cache
+   full): load past either only waits in vLLM's queue.
 2. With an SLO (``slo_ttft_p99_s``, ``slo_e2e_p99_s``), the P99 at the cap
    (:meth:`~kvscope.advisor.latency.LatencyVsLoad.p99_at`) must meet it; if not, the cap is
    lowered to the largest whole load whose interpolated P99 meets every SLO, and the
@@ -81,10 +82,10 @@ def _at(bins: pd.DataFrame, column: str, load: float) -> float:
     return float(np.interp(load, b["load"].to_numpy(float), b[column].to_numpy(float)))
 
 
-def _fit_to_peak(medians: np.ndarray, weights: np.ndarray) -> tuple[int, np.ndarray]:
-    """The bins up to the one with the highest median, and their monotone fit."""
-    upto = int(np.argmax(medians)) + 1
-    return upto, isotonic_increasing(medians[:upto], weights[:upto])
+def _fit_to_peak(means: np.ndarray, weights: np.ndarray) -> tuple[int, np.ndarray]:
+    """The bins up to the one with the highest mean, and their monotone fit."""
+    upto = int(np.argmax(means)) + 1
+    return upto, isotonic_increasing(means[:upto], weights[:upto])
 
 
 class ConcurrencyCap:
@@ -116,14 +117,14 @@ class ConcurrencyCap:
             "resample_quantile": self.resample_quantile,
         }
 
-    def _crossing(self, x: np.ndarray, medians: np.ndarray, weights: np.ndarray) -> float:
-        """The load where the monotone fit of ``medians`` (bins up to the highest) reaches
+    def _crossing(self, x: np.ndarray, means: np.ndarray, weights: np.ndarray) -> float:
+        """The load where the monotone fit of ``means`` (bins up to the highest) reaches
         ``cap_fraction`` of its top."""
-        upto, fit = _fit_to_peak(medians, weights)
+        upto, fit = _fit_to_peak(means, weights)
         return interp_crossing(x[:upto], fit, self.cap_fraction * float(fit.max()))
 
     def _resampled_crossings(self, curve: ThroughputCurve) -> np.ndarray:
-        """The crossing on ``resamples`` refits of bin medians drawn from each bin's
+        """The crossing on ``resamples`` refits of bin means drawn from each bin's
         windows with replacement (a fixed seed: the same data give the same cap)."""
         w = curve.windows_
         bins = curve.bins_
@@ -137,7 +138,7 @@ class ConcurrencyCap:
         rng = np.random.default_rng(0)
         out = np.empty(self.resamples)
         for i in range(self.resamples):
-            med = np.array([np.median(rng.choice(g, len(g))) for g in groups])
+            med = np.array([np.mean(rng.choice(g, len(g))) for g in groups])
             out[i] = self._crossing(x, med, n)
         return out
 
@@ -164,9 +165,10 @@ class ConcurrencyCap:
         )
         if math.isfinite(self.resampled_load_):
             load = max(load, self.resampled_load_)
-        if curve.batch_ceiling_load_ is not None:
-            # Past the batch ceiling only the queue grows (see the curve's step 5).
-            load = min(load, curve.batch_ceiling_load_)
+        for ceiling in (curve.batch_ceiling_load_, curve.kv_ceiling_load_):
+            if ceiling is not None:
+                # Past the batch or KV ceiling only the queue grows (the curve's step 5).
+                load = min(load, ceiling)
         cap = max(1, math.ceil(load - 1e-9))
         self.slo_limited_ = False
         self.feasible_ = True

@@ -16,15 +16,25 @@ Algorithm
    time-averaged one, and a throughput that understates it). Windows read from
    scraped series have no step times: there the busy share is the window's step count
    over that of windows of about the same batch (their upper quartile).
-3. **Bins**: log-spaced in load, ``bins_per_doubling`` per factor of two, bins with
-   fewer than ``min_count`` windows merged into a neighbour; per bin the median load,
-   median generation tokens/s and median total (prompt + generation) tokens/s.
-   Medians make one slow second (a burst of completions, a GC pause) harmless;
-   merging makes uneven coverage (long stretches at one load level) harmless.
+3. **Bins**: log-spaced in load, ``bins_per_doubling`` per factor of two, each inner
+   edge moved to the widest stretch within half a bin of it that no window's load falls
+   in, bins with fewer than ``min_count`` windows merged into a neighbour; per bin the
+   median load and the mean generation, total (prompt + generation) and computed
+   tokens/s. Within one load level the seconds in which requests turn over (clients
+   between requests, a wave of prefills, vLLM recomputing preempted requests) hold
+   fewer requests *and* make fewer tokens: an edge through a level files its slow
+   seconds under the lower bin and leaves the fast ones to the upper one, and a median
+   of seconds that alternate between a stalled and a full batch (222 and 1,111 tok/s)
+   picks one of the two. A real KV-starved engine whose clients measured 620-641
+   tok/s from 12 to 32 clients read 743 in its top bin that way, 639 in a bin
+   cut at 22.6 in flight, through its 24-client level, and was called not saturated;
+   with the edge in the gap below the level and the mean, 663 (the mean of a bin's
+   1-second counts is its rate over the time it covers). Merging makes uneven coverage
+   (long stretches at one load level) harmless.
 4. **Monotone fit**: weighted isotonic regression (pool adjacent violators, weights =
-   windows per bin) of the bin medians against load. Throughput of a continuous
+   windows per bin) of the bin means against load. Throughput of a continuous
    batching engine does not truly fall with more offered load unless something
-   thrashes, which the raw medians still show (``drop_past_peak_``).
+   thrashes, which the raw means still show (``drop_past_peak_``).
 5. **Plateau** = the top of the fitted curve. **Knee** = the smallest load at which the
    fitted curve (linear between bins) reaches ``knee_fraction`` of the plateau. A
    fraction rule, rather than a max-distance (kneedle) rule, reads directly as
@@ -59,7 +69,11 @@ Algorithm
    requests waiting only when a limit binds (KV cache, ``max_num_seqs``, the token
    budget), so more load past that point only queues, whatever one noisy level of
    throughput says (a level measured 10-25% high while the batch stood still would
-   otherwise move the knee past the observed range). Otherwise the engine is not
+   otherwise move the knee past the observed range). The KV cache is that ceiling too
+   when, at the highest load, requests wait while the cache is at least
+   ``ceiling_kv_usage`` full: there the batch is whatever fits in the blocks, and it
+   wanders with the lengths of the requests it holds (12 to 19 on one KV-starved
+   engine) rather than standing still. Otherwise the engine is not
    saturated; ``growth_last_doubling_`` (relative throughput gain over the last
    doubling of load in the data) says how much it was still growing.
 
@@ -70,6 +84,8 @@ saturation_margin : the highest load bin must be this multiple of the knee to ca
     the engine saturated (default 1.5).
 ceiling_batch_growth, ceiling_min_waiting : the ceiling evidence (defaults 0.1: the
     batch grew at most 10% over the last doubling of load; 1.0 request waiting).
+ceiling_kv_usage : KV-cache usage at the highest load that, with requests waiting, is
+    the KV ceiling (default 0.9).
 saturation_step_slowdown : step-time growth from the lowest to the highest load that
     counts as evidence of a limit (0.25, as the bottleneck classifier's compute rule).
 bins_per_doubling : log-spaced bins per factor of two in load (default 2).
@@ -109,6 +125,7 @@ class ThroughputCurve:
         saturation_margin: float = 1.5,
         ceiling_batch_growth: float = 0.1,
         ceiling_min_waiting: float = 1.0,
+        ceiling_kv_usage: float = 0.9,
         saturation_step_slowdown: float = 0.25,
         bins_per_doubling: int = 2,
         min_count: int = 3,
@@ -120,6 +137,7 @@ class ThroughputCurve:
         self.saturation_margin = saturation_margin
         self.ceiling_batch_growth = ceiling_batch_growth
         self.ceiling_min_waiting = ceiling_min_waiting
+        self.ceiling_kv_usage = ceiling_kv_usage
         self.saturation_step_slowdown = saturation_step_slowdown
         self.bins_per_doubling = bins_per_doubling
         self.min_count = min_count
@@ -152,10 +170,14 @@ class ThroughputCurve:
                 "load_lo": g["load"].min(),
                 "load_hi": g["load"].max(),
                 "n_windows": g.size(),
-                "gen_tokens_per_s": g["gen_tokens_per_s"].median(),
-                # Means, not medians: prompt tokens are counted once per request, when
-                # its prefill completes, so they arrive in bursts that a median of
-                # 1-second counts under- or over-states; the mean is the bin's rate.
+                # Means, not medians: the mean of a bin's 1-second counts is its rate.
+                # Prompt tokens are counted once per request, when its prefill
+                # completes, so they arrive in bursts; and generated tokens/s turn
+                # bimodal where vLLM preempts (a second stalled recomputing evicted
+                # requests, the next at the full batch): a median of such seconds
+                # picks either mode (222 or 1,111 tok/s around a true 632 on a
+                # KV-starved engine).
+                "gen_tokens_per_s": g["gen_tokens_per_s"].mean(),
                 "total_tokens_per_s": g["total_tokens_per_s"].mean(),
                 "computed_tokens_per_s": g["computed_tokens_per_s"].mean(),
                 "batch": g["batch_mean"].median(),
@@ -189,11 +211,24 @@ class ThroughputCurve:
         if top_batch > 0 and at_ceiling.any():
             self.batch_ceiling_load_ = float(x[int(np.argmax(at_ceiling))])
             self.knee_load_ = min(self.knee_load_, self.batch_ceiling_load_)
+        # Where the KV cache was full while requests waited, the blocks bound: the same.
+        self.kv_ceiling_load_: float | None = None
+        kv_full = (bins["kv_usage"].to_numpy(float) >= self.ceiling_kv_usage) & (
+            bins["waiting"].to_numpy(float) >= self.ceiling_min_waiting
+        )
+        if kv_full.any():
+            self.kv_ceiling_load_ = float(x[int(np.argmax(kv_full))])
+            self.knee_load_ = min(self.knee_load_, self.kv_ceiling_load_)
         self.waiting_at_max_load_ = float(bins["waiting"].iloc[-1])
         self.past_knee_ = bool(
             len(x) > 1 and self.max_load_ >= self.saturation_margin * self.knee_load_
         )
-        self.ceiling_ = bool(
+        self.kv_usage_at_max_load_ = float(bins["kv_usage"].iloc[-1])
+        self.kv_ceiling_ = bool(
+            self.waiting_at_max_load_ >= self.ceiling_min_waiting
+            and self.kv_usage_at_max_load_ >= self.ceiling_kv_usage
+        )
+        self.ceiling_ = self.kv_ceiling_ or bool(
             self.batch_growth_last_doubling_ is not None
             and self.batch_growth_last_doubling_ <= self.ceiling_batch_growth
             and self.waiting_at_max_load_ >= self.ceiling_min_waiting
@@ -253,6 +288,13 @@ class ThroughputCurve:
         if self.saturated_ and not self.past_knee_:
             batch = self.bins_["batch"].to_numpy(float)
             grow = f" (throughput {g:+.0%})" if g is not None else ""
+            if self.kv_ceiling_:
+                return (
+                    f"saturated: at {self.max_load_:.1f} in flight the KV cache was "
+                    f"{self.kv_usage_at_max_load_:.0%} full while "
+                    f"{self.waiting_at_max_load_:.1f} requests waited for blocks{grow}: "
+                    "the batch is what fits in the cache and more load only queues"
+                )
             return (
                 f"saturated: over the last doubling of load (to {self.max_load_:.1f} in flight) "
                 f"the batch stood at {batch[-1]:.1f} while {self.waiting_at_max_load_:.1f} "
@@ -315,6 +357,9 @@ class ThroughputCurve:
                 "batch_growth_last_doubling_ratio": self.batch_growth_last_doubling_,
                 "waiting_at_max_load": self.waiting_at_max_load_,
                 "saturated_by_ceiling": self.ceiling_ and not self.past_knee_,
+                "kv_ceiling": self.kv_ceiling_,
+                "kv_usage_at_max_load": self.kv_usage_at_max_load_,
+                "kv_ceiling_load": self.kv_ceiling_load_,
                 "limit_evidence": self.limit_evidence_,
                 "flat_without_evidence": self.flat_without_evidence_,
                 "step_slowdown_ratio": self.step_slowdown_,

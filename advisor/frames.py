@@ -136,6 +136,9 @@ def load_bins(load: np.ndarray, *, bins_per_doubling: int, min_count: int) -> np
     n = max(1, math.ceil(math.log2(hi / lo) * bins_per_doubling))
     edges = list(np.geomspace(lo, hi, n + 1))
     edges[0], edges[-1] = lo * 0.999, hi * 1.001
+    half = 2.0 ** (0.5 / bins_per_doubling)
+    for k in range(1, len(edges) - 1):
+        edges[k] = _widest_gap(load, edges[k] / half, edges[k] * half, edges[k])
     while len(edges) > 2:
         counts, _ = np.histogram(load, bins=np.asarray(edges))
         short = [i for i, c in enumerate(counts) if c < min_count]
@@ -144,6 +147,18 @@ def load_bins(load: np.ndarray, *, bins_per_doubling: int, min_count: int) -> np
         i = short[0]
         del edges[i + 1 if i < len(counts) - 1 else i]
     return np.asarray(edges)
+
+
+def _widest_gap(load: np.ndarray, lo: float, hi: float, default: float) -> float:
+    """The middle (geometric) of the widest stretch of ``[lo, hi]`` holding no value of
+    ``load``; ``default`` when values fill it."""
+    inside = np.sort(load[(load > lo) & (load < hi)])
+    points = np.concatenate(([lo], inside, [hi]))
+    gaps = np.diff(np.log(points))
+    i = int(np.argmax(gaps))
+    if gaps[i] <= 0:
+        return default
+    return float(math.sqrt(points[i] * points[i + 1]))
 
 
 def isotonic_increasing(y: np.ndarray, weights: np.ndarray) -> np.ndarray:

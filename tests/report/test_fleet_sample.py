@@ -69,7 +69,11 @@ def test_sampled_verdicts_agree_with_every_window(reports: dict) -> None:
         s, a = sampled[eid], full[eid]
         if TEMPLATES[i] != "ample_kv":
             assert (s.bottleneck, s.saturated) == (a.bottleneck, a.saturated), eid
-        assert s.knee_concurrency == pytest.approx(a.knee_concurrency, rel=0.10), eid
+        if s.knee_concurrency is None or a.knee_concurrency is None:
+            # A knee is published only for a saturated engine.
+            assert TEMPLATES[i] == "ample_kv" or s.knee_concurrency == a.knee_concurrency, eid
+        else:
+            assert s.knee_concurrency == pytest.approx(a.knee_concurrency, rel=0.10), eid
         assert s.plateau_tokens_per_s == pytest.approx(a.plateau_tokens_per_s, rel=0.05), eid
         if s.recommended_concurrency_cap and a.recommended_concurrency_cap:
             assert s.recommended_concurrency_cap == pytest.approx(
