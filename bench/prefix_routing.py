@@ -194,11 +194,10 @@ class RoutingLab:
                 log_path=self.workdir / f"vllm-{i}.log",
             )
             self.servers.append(server)
-            server.start()
-            self._say(
-                f"engine {i} up in {server.startup_s:.0f} s at {server.url}, "
-                f"KV events on port {port}"
-            )
+            server.launch()  # both start at once, each on a core of its own
+        for i, server in enumerate(self.servers):
+            server.wait_started()
+            self._say(f"engine {i} up in {server.startup_s:.0f} s at {server.url}")
         self._wait_subscribed()
         return self
 
@@ -211,7 +210,11 @@ class RoutingLab:
             self.collector = None
 
     def __enter__(self) -> RoutingLab:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.close()  # no engine or collector outlives a failed start
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()

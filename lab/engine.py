@@ -318,6 +318,7 @@ class VllmServer:
         self.startup_s: float | None = None
         """Seconds from process start to the first healthy ``/health``."""
         self._proc: subprocess.Popen[bytes] | None = None
+        self._launched = 0.0
 
     @property
     def url(self) -> str:
@@ -363,9 +364,14 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         """Start the server and wait until ``/health`` answers; returns self."""
+        return self.launch().wait_started()
+
+    def launch(self) -> VllmServer:
+        """Start the server process without waiting for it (see :meth:`wait_started`):
+        replicas of a pool start side by side."""
         if self._proc is not None:
             raise LabError("server already started")
-        started = time.monotonic()
+        self._launched = time.monotonic()
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 self.command(),
@@ -375,6 +381,13 @@ class VllmServer:
                 env=self.environment(),
                 start_new_session=True,
             )
+        return self
+
+    def wait_started(self) -> VllmServer:
+        """Wait until a :meth:`launch`-ed server answers ``/health``; returns self."""
+        if self._proc is None:
+            raise LabError("server not launched")
+        started = self._launched
         try:
             self._wait_healthy(started)
         except BaseException:

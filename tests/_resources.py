@@ -109,16 +109,17 @@ def side_by_side(n: int) -> Iterator[None]:
 
 
 def guard_engine_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Check every ``VllmServer.start`` of the session with :func:`check_engine_may_start`."""
+    """Check every ``VllmServer.launch`` (``start`` launches too) of the session with
+    :func:`check_engine_may_start`."""
     from kvscope.lab.engine import VllmServer
 
-    start = VllmServer.start
+    launch = VllmServer.launch
 
-    def checked_start(self: VllmServer) -> VllmServer:
+    def checked_launch(self: VllmServer) -> VllmServer:
         check_engine_may_start()
-        return start(self)
+        return launch(self)
 
-    monkeypatch.setattr(VllmServer, "start", checked_start)
+    monkeypatch.setattr(VllmServer, "launch", checked_launch)
 
 
 def release_after_last_use(request: pytest.FixtureRequest, release: Callable[[], None]) -> None:

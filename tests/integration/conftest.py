@@ -174,7 +174,12 @@ def overload_run(
     """A KV-starved engine (48 blocks of 32 tokens) driven past its plateau; shared by the
     modules that read it, stopped after the last of them (``tests/_resources.py``)."""
     workdir = tmp_path_factory.mktemp("overload")
-    collector = CollectorProcess(workdir / "store.duckdb", log_path=workdir / "collector.log")
+    collector = CollectorProcess(
+        workdir / "store.duckdb",
+        log_path=workdir / "collector.log",
+        # Verdicts every 10 s rather than the default 60: the Grafana test waits for them.
+        extra_args=["--advise-interval-s", "10"],
+    )
     collector.start()
     server = VllmServer(
         mid_model,
