@@ -12,8 +12,8 @@ Algorithm
    engine there. Without such a fall this is the curve's own fit. Where the top of
    the curve is flat, a few percent of noise in one bin moves that crossing by whole
    load levels, and a cap taken from a bin that happened to run fast keeps less than
-   it promises. So the crossing is also found on ``resamples`` refits of the bin
-   means from windows drawn again within each bin (a bootstrap: the windows of a
+   it promises. So the crossing is also found on ``resamples`` refits of the bins'
+   rates (:func:`~kvscope.advisor.frames.level_rate`) from windows drawn again within each bin (a bootstrap: the windows of a
    bin measured on the way up and on the way down, at different host speeds, are in
    it), and the cap is the ``resample_quantile`` of those loads when that is higher
    (the median: a bin that ran fast by luck no longer sets the cap alone; a higher
@@ -67,7 +67,7 @@ import pandas as pd
 from kvscope.advisor.balance import upstream
 from kvscope.advisor.curve import ThroughputCurve
 from kvscope.advisor.findings import Recommendation, Scope
-from kvscope.advisor.frames import interp_crossing, isotonic_increasing
+from kvscope.advisor.frames import interp_crossing, isotonic_increasing, level_rate
 from kvscope.advisor.gateways import ReplicaCap, replica_renderings, vllm_flags
 from kvscope.advisor.latency import LatencyVsLoad
 
@@ -138,7 +138,7 @@ class ConcurrencyCap:
         rng = np.random.default_rng(0)
         out = np.empty(self.resamples)
         for i in range(self.resamples):
-            med = np.array([np.mean(rng.choice(g, len(g))) for g in groups])
+            med = np.array([level_rate(rng.choice(g, len(g))) for g in groups])
             out[i] = self._crossing(x, med, n)
         return out
 

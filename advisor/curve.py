@@ -19,22 +19,23 @@ Algorithm
 3. **Bins**: log-spaced in load, ``bins_per_doubling`` per factor of two, each inner
    edge moved to the widest stretch within half a bin of it that no window's load falls
    in, bins with fewer than ``min_count`` windows merged into a neighbour; per bin the
-   median load and the mean generation, total (prompt + generation) and computed
-   tokens/s. Within one load level the seconds in which requests turn over (clients
-   between requests, a wave of prefills, vLLM recomputing preempted requests) hold
-   fewer requests *and* make fewer tokens: an edge through a level files its slow
-   seconds under the lower bin and leaves the fast ones to the upper one, and a median
-   of seconds that alternate between a stalled and a full batch (222 and 1,111 tok/s)
-   picks one of the two. A real KV-starved engine whose clients measured 620-641
-   tok/s from 12 to 32 clients read 743 in its top bin that way, 639 in a bin
-   cut at 22.6 in flight, through its 24-client level, and was called not saturated;
-   with the edge in the gap below the level and the mean, 663 (the mean of a bin's
-   1-second counts is its rate over the time it covers). Merging makes uneven coverage
-   (long stretches at one load level) harmless.
+   median load, the generated tokens/s the bin's seconds stand for (their interquartile
+   mean, :func:`~kvscope.advisor.frames.level_rate`) and the mean total (prompt +
+   generation) and computed tokens/s (prompt tokens are counted once per request, when
+   its prefill completes: they arrive in bursts, and the mean is the bin's rate). Within
+   one load level the seconds in which requests turn over (clients between requests, a
+   wave of prefills, vLLM recomputing preempted requests) hold fewer requests *and* make
+   fewer tokens: an edge through a level files its slow seconds under the lower bin and
+   leaves the fast ones to the upper one, and a median of seconds that alternate between
+   a stalled and a full batch (222 and 1,111 tok/s) picks one of the two. A real
+   KV-starved engine whose clients measured 620-641 tok/s from 12 to 32 clients read 743
+   in its top bin that way, cut at 22.6 in flight through its 24-client level, and was
+   called not saturated; with the edge in the gap below the level, 659. Merging makes
+   uneven coverage (long stretches at one load level) harmless.
 4. **Monotone fit**: weighted isotonic regression (pool adjacent violators, weights =
-   windows per bin) of the bin means against load. Throughput of a continuous
+   windows per bin) of the bins' rates against load. Throughput of a continuous
    batching engine does not truly fall with more offered load unless something
-   thrashes, which the raw means still show (``drop_past_peak_``).
+   thrashes, which the raw rates still show (``drop_past_peak_``).
 5. **Plateau** = the top of the fitted curve. **Knee** = the smallest load at which the
    fitted curve (linear between bins) reaches ``knee_fraction`` of the plateau. A
    fraction rule, rather than a max-distance (kneedle) rule, reads directly as
@@ -106,6 +107,7 @@ from kvscope.advisor.frames import (
     frame_of,
     interp_crossing,
     isotonic_increasing,
+    level_rate,
     load_bins,
     prepare_windows,
 )
@@ -177,7 +179,7 @@ class ThroughputCurve:
                 # requests, the next at the full batch): a median of such seconds
                 # picks either mode (222 or 1,111 tok/s around a true 632 on a
                 # KV-starved engine).
-                "gen_tokens_per_s": g["gen_tokens_per_s"].mean(),
+                "gen_tokens_per_s": g["gen_tokens_per_s"].agg(level_rate),
                 "total_tokens_per_s": g["total_tokens_per_s"].mean(),
                 "computed_tokens_per_s": g["computed_tokens_per_s"].mean(),
                 "batch": g["batch_mean"].median(),

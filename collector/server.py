@@ -17,6 +17,9 @@ Routes:
 * With ``otlp_endpoint`` set, the same metrics are also pushed to an OTLP/HTTP
   endpoint (see :mod:`kvscope.collector.otlp`).
 * ``GET /healthz``: ``{"status": "ok", ...}``, 503 when the writer is not running.
+* ``GET /runbooks/`` and ``GET /runbooks/{alert}``: the alerts' runbooks (plain-text
+  Markdown, ``docs/runbooks/`` of the repository, installed with the package), which the
+  alert rules' ``runbook_url`` annotations point at. Like ``/healthz`` they need no token.
 * Read API (JSON): ``GET /v1/engines``, ``/v1/engines/{engine_id}/configs``,
   ``/v1/windows``, ``/v1/steps``, ``/v1/requests``, ``/v1/kv_events`` (per
   engine-second KV-event counters, see :mod:`kvscope.collector.kv_events`; ``engine_id`` is
@@ -43,12 +46,14 @@ import dataclasses
 import hmac
 import json
 import logging
+import re
 import signal
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -356,6 +361,24 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
 
+RUNBOOKS_PATH = "/runbooks/"
+RUNBOOKS_DIR = Path(__file__).resolve().parent / "runbooks"
+"""``docs/runbooks`` (a link in the repository, a copy in an installed package)."""
+_RUNBOOK_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]*")
+
+
+async def _runbook(request: web.Request) -> web.Response:
+    """An alert's runbook as plain text; the index without a name."""
+    name = request.match_info.get("alert", "") or "README"
+    path = RUNBOOKS_DIR / f"{name.removesuffix('.md')}.md"
+    if not _RUNBOOK_NAME.fullmatch(name.removesuffix(".md")) or not path.is_file():
+        known = sorted(p.stem for p in RUNBOOKS_DIR.glob("Kvscope*.md"))
+        return _error(404, f"no runbook {name!r}; known: {', '.join(known) or 'none installed'}")
+    return web.Response(
+        text=path.read_text(encoding="utf-8"), content_type="text/plain", charset="utf-8"
+    )
+
+
 async def _healthz(request: web.Request) -> web.Response:
     ctx = context(request.app)
     ok = ctx.writer.alive and not ctx.store.closed
@@ -533,6 +556,7 @@ def _read_auth(token: str | None) -> Callable[..., Any]:
             token is not None
             and request.method != "POST"
             and request.path != "/healthz"
+            and not request.path.startswith(RUNBOOKS_PATH)
             and not _authorized(request, token)
         ):
             if request.app[_SLOT].ctx is not None:
@@ -556,6 +580,8 @@ def create_app(settings: Settings, store: Store | None = None) -> web.Applicatio
     app.router.add_post(INGEST_PATH, _ingest)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
+    app.router.add_get(RUNBOOKS_PATH, _runbook)
+    app.router.add_get(RUNBOOKS_PATH + "{alert}", _runbook)
     app.router.add_get("/v1/engines", _engines)
     app.router.add_get("/v1/engines/{engine_id}/configs", _configs)
     app.router.add_get("/v1/windows", _windows)

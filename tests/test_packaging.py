@@ -94,6 +94,8 @@ def test_the_wheel_holds_one_import_package(wheel: Path) -> None:
         "lab/engine.py",
         "lab/recordings/overload_kv_starved.jsonl.gz",
         "advisor/advise.schema.json",
+        "collector/runbooks/KvscopeKvCacheSaturated.md",  # served at /runbooks/<alert>
+        "collector/runbooks/README.md",
         "args.py",
         "py.typed",
     ):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -148,3 +150,23 @@ def test_empty_store_answers(collector: Any) -> None:
         assert body["n_rows"] == 0, path
     status, _, _ = http("GET", collector.url + "/v1/windows?format=columns")
     assert status == 200
+
+
+def test_runbooks_are_served_without_the_token(make_collector: Any) -> None:
+    """The alert rules' runbook_url is http://<instance>/runbooks/<alert>: every alert of
+    deploy/prometheus/kvscope-alerts.yml has its page there, even with a read token set."""
+    rules = Path(__file__).parents[2] / "deploy" / "prometheus" / "kvscope-alerts.yml"
+    alerts = re.findall(r"- alert: (\w+)", rules.read_text())
+    assert len(alerts) >= 10
+    c = make_collector(token="s3cret-token-for-reads")
+    for name in alerts:
+        status, headers, data = http("GET", f"{c.url}/runbooks/{name}")
+        assert status == 200, name
+        assert {k.lower(): v for k, v in headers.items()}["content-type"].startswith("text/plain")
+        assert data.decode().startswith(f"# {name}\n"), name
+    status, _, data = http("GET", f"{c.url}/runbooks/")
+    assert status == 200 and all(name in data.decode() for name in alerts)
+    for bad in ("KvscopeNoSuchAlert", "..%2Fsettings", "Kvscope.Absent"):
+        status, _, data = http("GET", f"{c.url}/runbooks/{bad}")
+        assert status == 404 and b"known: KvscopeAdvisorRunsFailing" in data, (bad, data)
+    assert http("GET", f"{c.url}/v1/engines")[0] == 401  # the rest still needs the token

@@ -98,9 +98,12 @@ def dashboard_queries(
     engine: str,
     rate_interval: str = "1m",
     range_: str = "5m",
+    cluster: str = ".*",
+    namespace: str = ".*",
 ) -> list[Query]:
     """Every target's expression with the template variables substituted the way
-    Grafana does (``$pool``/``$engine`` are regexes in ``=~`` matchers; ``.*`` is All)."""
+    Grafana does (``$cluster``/``$namespace``/``$pool``/``$engine`` are regexes in ``=~``
+    matchers; ``.*`` is All, which also matches series without the label)."""
     out = []
     for p in data_panels(dashboard):
         for t in p["targets"]:
@@ -113,6 +116,8 @@ def dashboard_queries(
                         engine=engine,
                         rate_interval=rate_interval,
                         range_=range_,
+                        cluster=cluster,
+                        namespace=namespace,
                     ),
                 )
             )
@@ -120,16 +125,27 @@ def dashboard_queries(
 
 
 def substitute(
-    expr: str, *, pool: str, engine: str, rate_interval: str = "1m", range_: str = "5m"
+    expr: str,
+    *,
+    pool: str,
+    engine: str,
+    rate_interval: str = "1m",
+    range_: str = "5m",
+    cluster: str = ".*",
+    namespace: str = ".*",
 ) -> str:
     for name, value in (
         ("$__rate_interval", rate_interval),
         ("$__range", range_),
         ("$__interval", "15s"),
-        ("$pool", pool),
-        ("$engine", engine),
+        ("${cluster}", cluster),
+        ("${namespace}", namespace),
         ("${pool}", pool),
         ("${engine}", engine),
+        ("$cluster", cluster),
+        ("$namespace", namespace),
+        ("$pool", pool),
+        ("$engine", engine),
     ):
         expr = expr.replace(name, value)
     assert "$" not in expr, f"unsubstituted variable in {expr}"

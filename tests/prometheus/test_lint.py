@@ -245,6 +245,15 @@ def test_kvscope_dashboard_and_alerts_lint_clean_against_a_collector(tmp_path: P
         metrics.write_text(text)
     finally:
         collector.stop()
-    p = _cli(str(DEPLOY_DASHBOARD), str(DEPLOY_RULES), "--against", str(metrics))
+    # The dashboard's cluster and namespace selectors match labels the scrape adds
+    # (relabeling, external labels), not the collector's own.
+    p = _cli(
+        str(DEPLOY_DASHBOARD),
+        str(DEPLOY_RULES),
+        "--against",
+        str(metrics),
+        "--extra-labels",
+        "cluster,namespace",
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.startswith("clean:")
