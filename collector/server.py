@@ -369,9 +369,9 @@ _RUNBOOK_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]*")
 
 async def _runbook(request: web.Request) -> web.Response:
     """An alert's runbook as plain text; the index without a name."""
-    name = request.match_info.get("alert", "") or "README"
-    path = RUNBOOKS_DIR / f"{name.removesuffix('.md')}.md"
-    if not _RUNBOOK_NAME.fullmatch(name.removesuffix(".md")) or not path.is_file():
+    name = (request.match_info.get("alert", "") or "README").removesuffix(".md")
+    path = RUNBOOKS_DIR / f"{name}.md"
+    if not _RUNBOOK_NAME.fullmatch(name) or not path.is_file():
         known = sorted(p.stem for p in RUNBOOKS_DIR.glob("Kvscope*.md"))
         return _error(404, f"no runbook {name!r}; known: {', '.join(known) or 'none installed'}")
     return web.Response(

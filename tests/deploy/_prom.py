@@ -91,18 +91,9 @@ def data_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def dashboard_queries(
-    dashboard: dict[str, Any],
-    *,
-    pool: str,
-    engine: str,
-    rate_interval: str = "1m",
-    range_: str = "5m",
-    cluster: str = ".*",
-    namespace: str = ".*",
-) -> list[Query]:
-    """Every target's expression with the template variables substituted the way
-    Grafana does (``$cluster``/``$namespace``/``$pool``/``$engine`` are regexes in ``=~``
+def dashboard_queries(dashboard: dict[str, Any], **variables: str) -> list[Query]:
+    """Every target's expression with the template variables (:func:`substitute`'s
+    keywords) substituted the way Grafana does (``$cluster``/``$namespace``/``$pool``/``$engine`` are regexes in ``=~``
     matchers; ``.*`` is All, which also matches series without the label)."""
     out = []
     for p in data_panels(dashboard):
@@ -110,15 +101,7 @@ def dashboard_queries(
             out.append(
                 Query(
                     f"{p['title']} [{t['refId']}]",
-                    substitute(
-                        t["expr"],
-                        pool=pool,
-                        engine=engine,
-                        rate_interval=rate_interval,
-                        range_=range_,
-                        cluster=cluster,
-                        namespace=namespace,
-                    ),
+                    substitute(t["expr"], **variables),
                 )
             )
     return out
