@@ -2,7 +2,7 @@
 
 One command (about three minutes on a 2-core machine, two engine starts included)::
 
-    .venv/bin/python bench/prefix_routing.py [--duration 40] [--json out.json]
+    .venv/bin/python bench/prefix_routing.py [--requests 300] [--json out.json]
 
 What it does
 ------------
@@ -11,8 +11,8 @@ What it does
    vLLM's KV-cache events published over ZMQ (``--kv-events-config``); the collector
    finds the event streams through the engines' hellos. Each engine's worker gets
    its own core (``VLLM_CPU_OMP_THREADS_BIND``).
-2. **Round robin**: a closed-loop load of ``concurrency`` clients for ``duration_s``
-   seconds, requests spread over the two engines in turn. The workload has
+2. **Round robin**: a closed-loop load of ``concurrency`` clients sending ``requests``
+   requests (``duration_s`` is only a time limit), spread over the two engines in turn. The workload has
    ``prefix_groups`` shared prefixes of ``prefix_words`` words (several KV blocks
    each; every request picks one at random, then a short unique body and a few
    output tokens), like system prompts or few-shot templates shared by many users.
@@ -22,8 +22,8 @@ What it does
    cross-replica duplication the KV events show, predicts the pool's hit rate under
    prefix-affine routing and recommends it.
 4. **Prefix-affine**: both prefix caches are emptied (vLLM's ``/reset_prefix_cache``,
-   so no run inherits the other's cache), then the same request sequence (same seed)
-   is sent with prefix-affine routing (a hash of the prompt's first words picks the
+   so no run inherits the other's cache), then the same requests (same seed, same
+   count) are sent with prefix-affine routing (a hash of the prompt's first words picks the
    replica).
 5. Measured hit rates come from vLLM's own counters (``vllm:prefix_cache_hits_total``
    over ``vllm:prefix_cache_queries_total``, summed over both engines, before/after
@@ -135,7 +135,8 @@ class RoutingLab:
         *,
         model_dir: str | Path | None = None,
         concurrency: int = 4,
-        duration_s: float = 40.0,
+        requests: int | None = 300,
+        duration_s: float = 120.0,
         prefix_groups: int = 64,
         prefix_words: int = 300,
         body_words: tuple[int, int] = (8, 24),
@@ -147,6 +148,7 @@ class RoutingLab:
         self.workdir = Path(workdir)
         self.model_dir = Path(model_dir) if model_dir else None
         self.concurrency = concurrency
+        self.requests = requests
         self.duration_s = duration_s
         self.prefix_groups = prefix_groups
         self.prefix_words = prefix_words
@@ -281,8 +283,9 @@ class RoutingLab:
         before = self._counters()
         since = time.time()
         self._say(
-            f"{policy}: {self.concurrency} clients for {self.duration_s:g} s, "
-            f"{self.prefix_groups} prefixes of {self.prefix_words} words"
+            f"{policy}: {self.concurrency} clients, {self.requests or 'unlimited'} requests "
+            f"within {self.duration_s:g} s, {self.prefix_groups} prefixes of "
+            f"{self.prefix_words} words"
         )
         sweep: SweepResult = run_sweep(
             SweepConfig(
@@ -292,6 +295,7 @@ class RoutingLab:
                 model=MODEL_NAME,
                 concurrency=[self.concurrency],
                 duration_s=self.duration_s,
+                max_requests=self.requests,
                 warmup_s=0.0,
                 cooldown_s=0.0,
                 prompt_words=self.body_words,
@@ -334,8 +338,8 @@ class RoutingLab:
         self._say(
             f"{policy}: hit rate {run.hit_rate:.1%} (per engine "
             + ", ".join(f"{x:.1%}" for x in run.hit_rate_per_engine)
-            + f"), {run.completed} requests, requests per engine "
-            f"{run.requests_per_engine}"
+            + f"), {run.completed} requests in {run.until_unix_s - run.since_unix_s:.0f} s, "
+            f"requests per engine {run.requests_per_engine}"
         )
         return run
 
@@ -373,6 +377,7 @@ class RoutingLab:
             startup_s=[float(s.startup_s or 0.0) for s in self.servers],
             config={
                 "concurrency": self.concurrency,
+                "requests": self.requests,
                 "duration_s": self.duration_s,
                 "prefix_groups": self.prefix_groups,
                 "prefix_words": self.prefix_words,
@@ -443,7 +448,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--duration", type=float, default=40.0, help="seconds per run (default 40)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=300,
+        help="requests per run, the same ones in both runs (default 300; 0: no limit)",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=120.0,
+        help="time limit of a run in seconds (default 120)",
+    )
     p.add_argument("--concurrency", type=int, default=4, help="clients (default 4)")
     p.add_argument("--groups", type=int, default=64, help="shared prefixes (default 64)")
     p.add_argument(
@@ -458,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     with RoutingLab(
         workdir,
         concurrency=args.concurrency,
+        requests=args.requests or None,
         duration_s=args.duration,
         prefix_groups=args.groups,
         prefix_words=args.prefix_words,

@@ -524,7 +524,9 @@ def test_arguments_with_replicas_and_routing() -> None:
     assert config_from_args(parser.parse_args([])).targets == [SweepConfig.url]
 
 
-def prompt_recording_app(seen: list[str]) -> web.Application:
+def prompt_recording_app(
+    seen: list[str], *, token_interval_s: float = TOKEN_INTERVAL_S
+) -> web.Application:
     """A fake server that streams 3 tokens and remembers each prompt it was sent."""
 
     async def models(_: web.Request) -> web.Response:
@@ -536,7 +538,7 @@ def prompt_recording_app(seen: list[str]) -> web.Application:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(1, 4):
-            await asyncio.sleep(TOKEN_INTERVAL_S)
+            await asyncio.sleep(token_interval_s)
             chunk = {
                 "choices": [{"index": 0, "text": " w", "finish_reason": None}],
                 "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": i},
@@ -592,3 +594,33 @@ def test_sweep_spreads_requests_over_replicas_by_policy() -> None:
     prefixes = [{" ".join(p.split()[:6]) for p in s} for s in seen]
     assert not prefixes[0] & prefixes[1]  # each group meets one replica only
     assert all(prefixes) and len(prefixes[0] | prefixes[1]) == 8
+
+
+def test_max_requests_ends_the_level_once_its_requests_are_answered() -> None:
+    """Two runs with one seed and a request count serve the same prompts, one of them on
+    a server three times slower, and each ends when its last request is answered."""
+    runs = []
+    for token_interval_s in (TOKEN_INTERVAL_S, 3 * TOKEN_INTERVAL_S):
+        seen: list[str] = []
+        app = prompt_recording_app(seen, token_interval_s=token_interval_s)
+        started = time.perf_counter()
+        result = sweep_against(
+            app,
+            concurrency=[3],
+            warmup_s=0.0,
+            duration_s=30.0,
+            max_requests=25,
+            output_tokens=(3, 3),
+        )
+        elapsed_s = time.perf_counter() - started
+        (lv,) = result.levels
+        assert elapsed_s < 10.0, elapsed_s  # not the 30 s window
+        assert lv.requests_started == lv.requests_completed == len(seen) == 25
+        assert lv.requests_cancelled == 0 and lv.errors == {}
+        assert lv.duration_s < elapsed_s
+        runs.append((sorted(seen), lv.duration_s))
+    (fast, fast_s), (slow, slow_s) = runs
+    assert fast == slow
+    assert slow_s > 2 * fast_s
+    with pytest.raises(SweepError, match="max_requests"):
+        SweepConfig(max_requests=0).validate()

@@ -39,6 +39,10 @@ class SweepConfig:
     """Concurrency levels, run in this order: clients each keeping one request in flight."""
     duration_s: float = 10.0
     """Measurement window per level."""
+    max_requests: int | None = None
+    """Send at most this many requests per level (warm-up included); the level then ends
+    when they have all finished, or at the window's end if that comes first. Two runs with
+    the same seed and count serve the same requests, however fast each server is."""
     warmup_s: float = 2.0
     """Load before each window that is not measured (the ramp-up of a level)."""
     cooldown_s: float = 1.0
@@ -91,6 +95,7 @@ class SweepConfig:
             (bool(self.concurrency), "concurrency: at least one level"),
             (all(c >= 1 for c in self.concurrency), "concurrency: levels must be >= 1"),
             (self.duration_s > 0, "duration_s must be > 0"),
+            (self.max_requests is None or self.max_requests >= 1, "max_requests must be >= 1"),
             (self.warmup_s >= 0 and self.cooldown_s >= 0, "warmup_s, cooldown_s must be >= 0"),
             (1 <= self.prompt_words[0] <= self.prompt_words[1], "prompt_words: need 1 <= lo <= hi"),
             (
@@ -260,6 +265,14 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="measured seconds per level (default: %(default)s)",
     )
     load.add_argument(
+        "--max-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="send at most N requests per level, then end the level once they have "
+        "finished: with the same --seed, two runs serve the same requests (default: no limit)",
+    )
+    load.add_argument(
         "--warmup",
         type=float,
         default=d.warmup_s,
@@ -380,6 +393,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         model=args.model,
         concurrency=list(args.concurrency),
         duration_s=args.duration,
+        max_requests=args.max_requests,
         warmup_s=args.warmup,
         cooldown_s=args.cooldown,
         prompt_words=args.prompt_words,

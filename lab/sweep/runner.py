@@ -107,8 +107,10 @@ async def _run_level(
     window_start_s = level_start_s + config.warmup_s
     window_end_s = window_start_s + config.duration_s
 
+    limit = config.max_requests
+
     async def client() -> None:
-        while time.perf_counter() < window_end_s:
+        while time.perf_counter() < window_end_s and (limit is None or len(records) < limit):
             spec = next(requests)
             body = completion_body(
                 model=model,
@@ -133,8 +135,10 @@ async def _run_level(
     tasks = [asyncio.create_task(client(), name=f"sweep-client-{i}") for i in range(concurrency)]
     try:
         await _wait_with_progress(
-            config, concurrency, records, level_start_s, window_start_s, window_end_s
+            config, concurrency, records, level_start_s, window_start_s, window_end_s, tasks
         )
+        # every request of a --max-requests level answered before the window's end
+        window_end_s = max(min(window_end_s, time.perf_counter()), window_start_s + 1e-3)
     finally:
         for task in tasks:
             task.cancel()
@@ -157,10 +161,12 @@ async def _wait_with_progress(
     level_start_s: float,
     window_start_s: float,
     window_end_s: float,
+    tasks: list[asyncio.Task[None]],
 ) -> None:
-    """Sleep until ``window_end_s``, updating a time-based tqdm bar if enabled."""
+    """Sleep until ``window_end_s`` or until every client has stopped (all of a
+    ``max_requests`` level answered), updating a time-based tqdm bar if enabled."""
     if not config.progress:
-        await asyncio.sleep(max(0.0, window_end_s - time.perf_counter()))
+        await asyncio.wait(tasks, timeout=max(0.0, window_end_s - time.perf_counter()))
         return
     from tqdm import tqdm
 
@@ -174,7 +180,7 @@ async def _wait_with_progress(
         leave=True,
         disable=None,  # only on a terminal: piped, the bar's redraws would garble the log
     ) as bar:
-        while (now := time.perf_counter()) < window_end_s:
+        while (now := time.perf_counter()) < window_end_s and not all(t.done() for t in tasks):
             await asyncio.sleep(min(PROGRESS_INTERVAL_S, window_end_s - now))
             now = time.perf_counter()
             bar.n = round(min(now, window_end_s) - level_start_s, 1)
