@@ -7,9 +7,10 @@ load, concurrency cap, and the recommendations that follow from the bottleneck.
 Per pool: summed plateaus and caps, the one-more-replica what-if, prefix-cache reuse
 and routing (:mod:`kvscope.advisor.prefix`, with vLLM's KV-cache events when the source has
 them) and the load balance across replicas (:mod:`kvscope.advisor.balance`).
-Recommendations are ranked by expected gain: relative throughput gain, or a relative
-latency reduction (P99 for a cap, mean TTFT for prefix-aware routing, the busiest
-replica's latency for least-loaded routing).
+Recommendations are sorted by expected gain; each carries its ``gain_kind``: a relative
+throughput gain, or a relative latency reduction (P99 for a cap, mean TTFT for
+prefix-aware routing, the busiest replica's latency for least-loaded routing). Gains of
+different kinds are not on one scale: a reader ranks within a kind.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ from kvscope.advisor.steptime import StepTimeModel
 MAX_WINDOWS_PER_ENGINE = 30_000
 """Windows per engine the analyses read at most from a source that can sample (about
 8 hours of 1-second windows); more are sampled in whole time blocks."""
+MIN_EXTRA_SEQUENCES = 1.0
+"""A KV what-if is recommended only when it makes room for at least this many more
+sequences (vLLM admits whole sequences; less is within the footprint estimate's error)."""
 
 
 def analyze(
@@ -335,15 +339,17 @@ def _config_recommendations(
     base = kv.predicted_plateau_tokens_per_s_
     if bn.label_ == "kv_cache_bound":
         for wi in kv.whatifs_:
-            if wi.gain_ratio <= 0.01:
+            # vLLM admits whole sequences: a what-if that makes room for less than one more
+            # (within the footprint estimate's error) changes nothing and is not made.
+            if wi.gain_ratio <= 0.01 or wi.kv_batch - kv.kv_batch_ < MIN_EXTRA_SEQUENCES:
                 continue
             out.append(
                 Recommendation(
                     kind=f"whatif_{wi.name}",
                     scope=scope,
                     summary=(
-                        f"{' '.join(wi.flags)}: room for {wi.kv_batch:.0f} sequences instead "
-                        f"of {kv.kv_batch_:.0f}; predicted plateau "
+                        f"{' '.join(wi.flags)}: room for {math.floor(wi.kv_batch)} whole "
+                        f"sequences instead of {math.floor(kv.kv_batch_)}; predicted plateau "
                         f"{wi.plateau_tokens_per_s:,.0f} tok/s ({wi.gain_ratio:+.0%})"
                     ),
                     change={"vllm_flags": wi.flags},
@@ -356,7 +362,11 @@ def _config_recommendations(
                     tradeoff=wi.assumption,
                     confidence=0.5 if wi.extrapolated else 0.8,
                     expected_gain=wi.gain_ratio,
-                    evidence={"num_gpu_blocks": wi.num_gpu_blocks, "extrapolated": wi.extrapolated},
+                    evidence={
+                        # vLLM allocates whole blocks
+                        "num_gpu_blocks": math.floor(wi.num_gpu_blocks),
+                        "extrapolated": wi.extrapolated,
+                    },
                 )
             )
     elif bn.label_ == "max_num_seqs_bound" and steps is not None:

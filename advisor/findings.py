@@ -45,6 +45,27 @@ BOTTLENECKS = (
 )
 SEVERITIES = ("info", "warning", "critical")
 
+#: What a recommendation's ``expected_gain`` measures: a relative throughput gain (the
+#: plateau), a relative latency reduction (P99 or mean TTFT), or a relative cost saving.
+#: Gains of different kinds are not on one scale and are never ranked against each other.
+GAIN_KINDS = ("throughput", "latency", "cost")
+_GAIN_KIND_OF = {
+    "concurrency_cap": "latency",
+    "pool_concurrency_cap": "latency",
+    "prefix_aware_routing": "latency",
+    "least_loaded_routing": "latency",
+    "raise_max_num_seqs": "throughput",
+    "raise_max_num_batched_tokens": "throughput",
+    "scale_api_server": "throughput",
+}
+
+
+def gain_kind_of(kind: str) -> str:
+    """The :data:`GAIN_KINDS` entry of a recommendation kind (``whatif_*``: throughput)."""
+    if kind.startswith("whatif_"):
+        return "throughput"
+    return _GAIN_KIND_OF.get(kind, "throughput")
+
 
 class SchemaVersionError(ValueError):
     """A report was written with a schema version this kvscope cannot read."""
@@ -116,7 +137,9 @@ class Recommendation:
     "...", ...}}}`` (a gateway's rendering, :mod:`kvscope.advisor.gateways`);
     ``expected_effect`` the predicted numbers (``throughput_fraction``,
     ``plateau_tokens_per_s``, ``p99_e2e_s``...); ``expected_gain`` one number used to
-    rank recommendations (relative throughput gain, or relative P99 reduction).
+    rank recommendations of one ``gain_kind`` (:data:`GAIN_KINDS`): a relative throughput
+    gain, or a relative latency reduction; ``gain_kind`` defaults from ``kind``
+    (:func:`gain_kind_of`).
     """
 
     kind: str
@@ -128,6 +151,11 @@ class Recommendation:
     confidence: float = 1.0
     expected_gain: float = 0.0
     evidence: dict[str, Any] = field(default_factory=dict)
+    gain_kind: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.gain_kind:
+            self.gain_kind = gain_kind_of(self.kind)
 
     @property
     def id(self) -> str:
@@ -154,6 +182,7 @@ class Recommendation:
             confidence=d.get("confidence", 1.0),
             expected_gain=d.get("expected_gain", 0.0),
             evidence=dict(d.get("evidence") or {}),
+            gain_kind=d.get("gain_kind", ""),
         )
 
 

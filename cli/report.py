@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from kvscope.args import TIME_SYNTAX, count, fraction, positive, ratio
 from kvscope.cli.checks import require
@@ -17,13 +18,15 @@ The week before is the window of the same length that ends where --since starts.
 
 exit codes:
   0  report written
-  2  bad arguments, the collector, store or Prometheus could not be read (unreachable, 401,
+  2  bad arguments, --out not writable (checked before the analysis: its folder must
+     exist), the collector, store or Prometheus could not be read (unreachable, 401,
      store locked by a running collector), or --out could not be written
   3  no data in the window (the message says where the data is and what to try)
 
 examples:
   kvscope report --collector http://collector:8844 --since 7d --out weekly/
   kvscope report --store kvscope.duckdb --since 7d --out weekly/   # collector stopped
+  kvscope report --collector http://collector:8844 --gpu-hour-cost 2.50 --out weekly/
   kvscope report --prometheus http://prometheus:9090 --selector '{{namespace="prod"}}' \
       --prometheus-bearer-token-file /var/run/secrets/prom-token --out weekly/
 """
@@ -39,10 +42,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "the week before it, and write\n"
             "report.html (self-contained: plots inline, opens offline), report.md and\n"
             "report.json: per pool and engine the traffic per day, time spent past the\n"
-            "knee, knee and cap, bottleneck, preemptions, prefix reuse, the\n"
-            "recommendations ranked by expected gain with the change to copy, and what\n"
-            "changed since the week before (configuration, knee and plateau moves, new\n"
-            "and resolved problems)."
+            "knee, knee and cap, bottleneck, preemptions, prefix reuse; first the action\n"
+            "list (what to change, where, its expected effect by kind, new / still open /\n"
+            "done / gone against last week), GPU-hours (and cost) per pool, a capacity\n"
+            "forecast, the recommendations with the change to copy, and what changed\n"
+            "since the week before (configuration, knee and plateau moves, new and\n"
+            "resolved problems)."
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -123,6 +128,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "every window",
     )
     p.add_argument(
+        "--gpu-hour-cost",
+        type=positive,
+        default=None,
+        metavar="USD",
+        help="price of one GPU-hour in USD: the report prices each pool's GPU-hours and "
+        "what the throughput advice is worth (default: none, GPU-hours only)",
+    )
+    p.add_argument(
         "--timeout",
         type=positive,
         default=60.0,
@@ -152,15 +165,21 @@ def run(args: argparse.Namespace) -> int:
         BUILD_STEPS,
         WRITE_STEPS,
         build_weekly_report,
+        out_dir_problem,
         write_report_files,
     )
     from kvscope.report.prometheus import PromReportSource, annotate_weeks
     from kvscope.report.sources import HttpSource, StoreOpenError, StoreSource, open_store
+    from kvscope.report.text import render_summary
     from kvscope.sources.prometheus.source import no_data_message as prom_no_data
     from kvscope.sources.prometheus.source import source_error_text
     from kvscope.sources.prometheus.target import PromArgError, prometheus_target
 
+    bar: Any = None
+
     def fail(message: str, code: int) -> int:
+        if bar is not None:  # clear the bar's line first: the message starts a line of its own
+            bar.close()
         print(f"kvscope report: {message}", file=sys.stderr)
         return code
 
@@ -172,6 +191,9 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc), 2)
     if since >= until:
         return fail(f"--since ({args.since}) must be before --until ({args.until or 'now'})", 2)
+    problem = out_dir_problem(args.out)
+    if problem is not None:
+        return fail(f"cannot write --out {args.out}: {problem}", 2)
     url = args.collector or (
         None if args.store or args.prometheus else os.environ.get("KVSCOPE_COLLECTOR_URL")
     )
@@ -210,14 +232,16 @@ def run(args: argparse.Namespace) -> int:
         desc="kvscope report",
         unit="step",
         file=sys.stderr,
-        disable=True if args.no_progress else None,  # None: only on a terminal
+        # Only on a terminal: a bar's carriage returns in a log or a cron mail run into
+        # the error messages.
+        disable=args.no_progress or not _is_terminal(sys.stderr),
         leave=False,
     )
     try:
         if prom is not None:
             bar.set_description("reading two weeks from Prometheus")
             prom.read(since - (until - since), until)
-        sample_kw = (
+        sample_kw: dict[str, Any] = (
             {}
             if args.max_windows_per_engine is None
             else {"max_windows_per_engine": args.max_windows_per_engine or None}
@@ -235,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
             cap_fraction=args.cap_fraction,
             min_routing_loss=args.min_routing_loss,
             imbalance_threshold=args.imbalance_threshold,
+            gpu_hour_cost=args.gpu_hour_cost,
         )
         if prom is not None:
             annotate_weeks(report, prom)
@@ -257,12 +282,13 @@ def run(args: argparse.Namespace) -> int:
     finally:
         bar.close()
         source.close()
-    changes = report.comparison.changes
-    print(
-        f"weekly report for {len(report.current.engines)} engine(s) in "
-        f"{len(report.current.pools)} pool(s): {len(report.current.recommendations)} "
-        f"recommendation(s), {len(changes)} change(s) since the week before"
-    )
-    for p in paths:
-        print(f"  {p}")
+    print(render_summary(report, paths))
     return 0
+
+
+def _is_terminal(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if isatty is not None else False
+    except (ValueError, OSError):  # a closed or detached stream
+        return False

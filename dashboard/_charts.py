@@ -1,14 +1,22 @@
-"""Altair charts of the dashboard: time series of one engine, the plateau, latency vs load.
+"""Altair charts of the dashboard over time: one engine's series, latency percentiles,
+its raw steps (the charts over load are in :mod:`kvscope.dashboard._charts_load`).
 
 Each function takes frames (the collector's raw rows, or a finding's ``frame``) and
 returns a chart; none computes a verdict. Long windows are bucketed so a chart holds
 at most about ``MAX_POINTS`` points per series.
+
+Every chart follows the same conventions (:func:`finish`, :func:`time_x`): a plot area
+``HEIGHT`` pixels tall (the title, legend and axes come on top of it), times on a
+24-hour clock in UTC (the axis says so, the day added when the span exceeds one),
+integer ticks on axes that count (requests, blocks), a legend wherever two series
+share a chart.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import altair as alt
 import numpy as np
@@ -18,7 +26,13 @@ Chart = alt.Chart | alt.LayerChart | alt.FacetChart
 """What the chart functions return (``properties`` of a layer may give a facet)."""
 
 MAX_POINTS = 900
-HEIGHT = 220
+HEIGHT = 260
+"""Pixels of plot area (without title, legend and axes) of every chart."""
+COUNT_FORMAT = ",d"
+"""Tick labels of axes that count (requests, KV blocks): integers, one apart at least."""
+RATE_FORMAT = ",~f"
+"""Tick labels of rates and seconds: as many decimals as the tick needs (10, 2.5)."""
+DAY_S = 86400.0
 
 _GAUGES = ("batch_mean", "kv_usage_mean", "waiting_mean")
 _MAXES = ("batch_max", "kv_blocks_max", "waiting_max")
@@ -112,43 +126,83 @@ def latency_series(requests: pd.DataFrame, max_points: int = 200) -> pd.DataFram
     return out
 
 
-def _rules(values: Sequence[tuple[float | None, str]], axis: str) -> list[alt.Chart]:
-    """Dashed rules at each value with its label; labels of vertical rules are
-    staggered so that two close rules (a knee of 6.6 and a cap of 7) stay readable."""
+def finish(
+    chart: Chart, title: str, *, subtitle: str = "", height: int = HEIGHT, title_offset: int = 0
+) -> Chart:
+    """``chart`` with its title and a plot area ``height`` pixels tall: the width fits
+    the page, the height is the plot's (Streamlit's default, ``fit``, would squeeze the
+    title, legend and axes into ``height``). ``title_offset`` pixels are left between
+    the title and what is under it."""
+    kw: dict[str, Any] = {"subtitle": subtitle} if subtitle else {}
+    if title_offset:
+        kw["offset"] = title_offset
+    return chart.properties(
+        title=alt.TitleParams(title, **kw) if kw else title,
+        height=height,
+        autosize=alt.AutoSizeParams(type="fit-x", contains="padding"),
+    )
+
+
+def time_format(span_s: float) -> str:
+    """``%H:%M:%S`` (24-hour clock), with the day (``%d %b %H:%M``) past a day."""
+    return "%d %b %H:%M" if span_s > DAY_S else "%H:%M:%S"
+
+
+def time_x(times: pd.Series) -> alt.X:
+    """The time axis: UTC, 24-hour clock, named so."""
+    t = pd.to_datetime(times, utc=True)
+    span = (t.max() - t.min()).total_seconds() if len(t) else 0.0
+    return alt.X(
+        "time:T",
+        title="time (UTC)",
+        scale=alt.Scale(type="utc"),
+        axis=alt.Axis(format=time_format(span), labelAngle=0, labelOverlap=True),
+    )
+
+
+def with_time_text(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with ``when``: its ``time`` as text for tooltips (``19:02:11 UTC``; with
+    the date past a day), the axis' clock and zone."""
+    out = df.copy()
+    t = pd.to_datetime(out["time"], utc=True)
+    span = (t.max() - t.min()).total_seconds() if len(t) else 0.0
+    fmt = "%Y-%m-%d %H:%M:%S UTC" if span > DAY_S else "%H:%M:%S UTC"
+    out["when"] = t.dt.strftime(fmt)
+    return out
+
+
+def y_axis(y_format: str) -> alt.Axis:
+    """A value axis; a counting one (``COUNT_FORMAT``) has ticks one apart at least."""
+    if y_format == COUNT_FORMAT:
+        return alt.Axis(format=y_format, tickMinStep=1)
+    return alt.Axis(format=y_format)
+
+
+def rules(values: Sequence[tuple[float | None, str]]) -> list[alt.Chart]:
+    """Dashed horizontal rules at each value, its label above the line at the left."""
     out: list[alt.Chart] = []
-    for i, (v, label) in enumerate(
-        (v, lb) for v, lb in values if v is not None and math.isfinite(float(v))
-    ):
+    for v, label in values:
+        if v is None or not math.isfinite(float(v)):
+            continue
         df = pd.DataFrame({"v": [float(v)], "label": [label]})
-        enc = {axis: alt.X("v:Q") if axis == "x" else alt.Y("v:Q")}
-        rule = alt.Chart(df).mark_rule(strokeDash=[6, 4], color="#d62728").encode(**enc)
+        rule = alt.Chart(df).mark_rule(strokeDash=[6, 4], color="#d62728").encode(y="v:Q")
         text = (
             alt.Chart(df)
-            .mark_text(
-                align="left",
-                dx=4,
-                dy=-4 if axis == "y" else 0,
-                color="#d62728",
-                baseline="bottom" if axis == "y" else "top",
-            )
-            .encode(
-                **enc,
-                text="label:N",
-                **({"y": alt.value(4 + 16 * i)} if axis == "x" else {"x": alt.value(4)}),
-            )
+            .mark_text(align="left", dx=4, dy=-4, color="#d62728", baseline="bottom")
+            .encode(y="v:Q", x=alt.value(4), text="label:N")
         )
         out += [rule, text]
     return out
 
 
-def _fitting(
-    rules: Sequence[tuple[float | None, str]], data_max: float
+def fitting(
+    values: Sequence[tuple[float | None, str]], data_max: float
 ) -> tuple[list[tuple[float | None, str]], list[str]]:
     """Rules within 3x the data's maximum, and the labels of those far above it
     (drawn, they would flatten the data into the bottom of the chart)."""
     keep: list[tuple[float | None, str]] = []
     above: list[str] = []
-    for v, label in rules:
+    for v, label in values:
         if v is None or not math.isfinite(float(v)):
             continue
         if data_max > 0 and float(v) > 3 * data_max:
@@ -163,211 +217,126 @@ def time_chart(
     columns: dict[str, str],
     title: str,
     y_title: str,
-    rules: Sequence[tuple[float | None, str]] = (),
+    limits: Sequence[tuple[float | None, str]] = (),
     *,
-    y_format: str = ",.1f",
+    y_format: str = RATE_FORMAT,
+    subtitle: str = "",
     height: int = HEIGHT,
 ) -> Chart:
     """Lines of ``columns`` (column -> legend label) over ``time``, with dashed
-    horizontal ``rules`` (value, label) such as a configured limit."""
+    horizontal ``limits`` (value, label) such as a configured limit."""
     cols = [c for c in columns if c in series]
-    long = series.melt(id_vars=["time"], value_vars=cols, var_name="series", value_name="y")
+    long = with_time_text(
+        series.melt(id_vars=["time"], value_vars=cols, var_name="series", value_name="y")
+    )
     long["series"] = long["series"].map(columns)
-    keep, above = _fitting(rules, float(np.nan_to_num(long["y"].max())))
+    keep, above = fitting(limits, float(np.nan_to_num(long["y"].max())))
     lines = (
         alt.Chart(long)
         .mark_line(interpolate="step-after")
         .encode(
-            x=alt.X("time:T", title=None),
-            y=alt.Y("y:Q", title=y_title, axis=alt.Axis(format=y_format)),
+            x=time_x(long["time"]),
+            y=alt.Y("y:Q", title=y_title, axis=y_axis(y_format)),
             color=alt.Color("series:N", title=None, legend=alt.Legend(orient="top")),
             tooltip=[
-                alt.Tooltip("time:T", format="%H:%M:%S"),
+                alt.Tooltip("when:N", title="time"),
                 "series:N",
-                alt.Tooltip("y:Q", format=y_format),
+                alt.Tooltip("y:Q", format=",.2~f", title=y_title),
             ],
         )
     )
-    return alt.layer(lines, *_rules(keep, "y")).properties(
-        title=alt.TitleParams(title, subtitle="; ".join(above)) if above else title, height=height
-    )
+    note = "; ".join([*([subtitle] if subtitle else []), *above])
+    return finish(alt.layer(lines, *rules(keep)), title, subtitle=note, height=height)
 
 
 def latency_chart(lat: pd.DataFrame, *, height: int = HEIGHT) -> Chart:
     """TTFT and e2e percentiles over time (from :func:`latency_series`)."""
-    return (
+    lat = with_time_text(lat)
+    chart = (
         alt.Chart(lat)
         .mark_line(point=True)
         .encode(
-            x=alt.X("time:T", title=None),
-            y=alt.Y("seconds:Q", title="seconds"),
+            x=time_x(lat["time"]),
+            y=alt.Y("seconds:Q", title="seconds", axis=y_axis(RATE_FORMAT)),
             color=alt.Color("metric:N", title=None, legend=alt.Legend(orient="top")),
             tooltip=[
-                alt.Tooltip("time:T", format="%H:%M:%S"),
+                alt.Tooltip("when:N", title="time"),
                 "metric:N",
                 alt.Tooltip("seconds:Q", format=".3f"),
                 "n:Q",
             ],
         )
-        .properties(title="Latency percentiles of finished requests", height=height)
     )
+    return finish(chart, "Latency percentiles of finished requests", height=height)
 
 
-def _load_domain(*loads: Sequence[float]) -> list[float]:
-    vals = [float(v) for seq in loads for v in seq if v is not None and float(v) > 0]
-    if not vals:
-        return [0.5, 64.0]
-    return [min(vals) / 1.3, max(vals) * 1.3]
-
-
-def plateau_chart(
-    curve: dict[str, list],
-    *,
-    knee: float | None,
-    plateau: float | None,
-    cap: float | None,
-    domain: list[float],
-    height: int = 300,
-) -> Chart:
-    """Generated tokens/s against requests in flight (log axis): the measured bins, the
-    fitted curve, the plateau, the knee and the recommended cap."""
-    df = pd.DataFrame(
-        {
-            "load": curve.get("load", []),
-            "measured": curve.get("gen_tokens_per_s", []),
-            "fit": curve.get("gen_fit") or [None] * len(curve.get("load", [])),
-            "windows": curve.get("n_windows") or [None] * len(curve.get("load", [])),
-        }
-    )
-    x = alt.X(
-        "load:Q",
-        title="requests in flight (log)",
-        scale=alt.Scale(type="log", domain=domain, nice=False),
-    )
-    pts = (
-        alt.Chart(df)
-        .mark_circle(size=70, color="#1f77b4")
-        .encode(
-            x=x,
-            y=alt.Y("measured:Q", title="generated tok/s"),
-            tooltip=[
-                alt.Tooltip("load:Q", format=".1f"),
-                alt.Tooltip("measured:Q", format=",.0f"),
-                "windows:Q",
-            ],
-        )
-    )
-    fit = alt.Chart(df.dropna(subset=["fit"])).mark_line(color="#ff7f0e").encode(x=x, y="fit:Q")
-    layers: list[alt.Chart] = [pts, fit]
-    layers += _rules([(plateau, f"plateau {plateau:,.0f} tok/s" if plateau else "")], "y")
-    layers += _rules(
-        [(knee, f"knee {knee:.1f}" if knee else ""), (cap, f"cap {cap:.0f}" if cap else "")], "x"
-    )
-    return alt.layer(*layers).properties(title="Throughput against load", height=height)
-
-
-def p99_chart(
-    lat: dict[str, list],
-    *,
-    knee: float | None,
-    cap: float | None,
-    domain: list[float],
-    height: int = 220,
-) -> Chart:
-    """P99 end-to-end latency and TTFT against requests in flight, on the plateau
-    chart's load axis."""
-    df = pd.DataFrame(
-        {
-            "load": lat.get("load", []),
-            "e2e P99": lat.get("e2e_s_p99", []),
-            "TTFT P99": lat.get("ttft_s_p99", []),
-            "n": lat.get("n_requests") or [None] * len(lat.get("load", [])),
-        }
-    )
-    long = df.melt(id_vars=["load", "n"], var_name="metric", value_name="seconds")
-    x = alt.X(
-        "load:Q",
-        title="requests in flight (log)",
-        scale=alt.Scale(type="log", domain=domain, nice=False),
-    )
-    lines = (
-        alt.Chart(long)
-        .mark_line(point=True)
-        .encode(
-            x=x,
-            y=alt.Y("seconds:Q", title="seconds"),
-            color=alt.Color("metric:N", title=None, legend=alt.Legend(orient="top")),
-            tooltip=[
-                alt.Tooltip("load:Q", format=".1f"),
-                "metric:N",
-                alt.Tooltip("seconds:Q", format=".2f"),
-                "n:Q",
-            ],
-        )
-    )
-    rules = _rules([(knee, "knee"), (cap, "cap")], "x")
-    return alt.layer(lines, *rules).properties(title="P99 latency against load", height=height)
-
-
-def load_domain(
-    curve: dict[str, list] | None, lat: dict[str, list] | None, extra: Sequence[float | None] = ()
-) -> list[float]:
-    """One log-axis domain for the plateau and P99 charts of an engine."""
-    return _load_domain(
-        (curve or {}).get("load", []),
-        (lat or {}).get("load", []),
-        [v for v in extra if v is not None],
-    )
-
-
-def hit_rate_chart(frame: dict[str, list], *, height: int = 180) -> Chart:
-    """Prefix-cache hit rate per replica (a ``prefix_cache`` finding's frame)."""
-    df = pd.DataFrame(
-        {
-            "engine": frame.get("engine_id", []),
-            "hit rate": frame.get("hit_rate", []),
-            "looked up": frame.get("prefix_queries", []),
-        }
-    )
-    return (
-        alt.Chart(df)
-        .mark_bar()
-        .encode(
-            y=alt.Y("engine:N", title=None, sort=None),
-            x=alt.X("hit rate:Q", axis=alt.Axis(format="%"), scale=alt.Scale(domain=[0, 1])),
-            tooltip=[
-                "engine:N",
-                alt.Tooltip("hit rate:Q", format=".0%"),
-                alt.Tooltip("looked up:Q", format=",.0f"),
-            ],
-        )
-        .properties(title="Prefix-cache hit rate per replica", height=height)
-    )
-
-
-def step_chart(steps: pd.DataFrame, max_num_seqs: float | None, *, height: int = HEIGHT) -> Chart:
-    """Batch size and waiting queue per engine step (the recent raw steps)."""
+def step_frame(steps: pd.DataFrame) -> pd.DataFrame:
+    """Raw steps with ``time`` (UTC datetime) and ``kv_usage_pct``."""
     s = steps.copy()
     s["time"] = pd.to_datetime(pd.to_numeric(s["ts_unix_s"]), unit="s", utc=True)
+    if "kv_usage_ratio" in s:
+        s["kv_usage_pct"] = pd.to_numeric(s["kv_usage_ratio"], errors="coerce") * 100.0
+    return s
+
+
+def step_chart(
+    steps: pd.DataFrame, max_num_seqs: float | None, *, subtitle: str = "", height: int = HEIGHT
+) -> Chart:
+    """Batch size and waiting queue per engine step (raw steps, possibly every k-th)."""
+    s = step_frame(steps)
     cols = {"batch_size": "batch (running)", "waiting": "waiting"}
-    long = s.melt(
-        id_vars=["time"], value_vars=[c for c in cols if c in s], var_name="series", value_name="y"
+    long = with_time_text(
+        s.melt(
+            id_vars=["time"],
+            value_vars=[c for c in cols if c in s],
+            var_name="series",
+            value_name="y",
+        )
     )
     long["series"] = long["series"].map(cols)
     lines = (
         alt.Chart(long)
         .mark_line(interpolate="step-after")
         .encode(
-            x=alt.X("time:T", title=None, axis=alt.Axis(format="%H:%M:%S")),
-            y=alt.Y("y:Q", title="requests"),
+            x=time_x(long["time"]),
+            y=alt.Y("y:Q", title="requests", axis=y_axis(COUNT_FORMAT)),
             color=alt.Color("series:N", title=None, legend=alt.Legend(orient="top")),
+            tooltip=[alt.Tooltip("when:N", title="time"), "series:N", "y:Q"],
         )
     )
-    keep, above = _fitting(
+    keep, above = fitting(
         [(max_num_seqs, f"max_num_seqs {max_num_seqs:.0f}" if max_num_seqs else "")],
         float(np.nan_to_num(long["y"].max())),
     )
-    title = f"Per engine step: the last {len(s):,} steps"
-    return alt.layer(lines, *_rules(keep, "y")).properties(
-        title=alt.TitleParams(title, subtitle="; ".join(above)) if above else title, height=height
+    note = "; ".join([*([subtitle] if subtitle else []), *above])
+    return finish(
+        alt.layer(lines, *rules(keep)), "Per engine step: requests", subtitle=note, height=height
     )
+
+
+def step_kv_chart(steps: pd.DataFrame, *, subtitle: str = "", height: int = HEIGHT) -> Chart:
+    """KV-cache usage per engine step, 0 to 100% of the blocks."""
+    s = with_time_text(step_frame(steps))
+    line = (
+        alt.Chart(s)
+        .mark_line(interpolate="step-after", color="#9467bd")
+        .encode(
+            x=time_x(s["time"]),
+            y=alt.Y(
+                "kv_usage_pct:Q",
+                title="KV blocks in use (%)",
+                scale=alt.Scale(domain=[0, 100]),
+                axis=alt.Axis(format=",d"),
+            ),
+            tooltip=[
+                alt.Tooltip("when:N", title="time"),
+                alt.Tooltip("kv_usage_pct:Q", format=".1f", title="KV used (%)"),
+                *(
+                    [alt.Tooltip("kv_blocks_used:Q", title="blocks")]
+                    if "kv_blocks_used" in s
+                    else []
+                ),
+            ],
+        )
+    )
+    return finish(line, "Per engine step: KV-cache usage", subtitle=subtitle, height=height)

@@ -11,20 +11,15 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 
 import streamlit as st
 
-from kvscope.dashboard.data import Snapshot, load_snapshot, resolve_since
-from kvscope.dashboard.settings import (
-    WINDOW_CHOICES,
-    DashboardSettings,
-    SettingsError,
-    parse_settings,
-)
+from kvscope.dashboard._status import utc_text
+from kvscope.dashboard._window import TimeRange, selected, time_controls
+from kvscope.dashboard.data import Snapshot, load_snapshot
+from kvscope.dashboard.settings import DashboardSettings, SettingsError, parse_settings
 
 _SETTINGS = "kvscope_settings"
-_WINDOW = "kvscope_window"
 _AUTO = "kvscope_auto_refresh"
 
 
@@ -42,17 +37,22 @@ def settings() -> DashboardSettings:
 
 @st.cache_data(ttl=3600, max_entries=16, show_spinner="Reading the data...")
 def _cached_snapshot(
-    _settings: DashboardSettings, key: str, since: str, pool: str | None, tick: int
+    _settings: DashboardSettings,
+    key: str,
+    since: str,
+    until: str | None,
+    pool: str | None,
+    tick: int,
 ) -> Snapshot:
     # ``key`` stands for the settings (secrets digested); ``tick`` changes
     # every refresh period: a new key, a new read.
     del key, tick
-    return load_snapshot(_settings, since, pool)
+    return load_snapshot(_settings, since, pool, until_text=until)
 
 
-def window() -> str:
-    """The window the sidebar selected (``--since`` until changed)."""
-    return str(st.session_state.get(_WINDOW) or settings().since)
+def window() -> TimeRange:
+    """The window (or range) the sidebar selected (``--since`` until changed)."""
+    return selected(settings(), time.time())
 
 
 def refresh_s() -> float | None:
@@ -70,17 +70,24 @@ def read_period_s() -> float:
     refresh = refresh_s()
     if refresh is None:
         return 3600.0
-    now = time.time()
-    since = resolve_since(window(), now)
-    span = now - since if since is not None else 7 * 86400.0
+    from kvscope.args import ParamError, parse_time
+
+    now, w = time.time(), window()
+    try:
+        since = parse_time("since", w.since_text, now) if w.since_text not in ("0", "all") else None
+        until = parse_time("until", w.until_text, now) if w.until_text else now
+    except ParamError:
+        since, until = None, now
+    span = until - since if since is not None else 7 * 86400.0
     return max(refresh, span / 360.0)
 
 
 def snapshot() -> Snapshot:
     """The current read of the collector (one per read period, shared by all pages and
     sessions)."""
-    s = settings()
-    return _cached_snapshot(s, s.cache_key(), window(), s.pool, int(time.time() // read_period_s()))
+    s, w = settings(), window()
+    tick = int(time.time() // read_period_s())
+    return _cached_snapshot(s, s.cache_key(), w.since_text, w.until_text, s.pool, tick)
 
 
 def sidebar() -> None:
@@ -89,16 +96,7 @@ def sidebar() -> None:
     with st.sidebar:
         kind = "Prometheus" if s.prometheus is not None else "Collector"
         st.markdown(f"**{kind}** `{s.source_url}`" + (f"  \npool `{s.pool}`" if s.pool else ""))
-        choices = list(WINDOW_CHOICES)
-        if s.since not in choices:
-            choices.insert(0, s.since)
-        st.selectbox(
-            "Window (data since)",
-            choices,
-            index=choices.index(s.since),
-            key=_WINDOW,
-            help="how far back the advisor and the charts read",
-        )
+        time_controls(s, time.time())
         if s.refresh_s > 0:
             st.toggle(f"Refresh every {s.refresh_s:g} s", value=True, key=_AUTO)
         if st.button("Refresh now", icon=":material/refresh:"):
@@ -112,10 +110,6 @@ def sidebar() -> None:
                 else "collector's rows."
             )
         )
-
-
-def _utc(t: float) -> str:
-    return datetime.fromtimestamp(t, tz=timezone.utc).strftime("%H:%M:%S UTC")
 
 
 def show_problem(snap: Snapshot) -> bool:
@@ -160,8 +154,22 @@ def _prometheus_problem(snap: Snapshot) -> None:
         st.error(f"**Prometheus answered {snap.error_status}.** {snap.error}.")
 
 
-def run_page(render: Callable[[Snapshot], None], title: str) -> None:
-    """Render a page from the current snapshot, refreshed every ``refresh_s`` seconds."""
+def engines_text(snap: Snapshot) -> str:
+    """``3 engine(s) known (1 DOWN), 2 with data in the window``."""
+    cov = snap.report.coverage if snap.report is not None else {}
+    known = snap.known_engine_ids
+    down = sum(snap.engine_state(e).state == "DOWN" for e in known)
+    return (
+        f"{len(known)} engine(s) known"
+        + (f" ({down} DOWN)" if down else "")
+        + f", {cov.get('n_engines_analyzed', 0)} with data in the window"
+    )
+
+
+def run_page(render: Callable[[Snapshot], None], title: str, *, without_data: bool = False) -> None:
+    """Render a page from the current snapshot, refreshed every ``refresh_s`` seconds.
+    With ``without_data`` the page is rendered under the "no data" warning too, when
+    the source knows engines (the overview lists them, silent or not)."""
     st.title(title)
 
     @st.fragment(run_every=refresh_s())
@@ -181,10 +189,10 @@ def run_page(render: Callable[[Snapshot], None], title: str) -> None:
             else "one-second windows"
         )
         st.caption(
-            f"read {_utc(snap.fetched_unix_s)} from {snap.collector_url} in "
+            f"read {utc_text(snap.fetched_unix_s)} from {snap.collector_url} in "
             f"{snap.read_s:.1f} s{again}; {snap.window}"
             + (
-                f"; {cov.get('n_engines_analyzed', 0)} engine(s), "
+                f"; {engines_text(snap)}; "
                 f"{cov.get('n_windows', 0):,} {kind}, "
                 f"{cov.get('n_requests', 0):,} finished requests"
                 + (" (estimated from histograms)" if snap.from_prometheus else "")
@@ -192,7 +200,9 @@ def run_page(render: Callable[[Snapshot], None], title: str) -> None:
                 else ""
             )
         )
-        if show_problem(snap):
+        if show_problem(snap) and not (
+            without_data and snap.error is None and snap.known_engine_ids
+        ):
             return
         render(snap)
 

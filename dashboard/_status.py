@@ -1,4 +1,4 @@
-"""The fleet at a glance: engine status, the last minute of each engine, and which
+"""The fleet at a glance: engine status (live, idle, DOWN), the last minute of each engine, and which
 pools need attention first.
 
 The verdicts (bottleneck, knee, plateau, cap, thrash, imbalance) come from the
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 import pandas as pd
 
@@ -18,6 +19,9 @@ from kvscope.advisor import EngineVerdict, PoolVerdict, Report
 LIVE_S = 15.0
 """An engine whose newest step is at most this old is live (the plugin ships a
 batch about every second)."""
+DOWN_S = 60.0
+"""An engine not heard from for this long is down (four of the plugin's 15-second
+heartbeats missed)."""
 RECENT_S = 60
 """Seconds of windows the "last minute" columns summarise."""
 
@@ -103,15 +107,67 @@ def ago_text(seconds: float) -> str:
     return f"{seconds / 86400:.1f} d"
 
 
-def engine_status(last_step_unix_s: float | None, now_unix_s: float) -> str:
-    """``live`` (a step in the last ``LIVE_S`` seconds) or ``silent 12 min`` (since the
-    newest step); ``no steps yet`` without one."""
-    if last_step_unix_s is None or not math.isfinite(last_step_unix_s):
-        return "no steps yet"
-    age = now_unix_s - last_step_unix_s
+def utc_text(t: float, now_unix_s: float | None = None) -> str:
+    """``19:02:11 UTC`` (24-hour clock), with the date when ``t`` is more than a day
+    before ``now_unix_s``: ``2026-11-29 16:20:00 UTC``."""
+    fmt = "%H:%M:%S UTC"
+    if now_unix_s is not None and now_unix_s - t > 86400:
+        fmt = "%Y-%m-%d %H:%M:%S UTC"
+    return datetime.fromtimestamp(t, tz=timezone.utc).strftime(fmt)
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """Whether an engine is sending: ``state`` is ``live``, ``idle``, ``DOWN`` or
+    ``no steps yet``; ``text`` says it with the time behind it."""
+
+    state: str
+    text: str
+    last_seen_unix_s: float | None
+
+
+def _time(v: object) -> float | None:
+    try:
+        t = float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return t if math.isfinite(t) else None
+
+
+def engine_state(
+    last_step_unix_s: object,
+    last_seen_unix_s: object,
+    now_unix_s: float,
+    down_s: float = DOWN_S,
+) -> EngineState:
+    """``live`` (a step in the last ``LIVE_S`` seconds); ``idle`` (no recent step, but
+    the engine was heard from in the last ``down_s`` seconds: the plugin sends a
+    heartbeat every 15 s); ``DOWN`` (not heard from for ``down_s`` seconds, with the
+    time it was last seen); ``no steps yet`` (heard from, never a step).
+
+    ``last_seen_unix_s`` is when the collector last received anything from the engine;
+    without it (Prometheus) the newest step stands for it."""
+    step = _time(last_step_unix_s)
+    seen = _time(last_seen_unix_s)
+    seen = (
+        max(seen, step)
+        if seen is not None and step is not None
+        else (seen if seen is not None else step)
+    )
+    if seen is None:
+        return EngineState("DOWN", "DOWN, never seen", None)
+    if now_unix_s - seen > down_s:
+        return EngineState(
+            "DOWN",
+            f"DOWN, last seen {utc_text(seen, now_unix_s)} ({ago_text(now_unix_s - seen)} ago)",
+            seen,
+        )
+    if step is None:
+        return EngineState("no steps yet", "no steps yet", seen)
+    age = now_unix_s - step
     if age <= LIVE_S:
-        return "live"
-    return f"silent {ago_text(age)}"
+        return EngineState("live", "live", seen)
+    return EngineState("idle", f"idle, last step {ago_text(age)} ago", seen)
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from histograms). It runs :func:`kvscope.advisor.analyze` once on those same fra
 with the scrape resolution for Prometheus, as ``kvscope advise --prometheus`` does) and
 keeps all of it in a :class:`Snapshot`: the pages present the report's verdicts,
 findings and recommendations and plot the raw frames; they never recompute a finding.
-:func:`recent_steps` reads the per-step rows of one engine (``/v1/steps``); only a
-collector has them (:attr:`Snapshot.has_steps`).
+:func:`read_steps` reads the per-step rows of one engine in a time range
+(``/v1/steps``); only a collector has them (:attr:`Snapshot.has_steps`).
 
 No Streamlit here: the app caches these calls; the tests call them directly.
 """
@@ -24,8 +24,10 @@ from typing import Any
 import pandas as pd
 
 from kvscope.advisor import CollectorSource, Report, SourceError, analyze
-from kvscope.advisor.render import no_data_message, source_error_message, window_text
+from kvscope.advisor.render import source_error_message
 from kvscope.advisor.sources import Source
+from kvscope.dashboard._messages import no_data_message, window_text
+from kvscope.dashboard._status import DOWN_S, EngineState, engine_state
 from kvscope.dashboard.settings import DashboardSettings
 
 
@@ -74,7 +76,9 @@ class Snapshot:
     ``settings`` are those of the read (the pages read raw steps with them);
     ``error`` is set (and ``report`` is None) when the collector could not be read;
     ``error_status`` is its HTTP status (None when unreachable). ``fetched_unix_s``
-    is when the read started; ``since_unix_s`` / ``until_unix_s`` the window.
+    is when the read started; ``since_unix_s`` / ``until_unix_s`` the window;
+    ``since_text`` the sidebar's window (``30m``) or the range's start, ``until_text``
+    the range's end (None for a window ending now).
     """
 
     settings: DashboardSettings
@@ -90,6 +94,7 @@ class Snapshot:
     error_status: int | None = None
     read_s: float = 0.0
     prom_no_data: str | None = None
+    until_text: str | None = None
 
     @property
     def collector_url(self) -> str:
@@ -115,8 +120,8 @@ class Snapshot:
 
     @property
     def window(self) -> str:
-        """``2026-... UTC to now (--since 30m)``."""
-        return window_text(self.since_unix_s, self.until_unix_s, self.since_text)
+        """``2026-... UTC to now (window 30m)``."""
+        return window_text(self.since_unix_s, self.until_unix_s, self.since_text, self.until_text)
 
     @property
     def has_data(self) -> bool:
@@ -128,14 +133,33 @@ class Snapshot:
         if self.report is None or self.report.has_data:
             return ""
         if self.prom_no_data is not None:
-            text = self.prom_no_data
-        else:
-            text = no_data_message(
-                self.report, self.collector_url, self.window, self.fetched_unix_s
-            )
-        if self.report.coverage.get("n_engines_known"):
-            text += "; or pick a longer window in the sidebar"
-        return text
+            return self.prom_no_data
+        return no_data_message(
+            self.report,
+            self.collector_url,
+            self.window,
+            now_unix_s=self.fetched_unix_s,
+            ranged=self.until_text is not None,
+            current=self.since_text,
+        )
+
+    @property
+    def known_engine_ids(self) -> list[str]:
+        """Every engine the source knows (``/v1/engines``), with data in the window or not."""
+        if "engine_id" not in self.engines:
+            return []
+        return sorted(str(e) for e in self.engines["engine_id"].dropna().unique())
+
+    def engine_state(self, engine_id: str) -> EngineState:
+        """Live, idle or DOWN (with when it was last seen), from the engine's row."""
+        cfg = self.engine_config(engine_id)
+        return engine_state(
+            cfg.get("last_step_unix_s"),
+            cfg.get("last_seen_unix_s"),
+            self.fetched_unix_s,
+            # Prometheus has no heartbeat: the newest sample stands for it.
+            max(DOWN_S, 4 * self.window_s),
+        )
 
     def engine_config(self, engine_id: str) -> dict[str, Any]:
         """The engine's latest configuration (its row of ``/v1/engines``)."""
@@ -187,28 +211,34 @@ def load_snapshot(
     since_text: str | None = None,
     pool: str | None = None,
     *,
+    until_text: str | None = None,
     now_unix_s: float | None = None,
 ) -> Snapshot:
-    """Read the collector once and run the advisor on what was read."""
+    """Read the collector once and run the advisor on what was read: the window
+    ``since_text`` ending now, or the range ``since_text`` to ``until_text``."""
+    from kvscope.args import parse_time
+
     now = time.time() if now_unix_s is None else now_unix_s
     since_text = since_text or settings.since
     pool = pool if pool is not None else settings.pool
     since = resolve_since(since_text, now)
+    until = parse_time("until", until_text, now) if until_text else None
     snap = Snapshot(
         settings=settings,
         since_text=since_text,
         since_unix_s=since,
-        until_unix_s=None,
+        until_unix_s=until,
         fetched_unix_s=now,
+        until_text=until_text or None,
     )
     if settings.prometheus is not None:
-        return _load_prometheus(snap, settings, since, pool, now)
+        return _load_prometheus(snap, settings, since, until, pool, now)
     source = _KeepingSource(
         CollectorSource(settings.collector_url, token=settings.token, timeout_s=settings.timeout_s)
     )
     t0 = time.monotonic()
     try:
-        snap.report = analyze(source, since, None, pool)
+        snap.report = analyze(source, since, until, pool)
     except SourceError as exc:
         snap.error = source_error_message(exc, settings.collector_url)
         snap.error_status = exc.status
@@ -222,11 +252,16 @@ def load_snapshot(
 
 
 def _load_prometheus(
-    snap: Snapshot, settings: DashboardSettings, since: float | None, pool: str | None, now: float
+    snap: Snapshot,
+    settings: DashboardSettings,
+    since: float | None,
+    until: float | None,
+    pool: str | None,
+    now: float,
 ) -> Snapshot:
     """:func:`load_snapshot` over Prometheus: one range read, analysed and annotated."""
+    from kvscope.dashboard._messages import prometheus_no_data_message
     from kvscope.sources.prometheus.source import annotate_report, source_error_text
-    from kvscope.sources.prometheus.source import no_data_message as prom_no_data
     from kvscope.sources.prometheus.target import PromArgError
 
     assert settings.prometheus is not None
@@ -237,11 +272,11 @@ def _load_prometheus(
             clock=lambda: now,
             lookback_s=max(7 * 86400.0, now - (since if since is not None else now)),
         )
-        f = prom.prefetch(since, None)
+        f = prom.prefetch(since, until)
         source = _KeepingSource(prom)
         snap.report = annotate_report(analyze(source, f.since, f.until, pool), prom)
         if not snap.report.has_data:
-            snap.prom_no_data = prom_no_data(prom, snap.report, prom.url, snap.window)
+            snap.prom_no_data = prometheus_no_data_message(prom, snap.report, prom.url, snap.window)
     except PromArgError as exc:
         snap.error, snap.error_status = str(exc), 400
         return snap
@@ -252,25 +287,29 @@ def _load_prometheus(
     finally:
         snap.read_s = time.monotonic() - t0
     snap.since_unix_s = f.since
+    snap.until_unix_s = f.until if until is not None else None
     snap.engines = source.frames.get("engines", pd.DataFrame())
     snap.windows = source.frames.get("windows", pd.DataFrame())
     snap.requests = source.frames.get("requests", pd.DataFrame())
     return snap
 
 
-def recent_steps(
+def read_steps(
     settings: DashboardSettings,
     engine_id: str,
-    last_step_unix_s: float,
-    seconds: float = 30.0,
-    limit: int = 20_000,
+    since_unix_s: float,
+    until_unix_s: float,
+    page_rows: int = 50_000,
 ) -> pd.DataFrame:
-    """The engine's raw steps of the ``seconds`` before its newest step (``/v1/steps``).
+    """The engine's raw steps in ``[since, until)`` (``/v1/steps``, paged), oldest first.
 
-    Empty when the collector no longer holds them (raw steps are kept
-    ``--raw-retention-s``). Raises :class:`advisor.SourceError` on a failed read.
+    Empty when the collector no longer holds them (raw steps are kept for its raw
+    retention, a day by default). Raises :class:`advisor.SourceError` on a failed read.
     """
     source = CollectorSource(
-        settings.collector_url, token=settings.token, timeout_s=settings.timeout_s, page_rows=limit
+        settings.collector_url,
+        token=settings.token,
+        timeout_s=settings.timeout_s,
+        page_rows=page_rows,
     )
-    return source.steps(last_step_unix_s - seconds, last_step_unix_s + 1.0, engine_id)
+    return source.steps(since_unix_s, until_unix_s, engine_id)

@@ -5,14 +5,13 @@ nothing is derived beyond picking, formatting and ordering."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
 from kvscope.advisor.findings import EngineVerdict, Finding, PoolVerdict, Recommendation
 from kvscope.advisor.render import EFFECT_LABELS, _change_rows, _facts
 from kvscope.advisor.usage import Usage
-from kvscope.advisor.weekly import CONFIG_FIELDS, Change
+from kvscope.advisor.weekly import Change
 from kvscope.report._svg import duration, short_number
 from kvscope.report.model import WeeklyReport
 
@@ -152,247 +151,25 @@ def pool_findings(wr: WeeklyReport, pool: str | None) -> list[Finding]:
     return out
 
 
-# -- rows ------------------------------------------------------------------------------
-
-
-Row = tuple[str, str, str]
-"""(label, last week, this week)"""
-
-
-def _bottleneck(v: EngineVerdict | None) -> str:
-    if v is None:
-        return "no data"
-    if not v.saturated and v.approaching and v.bottleneck == "not_saturated":
-        return f"not saturated (approaching {v.approaching})"
-    return v.bottleneck
-
-
-def _cap(v: EngineVerdict | None) -> str:
-    if v is None or v.recommended_concurrency_cap is None:
-        return "–"
-    parts = [f"{v.recommended_concurrency_cap} in flight"]
-    if not missing(v.predicted_throughput_fraction_at_cap):
-        parts.append(f"keeps {pct(v.predicted_throughput_fraction_at_cap)} of peak")
-    if not missing(v.predicted_p99_e2e_s_at_cap):
-        parts.append(f"e2e P99 {sec(v.predicted_p99_e2e_s_at_cap)}")
-    return parts[0] + (f" ({', '.join(parts[1:])})" if len(parts) > 1 else "")
-
-
-def _p99_at_max(v: EngineVerdict | None) -> str:
-    if v is None or missing(v.p99_e2e_s_at_max_load):
-        return "–"
-    return f"{sec(v.p99_e2e_s_at_max_load)} at {num(v.max_load_seen)} in flight"
-
-
-def _saturated_time(u: dict[str, Any]) -> str:
-    if not u:
-        return "–"
-    if u.get("knee_concurrency") is None:
-        return "none (not saturated)"
-    return f"{duration(u['saturated_s'])} ({pct(u.get('saturated_share'))} of active time)"
-
-
-def _usage_rows(before: dict[str, Any], after: dict[str, Any], *, pool: bool = False) -> list[Row]:
-    def pair(fn: Callable[[dict[str, Any]], str]) -> tuple[str, str]:
-        return (fn(before) if before else "–", fn(after) if after else "–")
-
-    def with_delta(col: str) -> tuple[str, str]:
-        b, a = pair(lambda u: count(u[col]))
-        d = delta(before.get(col), after.get(col)) if before and after else ""
-        return b, f"{a} ({d})" if d else a
-
-    rows: list[Row] = [
-        ("requests finished", *with_delta("requests")),
-        ("generated tokens", *with_delta("generation_tokens")),
-        ("active time (seconds with engine steps)", *pair(lambda u: duration(u["active_s"]))),
-        ("mean generation rate while active", *pair(lambda u: tok(u["gen_tokens_per_s_mean"]))),
-    ]
-    if pool:
-        rows.append(
-            (
-                "time past the knee (all engines)",
-                *pair(lambda u: f"{duration(u['saturated_s'])} ({pct(u.get('saturated_share'))})"),
-            )
-        )
-    else:
-        rows.append(("busiest second", *pair(lambda u: tok(u.get("gen_tokens_per_s_peak")))))
-        rows.append(("most requests in flight", *pair(lambda u: num(u.get("load_max")))))
-        rows.append(("time past the knee", *pair(_saturated_time)))
-    rows.append(("preemptions", *pair(lambda u: count(u["preemptions"]))))
-    rows.append(("prefix-cache hit rate (tokens)", *pair(lambda u: pct(u.get("prefix_hit_rate")))))
-    return rows
-
-
-def _both(fn: Callable[[Any], str], before: Any, after: Any) -> tuple[str, str]:
-    """``fn`` of last week's and this week's object; a dash where one is missing."""
-    return (fn(before) if before is not None else "–", fn(after) if after is not None else "–")
-
-
-def engine_rows(wr: WeeklyReport, engine_id: str) -> list[Row]:
-    before = verdict(wr.previous.engines, engine_id)
-    after = verdict(wr.current.engines, engine_id)
-    rows: list[Row] = [
-        ("bottleneck", _bottleneck(before), _bottleneck(after)),
-        (
-            "knee",
-            *_both(
-                lambda v: (
-                    "–" if v.knee_concurrency is None else f"{num(v.knee_concurrency)} in flight"
-                ),
-                before,
-                after,
-            ),
-        ),
-        ("plateau (generated)", *_both(lambda v: tok(v.plateau_tokens_per_s), before, after)),
-        ("recommended cap", _cap(before), _cap(after)),
-        ("e2e P99 at the highest load", _p99_at_max(before), _p99_at_max(after)),
-        (
-            "preemption thrash",
-            *_both(lambda v: "yes" if v.preemption_thrash else "no", before, after),
-        ),
-    ]
-    cfg_b = wr.week_configs.get("previous", {}).get(engine_id, {}) if before else {}
-    cfg_a = wr.week_configs.get("current", {}).get(engine_id, {}) if after else {}
-    rows += _config_rows(cfg_b, cfg_a)
-    return rows + _usage_rows(wr.previous_usage.engine(engine_id), wr.usage.engine(engine_id))
-
-
-def _config_rows(before: dict[str, Any], after: dict[str, Any]) -> list[Row]:
-    """``max_num_seqs``, the KV cache and the token budget always; the other
-    configuration fields where the weeks differ."""
-
-    def kv(c: dict[str, Any]) -> str:
-        if not c or missing(c.get("num_gpu_blocks")):
-            return "–"
-        size = "" if missing(c.get("block_size")) else f" × {_cfg(c['block_size'])} tokens"
-        return f"{c['num_gpu_blocks']:,.0f} blocks{size}"
-
-    rows: list[Row] = [
-        ("max_num_seqs", _cfg(before.get("max_num_seqs")), _cfg(after.get("max_num_seqs"))),
-        ("KV cache", kv(before), kv(after)),
-        (
-            "max_num_batched_tokens",
-            _cfg(before.get("max_num_batched_tokens")),
-            _cfg(after.get("max_num_batched_tokens")),
-        ),
-    ]
-    shown = {"max_num_seqs", "num_gpu_blocks", "block_size", "max_num_batched_tokens"}
-    for key in CONFIG_FIELDS:
-        if key in shown or not before or not after:
-            continue
-        b, a = _cfg(before.get(key)), _cfg(after.get(key))
-        if b != a:
-            rows.append((key, b, a))
-    return rows
-
-
-def _cfg(v: Any) -> str:
-    if missing(v):
-        return "–"
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    return f"{v:g}" if isinstance(v, float) else str(v)
-
-
-def pool_rows(wr: WeeklyReport, pool: str | None) -> list[Row]:
-    before = pool_verdict(wr.previous.pools, pool)
-    after = pool_verdict(wr.current.pools, pool)
-
-    def bn(p: PoolVerdict | None) -> str:
-        if p is None:
-            return "no data"
-        return ", ".join(
-            f"{k} ×{n}" for k, n in sorted(p.bottlenecks.items(), key=lambda kv: -kv[1])
-        )
-
-    rows: list[Row] = [
-        ("engines", *_both(lambda p: str(len(p.engine_ids)), before, after)),
-        ("bottlenecks", bn(before), bn(after)),
-        ("summed plateau", *_both(lambda p: tok(p.plateau_tokens_per_s), before, after)),
-        (
-            "summed recommended cap",
-            *_both(lambda p: num(p.recommended_concurrency_cap, "d"), before, after),
-        ),
-        (
-            "load imbalance (busiest / mean)",
-            *_both(
-                lambda p: "–" if missing(p.load_imbalance) else f"{num(p.load_imbalance, '.2f')}×",
-                before,
-                after,
-            ),
-        ),
-    ]
-    if (after and after.prefix_routing_loss is not None) or (
-        before and before.prefix_routing_loss is not None
-    ):
-        rows.append(
-            ("prefix routing loss", *_both(lambda p: pct(p.prefix_routing_loss), before, after))
-        )
-        rows.append(
-            (
-                "predicted hit rate, prefix-aware routing",
-                *_both(lambda p: pct(p.predicted_prefix_hit_rate_affine), before, after),
-            )
-        )
-    return rows + _usage_rows(wr.previous_usage.pool(pool), wr.usage.pool(pool), pool=True)
-
-
 # -- groups ----------------------------------------------------------------------------
 
 
 def change_groups(wr: WeeklyReport) -> list[tuple[str, str, list[Change]]]:
-    """(key, title, changes) in reading order, empty groups left out."""
+    """(key, title, changes) in reading order, empty groups left out (the
+    ``no_previous_data`` marker is not a change: the counts say it)."""
     out = []
     for key, title in CHANGE_GROUPS:
         if key == "config":
             items = [c for c in wr.comparison.changes if c.kind == "config_change"]
         else:
             items = [
-                c for c in wr.comparison.changes if c.kind != "config_change" and c.direction == key
+                c
+                for c in wr.comparison.changes
+                if c.kind not in ("config_change", "no_previous_data") and c.direction == key
             ]
         if items:
             out.append((key, title, items))
     return out
-
-
-def glance(wr: WeeklyReport) -> list[tuple[str, str, str]]:
-    """(label, value, note) figures for the top of the report."""
-
-    def total(u: Usage, col: str) -> float:
-        return float(sum(x or 0.0 for x in u.pools.get(col, [])))
-
-    req, req0 = total(wr.usage, "requests"), total(wr.previous_usage, "requests")
-    gen, gen0 = total(wr.usage, "generation_tokens"), total(wr.previous_usage, "generation_tokens")
-    sat, act = total(wr.usage, "saturated_s"), total(wr.usage, "active_s")
-    status = wr.comparison.recommendation_status
-    worse = sum(1 for c in wr.comparison.changes if c.direction == "worse")
-    better = sum(1 for c in wr.comparison.changes if c.direction == "better")
-    saturated = sum(1 for v in wr.current.engines if v.saturated)
-    return [
-        (
-            "engines",
-            str(len(wr.current.engines)),
-            f"{len(wr.current.pools)} pool(s); {saturated} saturated",
-        ),
-        ("requests finished", count(req), f"{delta(req0, req) or 'n/a'} vs last week"),
-        ("generated tokens", count(gen), f"{delta(gen0, gen) or 'n/a'} vs last week"),
-        (
-            "time past the knee",
-            duration(sat),
-            f"{pct(sat / act if act else None)} of active engine time",
-        ),
-        (
-            "recommendations",
-            str(len(wr.current.recommendations)),
-            f"{status.count('new')} new this week",
-        ),
-        (
-            "worse / better",
-            f"{worse} / {better}",
-            f"{sum(1 for c in wr.comparison.changes if c.kind == 'config_change')} "
-            "configuration change(s)",
-        ),
-    ]
 
 
 def effect_text(r: Recommendation) -> str:

@@ -5,7 +5,9 @@ ending at ``since``. Both are analysed by :func:`kvscope.advisor.analyze` over t
 frames, each with the engines' configuration as it was at the end of its window
 (:func:`kvscope.advisor.weekly.config_as_of`), so last week is judged by last week's
 ``max_num_seqs``. Usage and the comparison come from :mod:`kvscope.advisor.usage` and
-:mod:`kvscope.advisor.weekly`; nothing here derives a number of its own.
+:mod:`kvscope.advisor.weekly`, the action list, GPU-hours and capacity forecast from
+:mod:`kvscope.advisor.actions`, :mod:`kvscope.advisor.gpu_hours` and
+:mod:`kvscope.advisor.forecast`; nothing here derives a number of its own.
 
 A source that can sample (the store, :class:`~kvscope.report.sources.StoreSource`)
 is asked for each week's :class:`~advisor.WindowSample` instead (whole time blocks, at
@@ -17,6 +19,7 @@ analysed exactly as from frames.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,8 +27,11 @@ from typing import Any, Protocol
 import pandas as pd
 
 from kvscope.advisor import FrameSource, Report, WindowSample, analyze
+from kvscope.advisor.actions import action_list
 from kvscope.advisor.analyze import MAX_WINDOWS_PER_ENGINE, analyze_sample
+from kvscope.advisor.forecast import capacity_forecast
 from kvscope.advisor.frames import frame_of
+from kvscope.advisor.gpu_hours import gpu_hours
 from kvscope.advisor.sources import Source
 from kvscope.advisor.usage import Usage, usage_from_days, weekly_usage
 from kvscope.advisor.weekly import CONFIG_FIELDS, compare_weeks, config_as_of
@@ -68,12 +74,17 @@ def build_weekly_report(
     source_label: str = "",
     progress: Progress | None = None,
     max_windows_per_engine: int | None = MAX_WINDOWS_PER_ENGINE,
+    gpu_hour_cost: float | None = None,
+    forecast_min_days: int = 4,
+    forecast_horizon_weeks: float = 8.0,
     **analyze_kw: Any,
 ) -> WeeklyReport:
     """Read, analyse and compare (see the module docstring). ``analyze_kw`` go to
     :func:`kvscope.advisor.analyze` for both weeks (SLOs, ``cap_fraction``...);
     ``max_windows_per_engine`` bounds a sampling source's read (``None``: read every
-    window into memory, from any source)."""
+    window into memory, from any source); ``gpu_hour_cost`` (USD per GPU-hour) prices
+    the GPU-hours; the forecast needs ``forecast_min_days`` days with data and looks
+    ``forecast_horizon_weeks`` ahead."""
     bar = progress or _Silent()
     length = until - since
     prev_since = since - length
@@ -154,6 +165,15 @@ def build_weekly_report(
     bar.update(1)
     step("comparing the weeks")
     comparison = compare_weeks(current, previous, configs, usage=usage)
+    pool_hours, values = gpu_hours(
+        usage, current, week_configs.get("current"), gpu_hour_cost=gpu_hour_cost
+    )
+    actions = action_list(
+        current, previous, week_configs.get("current"), values, week_configs.get("previous")
+    )
+    forecast = capacity_forecast(
+        usage, current, min_days=forecast_min_days, horizon_weeks=forecast_horizon_weeks
+    )
     bar.update(1)
     history = configs
     if len(configs) and "started_unix_s" in configs:
@@ -170,7 +190,16 @@ def build_weekly_report(
         comparison=comparison,
         configs=frame_of(history, list(history.columns)),
         week_configs=week_configs,
-        parameters={"pool": pool, **analyze_kw},
+        parameters={
+            "pool": pool,
+            **analyze_kw,
+            "forecast_min_days": forecast_min_days,
+            "forecast_horizon_weeks": forecast_horizon_weeks,
+        },
+        actions=actions,
+        gpu_hours=pool_hours,
+        forecast=forecast,
+        gpu_hour_cost=gpu_hour_cost,
     )
 
 
@@ -196,3 +225,26 @@ def write_report_files(
         written.append(path)
         bar.update(1)
     return written
+
+
+def out_dir_problem(out_dir: str | Path) -> str | None:
+    """Why ``out_dir`` cannot take the report files, or None when it can: an existing
+    writable folder, or a new one in an existing writable folder. Checked before the
+    analysis, so a wrong ``--out`` fails at once instead of after the work."""
+    p = Path(out_dir)
+    if p.exists():
+        if not p.is_dir():
+            return f"{p} exists and is not a folder"
+        if not os.access(p, os.W_OK | os.X_OK):
+            return f"the folder {p} is not writable"
+        for name in FILES:
+            f = p / name
+            if f.exists() and (f.is_dir() or not os.access(f, os.W_OK)):
+                return f"{f} cannot be overwritten"
+        return None
+    parent = p.absolute().parent
+    if not parent.is_dir():
+        return f"the folder {parent} does not exist (create it, or choose another --out)"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot create {p}: the folder {parent} is not writable"
+    return None

@@ -1,9 +1,11 @@
 """``report.html``: the weekly report as one self-contained page.
 
 Inline CSS, inline SVG plots (:mod:`kvscope.report._svg`), no script and no URL
-to fetch: it opens from a file, offline, and prints. Order: what the week was and
-the figures at a glance; what changed since the week before; the recommendations
-ranked by expected gain, each with the change to copy; per pool, its verdict and
+to fetch: it opens from a file, offline, and prints. Order: what the week was; the
+action list (what to change, where, its expected effect by kind, its status against
+last week); the figures at a glance; what changed since the week before; GPU-hours per
+pool and the capacity forecast; the recommendations grouped by the kind of their effect,
+each with the change to copy; per pool, its verdict and
 daily traffic, then per engine the verdict against last week's, the throughput
 curve of both weeks with the knee and cap, and the week's usage; the findings; what
 was read. It presents the :class:`~kvscope.report.model.WeeklyReport` only.
@@ -13,7 +15,10 @@ from __future__ import annotations
 
 from html import escape
 
+from kvscope.advisor.actions import Action
 from kvscope.advisor.findings import Recommendation
+from kvscope.report import _plan as plan
+from kvscope.report import _rows as tables
 from kvscope.report import _view as v
 from kvscope.report._svg import curve_svg, duration, short_number, stacked_bars_svg
 from kvscope.report.model import WeeklyReport
@@ -50,6 +55,8 @@ h3 { font-size:16px; margin:22px 0 8px; }
 .b-not_saturated { background:#dcfce7; color:#166534; }
 .s-new { background:#dbeafe; color:#1e40af; }
 .s-open { background:#f1f5f9; color:#334155; }
+.s-done { background:#dcfce7; color:#166534; } .s-gone { background:#f1f5f9; color:#64748b; }
+.actions td:first-child { color:var(--muted); font-weight:700; }
 .changes { columns:2 440px; column-gap:14px; }
 .group { background:var(--card); border:1px solid var(--line); border-radius:8px; padding:10px 14px;
   margin:0 0 14px; break-inside:avoid; }
@@ -102,7 +109,7 @@ def _badge(label: str) -> str:
     return f'<span class="badge b-{_e(label)}">{_e(label)}</span>'
 
 
-def _rows_table(rows: list[v.Row], *, first: str = "") -> str:
+def _rows_table(rows: list[tables.Row], *, first: str = "") -> str:
     out = [f"<table><tr><th>{_e(first)}</th><th>last week</th><th>this week</th></tr>"]
     for label, before, after in rows:
         cls = ' class="changed"' if before != after and before != "–" else ""
@@ -118,7 +125,7 @@ def _header(wr: WeeklyReport) -> str:
     figs = "".join(
         f'<div class="fig"><div class="label">{_e(a)}</div><div class="value">'
         f'{_e(b)}</div><div class="note">{_e(c)}</div></div>'
-        for a, b, c in v.glance(wr)
+        for a, b, c in plan.glance(wr)
     )
     lines = []
     for p in wr.current.pools:
@@ -142,8 +149,50 @@ def _header(wr: WeeklyReport) -> str:
         f'<p class="sub"><b>Compared with:</b> {_e(v.previous_window_text(wr))}</p>'
         f'<p class="sub">Source: {_e(wr.source)} · generated {_e(v.utc(wr.generated_unix_s))}'
         f"</p>{_resolution(wr)}</header>"
+        f"{_actions(wr)}"
         f'<section id="glance"><div class="glance">{figs}</div>'
         f'<ul class="verdicts">{"".join(lines)}</ul></section>'
+    )
+
+
+def _table(head: list[str], rows: list[list[str]], cls: str = "") -> str:
+    return (
+        f'<table class="{cls}"><tr>'
+        + "".join(f"<th>{_e(h)}</th>" for h in head)
+        + "</tr>"
+        + "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
+        + "</table>"
+    )
+
+
+def _actions(wr: WeeklyReport) -> str:
+    groups = plan.numbered(wr)
+    body = "".join(
+        f"<h3>{_e(title)}</h3>"
+        + _table(plan.ACTION_HEAD, [plan.action_row(wr, i, a) for i, a in items], "actions")
+        for _, title, items in groups
+    )
+    return (
+        '<section id="actions"><h2>Action list</h2><p class="note">What to change, where, '
+        "and its expected effect; status against last week's advice (new, still open, done, "
+        "gone). Gains are ranked within their kind only.</p>"
+        + (body or '<p class="note">Nothing to change: no recommendation this week or last.</p>')
+        + "</section>"
+    )
+
+
+def _plan_sections(wr: WeeklyReport) -> str:
+    head, rows = plan.gpu_hours_table(wr)
+    hours = (
+        _table(head, rows) + f'<p class="note">{_e(plan.gpu_hours_note(wr))}</p>'
+        if rows
+        else '<p class="note">No engine ran this week.</p>'
+    )
+    forecast = "".join(f"<li>{_e(plan.forecast_text(wr, f))}</li>" for f in wr.forecast)
+    return (
+        f'<section id="gpu-hours"><h2>GPU-hours per pool</h2>{hours}</section>'
+        '<section id="forecast"><h2>Capacity forecast</h2>'
+        f'<ul class="notes">{forecast or "<li>No pool to forecast.</li>"}</ul></section>'
     )
 
 
@@ -175,10 +224,14 @@ def _changes(wr: WeeklyReport) -> str:
                 f"<ul>{''.join(lis)}</ul></div>"
             )
         body += "</div>"
-    return f'<section id="changes"><h2>What changed since the previous week</h2>{body}</section>'
+    counts = f'<p class="counts">{_e(plan.counts_text(wr))}.</p>'
+    return (
+        f'<section id="changes"><h2>What changed since the previous week</h2>{counts}{body}'
+        "</section>"
+    )
 
 
-def _recommendation(i: int, r: Recommendation, status: str) -> str:
+def _recommendation(i: int, r: Recommendation, a: Action) -> str:
     rows = "".join(
         f'<dt>{_e(label)}</dt><dd><pre class="copy">{_e(text)}</pre></dd>'
         for label, text in v.change_rows(r)
@@ -195,28 +248,29 @@ def _recommendation(i: int, r: Recommendation, status: str) -> str:
     return (
         f'<div class="rec"><div class="rank">{i}</div><div>'
         f'<div class="head">{_e(r.summary)}</div>'
-        f'<div class="meta"><span class="badge s-{_e(status)}">'
-        f"{'new this week' if status == 'new' else 'open since last week'}</span> "
-        f"{_e(v.scope_text(r.scope))} · expected gain "
-        f'<span class="gain">{r.expected_gain:.0%}</span> · confidence {r.confidence:.2f}'
+        f'<div class="meta"><span class="badge s-{_e(a.status)}">'
+        f"{_e(plan.STATUS_TEXT.get(a.status, a.status))}</span> "
+        f"{_e(v.scope_text(r.scope))} · expected "
+        f'<span class="gain">{_e(plan.effect_text(a))}</span> · confidence {r.confidence:.2f}'
         f"</div><dl>{extra}{rows}</dl></div></div>"
     )
 
 
 def _recommendations(wr: WeeklyReport) -> str:
-    recs = wr.current.recommendations
-    status = wr.comparison.recommendation_status
-    if not recs:
-        body = '<p class="note">No recommendations: nothing to change on this week\'s data.</p>'
-    else:
-        body = "".join(
-            _recommendation(i, r, status[i - 1] if i - 1 < len(status) else "new")
-            for i, r in enumerate(recs, start=1)
+    body = ""
+    for key, title, items in plan.numbered(wr):
+        if key == "closed":
+            continue
+        recs = [(i, plan.recommendation_of(wr, a), a) for i, a in items]
+        body += f"<h3>{_e(title)}</h3>" + "".join(
+            _recommendation(i, r, a) for i, r, a in recs if r is not None
         )
+    if not body:
+        body = '<p class="note">No recommendations: nothing to change on this week\'s data.</p>'
     return (
-        f'<section id="recommendations"><h2>Recommendations, ranked by expected gain</h2>'
-        f'<p class="note">Expected gain: relative throughput gain, or relative latency '
-        f"reduction (P99 for a cap). The change to copy is in the dark boxes.</p>{body}"
+        f'<section id="recommendations"><h2>Recommendations in detail</h2>'
+        f'<p class="note">Grouped by the kind of their effect and ranked by expected gain '
+        f"within a kind, never across. The change to copy is in the dark boxes.</p>{body}"
         "</section>"
     )
 
@@ -243,7 +297,7 @@ def _engine(wr: WeeklyReport, eid: str) -> str:
     plot = svg or '<p class="note">Too little data for a curve in either week.</p>'
     return (
         f'<div class="engine" id="engine-{_e(eid)}"><h3>{_e(eid)} {badge}</h3>'
-        f'<div class="cols"><div>{_rows_table(v.engine_rows(wr, eid))}</div>'
+        f'<div class="cols"><div>{_rows_table(tables.engine_rows(wr, eid))}</div>'
         f'<div>{plot}<ul class="notes note">{notes}</ul></div></div></div>'
     )
 
@@ -282,18 +336,12 @@ def _pool(wr: WeeklyReport, pool: str | None) -> str:
         for f in v.pool_findings(wr, pool)
     )
     head, rows = v.day_table(wr.usage, pool)
-    table = (
-        "<table><tr>"
-        + "".join(f"<th>{_e(h)}</th>" for h in head)
-        + "</tr>"
-        + "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
-        + "</table>"
-    )
+    table = _table(head, rows)
     engines = "".join(_engine(wr, eid) for eid in v.engines_of(wr, pool))
     name = f"pool {pool}" if pool is not None else "engines without a pool"
     return (
         f'<section class="pool" id="pool-{_e(pool)}"><h2>{_e(name)}</h2>'
-        f'<div class="cols"><div>{_rows_table(v.pool_rows(wr, pool))}</div>'
+        f'<div class="cols"><div>{_rows_table(tables.pool_rows(wr, pool))}</div>'
         f'<div><h3>Prefix cache and routing</h3><ul class="notes">{findings or "<li>none</li>"}'
         f'</ul></div></div><h3>Traffic per day</h3><div class="charts">{"".join(charts)}</div>'
         f"<details><summary>per engine and day</summary>{table}</details>"
@@ -339,6 +387,7 @@ def render_html(wr: WeeklyReport) -> str:
     body = (
         _header(wr)
         + _changes(wr)
+        + _plan_sections(wr)
         + _recommendations(wr)
         + "".join(_pool(wr, p) for p in v.pools(wr))
         + _findings(wr)

@@ -8,6 +8,8 @@ The same sections as the HTML page, with the throughput curves as text plots
 from __future__ import annotations
 
 from kvscope.advisor.textplot import throughput_plot
+from kvscope.report import _plan as plan
+from kvscope.report import _rows as tables
 from kvscope.report import _view as v
 from kvscope.report.model import WeeklyReport
 
@@ -16,7 +18,7 @@ def _cell(text: object) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def _table(head: list[str], rows: list[list[str]] | list[tuple[str, str, str]]) -> list[str]:
+def _table(head: list[str], rows: list[list[str]] | list[tables.Row]) -> list[str]:
     out = [
         "| " + " | ".join(_cell(h) for h in head) + " |",
         "|" + "|".join("---" for _ in head) + "|",
@@ -28,7 +30,7 @@ def _table(head: list[str], rows: list[list[str]] | list[tuple[str, str, str]]) 
 def _engine(wr: WeeklyReport, eid: str) -> list[str]:
     now = v.verdict(wr.current.engines, eid)
     out = [f"### {eid}: {now.bottleneck if now else 'no data this week'}", ""]
-    out += _table(["", "last week", "this week"], v.engine_rows(wr, eid))
+    out += _table(["", "last week", "this week"], tables.engine_rows(wr, eid))
     curve = v.finding(wr.current.findings, "throughput_curve", eid)
     if now is not None and curve is not None and curve.frame:
         f = curve.frame
@@ -56,6 +58,69 @@ def _engine(wr: WeeklyReport, eid: str) -> list[str]:
     return [*out, ""]
 
 
+def _actions(wr: WeeklyReport) -> list[str]:
+    out = [
+        "## Action list",
+        "",
+        "What to change, where, and its expected effect; status against last week's advice "
+        "(new, still open, done, gone). Gains are ranked within their kind only.",
+        "",
+    ]
+    groups = plan.numbered(wr)
+    if not groups:
+        return [*out, "Nothing to change: no recommendation this week or last.", ""]
+    for _, title, items in groups:
+        out += [f"**{title}**", ""]
+        out += _table(plan.ACTION_HEAD, [plan.action_row(wr, i, a) for i, a in items])
+    return out
+
+
+def _gpu_hours(wr: WeeklyReport) -> list[str]:
+    head, rows = plan.gpu_hours_table(wr)
+    out = ["## GPU-hours per pool", ""]
+    if not rows:
+        return [*out, "No engine ran this week.", ""]
+    return [*out, *_table(head, rows), plan.gpu_hours_note(wr), ""]
+
+
+def _forecast(wr: WeeklyReport) -> list[str]:
+    out = ["## Capacity forecast", ""]
+    if not wr.forecast:
+        return [*out, "No pool to forecast.", ""]
+    return [*out, *(f"- {plan.forecast_text(wr, f)}" for f in wr.forecast), ""]
+
+
+def _recommendations(wr: WeeklyReport) -> list[str]:
+    out = ["## Recommendations in detail", ""]
+    groups = [g for g in plan.numbered(wr) if g[0] != "closed"]
+    if not groups:
+        return [*out, "No recommendations: nothing to change on this week's data.", ""]
+    for _, title, items in groups:
+        out += [f"### {title}", ""]
+        for i, a in items:
+            r = plan.recommendation_of(wr, a)
+            if r is None:
+                continue
+            out += [
+                f"{i}. **{r.summary}**  ",
+                f"   {v.scope_text(r.scope)}; expected {plan.effect_text(a)}; confidence "
+                f"{r.confidence:.2f}; {plan.STATUS_TEXT[a.status]}",
+            ]
+            effect = v.effect_text(r)
+            if effect:
+                out.append(f"   - expected: {effect}")
+            if r.tradeoff:
+                out.append(f"   - trade-off: {r.tradeoff}")
+            rows = v.change_rows(r)
+            if rows:
+                out += ["   - change:", "", "     ```"]
+                for label, text in rows:  # a multi-line rendering stays inside the list item
+                    out += [f"     # {label}", *(f"     {line}" for line in text.splitlines())]
+                out += ["     ```"]
+            out.append("")
+    return out
+
+
 def render_markdown(wr: WeeklyReport) -> str:
     """The whole report as Markdown text."""
     out = [
@@ -69,7 +134,8 @@ def render_markdown(wr: WeeklyReport) -> str:
     note = v.resolution_note(wr)
     if note:
         out[-1:] = [f"- Resolution: {note}", ""]
-    out += _table(["at a glance", "this week", ""], [list(x) for x in v.glance(wr)])
+    out += _actions(wr)
+    out += _table(["at a glance", "this week", ""], [list(x) for x in plan.glance(wr)])
     for p in wr.current.pools:
         kinds = ", ".join(
             f"{k} ×{n}" for k, n in sorted(p.bottlenecks.items(), key=lambda kv: -kv[1])
@@ -84,7 +150,7 @@ def render_markdown(wr: WeeklyReport) -> str:
             f"- **pool {p.pool}** ({n} engine{'s' if n != 1 else ''}): {kinds}; plateau "
             f"{v.tok(p.plateau_tokens_per_s)}; {cap}"
         )
-    out += ["", "## What changed since the previous week", ""]
+    out += ["", "## What changed since the previous week", "", plan.counts_text(wr) + ".", ""]
     groups = v.change_groups(wr)
     if not groups:
         out += ["Nothing moved beyond the thresholds.", ""]
@@ -94,32 +160,10 @@ def render_markdown(wr: WeeklyReport) -> str:
             when = f" ({v.utc(c.at_unix_s)})" if c.at_unix_s is not None else ""
             out.append(f"- {v.arrows(c.summary)}{when}")
         out.append("")
-    out += ["## Recommendations, ranked by expected gain", ""]
-    status = wr.comparison.recommendation_status
-    if not wr.current.recommendations:
-        out += ["No recommendations: nothing to change on this week's data.", ""]
-    for i, r in enumerate(wr.current.recommendations, start=1):
-        st = status[i - 1] if i - 1 < len(status) else "new"
-        out += [
-            f"{i}. **{r.summary}**  ",
-            f"   {v.scope_text(r.scope)}; expected gain {r.expected_gain:.0%}; confidence "
-            f"{r.confidence:.2f}; {'new this week' if st == 'new' else 'open since last week'}",
-        ]
-        effect = v.effect_text(r)
-        if effect:
-            out.append(f"   - expected: {effect}")
-        if r.tradeoff:
-            out.append(f"   - trade-off: {r.tradeoff}")
-        rows = v.change_rows(r)
-        if rows:
-            out += ["   - change:", "", "     ```"]
-            for label, text in rows:  # a multi-line rendering stays inside the list item
-                out += [f"     # {label}", *(f"     {line}" for line in text.splitlines())]
-            out += ["     ```"]
-        out.append("")
+    out += _gpu_hours(wr) + _forecast(wr) + _recommendations(wr)
     for pool in v.pools(wr):
         out += [f"## pool {pool}" if pool is not None else "## engines without a pool", ""]
-        out += _table(["", "last week", "this week"], v.pool_rows(wr, pool))
+        out += _table(["", "last week", "this week"], tables.pool_rows(wr, pool))
         findings = v.pool_findings(wr, pool)
         if findings:
             out += ["Prefix cache and routing:", ""]

@@ -7,13 +7,17 @@ import streamlit as st
 from kvscope.advisor import EngineVerdict, Report
 from kvscope.dashboard._status import engine_attention, engines_by_attention
 
+_ENGINE = "kvscope_engine"
+"""Session-state key of the engine last picked (kept from one page to the other)."""
+
 
 def pick_engine(report: Report, key: str) -> EngineVerdict:
     """A select box over the report's engines, the one needing attention most first;
-    ``?engine=ID`` in the URL preselects one."""
+    ``?engine=ID`` in the URL preselects one (else the engine picked on another page),
+    and the pick is written back to the URL, so a link opens the same engine."""
     ordered = engines_by_attention(report)
     ids = [v.engine_id for v in ordered]
-    wanted = st.query_params.get("engine")
+    wanted = st.query_params.get("engine") or st.session_state.get(_ENGINE)
     index = ids.index(wanted) if wanted in ids else 0
 
     def label(eid: str) -> str:
@@ -22,8 +26,9 @@ def pick_engine(report: Report, key: str) -> EngineVerdict:
         return f"{eid}  (pool {v.pool}; {v.bottleneck}{'; ' + att.text if att.score else ''})"
 
     eid = st.selectbox("Engine", ids, index=index, format_func=label, key=key)
-    if eid != wanted:
-        st.query_params["engine"] = eid
+    st.session_state[_ENGINE] = eid
+    if st.query_params.get("engine") != eid:
+        st.query_params["engine"] = str(eid)
     return report.engine(str(eid))
 
 

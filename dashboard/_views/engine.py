@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import streamlit as st
 
-from kvscope.advisor import SourceError
 from kvscope.dashboard._charts import (
+    COUNT_FORMAT,
     engine_series,
     latency_chart,
     latency_series,
-    step_chart,
     time_chart,
 )
 from kvscope.dashboard._format import NONE, knee, num, pct, tok
-from kvscope.dashboard._status import engine_status, recent
+from kvscope.dashboard._status import recent
 from kvscope.dashboard._views._common import pick_engine, verdict_headline
-from kvscope.dashboard.data import Snapshot, recent_steps
-
-STEP_SECONDS = 30.0
-"""Seconds of raw steps shown, ending at the engine's newest step."""
+from kvscope.dashboard._views._steps import steps_section
+from kvscope.dashboard.data import Snapshot
 
 
 def _config_line(cfg: dict) -> str:
@@ -47,15 +45,22 @@ def _config_line(cfg: dict) -> str:
     )
 
 
+def _prefix_note(s: pd.DataFrame) -> str:
+    """Says so when the prefix chart's hits line lies on zero."""
+    looked = float(s["prefix_queries_per_s"].fillna(0).sum())
+    if looked <= 0:
+        return "no prefix-cache lookups in this window"
+    if float(s["prefix_hits_per_s"].fillna(0).sum()) <= 0:
+        return "no prefix-cache hits in this window: the hits line lies on 0"
+    return ""
+
+
 def render(snap: Snapshot) -> None:
     report = snap.report
     assert report is not None
     v = pick_engine(report, "engine_detail_engine")
     cfg = snap.engine_config(v.engine_id)
-    st.markdown(
-        f"pool **{v.pool}**; {engine_status(cfg.get('last_step_unix_s'), snap.fetched_unix_s)}"
-        f"  \n{_config_line(cfg)}"
-    )
+    st.markdown(f"pool **{v.pool}**; {snap.engine_state(v.engine_id).text}  \n{_config_line(cfg)}")
     r = recent(snap.engine_windows(v.engine_id), window_s=snap.window_s)
     verdict_headline(v)
     c = st.columns(6)
@@ -88,6 +93,7 @@ def render(snap: Snapshot) -> None:
             "Batch size against max_num_seqs",
             "running requests",
             [(seqs, f"max_num_seqs {num(seqs, '.0f')}")],
+            y_format=COUNT_FORMAT,
         ),
         width="stretch",
     )
@@ -98,7 +104,7 @@ def render(snap: Snapshot) -> None:
             "KV blocks in use against the total",
             "KV blocks",
             [(blocks, f"num_gpu_blocks {num(blocks, ',.0f')}")],
-            y_format=",.0f",
+            y_format=COUNT_FORMAT,
         ),
         width="stretch",
     )
@@ -108,6 +114,7 @@ def render(snap: Snapshot) -> None:
             {"waiting_mean": "waiting (mean)", "waiting_max": "waiting (max)"},
             "Waiting queue",
             "requests",
+            y_format=COUNT_FORMAT,
         ),
         width="stretch",
     )
@@ -121,7 +128,7 @@ def render(snap: Snapshot) -> None:
             {"prefix_queries_per_s": "looked up", "prefix_hits_per_s": "hits"},
             "Prefix cache (prompt tokens/s)",
             "tokens/s",
-            y_format=",.0f",
+            subtitle=_prefix_note(s),
         ),
         width="stretch",
     )
@@ -132,7 +139,6 @@ def render(snap: Snapshot) -> None:
             "Throughput",
             "tokens/s",
             [(v.plateau_tokens_per_s, "plateau (generated)")],
-            y_format=",.0f",
         ),
         width="stretch",
     )
@@ -142,26 +148,4 @@ def render(snap: Snapshot) -> None:
     else:
         st.caption("No finished requests of this engine in the window.")
 
-    st.subheader("Recent engine steps")
-    if not snap.has_steps:
-        st.info(
-            "Per-step series need kvscope's plugin and a collector: Prometheus holds one "
-            f"sample per scrape ({snap.window_s:g} s here), not every engine step. Point "
-            "`kvscope dashboard --collector URL` at a collector to see them."
-        )
-        return
-    last = cfg.get("last_step_unix_s") or r.end_unix_s
-    if last is None:
-        return
-    try:
-        steps = recent_steps(snap.settings, v.engine_id, float(last), STEP_SECONDS)
-    except SourceError as exc:
-        st.warning(f"Could not read the raw steps: {exc}")
-        return
-    if not len(steps):
-        st.caption(
-            "The collector holds no raw steps of this engine's last "
-            f"{STEP_SECONDS:.0f} s (raw steps are kept --raw-retention-s)."
-        )
-        return
-    st.altair_chart(step_chart(steps, seqs), width="stretch")
+    steps_section(snap, v.engine_id, seqs)

@@ -1,4 +1,5 @@
-"""Fleet overview: every pool and engine, the ones needing attention first."""
+"""Fleet overview: every pool and engine, the ones needing attention first; every engine
+the source knows is listed, those without data in the window too (idle or DOWN)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import streamlit as st
 from kvscope.advisor import EngineVerdict
 from kvscope.dashboard._format import NONE, knee, num, pct, tok
 from kvscope.dashboard._status import (
+    DOWN_S,
+    LIVE_S,
     Attention,
     engine_attention,
-    engine_status,
     engines_by_attention,
     pools_by_attention,
     recent,
@@ -73,7 +75,41 @@ def _pool_table(snap: Snapshot) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _silent_row(snap: Snapshot, eid: str) -> dict[str, str]:
+    """A known engine without windows in the window: who it is and when last seen."""
+    cfg = snap.engine_config(eid)
+    seqs = cfg.get("max_num_seqs")
+    row = dict.fromkeys(_COLUMNS, NONE)
+    row.update(
+        engine=eid,
+        pool=str(cfg.get("pool")),
+        status=snap.engine_state(eid).text,
+        verdict="no data in the window",
+    )
+    row["batch / max_num_seqs"] = f"{NONE} / {num(seqs, '.0f')}"
+    return row
+
+
+_COLUMNS = (
+    "engine",
+    "pool",
+    "status",
+    "batch / max_num_seqs",
+    "KV used",
+    "waiting",
+    "preemptions/s",
+    "generated",
+    "prefix hit rate",
+    "verdict",
+    "knee (in flight)",
+    "plateau",
+    "cap",
+)
+
+
 def _engine_table(snap: Snapshot) -> pd.DataFrame:
+    """Every engine the source knows: those with data in the window by attention, then
+    those without (DOWN or idle), by id."""
     assert snap.report is not None
     rows = []
     for v in engines_by_attention(snap.report):
@@ -84,7 +120,7 @@ def _engine_table(snap: Snapshot) -> pd.DataFrame:
             {
                 "engine": v.engine_id,
                 "pool": str(v.pool),
-                "status": engine_status(cfg.get("last_step_unix_s"), snap.fetched_unix_s),
+                "status": snap.engine_state(v.engine_id).text,
                 "batch / max_num_seqs": f"{num(r.batch_mean)} / {num(seqs, '.0f')}",
                 "KV used": pct(r.kv_usage_mean),
                 "waiting": num(r.waiting_mean),
@@ -101,61 +137,52 @@ def _engine_table(snap: Snapshot) -> pd.DataFrame:
                 ),
             }
         )
-    return pd.DataFrame(rows)
+    analyzed = {v.engine_id for v in snap.report.engines}
+    rows += [_silent_row(snap, e) for e in snap.known_engine_ids if e not in analyzed]
+    return pd.DataFrame(rows, columns=list(_COLUMNS))
 
 
 def render(snap: Snapshot) -> None:
     report = snap.report
     assert report is not None
     ranked = pools_by_attention(report)
-    live = sum(
-        engine_status(snap.engine_config(v.engine_id).get("last_step_unix_s"), snap.fetched_unix_s)
-        == "live"
-        for v in report.engines
-    )
+    known = snap.known_engine_ids
+    states = [snap.engine_state(e).state for e in known]
     saturated = sum(v.saturated for v in report.engines)
-    c = st.columns(4)
+    c = st.columns(6)
     c[0].metric(
-        "engines analyzed",
-        f"{len(report.engines)}",
-        help=f"{live} live (a step in the last 15 s); "
-        f"{report.coverage.get('n_engines_known', 0)} known to the "
+        "engines known",
+        f"{len(known)}",
+        help=f"{states.count('live')} live (a step in the last {LIVE_S:.0f} s), "
+        f"{states.count('idle')} idle (heard from, no recent step), "
+        f"{states.count('DOWN')} DOWN (not heard from for {DOWN_S:.0f} s); known to the "
         f"{'Prometheus' if snap.from_prometheus else 'collector'}",
     )
-    c[1].metric("saturated", f"{saturated} of {len(report.engines)}")
+    c[1].metric("engines DOWN", f"{states.count('DOWN')}")
     c[2].metric(
+        "engines analyzed", f"{len(report.engines)}", help="engines with data in the window"
+    )
+    c[3].metric("saturated", f"{saturated} of {len(report.engines)}")
+    c[4].metric(
         "pools needing attention", f"{sum(a.score > 0 for _, a in ranked)} of {len(ranked)}"
     )
-    c[3].metric("recommendations", f"{len(report.recommendations)}")
+    c[5].metric("recommendations", f"{len(report.recommendations)}")
 
     for pv, att in ranked:
         if att.score > 0:
             _callout(snap, pv.pool, att)
 
-    st.subheader("Pools, the ones needing attention first")
-    st.table(_pool_table(snap).set_index("pool"))
+    if ranked:
+        st.subheader("Pools, the ones needing attention first")
+        st.table(_pool_table(snap).set_index("pool"))
     st.subheader("Engines")
     st.caption(
-        "status: live, or silent for how long since its newest step; batch, KV "
-        "used, waiting, preemptions and generated tokens over each engine's last "
-        "60 s with data; prefix hit rate, verdict, knee, plateau and cap from the "
-        "advisor over the window"
+        "every engine the "
+        f"{'Prometheus' if snap.from_prometheus else 'collector'} knows. status: live (a "
+        f"step in the last {LIVE_S:.0f} s), idle (heard from, no recent step) or DOWN "
+        f"(not heard from for {DOWN_S:.0f} s, with when it was last seen); batch, KV "
+        "used, waiting, preemptions and generated tokens over each engine's last 60 s "
+        "with data; prefix hit rate, verdict, knee, plateau and cap from the advisor over "
+        "the window"
     )
     st.table(_engine_table(snap).set_index("engine"))
-    analyzed = {v.engine_id for v in report.engines}
-    if "engine_id" in snap.engines:
-        idle = snap.engines[~snap.engines["engine_id"].isin(analyzed)]
-        if len(idle):
-            st.subheader("Engines without data in the window")
-            st.table(
-                pd.DataFrame(
-                    {
-                        "engine": idle["engine_id"],
-                        "pool": idle.get("pool"),
-                        "status": [
-                            engine_status(t, snap.fetched_unix_s)
-                            for t in idle.get("last_step_unix_s", [None] * len(idle))
-                        ],
-                    }
-                ).set_index("engine")
-            )

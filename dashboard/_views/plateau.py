@@ -1,12 +1,12 @@
 """Plateau: throughput against load with the fitted curve, knee, plateau and cap, the
-P99 curve on the same load axis, and the bottleneck with its evidence."""
+P99 curves on the same chart (its right axis), and the bottleneck with its evidence."""
 
 from __future__ import annotations
 
 import pandas as pd
 import streamlit as st
 
-from kvscope.dashboard._charts import load_domain, p99_chart, plateau_chart
+from kvscope.dashboard._charts_load import load_domain, plateau_chart
 from kvscope.dashboard._format import NONE, facts, knee, num, pct, sec, tok
 from kvscope.dashboard._views._common import pick_engine, verdict_headline
 from kvscope.dashboard.data import Snapshot
@@ -61,6 +61,7 @@ def render(snap: Snapshot) -> None:
     st.altair_chart(
         plateau_chart(
             curve,
+            lat,
             knee=v.knee_concurrency,
             plateau=v.plateau_tokens_per_s,
             cap=float(cap) if cap is not None else None,
@@ -68,19 +69,11 @@ def render(snap: Snapshot) -> None:
         ),
         width="stretch",
     )
-    if lat is not None:
-        st.altair_chart(
-            p99_chart(
-                lat,
-                knee=v.knee_concurrency,
-                cap=float(cap) if cap is not None else None,
-                domain=domain,
-            ),
-            width="stretch",
-        )
-        st.caption(lat_f[0].summary)
-    else:
-        st.caption("No finished requests in the window: no latency curve.")
+    st.caption(
+        lat_f[0].summary
+        if lat is not None
+        else "No finished requests in the window: no latency curve."
+    )
 
     st.subheader("Why: the bottleneck and its evidence")
     if why:

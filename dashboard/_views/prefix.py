@@ -9,7 +9,7 @@ import pandas as pd
 import streamlit as st
 
 from kvscope.advisor import Finding, PoolVerdict, Report
-from kvscope.dashboard._charts import hit_rate_chart
+from kvscope.dashboard._charts_load import hit_rate_chart
 from kvscope.dashboard._format import NONE, num, pct, sec
 from kvscope.dashboard._status import pools_by_attention
 from kvscope.dashboard._views.recommendations import recommendation_card
@@ -40,6 +40,22 @@ def _replica_table(frame: dict[str, list]) -> pd.DataFrame:
             "prefix caching": [caching.get(v, "unknown") for v in df.get("prefix_caching", [])],
         }
     ).set_index("replica")
+
+
+def no_hits_text(frame: dict[str, list]) -> str:
+    """What an all-zero hit-rate chart means, in words (empty when a replica had hits)."""
+    hits = pd.to_numeric(pd.Series(frame.get("prefix_hits", []), dtype=object), errors="coerce")
+    looked = pd.to_numeric(
+        pd.Series(frame.get("prefix_queries", []), dtype=object), errors="coerce"
+    )
+    if not len(looked) or looked.fillna(0).sum() <= 0:
+        return "No prefix-cache lookups in this window (prefix caching off, or no prompts)."
+    if hits.fillna(0).sum() <= 0:
+        return (
+            f"No prefix-cache hits in this window: 0% on every replica, of "
+            f"{looked.fillna(0).sum():,.0f} prompt tokens looked up."
+        )
+    return ""
 
 
 def _ttft_table(ev: dict[str, Any]) -> pd.DataFrame | None:
@@ -119,6 +135,9 @@ def _pool(report: Report, pv: PoolVerdict) -> None:
             left, right = st.columns([3, 2])
             left.table(_replica_table(f.frame))
             right.altair_chart(hit_rate_chart(f.frame), width="stretch")
+            empty = no_hits_text(f.frame)
+            if empty:
+                right.info(empty)
         ttft = _ttft_table(f.evidence)
         if ttft is not None:
             st.markdown("**Time to first token with and without cached prompt tokens**")

@@ -7,6 +7,7 @@ of the overview against the collector's own rows."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from kvscope.advisor import FrameSource, Report, analyze
 from kvscope.advisor.datasets import make_prefix_pool
 from kvscope.advisor.prefix import KV_EVENTS_FLAG
 from kvscope.collector.process import CollectorProcess, free_port
-from kvscope.dashboard._status import LIVE_S
+from kvscope.dashboard._status import DOWN_S, LIVE_S
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 
@@ -66,6 +67,11 @@ def chart_data(at: AppTest) -> list[list[pd.DataFrame]]:
             [pa.ipc.open_stream(d.data.data).read_all().to_pandas() for d in el.proto.datasets]
         )
     return out
+
+
+def chart_specs(at: AppTest) -> list[dict[str, Any]]:
+    """The Vega-Lite spec of every chart on the page, in order."""
+    return [json.loads(el.proto.spec) for el in at.get("vega_lite_chart")]
 
 
 def no_problem_shown(at: AppTest) -> None:
@@ -126,17 +132,18 @@ def test_overview_ranks_the_kv_starved_pool_first_with_the_advisors_numbers(
         assert row["cap"] == (
             str(v.recommended_concurrency_cap) if v.recommended_concurrency_cap is not None else "–"
         )
-        # The replay is over: live until LIVE_S after its last step, silent after.
-        last = next(
-            r["last_step_unix_s"]
-            for r in demo_fleet.get_json("/v1/engines")["rows"]
-            if r["engine_id"] == eid
-        )
-        age = time.time() - float(last)
-        if age > LIVE_S + 3:
-            assert row["status"].startswith("silent "), (row["status"], age)
-        elif age < LIVE_S - 3:
-            assert row["status"] == "live", (row["status"], age)
+        # The replay is over: live until LIVE_S after its last step, idle while the
+        # collector heard from it in the last DOWN_S, DOWN (with when) after that.
+        known = next(r for r in demo_fleet.get_json("/v1/engines")["rows"] if r["engine_id"] == eid)
+        now = time.time()
+        step_age = now - float(known["last_step_unix_s"])
+        seen_age = now - max(float(known["last_seen_unix_s"]), float(known["last_step_unix_s"]))
+        if seen_age > DOWN_S + 3:
+            assert row["status"].startswith("DOWN, last seen "), (row["status"], seen_age)
+        elif step_age > LIVE_S + 3 and seen_age < DOWN_S - 3:
+            assert row["status"].startswith("idle, last step "), (row["status"], step_age)
+        elif step_age < LIVE_S - 3:
+            assert row["status"] == "live", (row["status"], step_age)
     assert engines.loc[KV_STARVED, "batch / max_num_seqs"].endswith(" / 256")
     assert engines.loc[SEQ_CAPPED, "batch / max_num_seqs"].endswith(" / 6")
 
@@ -164,11 +171,12 @@ def test_sidebar_window_changes_what_is_read(
     monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess
 ) -> None:
     at = run_app(monkeypatch, demo_fleet.url)
-    assert "(--since 30m)" in at.caption[0].value
+    assert "(window 30m)" in at.caption[0].value
     assert at.sidebar.selectbox[0].value == "30m"
     at.sidebar.selectbox[0].set_value("5m").run()
     assert not at.exception
-    assert "(--since 5m)" in at.caption[0].value
+    assert "(window 5m)" in at.caption[0].value
+    assert "--since" not in texts(at)
 
 
 # -- engine detail -------------------------------------------------------------------
@@ -190,7 +198,8 @@ def test_engine_detail_shows_the_kv_starved_engine_against_its_limits(
     assert m["recommended cap"] == str(kv.recommended_concurrency_cap)
 
     charts = chart_data(at)
-    assert len(charts) == 8  # six per-second series, latency percentiles, per-step
+    # six per-second series, latency percentiles, per-step requests and KV usage
+    assert len(charts) == 9
     # KV blocks in use against num_gpu_blocks 48: the rule carries the total.
     rules = [d for c in charts for d in c if "label" in d]
     assert any(d["label"].iloc[0] == "num_gpu_blocks 48" and d["v"].iloc[0] == 48 for d in rules)
@@ -200,10 +209,15 @@ def test_engine_detail_shows_the_kv_starved_engine_against_its_limits(
     )
     blocks = series[series["series"] == "blocks in use (max)"]["y"]
     assert blocks.max() == 48
-    # The raw steps: the per-step chart holds the last 30 s of steps of this engine.
-    steps = charts[-1][0]
+    # The raw steps: the per-step charts hold the last 30 s of steps of this engine,
+    # each one (fewer than the plotting limit), its KV usage included.
+    steps = charts[-2][0]
     assert set(steps["series"]) == {"batch (running)", "waiting"}
     assert len(steps) > 1000
+    kv_steps = charts[-1][0]
+    assert len(kv_steps) == len(steps) // 2
+    assert kv_steps["kv_usage_pct"].max() <= 100.0 and kv_steps["kv_usage_pct"].max() > 90.0
+    assert f"all {len(kv_steps):,} steps." in texts(at)
 
 
 def test_engine_detail_switches_to_the_sequence_capped_engine(
@@ -243,13 +257,14 @@ def test_plateau_presents_the_advisors_curve_knee_and_cap(
     assert evidence.loc["kv usage median", "value"] == f"{why.evidence['kv_usage_median']:.0%}"
     assert evidence.loc["max num seqs", "value"] == "256"
 
-    plateau, p99 = chart_data(at)
+    # One chart: throughput (left axis) and P99 latency (right axis) on one load axis.
+    (chart,) = chart_data(at)
     curve = expected.findings_of("throughput_curve", KV_STARVED)[0].frame
     assert curve is not None
-    points = plateau[0]
+    points = next(d for d in chart if "series" in d and set(d["series"]) == {"measured"})
     assert points["load"].tolist() == pytest.approx(curve["load"])
     assert points["measured"].tolist() == pytest.approx(curve["gen_tokens_per_s"])
-    labels = {d["label"].iloc[0]: d["v"].iloc[0] for d in plateau if "label" in d}
+    labels = {d["label"].iloc[0]: d["v"].iloc[0] for d in chart if "label" in d}
     assert labels[f"knee {kv.knee_concurrency:.1f}"] == pytest.approx(kv.knee_concurrency)
     assert labels[f"cap {kv.recommended_concurrency_cap}"] == kv.recommended_concurrency_cap
     assert labels[f"plateau {kv.plateau_tokens_per_s:,.0f} tok/s"] == pytest.approx(
@@ -257,10 +272,13 @@ def test_plateau_presents_the_advisors_curve_knee_and_cap(
     )
     lat = expected.findings_of("latency_vs_load", KV_STARVED)[0].frame
     assert lat is not None
-    p99_lines = p99[0]
-    e2e = p99_lines[p99_lines["metric"] == "e2e P99"]
+    p99_lines = next(d for d in chart if "seconds" in d)
+    e2e = p99_lines[p99_lines["series"] == "e2e P99"]
     assert e2e["load"].tolist() == pytest.approx(lat["load"])
     assert e2e["seconds"].tolist() == pytest.approx(lat["e2e_s_p99"])
+    (spec,) = chart_specs(at)
+    assert spec["resolve"]["scale"]["y"] == "independent"
+    assert spec["height"] >= 250 and spec["autosize"]["type"] == "fit-x"
 
 
 @pytest.mark.parametrize("engine", [KV_STARVED, SEQ_CAPPED, AMPLE])
@@ -436,8 +454,10 @@ def test_no_data_in_the_window_names_a_window_that_has_it(
     at = run_app(monkeypatch, demo_fleet.url, "--since", "5s", page="pages/plateau.py")
     assert not at.error
     text = at.warning[0].value
-    assert text.startswith("**No data.** no data in the window")
-    assert "try --since" in text and "pick a longer window in the sidebar" in text
+    assert text.startswith("**No data.** no data in ")
+    # The page names its own control, never a command-line flag.
+    assert "window (or longer) in the sidebar" in text or "range around it" in text
+    assert "--" not in texts(at)
     assert not at.metric
 
 
@@ -459,3 +479,138 @@ def test_expected_report_is_stable_across_reads(
     # because the replayed data lies wholly inside the window.
     again = expected_report(demo_fleet.url)
     assert [v.to_dict() for v in again.engines] == [v.to_dict() for v in expected.engines]
+
+
+# -- engines without data, the URL, any range of steps --------------------------------
+
+
+def _app_with_url(
+    monkeypatch: pytest.MonkeyPatch, url: str, query: dict[str, str], page: str | None = None
+) -> AppTest:
+    monkeypatch.setattr(sys, "argv", ["app.py", "--collector", url, "--refresh", "0"])
+    at = AppTest.from_file(str(APP), default_timeout=120)
+    at.query_params.update(query)
+    at.run()
+    if page is not None:
+        at.switch_page(page).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_a_range_without_data_still_lists_every_engine_the_collector_knows(
+    monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess
+) -> None:
+    # A range a day long, years before the replayed data: nothing in it, but the
+    # collector knows three engines, and the overview lists them with their status.
+    query = {"time": "range", "from": "2020-01-01T00:00Z", "to": "2020-01-02T00:00Z"}
+    at = _app_with_url(monkeypatch, demo_fleet.url, query)
+    assert at.sidebar.radio[0].value == "range"
+    assert [t.value for t in at.sidebar.text_input] == [query["from"], query["to"]]
+    caption = at.caption[0].value
+    assert "2020-01-01 00:00:00 UTC to 2020-01-02 00:00:00 UTC (range)" in caption
+    assert "3 engine(s) known" in caption and "0 with data in the window" in caption
+    text = at.warning[0].value
+    assert text.startswith("**No data.**")
+    assert text.endswith("after the range: move its end later in the sidebar.")
+    assert metrics(at)["engines known"] == "3"
+    engines = at.table[0].value
+    assert sorted(engines.index) == sorted([KV_STARVED, SEQ_CAPPED, AMPLE])
+    assert set(engines["verdict"]) == {"no data in the window"}
+    assert all(s.split(",")[0] in ("live", "idle", "DOWN") for s in engines["status"])
+
+
+def _overview_page(engines_json: str, report_json: str, now: float) -> None:
+    import io
+
+    import pandas as pd
+
+    from kvscope.advisor import Report
+    from kvscope.dashboard._views.overview import render
+    from kvscope.dashboard.data import Snapshot
+    from kvscope.dashboard.settings import DashboardSettings
+
+    render(
+        Snapshot(
+            settings=DashboardSettings("http://127.0.0.1:9"),
+            since_text="30m",
+            since_unix_s=now - 1800,
+            until_unix_s=None,
+            fetched_unix_s=now,
+            report=Report.from_json(report_json),
+            engines=pd.read_json(io.StringIO(engines_json), orient="records"),
+        )
+    )
+
+
+def test_an_engine_gone_silent_is_listed_down_with_when_it_was_last_seen() -> None:
+    t0 = 1_764_600_000.0  # 14:40:00 UTC
+    engines = pd.DataFrame(
+        [
+            {
+                "engine_id": "gone:8000:0",
+                "pool": "p",
+                "max_num_seqs": 8,
+                "last_step_unix_s": t0 - 5,
+                "last_seen_unix_s": t0,
+            }
+        ]
+    )
+    report = Report(
+        t0 + 3600 - 1800,
+        None,
+        engines=[],
+        pools=[],
+        coverage={"n_engines_known": 1, "latest_step_unix_s": t0 - 5},
+    )
+    at = AppTest.from_function(
+        _overview_page,
+        kwargs={
+            "engines_json": engines.to_json(orient="records"),
+            "report_json": report.to_json(),
+            "now": t0 + 3600,
+        },
+        default_timeout=30,
+    ).run()
+    assert not at.exception, [e.value for e in at.exception]
+    m = metrics(at)
+    assert (m["engines known"], m["engines DOWN"], m["engines analyzed"]) == ("1", "1", "0")
+    row = at.table[0].value.loc["gone:8000:0"]
+    assert row["status"] == "DOWN, last seen 14:40:00 UTC (60 min ago)"
+    assert row["verdict"] == "no data in the window"
+    assert row["batch / max_num_seqs"] == "– / 8"
+
+
+def test_the_window_and_the_engine_come_from_the_url(
+    monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess
+) -> None:
+    at = _app_with_url(monkeypatch, demo_fleet.url, {"window": "1h"})
+    assert at.sidebar.selectbox[0].value == "1h"
+    assert "(window 1h)" in at.caption[0].value
+    at.switch_page("pages/engine.py")
+    at.query_params["engine"] = SEQ_CAPPED
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.selectbox[0].value == SEQ_CAPPED
+    assert "max_num_seqs 6," in texts(at)
+
+
+def test_engine_steps_of_the_whole_window_are_sampled_and_say_so(
+    monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess
+) -> None:
+    at = run_app(monkeypatch, demo_fleet.url, page="pages/engine.py")
+    at.radio(key="kvscope_steps_span").set_value("the whole window").run()
+    assert not at.exception, [e.value for e in at.exception]
+    w = pd.DataFrame(
+        demo_fleet.get_json(
+            "/v1/windows", params={"engine": KV_STARVED, "since": "0", "format": "columns"}
+        )["columns"]
+    )
+    n = int(w["n_steps"].sum())
+    k = -(-n // 5000)
+    assert k > 1  # the replayed run has more steps than a chart draws
+    body = texts(at)
+    assert f"every {k}" in body and f"step of {n:,}" in body
+    charts = chart_data(at)
+    kv_steps = charts[-1][0]
+    assert len(kv_steps) == -(-n // k)
+    assert "kv_usage_pct" in kv_steps

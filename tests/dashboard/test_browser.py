@@ -132,7 +132,9 @@ def _engine(r: Report) -> list[str]:
         "max_num_seqs 256, far above",
         "num_gpu_blocks 48",
         "Latency percentiles of finished requests",
-        "Per engine step: the last",
+        "Per engine step: requests",
+        "Per engine step: KV-cache usage",
+        "time (UTC)",
         f"{kv.knee_concurrency:.1f}",
     ]
 
@@ -140,8 +142,8 @@ def _engine(r: Report) -> list[str]:
 def _plateau(r: Report) -> list[str]:
     kv = r.engine(KV_STARVED)
     return [
-        "Throughput against load",
-        "P99 latency against load",
+        "Throughput and P99 latency against load",
+        "P99 latency (s)",
         f"knee {kv.knee_concurrency:.1f}",
         f"cap {kv.recommended_concurrency_cap}",
         f"plateau {kv.plateau_tokens_per_s:,.0f} tok/s",

@@ -4,23 +4,43 @@ order, formatting, the chart series and the demo fleet's relabelling."""
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
+import json
 import math
 import socket
+from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
 
 from kvscope.advisor import EngineVerdict, Finding, PoolVerdict, Report, Scope
 from kvscope.cli import dashboard as cli
-from kvscope.dashboard._charts import bucket_seconds, engine_series, latency_series
+from kvscope.dashboard._charts import (
+    COUNT_FORMAT,
+    bucket_seconds,
+    engine_series,
+    latency_chart,
+    latency_series,
+    step_chart,
+    step_kv_chart,
+    time_chart,
+    time_format,
+)
+from kvscope.dashboard._charts_load import SERIES, hit_rate_chart, load_domain, plateau_chart
 from kvscope.dashboard._format import value
+from kvscope.dashboard._messages import no_data_message, window_text, window_to_pick
 from kvscope.dashboard._status import (
-    engine_status,
+    DOWN_S,
+    LIVE_S,
+    engine_state,
     engines_by_attention,
     pools_by_attention,
     recent,
 )
+from kvscope.dashboard._steps import every_kth, ordinal, plan_steps, steps_in
+from kvscope.dashboard._views.prefix import no_hits_text
 from kvscope.dashboard._views.recommendations import change_blocks
 from kvscope.dashboard.demo import DEMO_FLEET, relabeled
 from kvscope.dashboard.settings import (
@@ -203,10 +223,25 @@ def test_pools_needing_attention_come_first() -> None:
     ]
 
 
-def test_engine_status_and_the_last_minute() -> None:
-    assert engine_status(100.0, 110.0) == "live"
-    assert engine_status(100.0, 100.0 + 12 * 60) == "silent 12 min"
-    assert engine_status(None, 1.0) == "no steps yet"
+def test_engine_state_live_idle_down_with_the_last_seen_time() -> None:
+    t0 = 1_764_600_000.0  # 2025-12-01 14:40:00 UTC
+    assert engine_state(t0, t0, t0 + LIVE_S).text == "live"
+    # Heard from (a heartbeat) 10 s ago, its newest step 12 min ago: idle, not down.
+    idle = engine_state(t0, t0 + 12 * 60 - 10, t0 + 12 * 60)
+    assert (idle.state, idle.text) == ("idle", "idle, last step 12 min ago")
+    # Not heard from for DOWN_S: DOWN, with when it was last seen.
+    down = engine_state(t0, t0 + 5, t0 + 5 + DOWN_S + 1)
+    assert down.state == "DOWN"
+    assert down.text == "DOWN, last seen 14:40:05 UTC (61 s ago)"
+    # Last seen more than a day ago: the date is given.
+    old = engine_state(t0, None, t0 + 3 * 86400)
+    assert old.text == "DOWN, last seen 2025-12-01 14:40:00 UTC (3.0 d ago)"
+    assert engine_state(None, t0, t0 + 1).text == "no steps yet"
+    assert engine_state(None, None, t0).text == "DOWN, never seen"
+    assert engine_state(math.nan, t0, t0 + 1).state == "no steps yet"
+
+
+def test_the_last_minute() -> None:
     w = pd.DataFrame(
         {
             "ts_s": [0, 1, 2, 100, 101, 103],
@@ -383,3 +418,216 @@ def test_demo_fleet_relabels_each_recording_as_its_own_engine() -> None:
         assert sum(len(b["steps"]["ts_unix_s"]) for b in out.batches) == sum(
             len(b["steps"]["ts_unix_s"]) for b in rec.batches
         )
+
+
+# -- messages in the page's terms ----------------------------------------------------------
+
+
+def _empty_report(since: float | None, until: float | None, latest: float | None) -> Report:
+    return Report(
+        since,
+        until,
+        engines=[],
+        pools=[],
+        coverage={"n_engines_known": 1, "latest_step_unix_s": latest},
+    )
+
+
+def test_no_data_messages_name_the_sidebar_not_a_flag() -> None:
+    now = 1_764_600_000.0
+    # The newest step 37 min ago, a 30m window: the 1h window reaches it.
+    text = no_data_message(
+        _empty_report(now - 1800, None, now - 37 * 60), "http://c", "W", now_unix_s=now
+    )
+    assert text.endswith(": pick the 1h window (or longer) in the sidebar")
+    assert "(37 min ago)" in text
+    # Older than the longest window: a range.
+    text = no_data_message(
+        _empty_report(now - 1800, None, now - 30 * 86400), "http://c", "W", now_unix_s=now
+    )
+    assert text.endswith("set a range around it in the sidebar (Time: range)")
+    # A range that ends before the newest step.
+    text = no_data_message(
+        _empty_report(now - 7200, now - 3600, now - 60),
+        "http://c",
+        "W",
+        now_unix_s=now,
+        ranged=True,
+    )
+    assert text.endswith("after the range: move its end later in the sidebar")
+    for t in (text,):
+        assert "--" not in t
+    assert window_text(now - 1800, None, "30m").endswith("to now (window 30m)")
+    assert window_to_pick(8 * 60) == "15m"
+    assert window_to_pick(30 * 86400) is None
+
+
+def _strings(tree: ast.AST) -> list[str]:
+    """The string literals of a module, its docstrings left out."""
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+    }
+    return [
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+    ]
+
+
+def test_the_pages_name_their_own_controls_not_the_time_flags() -> None:
+    # What a page tells the user to do about the time names the sidebar; only the
+    # restart instructions (how the dashboard is started) name a flag.
+    root = Path(__file__).resolve().parents[2] / "dashboard"
+    for path in [*root.glob("_*.py"), *root.glob("_views/*.py")]:
+        for text in _strings(ast.parse(path.read_text())):
+            for flag in ("--since", "--until", "--raw-retention-s"):
+                assert flag not in text, (path.name, text)
+
+
+# -- charts: height, ticks, time, legends -------------------------------------------------
+
+
+def _layers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    out = [spec]
+    for child in spec.get("layer", []):
+        out += _layers(child)
+    return out
+
+
+def _windows(n: int = 120) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "ts_s": [1_764_600_000 + i for i in range(n)],
+            "batch_mean": [3.0] * n,
+            "batch_max": [4.0] * n,
+            "kv_usage_mean": [0.5] * n,
+            "waiting_mean": [1.0] * n,
+            "waiting_max": [2.0] * n,
+            "preemptions": [0] * n,
+            "generation_tokens": [100] * n,
+            "prompt_tokens": [10] * n,
+            "prefix_queries": [50] * n,
+            "prefix_hits": [0] * n,
+        }
+    )
+
+
+def test_time_charts_are_tall_in_utc_on_a_24_hour_clock_with_integer_counts() -> None:
+    s = engine_series(_windows(), 48)
+    chart = time_chart(
+        s,
+        {"batch_mean": "batch (mean)", "batch_max": "batch (max)"},
+        "Batch",
+        "running requests",
+        [(6, "max_num_seqs 6")],
+        y_format=COUNT_FORMAT,
+    ).to_dict()
+    assert chart["height"] >= 250
+    assert chart["autosize"] == {"type": "fit-x", "contains": "padding"}
+    lines = next(lyr for lyr in _layers(chart) if lyr.get("mark", {}).get("type") == "line")
+    x, y = lines["encoding"]["x"], lines["encoding"]["y"]
+    assert x["scale"]["type"] == "utc" and x["title"] == "time (UTC)"
+    assert x["axis"]["format"] == "%H:%M:%S"  # 24-hour
+    assert y["axis"] == {"format": ",d", "tickMinStep": 1}
+    assert "legend" in lines["encoding"]["color"]
+    assert time_format(3 * 86400) == "%d %b %H:%M"
+    lat = latency_chart(
+        latency_series(pd.DataFrame({"finished_unix_s": [1.0], "e2e_s": [1.0], "ttft_s": [0.1]}))
+    )
+    assert lat.to_dict()["height"] >= 250
+
+
+def test_plateau_chart_draws_the_p99_on_the_load_axis_with_a_legend_and_labels_above() -> None:
+    curve = {"load": [1, 2, 4, 8, 16], "gen_tokens_per_s": [100, 200, 380, 400, 400]}
+    curve["gen_fit"] = [100, 195, 370, 400, 401]
+    lat = {"load": [1, 2, 4, 8, 16], "e2e_s_p99": [1, 1, 1.2, 2, 4], "ttft_s_p99": [0.1] * 5}
+    spec = plateau_chart(
+        curve, lat, knee=7.0, plateau=400.0, cap=8.0, domain=load_domain(curve, lat, [7, 8])
+    ).to_dict()
+    assert spec["height"] >= 250
+    assert spec["resolve"]["scale"]["y"] == "independent"  # tok/s left, seconds right
+    layers = _layers(spec)
+    xs = {
+        json.dumps(lyr["encoding"]["x"]["scale"])
+        for lyr in layers
+        if "x" in lyr.get("encoding", {}) and "scale" in lyr["encoding"]["x"]
+    }
+    assert len(xs) == 1  # one load axis for throughput and latency
+    colors = [lyr["encoding"]["color"] for lyr in layers if "color" in lyr.get("encoding", {})]
+    assert colors and all(c["scale"]["domain"] == list(SERIES) for c in colors)
+    texts = [lyr for lyr in layers if lyr.get("mark", {}).get("type") == "text"]
+    knee_cap = [t for t in texts if "field" in t["encoding"]["x"]]
+    # The knee's and cap's labels sit above the plot (y < 0), where no point is, and
+    # point away from each other.
+    assert len(knee_cap) == 2
+    assert all(t["encoding"]["y"]["value"] < 0 for t in knee_cap)
+    assert {t["mark"]["align"] for t in knee_cap} == {"left", "right"}
+
+
+def test_hit_rate_chart_labels_a_zero_rate_and_says_there_were_no_hits() -> None:
+    frame = {"engine_id": ["a:1:0", "b:1:0"], "hit_rate": [0.0, 0.0]}
+    frame |= {"prefix_queries": [500, 700], "prefix_hits": [0, 0]}
+    spec = hit_rate_chart(frame).to_dict()
+    assert spec["height"] >= 250
+    data = [d for d in spec["datasets"].values() if d and "label" in d[0]]
+    assert [r["label"] for r in data[0]] == ["0%", "0%"]
+    assert no_hits_text(frame).startswith("No prefix-cache hits in this window: 0% on every")
+    assert "1,200 prompt tokens" in no_hits_text(frame)
+    frame["prefix_hits"] = [0, 10]
+    assert no_hits_text(frame) == ""
+    assert no_hits_text({"engine_id": ["a"], "prefix_queries": [0]}).startswith(
+        "No prefix-cache lookups"
+    )
+
+
+# -- per-step view ---------------------------------------------------------------------------
+
+
+def test_step_plan_reads_all_then_every_kth_then_asks_for_a_shorter_range() -> None:
+    # 100 s with 120 steps each: 12,000 steps.
+    w = pd.DataFrame({"ts_s": [1000 + i for i in range(100)], "n_steps": [120] * 100})
+    assert steps_in(w, 1000, 1100) == 12_000
+    assert steps_in(w, 1050.5, 1060) == 10 * 120  # seconds 1050..1059, overlapping whole
+    small = plan_steps(w, 1090, 1100)
+    assert (small.n_steps, small.k, small.read, small.text) == (1200, 1, True, "all 1,200 steps")
+    big = plan_steps(w, 1000, 1100, max_plotted=5000)
+    assert (big.k, big.read) == (3, True)
+    assert big.text == "every 3rd step of 12,000"
+    assert not plan_steps(w, 1000, 1100, max_read=10_000).read
+    steps = pd.DataFrame({"ts_unix_s": [float(i) for i in range(10)]})
+    assert every_kth(steps, 3)["ts_unix_s"].tolist() == [0.0, 3.0, 6.0, 9.0]
+    assert [ordinal(k) for k in (1, 2, 3, 4, 11, 12, 13, 21, 22, 111)] == [
+        "1st",
+        "2nd",
+        "3rd",
+        "4th",
+        "11th",
+        "12th",
+        "13th",
+        "21st",
+        "22nd",
+        "111th",
+    ]
+
+
+def test_step_charts_show_requests_and_kv_usage_per_step() -> None:
+    steps = pd.DataFrame(
+        {
+            "ts_unix_s": [1_764_600_000 + i / 100 for i in range(50)],
+            "batch_size": [5] * 50,
+            "waiting": [1] * 50,
+            "kv_usage_ratio": [0.25] * 50,
+            "kv_blocks_used": [12] * 50,
+        }
+    )
+    req = step_chart(steps, 6.0, subtitle="every 2nd step of 100").to_dict()
+    kv = step_kv_chart(steps).to_dict()
+    assert req["height"] >= 250 and kv["height"] >= 250
+    assert req["title"]["subtitle"] == "every 2nd step of 100"
+    assert kv["encoding"]["y"]["scale"]["domain"] == [0, 100]
+    (rows,) = [d for d in kv["datasets"].values() if d and "kv_usage_pct" in d[0]]
+    assert {r["kv_usage_pct"] for r in rows} == {25.0}

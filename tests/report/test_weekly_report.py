@@ -123,11 +123,23 @@ def test_what_changed(session: Session) -> None:
     assert "not_saturated → kv_cache_bound" in html
 
 
-def test_recommendations_ranked_by_expected_gain(session: Session) -> None:
+def test_recommendations_grouped_by_kind_and_ranked_within(session: Session) -> None:
     d = session.via_collector.json
     recs = d["current"]["recommendations"]
     gains = [r["expected_gain"] for r in recs]
     assert len(recs) >= 3 and gains == sorted(gains, reverse=True)
+    # The action list holds each of this week's recommendations once, grouped by the kind
+    # of its effect (never ranked across kinds) and by expected gain within a kind.
+    actions = [a for a in d["actions"] if a["status"] in ("new", "open")]
+    assert sorted(a["recommendation_id"] for a in actions) == sorted(r["id"] for r in recs)
+    order = ("throughput", "latency", "cost", "unquantified")
+    kinds = [a["gain_kind"] for a in actions]
+    assert kinds == sorted(kinds, key=order.index)
+    for kind in set(kinds):
+        within = [a["expected_gain"] for a in actions if a["gain_kind"] == kind]
+        assert within == sorted(within, key=lambda g: -(g or 0.0))
+    by_id = {r["id"]: r for r in recs}
+    ordered = [by_id[a["recommendation_id"]] for a in actions]
     status = dict(
         zip(
             [(r["kind"], r["scope"]["engine_id"]) for r in recs],
@@ -137,9 +149,10 @@ def test_recommendations_ranked_by_expected_gain(session: Session) -> None:
     )
     assert status[("raise_max_num_seqs", BATCH_A)] == "open"
     assert status[("concurrency_cap", CHAT_B)] == "new"
+    assert {(a["kind"], a["scope"]["engine_id"]): a["status"] for a in actions} == status
     html = session.via_collector.html
     heads = re.findall(r'<div class="head">(.*?)</div>', html)
-    assert heads[: len(recs)] == [_escaped(r["summary"]) for r in recs]
+    assert heads[: len(recs)] == [_escaped(r["summary"]) for r in ordered]
     cap_b = next(
         r for r in recs if (r["kind"], r["scope"]["engine_id"]) == ("concurrency_cap", CHAT_B)
     )
@@ -224,7 +237,8 @@ def test_renders_in_chromium(session: Session, browser: Browser) -> None:
         f"{chat_b['recommended_concurrency_cap']} in flight",
         "max_num_seqs 6 → 256",
         "What changed since the previous week",
-        "Recommendations, ranked by expected gain",
+        "Action list",
+        "Recommendations in detail",
         "time past the knee per day",
     ):
         assert text in dom, text

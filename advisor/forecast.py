@@ -1,0 +1,185 @@
+"""Capacity forecast: when a pool's daily peak load would reach its capacity.
+
+Per pool and UTC day, the **daily peak** is the sum of its engines' highest load of the
+day (requests in flight, running + waiting, as the advisor counts load; an upper bound of
+the pool's highest simultaneous load, since the engines' peaks need not fall in the same
+second). The pool's **capacity** is the sum of its engines' knees (the load past which
+throughput stops growing); an engine that did not saturate has no knee, and then its
+batch limit stands in for it: ``min(KV room in sequences, max_num_seqs)`` from the
+``kv_capacity`` and ``bottleneck`` findings (``capacity_from`` says which were used). An
+engine with neither leaves the capacity unknown.
+
+A least-squares line (:func:`numpy.polyfit`, degree 1) through the daily peaks against
+the middle of each day gives the trend. ``status``:
+
+* ``not_enough_days``: fewer than ``min_days`` days with data;
+* ``no_capacity``: no knee or batch limit for some engine;
+* ``past``: the line is at or above the capacity on the last day (the pool already runs
+  past its knee at its daily peak);
+* ``not_rising``: the slope is zero or negative;
+* ``crosses``: the line reaches the capacity within ``horizon_weeks`` of the end of the
+  week (``crossing_unix_s``);
+* ``not_within``: it reaches it later than that.
+
+The first and last day of a week can be partial; their peaks are taken as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvscope.advisor.findings import Finding, Report, _clean
+from kvscope.advisor.usage import DAY_S, Usage
+
+WEEK_S = 7 * DAY_S
+
+
+@dataclass
+class Trend:
+    """The line through the daily peaks and where it meets the capacity."""
+
+    status: str
+    slope_per_day: float | None = None
+    level_at_end: float | None = None
+    """The line's value at the middle of the last day."""
+    crossing_unix_s: float | None = None
+
+
+@dataclass
+class PoolForecast:
+    """One pool's daily peaks, capacity, trend and verdict (see the module docstring)."""
+
+    pool: str | None
+    status: str
+    capacity: float | None
+    capacity_from: list[str]
+    day_start_unix_s: list[float]
+    daily_peak: list[float]
+    slope_per_day: float | None = None
+    level_at_end: float | None = None
+    crossing_unix_s: float | None = None
+    weeks_to_crossing: float | None = None
+    horizon_weeks: float = 8.0
+    min_days: int = 4
+    unit: str = "requests in flight"
+
+    def to_dict(self) -> dict[str, Any]:
+        return _clean(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PoolForecast:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def trend_crossing(
+    days_unix_s: list[float],
+    peaks: list[float],
+    capacity: float | None,
+    *,
+    until_unix_s: float,
+    min_days: int = 4,
+    horizon_weeks: float = 8.0,
+) -> Trend:
+    """The least-squares line through ``(day middle, peak)`` and when it reaches
+    ``capacity`` (see the module docstring for the statuses)."""
+    if len(peaks) < min_days:
+        return Trend("not_enough_days")
+    x = (np.asarray(days_unix_s, dtype=float) + DAY_S / 2) / DAY_S
+    slope, intercept = np.polyfit(x, np.asarray(peaks, dtype=float), 1)
+    last = float(x.max())
+    level = float(intercept + slope * last)
+    out = Trend("", float(slope), level)
+    if capacity is None:
+        out.status = "no_capacity"
+    elif level >= capacity:
+        out.status = "past"
+    elif slope <= 0:
+        out.status = "not_rising"
+    else:
+        out.crossing_unix_s = float((capacity - intercept) / slope * DAY_S)
+        horizon = until_unix_s + horizon_weeks * WEEK_S
+        out.status = "crosses" if out.crossing_unix_s <= horizon else "not_within"
+    return out
+
+
+def _evidence(findings: list[Finding], kind: str, engine_id: str, key: str) -> float | None:
+    for f in findings:
+        if f.kind == kind and f.scope.engine_id == engine_id:
+            v = f.evidence.get(key)
+            if v is None:
+                return None
+            try:
+                x = float(v)
+            except (TypeError, ValueError):
+                return None
+            return x if math.isfinite(x) else None
+    return None
+
+
+def engine_capacity(report: Report, engine_id: str) -> tuple[float | None, str]:
+    """An engine's capacity in requests in flight and where it comes from: its knee, else
+    its batch limit ``min(KV room, max_num_seqs)``, else ``(None, "unknown")``."""
+    v = report.engine(engine_id)
+    if v.saturated and v.knee_concurrency is not None:
+        return float(v.knee_concurrency), "knee"
+    room = _evidence(report.findings, "kv_capacity", engine_id, "kv_batch")
+    seqs = _evidence(report.findings, "bottleneck", engine_id, "max_num_seqs")
+    limits = [x for x in (room, seqs) if x is not None]
+    if not limits:
+        return None, "unknown"
+    return min(limits), "batch limit"
+
+
+def capacity_forecast(
+    usage: Usage, report: Report, *, min_days: int = 4, horizon_weeks: float = 8.0
+) -> list[PoolForecast]:
+    """One :class:`PoolForecast` per pool of ``report`` (see the module docstring)."""
+    d = usage.days
+    n = len(d.get("engine_id", []))
+    out = []
+    for p in report.pools:
+        peaks: dict[float, float] = {}
+        for i in range(n):
+            load = d["load_max"][i] if "load_max" in d else None
+            if d["pool"][i] != p.pool or load is None or not math.isfinite(float(load)):
+                continue
+            day = float(d["day_start_unix_s"][i])
+            peaks[day] = peaks.get(day, 0.0) + float(load)
+        caps = [engine_capacity(report, e) for e in p.engine_ids]
+        capacity = None if any(c is None for c, _ in caps) else sum(c or 0.0 for c, _ in caps)
+        days = sorted(peaks)
+        t = trend_crossing(
+            days,
+            [peaks[x] for x in days],
+            capacity,
+            until_unix_s=usage.until_unix_s,
+            min_days=min_days,
+            horizon_weeks=horizon_weeks,
+        )
+        out.append(
+            PoolForecast(
+                pool=p.pool,
+                status=t.status,
+                capacity=capacity,
+                capacity_from=sorted({src for _, src in caps}),
+                day_start_unix_s=days,
+                daily_peak=[peaks[x] for x in days],
+                slope_per_day=t.slope_per_day,
+                level_at_end=t.level_at_end,
+                crossing_unix_s=t.crossing_unix_s,
+                weeks_to_crossing=(
+                    (t.crossing_unix_s - usage.until_unix_s) / WEEK_S
+                    if t.crossing_unix_s is not None
+                    else None
+                ),
+                horizon_weeks=horizon_weeks,
+                min_days=min_days,
+            )
+        )
+    return out
