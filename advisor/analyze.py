@@ -7,10 +7,11 @@ load, concurrency cap, and the recommendations that follow from the bottleneck.
 Per pool: summed plateaus and caps, the one-more-replica what-if, prefix-cache reuse
 and routing (:mod:`kvscope.advisor.prefix`, with vLLM's KV-cache events when the source has
 them) and the load balance across replicas (:mod:`kvscope.advisor.balance`).
-Recommendations are sorted by expected gain; each carries its ``gain_kind``: a relative
-throughput gain, or a relative latency reduction (P99 for a cap, mean TTFT for
-prefix-aware routing, the busiest replica's latency for least-loaded routing). Gains of
-different kinds are not on one scale: a reader ranks within a kind.
+Recommendations are grouped by their ``gain_kind`` (throughput gains, then latency
+reductions, then cost: :data:`~kvscope.advisor.findings.GAIN_KINDS`) and sorted by
+expected gain within a group: a relative throughput gain, or a relative latency reduction
+(P99 for a cap, mean TTFT for prefix-aware routing, the busiest replica's latency for
+least-loaded routing). Gains of different kinds are not on one scale.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvscope.advisor.cap import ConcurrencyCap
 from kvscope.advisor.capacity import KvCapacityModel, replica_whatif
 from kvscope.advisor.curve import NotEnoughData, ThroughputCurve
 from kvscope.advisor.findings import (
+    GAIN_KINDS,
     EngineVerdict,
     Finding,
     PoolVerdict,
@@ -191,7 +193,15 @@ def analyze_frames(
         min_routing_loss=min_routing_loss,
         imbalance_threshold=imbalance_threshold,
     )
-    report.recommendations.sort(key=lambda x: (-x.expected_gain, x.kind, str(x.scope.engine_id)))
+    # Gains of different kinds are not on one scale: grouped by kind, ranked within it.
+    report.recommendations.sort(
+        key=lambda x: (
+            GAIN_KINDS.index(x.gain_kind) if x.gain_kind in GAIN_KINDS else len(GAIN_KINDS),
+            -x.expected_gain,
+            x.kind,
+            str(x.scope.engine_id),
+        )
+    )
     return report
 
 

@@ -376,12 +376,25 @@ def _facts(d: dict[str, Any], labels: dict[str, str] | None = None) -> str:
     return "; ".join(parts)
 
 
+RECOMMENDATIONS_HEADING = "Recommendations: throughput gains, then latency cuts, each by size"
+"""Gains of different kinds are not on one scale (:data:`~kvscope.advisor.findings.GAIN_KINDS`)."""
+
+
+def gain_text(r: Recommendation) -> str:
+    """``throughput +12%``, ``latency -61%`` (a cut), ``cost -8%``; ``not quantified``."""
+    if not r.expected_gain:
+        return "gain not quantified"
+    if r.gain_kind == "throughput":
+        return f"throughput {r.expected_gain:+.0%}"
+    return f"{r.gain_kind} {-r.expected_gain:+.0%}"
+
+
 def _recommendation_text(r: Recommendation) -> list[Text]:
     """A recommendation's heading (summary, scope, confidence) and its expected effect,
     trade-off and evidence; the change is :func:`_change_rows`."""
     head = Text(r.summary, style="bold")
     scope = r.scope.engine_id or (f"pool {r.scope.pool}" if r.scope.pool else "fleet")
-    head.append(f"  [{scope}; confidence {r.confidence:.2f}; {r.id}]", style="dim")
+    head.append(f"  [{scope}; {gain_text(r)}; confidence {r.confidence:.2f}; {r.id}]", style="dim")
     parts = [head]
     effect = _facts(r.expected_effect, EFFECT_LABELS)
     if effect:
@@ -493,7 +506,7 @@ def render_report(
             console.print(line)
     console.print()
     if report.recommendations:
-        console.print(Text("Recommendations, ranked by expected gain", style="bold underline"))
+        console.print(Text(RECOMMENDATIONS_HEADING, style="bold underline"))
         for i, r in enumerate(report.recommendations, start=1):
             console.print(_recommendation(i, r))
     else:

@@ -23,6 +23,7 @@ from rich.text import Text
 from kvscope.advisor.findings import Finding, Report
 from kvscope.advisor.render import (
     MAX_PLOTS,
+    RECOMMENDATIONS_HEADING,
     _change_rows,
     _plot_lines,
     _prefix_block,
@@ -93,7 +94,7 @@ def text_report(
         out += [" " * n + t for n, t in _lines(prefix)]
     add("")
     if report.recommendations:
-        add("Recommendations, ranked by expected gain")
+        add(RECOMMENDATIONS_HEADING)
         for i, r in enumerate(report.recommendations, start=1):
             head, *rest = _recommendation_text(r)
             pad = " " * len(f"{i}. ")
@@ -146,7 +147,7 @@ def markdown_report(
     if prefix:
         out += ["", "## Prefix cache and routing", ""]
         out += [f"{' ' * n}- {_md(t)}" for n, t in _lines(prefix)]
-    out += ["", "## Recommendations, ranked by expected gain", ""]
+    out += ["", f"## {RECOMMENDATIONS_HEADING}", ""]
     if not report.recommendations:
         out.append("No recommendations: nothing to change on this data.")
     for i, r in enumerate(report.recommendations, start=1):

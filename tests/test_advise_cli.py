@@ -25,7 +25,7 @@ import pytest
 from kvscope import __version__
 from kvscope.advisor import Recommendation, Report
 from kvscope.advisor.findings import JSON_SCHEMA_PATH
-from kvscope.advisor.render import _change_rows
+from kvscope.advisor.render import RECOMMENDATIONS_HEADING, _change_rows
 from kvscope.collector.process import CollectorProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,16 @@ def test_json_verdict_kv_starved(kv_report: tuple[dict[str, Any], str, Path]) ->
     (pool,) = d["pools"]
     assert pool["pool"] == "demo" and pool["recommended_concurrency_cap"] == cap
     rec = next(r for r in d["recommendations"] if r["kind"] == "concurrency_cap")
-    assert d["recommendations"][0] == rec  # the largest expected gain ranks first
+    # Throughput gains, then latency cuts (the cap's), each group by size; never mixed.
+    kinds = [r["gain_kind"] for r in d["recommendations"]]
+    assert rec["gain_kind"] == "latency" and kinds == sorted(
+        kinds, key=("throughput", "latency", "cost").index
+    )
+    latency = [r for r in d["recommendations"] if r["gain_kind"] == "latency"]
+    assert latency[0] == rec  # the largest latency cut of its group
+    for kind in set(kinds):
+        gains = [r["expected_gain"] for r in d["recommendations"] if r["gain_kind"] == kind]
+        assert gains == sorted(gains, reverse=True), (kind, gains)
     assert f"--max-num-seqs {cap}" in rec["change"]["vllm_flags"]
     # vLLM's admission limit counts running and waiting requests: the cap plus a short queue.
     queued = [
@@ -142,7 +151,7 @@ def test_terminal_shows_the_verdict_first(
     assert "KV usage" in text  # the bottleneck's evidence follows the verdict
     plot, recs, table = (
         text.index("tok/s vs requests in flight"),
-        text.index("Recommendations, ranked"),
+        text.index("Recommendations: "),
         text.index("Findings"),
     )
     assert text.index(lines[0]) < plot < recs < table
@@ -273,7 +282,7 @@ def test_markdown_fences_every_snippet(kv_starved_collector: Any) -> None:
     assert res.returncode == 0, res.stderr
     text = res.stdout
     assert text.startswith("# kvscope advise\n\n## Verdict\n\n- pool demo: kv_cache_bound")
-    assert "## Recommendations, ranked by expected gain" in text and "## Findings" in text
+    assert f"## {RECOMMENDATIONS_HEADING}" in text and "## Findings" in text
     assert text.count("```") % 2 == 0
     flags = re.search(r"- vLLM flags:\n\n\s+```\n\s+(--max-num-seqs \d+[^\n]*)\n\s+```", text)
     assert flags, text

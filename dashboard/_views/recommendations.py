@@ -1,4 +1,4 @@
-"""Recommendations, ranked by expected gain: evidence, expected effect, the change to copy."""
+"""Recommendations, grouped by the kind of their gain: evidence, expected effect, the change to copy."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import streamlit as st
 
 from kvscope.advisor import Recommendation
 from kvscope.advisor.gateways import gateway_blocks
+from kvscope.advisor.render import gain_text
 from kvscope.dashboard._format import EFFECT_LABELS, facts
 from kvscope.dashboard.data import Snapshot
 
@@ -58,8 +59,7 @@ def recommendation_card(i: int, r: Recommendation) -> None:
     with st.container(border=True):
         st.markdown(f"#### {i}. {r.summary}")
         st.caption(
-            f"{_scope(r)}; `{r.kind}`; confidence {r.confidence:.2f}; expected gain "
-            f"{r.expected_gain:+.0%}"
+            f"{_scope(r)}; `{r.kind}`; confidence {r.confidence:.2f}; expected {gain_text(r)}"
         )
         effect = facts(r.expected_effect, EFFECT_LABELS)
         if effect:
@@ -84,8 +84,8 @@ def render(snap: Snapshot) -> None:
         st.success("No recommendations: nothing to change on this data.")
         return
     st.caption(
-        f"{len(report.recommendations)} recommendation(s), ranked by expected gain "
-        "(relative throughput gain, or relative latency reduction)"
+        f"{len(report.recommendations)} recommendation(s): throughput gains, then latency "
+        "cuts, each by size (gains of different kinds are not on one scale)"
     )
     for i, r in enumerate(report.recommendations, start=1):
         recommendation_card(i, r)

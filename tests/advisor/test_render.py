@@ -52,7 +52,7 @@ def test_verdict_comes_first_then_plot_recommendations_findings() -> None:
     assert lines[1].strip() == "synth:8000:0: kv_cache_bound, saturated"
     assert (
         text.index("from test, the test window")
-        < text.index("Recommendations, ranked")
+        < text.index("Recommendations: ")
         < text.index("Findings")
     )
     assert f"{KNEE} knee" in text and f"{CAP} cap {v.recommended_concurrency_cap}" in text
@@ -151,7 +151,7 @@ def test_prefix_and_routing_section_per_pool() -> None:
     s = make_prefix_pool(seed=0)
     rep = analyze(FrameSource(s.engines, s.windows, s.requests, s.kv_events))
     text = _text(rep)
-    start, recs = text.index("Prefix cache and routing"), text.index("Recommendations, ranked")
+    start, recs = text.index("Prefix cache and routing"), text.index("Recommendations: ")
     assert text.index("from test, the test window") < start < recs
     section = " ".join(text[start:recs].split())
     assert "pool px: prefix-cache hit rate 30% (px0:8000:0 40%, px1:8000:0 20%)" in section
