@@ -45,6 +45,7 @@ from kvscope.advisor.gateways import (
 )
 from kvscope.advisor.latency import LatencyVsLoad
 from kvscope.advisor.prefix import PrefixRouting
+from kvscope.advisor.request_latency import SloTargets, request_latency
 from kvscope.advisor.sources import Source, WindowSample
 from kvscope.advisor.steptime import StepTimeModel
 
@@ -64,6 +65,9 @@ def analyze(
     *,
     slo_ttft_p99_s: float | None = None,
     slo_e2e_p99_s: float | None = None,
+    slo_ttft_s: float | None = None,
+    slo_itl_s: float | None = None,
+    slo_e2e_s: float | None = None,
     cap_fraction: float = 0.9,
     min_routing_loss: float = 0.05,
     imbalance_threshold: float = 1.25,
@@ -87,6 +91,9 @@ def analyze(
             pool=pool,
             slo_ttft_p99_s=slo_ttft_p99_s,
             slo_e2e_p99_s=slo_e2e_p99_s,
+            slo_ttft_s=slo_ttft_s,
+            slo_itl_s=slo_itl_s,
+            slo_e2e_s=slo_e2e_s,
             cap_fraction=cap_fraction,
             min_routing_loss=min_routing_loss,
             imbalance_threshold=imbalance_threshold,
@@ -105,6 +112,9 @@ def analyze(
         pool=pool,
         slo_ttft_p99_s=slo_ttft_p99_s,
         slo_e2e_p99_s=slo_e2e_p99_s,
+        slo_ttft_s=slo_ttft_s,
+        slo_itl_s=slo_itl_s,
+        slo_e2e_s=slo_e2e_s,
         cap_fraction=cap_fraction,
         min_routing_loss=min_routing_loss,
         imbalance_threshold=imbalance_threshold,
@@ -131,6 +141,9 @@ def analyze_frames(
     pool: str | None = None,
     slo_ttft_p99_s: float | None = None,
     slo_e2e_p99_s: float | None = None,
+    slo_ttft_s: float | None = None,
+    slo_itl_s: float | None = None,
+    slo_e2e_s: float | None = None,
     cap_fraction: float = 0.9,
     min_routing_loss: float = 0.05,
     imbalance_threshold: float = 1.25,
@@ -139,13 +152,20 @@ def analyze_frames(
 
     Engines without a window in ``windows`` (no data in the time range) are left out
     of the verdicts and counted in ``report.coverage``. ``kv_events`` empty or None:
-    KV events are not configured.
+    KV events are not configured. ``slo_ttft_s``, ``slo_itl_s`` and ``slo_e2e_s`` are
+    latency targets in seconds: each engine's and pool's ``latency`` block then says
+    which share of requests met them (:mod:`kvscope.advisor.request_latency`); the
+    ``_p99`` targets lower the concurrency cap instead.
     """
+    targets = SloTargets(ttft_s=slo_ttft_s, itl_s=slo_itl_s, e2e_s=slo_e2e_s)
     params: dict[str, Any] = {
         "kvscope_version": __version__,
         "pool": pool,
         "slo_ttft_p99_s": slo_ttft_p99_s,
         "slo_e2e_p99_s": slo_e2e_p99_s,
+        "slo_ttft_s": slo_ttft_s,
+        "slo_itl_s": slo_itl_s,
+        "slo_e2e_s": slo_e2e_s,
         "cap_fraction": cap_fraction,
         "min_routing_loss": min_routing_loss,
         "imbalance_threshold": imbalance_threshold,
@@ -183,7 +203,11 @@ def analyze_frames(
             slo_ttft_p99_s=slo_ttft_p99_s,
             slo_e2e_p99_s=slo_e2e_p99_s,
         )
+        report.engine(eid).latency = request_latency(r, targets) if len(r) else None
     _pools(report)
+    for pv in report.pools:
+        r = _rows_of(requests, set(pv.engine_ids))
+        pv.latency = request_latency(r, targets) if len(r) else None
     _prefix_and_balance(
         report,
         analyzed,

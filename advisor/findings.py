@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvscope.advisor.request_latency import RequestLatency
+
 SCHEMA_VERSION = 1
 """Version of the report's JSON layout."""
 
@@ -214,14 +216,16 @@ class EngineVerdict:
     confidence: float = 0.0
     prefix_hit_rate: float | None = None
     """Prefix-cache hits / queries (tokens) over the window; None without queries."""
+    latency: RequestLatency | None = None
+    """What the engine's finished requests saw: percentiles, lengths, finish reasons and
+    SLO attainment (:mod:`kvscope.advisor.request_latency`); None without requests."""
 
     def to_dict(self) -> dict[str, Any]:
         return _clean(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineVerdict:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return cls(**_fields(cls, d))
 
 
 @dataclass
@@ -250,14 +254,26 @@ class PoolVerdict:
     prefix_routing_loss: float | None = None
     predicted_prefix_hit_rate_affine: float | None = None
     load_imbalance: float | None = None
+    latency: RequestLatency | None = None
+    """The finished requests of all the pool's engines taken together (see
+    :attr:`EngineVerdict.latency`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return _clean(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PoolVerdict:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return cls(**_fields(cls, d))
+
+
+def _fields(cls: Any, d: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``d`` that are fields of ``cls`` (others are ignored), ``latency``
+    read back into a :class:`RequestLatency`."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    out = {k: v for k, v in d.items() if k in names}
+    if isinstance(out.get("latency"), dict):
+        out["latency"] = RequestLatency.from_dict(out["latency"])
+    return out
 
 
 @dataclass

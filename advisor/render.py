@@ -30,6 +30,7 @@ from rich.text import Text
 
 from kvscope.advisor.findings import EngineVerdict, Finding, PoolVerdict, Recommendation, Report
 from kvscope.advisor.gateways import gateway_rows
+from kvscope.advisor.render_latency import latency_text, slo_text
 from kvscope.advisor.sources import SourceError
 from kvscope.advisor.textplot import throughput_plot
 
@@ -231,6 +232,10 @@ def _engine_block(report: Report, v: EngineVerdict) -> list[Padding]:
     why = report.findings_of("bottleneck", v.engine_id)
     if why:
         lines.append(Text(f"why: {why[0].summary}", style="dim"))
+    if v.latency is not None:
+        lines.append(Text(f"latency {latency_text(v.latency)}"))
+        if v.latency.slo:
+            lines.append(Text(f"SLO attainment: {slo_text(v.latency)}"))
     return [_ind(head, 2), *(_ind(t, 4) for t in lines)]
 
 
@@ -238,6 +243,10 @@ def _verdict(report: Report) -> list[Text | Padding]:
     lines: list[Text | Padding] = []
     for pv in report.pools:
         lines.append(_pool_line(pv))
+        if pv.latency is not None and len(pv.engine_ids) > 1:
+            lines.append(_ind(Text(f"pool latency {latency_text(pv.latency)}"), 2))
+            if pv.latency.slo:
+                lines.append(_ind(Text(f"pool SLO attainment: {slo_text(pv.latency)}"), 2))
         for eid in pv.engine_ids:
             lines.extend(_engine_block(report, report.engine(eid)))
     return lines

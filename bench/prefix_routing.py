@@ -227,13 +227,14 @@ class RoutingLab:
             raise RuntimeError("RoutingLab.start() first")
         return self.collector
 
-    def _wait_subscribed(self, timeout_s: float = 30.0) -> None:
+    def _wait_subscribed(self, timeout_s: float = 120.0) -> None:
         """Until the collector subscribed to both engines' KV events (one request each,
         which also makes each engine send its hello)."""
         for server in self.servers:
             _post(
                 f"{server.url}/v1/completions",
                 {"model": MODEL_NAME, "prompt": "warm up", "max_tokens": 2},
+                timeout_s=120.0,  # a slow machine's first request
             )
         deadline = time.monotonic() + timeout_s
         while True:
@@ -255,7 +256,7 @@ class RoutingLab:
 
     def _reset_caches(self) -> None:
         for server in self.servers:
-            deadline = time.monotonic() + 30.0
+            deadline = time.monotonic() + 120.0
             while "true" not in _post(f"{server.url}/reset_prefix_cache").lower():
                 if time.monotonic() > deadline:  # requests still running
                     raise RuntimeError(f"{server.url} refused to reset its prefix cache")
@@ -264,7 +265,7 @@ class RoutingLab:
     def _counters(self) -> list[dict[str, float]]:
         return [vllm_counter_totals(s.metrics_text()) for s in self.servers]
 
-    def _drain(self, timeout_s: float = 30.0) -> None:
+    def _drain(self, timeout_s: float = 120.0) -> None:
         """Until the collector holds every prefix query vLLM counted (both engines)."""
         deadline = time.monotonic() + timeout_s
         while True:

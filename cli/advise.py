@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvscope import __version__
-from kvscope.args import TIME_SYNTAX, fraction, positive, ratio
+from kvscope.args import TIME_SYNTAX, add_slo_targets, fraction, positive, ratio
 from kvscope.cli.checks import require
 
 __all__ = ["add_parser", "advise_fail", "advise_window", "analysis_options", "run", "write_advice"]
@@ -43,6 +43,7 @@ examples:
   kvscope advise --collector http://collector:8844
   kvscope advise --collector http://collector:8844 --since 2h --pool llama-70b-prod \\
       --slo-e2e-p99 10 --json --out advice.json
+  kvscope advise --collector http://collector:8844 --slo-ttft 0.5 --slo-itl 0.05
 """
 
 
@@ -96,6 +97,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="P99 end-to-end latency target in seconds: the cap is lowered to meet it",
     )
+    add_slo_targets(p)
     p.add_argument(
         "--cap-fraction",
         type=fraction,
@@ -266,6 +268,9 @@ def analysis_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "slo_ttft_p99_s": args.slo_ttft_p99,
         "slo_e2e_p99_s": args.slo_e2e_p99,
+        "slo_ttft_s": args.slo_ttft,
+        "slo_itl_s": args.slo_itl,
+        "slo_e2e_s": args.slo_e2e,
         "cap_fraction": args.cap_fraction,
         "min_routing_loss": args.min_routing_loss,
         "imbalance_threshold": args.imbalance_threshold,

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvscope.args import add_slo_targets
 from kvscope.cli._lifecycle import Terminated, port_problem, stop_on_sigterm
 from kvscope.dashboard.settings import (
     DashboardSettings,
@@ -117,6 +118,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=30.0,
         metavar="S",
         help="seconds per HTTP request to the collector (default: 30)",
+    )
+    add_slo_targets(
+        p,
+        "the Latency page shows which share of requests met it (changeable on the page; "
+        "default: none)",
     )
     p.add_argument(
         "--demo-dir",
@@ -262,6 +268,7 @@ def _run(args: argparse.Namespace) -> int:
         since = check_since(args.since or ("3h" if args.demo else "30m"))
     except SettingsError as exc:
         return fail(str(exc))
+    slo = {f"slo_{k}_s": getattr(args, f"slo_{k}") for k in ("ttft", "itl", "e2e")}
     if prom is not None:
         return serve(
             DashboardSettings(
@@ -269,6 +276,7 @@ def _run(args: argparse.Namespace) -> int:
                 refresh_s=args.refresh,
                 timeout_s=args.timeout,
                 pool=args.pool,
+                **slo,
                 prometheus=prom,
             ),
             args.host,
@@ -283,6 +291,7 @@ def _run(args: argparse.Namespace) -> int:
                 refresh_s=args.refresh,
                 timeout_s=args.timeout,
                 pool=args.pool,
+                **slo,
             ),
             args.host,
             args.port,
@@ -307,6 +316,7 @@ def _run(args: argparse.Namespace) -> int:
                 refresh_s=args.refresh,
                 timeout_s=args.timeout,
                 pool=args.pool,
+                **slo,
             ),
             args.host,
             args.port,

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from kvscope.args import TIME_SYNTAX, count, fraction, positive, ratio
+from kvscope.args import TIME_SYNTAX, add_slo_targets, count, fraction, positive, ratio
 from kvscope.cli.checks import require
 
 EPILOG = f"""\
@@ -96,6 +96,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="P99 end-to-end latency target in seconds (lowers the cap)",
     )
+    add_slo_targets(p)
     p.add_argument(
         "--cap-fraction",
         type=fraction,
@@ -256,6 +257,9 @@ def run(args: argparse.Namespace) -> int:
             **sample_kw,
             slo_ttft_p99_s=args.slo_ttft_p99,
             slo_e2e_p99_s=args.slo_e2e_p99,
+            slo_ttft_s=args.slo_ttft,
+            slo_itl_s=args.slo_itl,
+            slo_e2e_s=args.slo_e2e,
             cap_fraction=args.cap_fraction,
             min_routing_loss=args.min_routing_loss,
             imbalance_threshold=args.imbalance_threshold,

@@ -8,6 +8,7 @@ do about it. Reads are cached per refresh tick and shared by pages and sessions.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -79,7 +80,21 @@ def read_period_s() -> float:
     except ParamError:
         since, until = None, now
     span = until - since if since is not None else 7 * 86400.0
-    return max(refresh, span / 360.0)
+    return stretched_period(max(refresh, span / 360.0), _LAST_READ_S[0])
+
+
+def stretched_period(period_s: float, last_read_s: float) -> float:
+    """``period_s``, doubled until it is at least 4 times ``last_read_s``.
+
+    A read (the advisor's run included) that takes a good part of the period would keep the
+    page running from one read to the next; doubling rather than scaling keeps the period,
+    and the cache key, still while the reads take about as long."""
+    slow = 4.0 * last_read_s / period_s
+    return period_s * 2.0 ** math.ceil(math.log2(slow)) if slow > 1.0 else period_s
+
+
+_LAST_READ_S = [0.0]
+"""Seconds the newest read of the collector took (shared by the sessions)."""
 
 
 def snapshot() -> Snapshot:
@@ -87,7 +102,9 @@ def snapshot() -> Snapshot:
     sessions)."""
     s, w = settings(), window()
     tick = int(time.time() // read_period_s())
-    return _cached_snapshot(s, s.cache_key(), w.since_text, w.until_text, s.pool, tick)
+    snap = _cached_snapshot(s, s.cache_key(), w.since_text, w.until_text, s.pool, tick)
+    _LAST_READ_S[0] = snap.read_s
+    return snap
 
 
 def sidebar() -> None:

@@ -1,7 +1,7 @@
 """The kvscope dashboard, a Streamlit app: ``streamlit run dashboard/app.py -- --collector URL``.
 
 ``kvscope dashboard`` starts it. It reads only the collector's HTTP API, runs the
-advisor once per refresh and presents its report on five pages.
+advisor once per refresh and presents its report on six pages.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ PAGES = [
     ),
     st.Page("pages/engine.py", title="Engine detail", icon=":material/memory:", url_path="engine"),
     st.Page("pages/plateau.py", title="Plateau", icon=":material/show_chart:", url_path="plateau"),
+    st.Page("pages/latency.py", title="Latency", icon=":material/timer:", url_path="latency"),
     st.Page(
         "pages/recommendations.py",
         title="Recommendations",

@@ -25,6 +25,13 @@ import pandas as pd
 
 from kvscope.advisor import CollectorSource, Report, SourceError, analyze
 from kvscope.advisor.render import source_error_message
+from kvscope.advisor.request_latency import (
+    RequestLatency,
+    SloTargets,
+    latency_over_time,
+    length_histogram,
+    request_latency,
+)
 from kvscope.advisor.sources import Source
 from kvscope.dashboard._messages import no_data_message, window_text
 from kvscope.dashboard._status import DOWN_S, EngineState, engine_state
@@ -181,9 +188,48 @@ class Snapshot:
         """The engine's finished requests, oldest first."""
         return _part(self.requests, engine_id, self._parts, "requests")
 
+    @property
+    def slo_targets(self) -> SloTargets:
+        """The targets the advisor ran with (the settings' ``--slo-*``)."""
+        return slo_targets(self.settings)
+
+    def latency(self, engine_ids: list[str], targets: SloTargets) -> RequestLatency | None:
+        """The latency block of these engines' finished requests judged against
+        ``targets`` (:func:`kvscope.advisor.request_latency.request_latency` on the
+        requests read); None without requests."""
+        parts = [self.engine_requests(e) for e in engine_ids]
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            return None
+        return request_latency(pd.concat(parts, ignore_index=True), targets)
+
+    def latency_over_time(self, engine_id: str) -> pd.DataFrame:
+        """TTFT, ITL and e2e percentiles of the engine's requests per bin of finish time
+        (:func:`kvscope.advisor.request_latency.latency_over_time`)."""
+        return latency_over_time(self.engine_requests(engine_id))
+
+    def length_histogram(self, engine_id: str, column: str) -> pd.DataFrame:
+        """Requests per length bin of ``column`` (``prompt_tokens``, ``generation_tokens``)."""
+        return length_histogram(self.engine_requests(engine_id), column)
+
     @functools.cached_property
     def _parts(self) -> dict[str, dict[str, pd.DataFrame]]:
         return {}
+
+
+def slo_targets(settings: DashboardSettings) -> SloTargets:
+    """The latency targets of the settings."""
+    return SloTargets(
+        ttft_s=settings.slo_ttft_s, itl_s=settings.slo_itl_s, e2e_s=settings.slo_e2e_s
+    )
+
+
+def _slo_kw(settings: DashboardSettings) -> dict[str, Any]:
+    return {
+        "slo_ttft_s": settings.slo_ttft_s,
+        "slo_itl_s": settings.slo_itl_s,
+        "slo_e2e_s": settings.slo_e2e_s,
+    }
 
 
 def _part(
@@ -238,7 +284,7 @@ def load_snapshot(
     )
     t0 = time.monotonic()
     try:
-        snap.report = analyze(source, since, until, pool)
+        snap.report = analyze(source, since, until, pool, **_slo_kw(settings))
     except SourceError as exc:
         snap.error = source_error_message(exc, settings.collector_url)
         snap.error_status = exc.status
@@ -274,7 +320,9 @@ def _load_prometheus(
         )
         f = prom.prefetch(since, until)
         source = _KeepingSource(prom)
-        snap.report = annotate_report(analyze(source, f.since, f.until, pool), prom)
+        snap.report = annotate_report(
+            analyze(source, f.since, f.until, pool, **_slo_kw(settings)), prom
+        )
         if not snap.report.has_data:
             snap.prom_no_data = prometheus_no_data_message(prom, snap.report, prom.url, snap.window)
     except PromArgError as exc:

@@ -53,6 +53,11 @@ class DashboardSettings:
     timeout_s: float = 30.0
     pool: str | None = None
     prometheus: PromTarget | None = None
+    slo_ttft_s: float | None = None
+    slo_itl_s: float | None = None
+    slo_e2e_s: float | None = None
+    """Latency targets in seconds (``--slo-ttft``, ``--slo-itl``, ``--slo-e2e``): the
+    Latency page's defaults, and the advisor's SLO attainment (None: no target)."""
 
     @property
     def source_url(self) -> str:
@@ -115,6 +120,8 @@ def parse_settings(
     p.add_argument("--refresh", type=non_negative, default=DEFAULT_REFRESH_S)
     p.add_argument("--timeout", type=positive, default=30.0)
     p.add_argument("--pool", default=None)
+    for name in ("ttft", "itl", "e2e"):
+        p.add_argument(f"--slo-{name}", type=positive, default=None)
     add_prometheus_arguments(p)
     try:
         args, unknown = p.parse_known_args(list(argv))
@@ -138,6 +145,9 @@ def parse_settings(
         timeout_s=args.timeout,
         pool=args.pool or None,
         prometheus=prom,
+        slo_ttft_s=args.slo_ttft,
+        slo_itl_s=args.slo_itl,
+        slo_e2e_s=args.slo_e2e,
     )
 
 
@@ -160,4 +170,8 @@ def to_argv(settings: DashboardSettings) -> list[str]:
     ]
     if settings.pool:
         argv += ["--pool", settings.pool]
+    for name in ("ttft", "itl", "e2e"):
+        target = getattr(settings, f"slo_{name}_s")
+        if target is not None:
+            argv += [f"--slo-{name}", f"{target:g}"]
     return argv

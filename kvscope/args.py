@@ -217,3 +217,30 @@ def header(text: str) -> tuple[str, str]:
         return parse_header("header", text)
     except ParamError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("header: ")) from None
+
+
+SLO_TARGETS = (
+    ("ttft", "time to first token"),
+    ("itl", "inter-token latency (requests with 2 output tokens or more)"),
+    ("e2e", "end-to-end latency"),
+)
+"""The latency targets of ``--slo-ttft``, ``--slo-itl`` and ``--slo-e2e``."""
+
+
+def add_slo_targets(
+    p: argparse.ArgumentParser,
+    effect: str = (
+        "the latency block says which share of requests met it, per engine and pool "
+        "(SLO attainment; the cap is unchanged)"
+    ),
+) -> None:
+    """``--slo-ttft``, ``--slo-itl`` and ``--slo-e2e`` (seconds, None by default) on ``p``;
+    ``effect`` says what a target does in that command."""
+    for name, what in SLO_TARGETS:
+        p.add_argument(
+            f"--slo-{name}",
+            type=positive,
+            default=None,
+            metavar="S",
+            help=f"{what} target in seconds: {effect}",
+        )

@@ -17,6 +17,7 @@ from html import escape
 
 from kvscope.advisor.actions import Action
 from kvscope.advisor.findings import Recommendation
+from kvscope.report import _latency as latency
 from kvscope.report import _plan as plan
 from kvscope.report import _rows as tables
 from kvscope.report import _view as v
@@ -337,13 +338,20 @@ def _pool(wr: WeeklyReport, pool: str | None) -> str:
     )
     head, rows = v.day_table(wr.usage, pool)
     table = _table(head, rows)
+    lat = latency.rows(wr, pool)
+    slo = (
+        f"<h3>{_e(latency.TITLE)}</h3>{_table(latency.head(wr), lat, 'latency')}"
+        f'<p class="note">{_e(latency.NOTE)}</p>'
+        if lat
+        else ""
+    )
     engines = "".join(_engine(wr, eid) for eid in v.engines_of(wr, pool))
     name = f"pool {pool}" if pool is not None else "engines without a pool"
     return (
         f'<section class="pool" id="pool-{_e(pool)}"><h2>{_e(name)}</h2>'
         f'<div class="cols"><div>{_rows_table(tables.pool_rows(wr, pool))}</div>'
         f'<div><h3>Prefix cache and routing</h3><ul class="notes">{findings or "<li>none</li>"}'
-        f'</ul></div></div><h3>Traffic per day</h3><div class="charts">{"".join(charts)}</div>'
+        f'</ul></div></div>{slo}<h3>Traffic per day</h3><div class="charts">{"".join(charts)}</div>'
         f"<details><summary>per engine and day</summary>{table}</details>"
         f"{engines}</section>"
     )

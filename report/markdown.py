@@ -8,6 +8,7 @@ The same sections as the HTML page, with the throughput curves as text plots
 from __future__ import annotations
 
 from kvscope.advisor.textplot import throughput_plot
+from kvscope.report import _latency as latency
 from kvscope.report import _plan as plan
 from kvscope.report import _rows as tables
 from kvscope.report import _view as v
@@ -169,6 +170,11 @@ def render_markdown(wr: WeeklyReport) -> str:
             out += ["Prefix cache and routing:", ""]
             out += [f"- {f.kind.replace('_', ' ')} ({f.severity}): {f.summary}" for f in findings]
             out.append("")
+        lat = latency.rows(wr, pool)
+        if lat:
+            out += [f"{latency.TITLE}:", ""]
+            out += _table(latency.head(wr), lat)
+            out += [latency.NOTE, ""]
         head, rows_ = v.day_table(wr.usage, pool)
         if rows_:
             out += ["Per engine and day (UTC):", ""]

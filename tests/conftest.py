@@ -15,7 +15,6 @@ from tests._resources import (
     guard_engine_starts,
     note_positions,
     order_items,
-    release_after_last_use,
     release_unused,
 )
 
@@ -75,11 +74,13 @@ class Replayed:
     """When the replay finished (every batch stored)."""
 
 
-@pytest.fixture(scope="session")
-def kv_starved_collector(
-    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> Iterator[Replayed]:
-    """A collector (advisor every 2 s over 15 min) fed the real KV-starved vLLM run."""
+@pytest.fixture(scope="module")
+def kv_starved_collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replayed]:
+    """A collector (advisor every 2 s over 15 min) fed the real KV-starved vLLM run.
+
+    One per module: the replay is placed relative to the wall clock (``--since 30m``, the
+    commands' default, must cover it), and on a slow machine a session can outlast that
+    window between a fixture's first and last test."""
     c = CollectorProcess(
         tmp_path_factory.mktemp("kv_starved") / "kvscope.duckdb",
         extra_args=[
@@ -91,7 +92,6 @@ def kv_starved_collector(
             "900",
         ],
     ).start()
-    release_after_last_use(request, c.stop)
     try:
         end = time.time() - KV_STARVED_ENDED_AGO_S
         replay(

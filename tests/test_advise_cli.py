@@ -409,3 +409,19 @@ def test_https_on_a_plain_collector_says_use_http(kv_starved_collector: Any) -> 
     (line,) = res.stderr.splitlines()
     assert line.startswith("kvscope advise: https:// on a plain-HTTP collector: ")
     assert f"use {plain}" in line and "SSL" not in line
+
+
+def test_slo_targets_reach_the_latency_blocks(kv_starved_collector: Any) -> None:
+    url = kv_starved_collector.collector.url
+    res = advise("--collector", url, "--since", "30m", "--json", "--slo-ttft", "0.5")
+    assert res.returncode == 0, res.stderr
+    d = json.loads(res.stdout)
+    jsonschema.validate(d, json.loads(JSON_SCHEMA_PATH.read_text()))
+    assert d["parameters"]["slo_ttft_s"] == 0.5
+    (v,) = d["engines"]
+    slo = v["latency"]["slo"]
+    assert set(slo) == {"ttft", "all"} and slo["ttft"]["target_s"] == 0.5
+    assert slo["ttft"]["n"] == v["latency"]["ttft_s"]["n"] > 0
+    text = advise("--collector", url, "--since", "30m", "--slo-ttft", "0.5")
+    share = f"{slo['ttft']['share']:.1%}"
+    assert f"SLO attainment: TTFT <= 500 ms: {share}" in text.stdout

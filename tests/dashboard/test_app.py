@@ -614,3 +614,21 @@ def test_engine_steps_of_the_whole_window_are_sampled_and_say_so(
     kv_steps = charts[-1][0]
     assert len(kv_steps) == -(-n // k)
     assert "kv_usage_pct" in kv_steps
+
+
+def test_latency_page_shows_the_advisors_latency_per_pool(
+    monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report
+) -> None:
+    from kvscope.advisor.render_latency import ms_or_s
+
+    at = run_app(monkeypatch, demo_fleet.url, "--slo-ttft", "0.5", page="pages/latency.py")
+    no_problem_shown(at)
+    assert at.title[0].value == "Latency"
+    demo = next(p for p in expected.pools if p.pool == "demo")
+    assert demo.latency is not None and demo.latency.n_requests > 0
+    measures = at.table[0].value
+    assert measures.loc["TTFT", "requests"] == f"{demo.latency.ttft_s.n:,}"
+    assert measures.loc["TTFT", "P50"] == ms_or_s(demo.latency.ttft_s.p50)
+    assert "TTFT <= 500 ms" in at.table[1].value.index
+    specs = chart_specs(at)
+    assert specs and all(s["height"] >= 250 for s in specs)

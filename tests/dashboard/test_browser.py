@@ -24,6 +24,7 @@ from _browser import SAVED, Chromium
 from _fleet import KV_STARVED, SEQ_CAPPED
 
 from kvscope.advisor import Report
+from kvscope.advisor.render_latency import p50_p90_p99
 from kvscope.collector.process import CollectorProcess, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,12 +177,27 @@ def _prefix(r: Report) -> list[str]:
     ]
 
 
+def _latency(r: Report) -> list[str]:
+    demo = next(p for p in r.pools if p.pool == "demo")
+    assert demo.latency is not None
+    return [
+        "SLO targets",
+        "Finish reasons",
+        "Time to first token",
+        "Inter-token latency",
+        "Prompt length",
+        "time (UTC)",
+        p50_p90_p99(demo.latency.ttft_s).split(" / ")[0],
+    ]
+
+
 PAGES: list[tuple[str, str, Callable[[Report], list[str]]]] = [
     ("overview", "", _overview),
     ("engine", "engine", _engine),
     ("plateau", "plateau", _plateau),
     ("recommendations", "recommendations", _recommendations),
     ("prefix", "prefix", _prefix),
+    ("latency", "latency", _latency),
 ]
 
 

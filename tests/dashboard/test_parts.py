@@ -31,6 +31,7 @@ from kvscope.dashboard._charts import (
 from kvscope.dashboard._charts_load import SERIES, hit_rate_chart, load_domain, plateau_chart
 from kvscope.dashboard._format import value
 from kvscope.dashboard._messages import no_data_message, window_text, window_to_pick
+from kvscope.dashboard._shell import stretched_period
 from kvscope.dashboard._status import (
     DOWN_S,
     LIVE_S,
@@ -631,3 +632,22 @@ def test_step_charts_show_requests_and_kv_usage_per_step() -> None:
     assert kv["encoding"]["y"]["scale"]["domain"] == [0, 100]
     (rows,) = [d for d in kv["datasets"].values() if d and "kv_usage_pct" in d[0]]
     assert {r["kv_usage_pct"] for r in rows} == {25.0}
+
+
+@pytest.mark.parametrize(
+    ("period", "read", "want"),
+    [
+        (5.0, 0.0, 5.0),  # no read yet
+        (5.0, 0.7, 5.0),  # the demo fleet's read: well inside the refresh
+        (5.0, 1.25, 5.0),  # exactly a quarter
+        (5.0, 1.3, 10.0),
+        (5.0, 9.0, 40.0),  # a read of 9 s: every 40 s, never busy for good
+        (1680.0, 9.0, 1680.0),  # a 7-day window is read rarely anyway
+    ],
+)
+def test_a_slow_read_stretches_the_refresh_period(period: float, read: float, want: float) -> None:
+    got = stretched_period(period, read)
+    assert got == want
+    assert got >= 4 * read and got >= period
+    # Reads of about the same length keep the period (and the cache key) still.
+    assert stretched_period(period, read * 1.05) in (got, 2 * got)

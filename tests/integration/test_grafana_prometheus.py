@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -78,6 +79,13 @@ def _verdict_ready(run: OverloadRun) -> str:
         time.sleep(2)
 
 
+def _log_errors(path: Path, last: int = 12) -> str:
+    """The last ERROR lines of a log, for a failure message."""
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    errors = [ln for ln in lines if "ERROR" in ln or "Traceback" in ln]
+    return "\n".join(errors[-last:]) or "none logged"
+
+
 class Live:
     def __init__(self, prometheus: Prometheus, engine_id: str, at: float) -> None:
         self.prometheus, self.engine_id, self.at = prometheus, engine_id, at
@@ -118,7 +126,11 @@ def live(overload_run: OverloadRun, tmp_path_factory: pytest.TempPathFactory) ->
         assert after == stored, f"vLLM {after} != kvscope {stored} after the extra load"
         overload_run.vllm_after = after
         (level,) = sweep.levels
-        assert level.error_count == 0 and level.requests_completed > 0, level
+        assert level.error_count == 0 and level.requests_completed > 0, (
+            f"the extra load: {level.requests_completed} completed, errors {level.errors}; "
+            f"the engine's errors: {_log_errors(overload_run.workdir / 'vllm.log')}\n"
+            + overload_run.diagnosis()
+        )
         time.sleep(2)  # scrapes and rule evaluations past `at`
         yield Live(prom, engine_id, at)
     finally:

@@ -88,3 +88,18 @@ def test_gpu_hour_cost_option() -> None:
     assert build_parser().parse_args(["report"]).gpu_hour_cost is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["report", "--gpu-hour-cost", "-1"])
+
+
+@pytest.mark.parametrize("command", ["report", "advise"])
+def test_slo_targets_are_off_unless_given(command: str) -> None:
+    from kvscope.cli.advise import analysis_options
+
+    args = build_parser().parse_args([command, "--slo-ttft", "0.5", "--slo-itl", "0.05"])
+    assert (args.slo_ttft, args.slo_itl, args.slo_e2e) == (0.5, 0.05, None)
+    none = build_parser().parse_args([command])
+    assert (none.slo_ttft, none.slo_itl, none.slo_e2e) == (None, None, None)
+    if command == "advise":
+        opts = analysis_options(args)
+        assert (opts["slo_ttft_s"], opts["slo_itl_s"], opts["slo_e2e_s"]) == (0.5, 0.05, None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--slo-e2e", "0"])

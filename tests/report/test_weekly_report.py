@@ -65,17 +65,23 @@ def test_verdicts_are_the_advisors(session: Session) -> None:
     for a, b in zip(offline, got, strict=True):
         assert a.keys() == b.keys()
         for k in a:
-            same = (
-                a[k] == pytest.approx(b[k], rel=1e-8)
-                if isinstance(a[k], float) and isinstance(b[k], float)
-                else a[k] == b[k]
-            )
-            assert same, (a["engine_id"], k, a[k], b[k])
+            assert _close(a[k], b[k]), (a["engine_id"], k, a[k], b[k])
     verdicts = {v["engine_id"]: v["bottleneck"] for v in got}
     # The ample-KV run grows about 12% over its last doubling of load: it sits at the
     # saturation margin, and either side of it is right as long as compute is named.
     assert verdicts.pop(CHAT_A) in ("not_saturated", "compute_bound")
     assert verdicts == {BATCH_A: "max_num_seqs_bound", CHAT_B: "kv_cache_bound"}
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Equal, floats up to the read API's rounding, nested blocks (latency) included."""
+    if isinstance(a, float) and isinstance(b, float):
+        return bool(a == pytest.approx(b, rel=1e-8))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
 
 
 def test_last_week_is_judged_by_last_weeks_configuration(session: Session) -> None:
@@ -126,13 +132,18 @@ def test_what_changed(session: Session) -> None:
 def test_recommendations_grouped_by_kind_and_ranked_within(session: Session) -> None:
     d = session.via_collector.json
     recs = d["current"]["recommendations"]
-    gains = [r["expected_gain"] for r in recs]
-    assert len(recs) >= 3 and gains == sorted(gains, reverse=True)
+    assert len(recs) >= 3
+    # The report's recommendations come grouped by the kind of their gain, ranked within it.
+    order = ("throughput", "latency", "cost", "unquantified")
+    rec_kinds = [r["gain_kind"] for r in recs]
+    assert rec_kinds == sorted(rec_kinds, key=order.index)
+    for kind in set(rec_kinds):
+        within = [r["expected_gain"] for r in recs if r["gain_kind"] == kind]
+        assert within == sorted(within, reverse=True), kind
     # The action list holds each of this week's recommendations once, grouped by the kind
     # of its effect (never ranked across kinds) and by expected gain within a kind.
     actions = [a for a in d["actions"] if a["status"] in ("new", "open")]
     assert sorted(a["recommendation_id"] for a in actions) == sorted(r["id"] for r in recs)
-    order = ("throughput", "latency", "cost", "unquantified")
     kinds = [a["gain_kind"] for a in actions]
     assert kinds == sorted(kinds, key=order.index)
     for kind in set(kinds):
