@@ -7,6 +7,7 @@ side open. Windows match on their second ``ts_s`` (``floor(since) <= ts_s < unti
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -247,6 +248,33 @@ def finished_request_counts(cur: Any) -> pd.DataFrame:
         cur,
         "SELECT engine_id, count(*) AS n_requests FROM requests "
         "GROUP BY engine_id ORDER BY engine_id",
+    )
+
+
+def request_histograms(cur: Any, histograms: Sequence[Any]) -> pd.DataFrame:
+    """Columns: engine_id, family, bucket, n, total (see ``Store.request_histograms``).
+    Bucket ``i`` holds the values in ``(bounds[i-1], bounds[i]]``, the last one those
+    above every bound, as Prometheus' ``le`` buckets; NULL and NaN values are left out."""
+    parts = []
+    for h in histograms:
+        cases = " ".join(f"WHEN v <= {float(b)!r} THEN {i}" for i, b in enumerate(h.bounds))
+        parts.append(
+            f"SELECT engine_id, '{h.name}' AS family, CASE {cases} ELSE {len(h.bounds)} END "
+            f"AS bucket, count(*) AS n, sum(v) AS total FROM (SELECT engine_id, "
+            f"CAST({h.sql} AS DOUBLE) AS v FROM requests) WHERE v IS NOT NULL AND NOT isnan(v) "
+            "GROUP BY ALL"
+        )
+    if not parts:
+        return pd.DataFrame(columns=["engine_id", "family", "bucket", "n", "total"])
+    return _df(cur, " UNION ALL ".join(parts) + " ORDER BY engine_id, family, bucket")
+
+
+def finish_reason_counts(cur: Any) -> pd.DataFrame:
+    """Columns: engine_id, finish_reason, n (all stored finished requests)."""
+    return _df(
+        cur,
+        "SELECT engine_id, finish_reason, count(*) AS n FROM requests "
+        "GROUP BY engine_id, finish_reason ORDER BY engine_id, finish_reason",
     )
 
 

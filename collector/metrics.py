@@ -26,13 +26,25 @@ Histograms of per-step observations: ``kvscope_engine_step_batch_size`` and
 configuration as labels, and ``kvscope_engine_max_num_seqs``,
 ``..._max_num_batched_tokens``, ``..._kv_capacity_blocks`` and
 ``..._kv_block_size_tokens`` carry its numbers as values (for PromQL, which cannot
-compare a sample with a label). The collector's own: ``kvscope_collector_*``. The
+compare a sample with a label).
+
+Request latency (one observation per finished request the collector stored, the
+definitions of :mod:`kvscope.advisor.request_latency`): the histograms
+``kvscope_request_ttft_seconds`` (``ttft_s``, else queue + prefill),
+``kvscope_request_inter_token_latency_seconds`` (decode time over output tokens - 1, for
+requests with at least 2 output tokens), ``kvscope_request_e2e_seconds``,
+``kvscope_request_queue_seconds``, ``kvscope_request_prompt_tokens`` and
+``kvscope_request_generation_tokens``, and the counter
+``kvscope_request_finished_by_reason_total`` (label ``reason``: stop, length, abort,
+error, other). Their buckets include the usual SLO targets (TTFT 0.2-10 s, ITL 10-200
+ms), so that an SLO's good-request ratio is one bucket over the count
+(``deploy/prometheus/kvscope-alerts.yml``, the burn-rate alerts). The collector's own: ``kvscope_collector_*``. The
 advisor's verdicts (``kvscope_advisor_*``, see :mod:`kvscope.collector.verdicts`) are a
 section added at startup. :meth:`FleetState.snapshot` gives the per-engine families as
 labelled values, for pushing them elsewhere (:mod:`kvscope.collector.otlp`).
 
 Across collector restarts: step/token/preemption/prefix counters are rebuilt from the
-store's windows, finished requests from the requests table, exporter counters from
+store's windows, finished requests and the request histograms from the requests table, exporter counters from
 ``exporter_stats``, so they stay monotonic. Histograms are saved at a clean shutdown
 and restored at the next start; after a crash they start from zero (a counter reset
 that Prometheus' ``rate()`` handles). Gauges are absent for an engine until its first
@@ -105,6 +117,146 @@ ACK_SECONDS_BUCKETS: tuple[float, ...] = (
     5.0,
     10.0,
 )
+REQUEST_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.05,
+    0.1,
+    0.2,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    3.0,
+    4.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+ITL_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.06,
+    0.075,
+    0.1,
+    0.125,
+    0.15,
+    0.2,
+    0.25,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+REQUEST_TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**k) for k in range(4, 18))
+"""16 to 131,072 tokens, powers of two."""
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error", "other")
+"""Values of the ``reason`` label of ``kvscope_request_finished_by_reason_total``; any
+other finish reason counts as ``other``."""
+
+
+@dataclass(frozen=True)
+class RequestHistogram:
+    """A per-engine histogram of one measure of the finished requests."""
+
+    name: str
+    bounds: tuple[float, ...]
+    help: str
+    sql: str
+    """The measure as an SQL expression over the ``requests`` table (NULL: no value)."""
+
+    @property
+    def les(self) -> list[str]:
+        return bound_strs(self.bounds)
+
+
+REQUEST_HISTOGRAMS: tuple[RequestHistogram, ...] = (
+    RequestHistogram(
+        "kvscope_request_ttft_seconds",
+        REQUEST_SECONDS_BUCKETS,
+        "Time to first token per finished request (vLLM's, else queue + prefill time).",
+        "coalesce(ttft_s, queue_s + prefill_s)",
+    ),
+    RequestHistogram(
+        "kvscope_request_inter_token_latency_seconds",
+        ITL_SECONDS_BUCKETS,
+        "Mean inter-token latency per finished request with at least 2 output tokens: "
+        "decode time / (output tokens - 1).",
+        "CASE WHEN generation_tokens >= 2 THEN decode_s / (generation_tokens - 1) END",
+    ),
+    RequestHistogram(
+        "kvscope_request_e2e_seconds",
+        REQUEST_SECONDS_BUCKETS,
+        "End-to-end latency per finished request, arrival to last token.",
+        "e2e_s",
+    ),
+    RequestHistogram(
+        "kvscope_request_queue_seconds",
+        REQUEST_SECONDS_BUCKETS,
+        "Time in the engine's waiting queue per finished request.",
+        "queue_s",
+    ),
+    RequestHistogram(
+        "kvscope_request_prompt_tokens",
+        REQUEST_TOKEN_BUCKETS,
+        "Prompt length per finished request, in tokens.",
+        "prompt_tokens",
+    ),
+    RequestHistogram(
+        "kvscope_request_generation_tokens",
+        REQUEST_TOKEN_BUCKETS,
+        "Output length per finished request, in tokens.",
+        "generation_tokens",
+    ),
+)
+_FINISH_HELP = "Finished requests by finish reason (stop, length, abort, error, other)."
+_FINISH_FAMILY = "kvscope_request_finished_by_reason_total"
+
+
+def request_measures(cols: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Each :data:`REQUEST_HISTOGRAMS` measure of a batch's request columns (NaN: no
+    value), as the histograms' ``sql`` computes it from the stored rows."""
+    n = len(cols["e2e_s"])
+
+    def col(name: str) -> np.ndarray:
+        return np.asarray(cols[name], dtype=np.float64) if name in cols else np.full(n, np.nan)
+
+    ttft = col("ttft_s")
+    gaps = col("generation_tokens") - 1.0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        itl = np.where(gaps >= 1.0, col("decode_s") / np.where(gaps >= 1.0, gaps, 1.0), np.nan)
+    return {
+        "kvscope_request_ttft_seconds": np.where(
+            np.isfinite(ttft), ttft, col("queue_s") + col("prefill_s")
+        ),
+        "kvscope_request_inter_token_latency_seconds": itl,
+        "kvscope_request_e2e_seconds": col("e2e_s"),
+        "kvscope_request_queue_seconds": col("queue_s"),
+        "kvscope_request_prompt_tokens": col("prompt_tokens"),
+        "kvscope_request_generation_tokens": col("generation_tokens"),
+    }
+
+
+def finish_reason_label(reason: Any) -> str:
+    """The ``reason`` label of a stored finish reason (:data:`FINISH_REASONS`)."""
+    r = str(reason).lower() if reason is not None else ""
+    return r if r in FINISH_REASONS else "other"
+
+
 _BATCH_BOUNDS = np.array(BATCH_SIZE_BUCKETS, dtype=np.float64)
 _KV_BOUNDS = np.array(KV_USAGE_BUCKETS, dtype=np.float64)
 _BATCH_LES = bound_strs(BATCH_SIZE_BUCKETS)
@@ -255,6 +407,7 @@ _INFO_HELP = "Engine identity and configuration from its latest hello (value 1).
 HISTOGRAM_BOUNDS: dict[str, tuple[float, ...]] = {
     "kvscope_engine_step_batch_size": BATCH_SIZE_BUCKETS,
     "kvscope_engine_step_kv_usage_ratio": KV_USAGE_BUCKETS,
+    **{h.name: h.bounds for h in REQUEST_HISTOGRAMS},
 }
 """Upper bucket bounds (without +Inf) of the per-engine histograms."""
 ENGINE_FAMILIES: tuple[tuple[str, str, str], ...] = (
@@ -262,6 +415,8 @@ ENGINE_FAMILIES: tuple[tuple[str, str, str], ...] = (
     *((name, "counter", h) for name, _, h in _COUNTERS),
     ("kvscope_engine_step_batch_size", "histogram", _BATCH_HIST_HELP),
     ("kvscope_engine_step_kv_usage_ratio", "histogram", _KV_HIST_HELP),
+    *((h.name, "histogram", h.help) for h in REQUEST_HISTOGRAMS),
+    (_FINISH_FAMILY, "counter", _FINISH_HELP),
     ("kvscope_engine_info", "gauge", _INFO_HELP),
     *((name, "gauge", h) for name, _, h in _CONFIG_GAUGES),
     *(
@@ -303,6 +458,7 @@ class _Engine:
         "deferred_steps",
         "engine_id",
         "exporter",
+        "finish_reasons",
         "finished_requests",
         "gauge_boot_id",
         "generation_tokens",
@@ -321,6 +477,8 @@ class _Engine:
         "prefix_hits",
         "prefix_queries",
         "prompt_tokens",
+        "req_hist",
+        "req_sum",
         "steps",
         "waiting",
         "waiting_steps",
@@ -351,6 +509,11 @@ class _Engine:
         self.batch_sum = 0.0
         self.kv_sum = 0.0
         self.exporter: dict[str, dict[str, int]] = {}
+        self.req_hist = {
+            h.name: np.zeros(len(h.bounds) + 1, dtype=np.int64) for h in REQUEST_HISTOGRAMS
+        }
+        self.req_sum = dict.fromkeys(self.req_hist, 0.0)
+        self.finish_reasons = dict.fromkeys(FINISH_REASONS, 0)
 
     def set_identity(self, ident: dict[str, Any], started: float) -> None:
         if started < self.hello_started:
@@ -430,6 +593,8 @@ class FleetState:
         if b.hello is not None:
             e.set_identity(b.hello, b.hello["started_unix_s"])
         e.finished_requests += b.n_requests
+        if b.n_requests:
+            _observe_requests(e, b.requests)
         for k, v in b.exporter.items():
             boot = e.exporter.setdefault(b.boot_id, {})
             boot[k] = max(v, boot.get(k, 0))
@@ -487,6 +652,8 @@ class FleetState:
         engines = store.engines()
         totals = store.totals("windows")
         finished = store.finished_request_counts()
+        request_hist = store.request_histograms(REQUEST_HISTOGRAMS)
+        reasons = store.finish_reason_counts()
         exporter = store.exporter_stats()
         saved = store.take_state(_SAVED_KEY)
         with self._lock:
@@ -504,6 +671,13 @@ class FleetState:
                     setattr(e, a, int(r[a]))
             for r in finished.to_dict("records"):
                 self._engine(r["engine_id"]).finished_requests = int(r["n_requests"])
+            for r in request_hist.to_dict("records"):
+                e = self._engine(r["engine_id"])
+                e.req_hist[r["family"]][int(r["bucket"])] = int(r["n"])
+                e.req_sum[r["family"]] += float(r["total"])
+            for r in reasons.to_dict("records"):
+                e = self._engine(r["engine_id"])
+                e.finish_reasons[finish_reason_label(r["finish_reason"])] += int(r["n"])
             for r in exporter.to_dict("records"):
                 boot = self._engine(r["engine_id"]).exporter.setdefault(r["boot_id"], {})
                 for f in EXPORTER_FIELDS:
@@ -576,6 +750,17 @@ class FleetState:
                     e.kv_hist.tolist(),
                     e.kv_sum,
                 )
+            for h in REQUEST_HISTOGRAMS:
+                w.family(h.name, "histogram", h.help)
+                les = _REQUEST_LES[h.name]
+                for e in engines:
+                    w.histogram(
+                        h.name, e.labels, les, e.req_hist[h.name].tolist(), e.req_sum[h.name]
+                    )
+            w.family(_FINISH_FAMILY, "counter", _FINISH_HELP)
+            for e in engines:
+                for reason, n in e.finish_reasons.items():
+                    w.sample(_FINISH_FAMILY, f'{e.labels},reason="{reason}"', n)
             w.family("kvscope_engine_info", "gauge", _INFO_HELP)
             for e in engines:
                 if e.info is not None:
@@ -627,6 +812,11 @@ class FleetState:
                 samples[f"kvscope_exporter_{f.name}_total"] = [
                     (e.attrs, sum(b.get(f.name, 0) for b in e.exporter.values())) for e in engines
                 ]
+            samples[_FINISH_FAMILY] = [
+                ({**e.attrs, "reason": reason}, n)
+                for e in engines
+                for reason, n in e.finish_reasons.items()
+            ]
             histograms: dict[str, list[tuple[Attrs, list[int], float]]] = {
                 "kvscope_engine_step_batch_size": [
                     (e.attrs, e.batch_hist.tolist(), e.batch_sum) for e in engines
@@ -634,6 +824,12 @@ class FleetState:
                 "kvscope_engine_step_kv_usage_ratio": [
                     (e.attrs, e.kv_hist.tolist(), e.kv_sum) for e in engines
                 ],
+                **{
+                    h.name: [
+                        (e.attrs, e.req_hist[h.name].tolist(), e.req_sum[h.name]) for e in engines
+                    ]
+                    for h in REQUEST_HISTOGRAMS
+                },
             }
         return Snapshot(samples, histograms)
 
@@ -691,6 +887,25 @@ class FleetState:
         for name, (kind, help_text, fn) in sorted(self.extra.items()):
             w.family(name, kind, help_text)
             w.sample(name, "", fn())
+
+
+_REQUEST_BOUNDS = {h.name: np.array(h.bounds, dtype=np.float64) for h in REQUEST_HISTOGRAMS}
+_REQUEST_LES = {h.name: h.les for h in REQUEST_HISTOGRAMS}
+
+
+def _observe_requests(e: _Engine, cols: Mapping[str, np.ndarray]) -> None:
+    """Add a stored batch's finished requests to the engine's request histograms."""
+    for name, values in request_measures(cols).items():
+        v = values[np.isfinite(values)]
+        if v.size:
+            bounds = _REQUEST_BOUNDS[name]
+            e.req_hist[name] += np.bincount(np.searchsorted(bounds, v), minlength=len(bounds) + 1)
+            e.req_sum[name] += float(v.sum())
+    reasons = cols.get("finish_reason")
+    if reasons is not None:
+        for r in reasons:
+            key = finish_reason_label(r)
+            e.finish_reasons[key] += 1
 
 
 def _py(v: Any) -> Any:

@@ -341,6 +341,16 @@ class Store:
         """Columns: engine_id, n_requests."""
         return _reads.finished_request_counts(self._cursor())
 
+    def request_histograms(self, histograms: Sequence[Any]) -> pd.DataFrame:
+        """Columns: engine_id, family, bucket, n, total: per engine, the stored finished
+        requests per bucket of each histogram (``name``, ``bounds``, ``sql`` as
+        :data:`kvscope.collector.metrics.REQUEST_HISTOGRAMS`)."""
+        return _reads.request_histograms(self._cursor(), histograms)
+
+    def finish_reason_counts(self) -> pd.DataFrame:
+        """Columns: engine_id, finish_reason, n."""
+        return _reads.finish_reason_counts(self._cursor())
+
     def window_sample(
         self,
         max_windows_per_engine: int,

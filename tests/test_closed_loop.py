@@ -3,8 +3,10 @@ made-up levels: medians, spread, and the verdict of each property."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,6 +14,7 @@ import pytest
 
 from bench.advisor_scenarios import (
     SCENARIOS,
+    AdvisorLab,
     CapRun,
     LevelMeasure,
     RegimeRun,
@@ -196,3 +199,80 @@ def test_the_summary_and_the_tables_carry_every_verdict() -> None:
     assert len(data["checks"]) == len(judged)
     assert {c["verdict"] for c in data["checks"]} <= {HOLDS, WITHIN_NOISE}
     assert data["closed_loop"]["kv-starved/engine"]["capped_relative_error"] > 0
+
+
+class _FlagsLab(AdvisorLab):
+    """The lab's flags comparison with the engines and the load replaced by given runs:
+    each engine start's throughput comes from ``speeds`` in start order."""
+
+    def __init__(self, tmp: Any, speeds: list[float]) -> None:
+        super().__init__(tmp)
+        self.speeds = list(speeds)
+        self.pools: list[str] = []
+
+    @contextlib.contextmanager
+    def engine(self, pool: str, **_: Any) -> Iterator[Any]:
+        self.pools.append(pool)
+        yield SimpleNamespace(startup_s=1.0)
+
+    def _warm(self, server: Any) -> None:
+        pass
+
+    def _engine_id(self, pool: str) -> str:
+        return pool
+
+    def _repeated(
+        self, server: Any, engine_id: str, settings: Any, seed: int, rounds: int = 3
+    ) -> Any:
+        tps = self.speeds.pop(0)
+        ((label, clients, _admit),) = settings
+        return [Repeated(label, [level(tps * f, 2.0, clients=clients) for f in (0.99, 1.0, 1.01)])]
+
+
+def _uncapped_run(top_tps: float) -> Any:
+    rec = SimpleNamespace(
+        kind="concurrency_cap",
+        scope=SimpleNamespace(engine_id="e0"),
+        change={"vllm_flags": ["--max-num-seqs 10", "--max-num-queued-reqs 13"]},
+    )
+    top = level(top_tps, 3.0)
+    return SimpleNamespace(
+        scenario=SCENARIOS["kv-starved"],
+        engine_id="e0",
+        report=SimpleNamespace(recommendations=[rec]),
+        top=top,
+        peak=top,
+        client_cap=SimpleNamespace(reference=Repeated("32", [top, level(top_tps, 3.0)])),
+        measured_plateau_tokens_per_s=top_tps,
+        verdict=SimpleNamespace(predicted_p99_e2e_s_at_cap=None),
+    )
+
+
+def test_flags_measured_again_when_one_pair_of_starts_refutes(tmp_path: Any) -> None:
+    """A capped start that ran slow (0.6 of the uncapped starts around it) is not judged
+    alone: a second pair of starts is measured and the verdict taken on all runs."""
+    lab = _FlagsLab(tmp_path, [600.0, 1000.0, 980.0, 1000.0])
+    cap = lab.run_engine_cap(_uncapped_run(1000.0))
+    assert lab.pools == [
+        "advisor-kv-starved-capped",
+        "advisor-kv-starved-again",
+        "advisor-kv-starved-capped-2",
+        "advisor-kv-starved-again-2",
+    ]
+    assert cap.capped_starts == 2 and len(cap.capped.runs) == 6
+    assert len(cap.reference_start_runs) == 3 and len(cap.reference.runs) == 2 + 3 + 3
+    assert not any(c.failed for c in cap_checks(_uncapped_run(1000.0), cap))
+
+
+def test_flags_judged_on_one_pair_when_it_does_not_refute(tmp_path: Any) -> None:
+    lab = _FlagsLab(tmp_path, [980.0, 1000.0])
+    cap = lab.run_engine_cap(_uncapped_run(1000.0))
+    assert lab.pools == ["advisor-kv-starved-capped", "advisor-kv-starved-again"]
+    assert cap.capped_starts == 1 and len(cap.capped.runs) == 3
+
+
+def test_flags_that_break_throughput_fail_on_both_pairs(tmp_path: Any) -> None:
+    lab = _FlagsLab(tmp_path, [600.0, 1000.0, 610.0, 1000.0])
+    cap = lab.run_engine_cap(_uncapped_run(1000.0))
+    assert cap.capped_starts == 2
+    assert any(c.failed for c in cap_checks(_uncapped_run(1000.0), cap))

@@ -157,12 +157,13 @@ def test_counters_survive_restart(make_collector: Any) -> None:
     keep = [
         k
         for k in before
-        if k[0].startswith(("kvscope_engine_", "kvscope_exporter_"))
+        if k[0].startswith(("kvscope_engine_", "kvscope_exporter_", "kvscope_request_"))
         and not k[0].endswith(("_ratio", "_size", "_requests", "_blocks"))
     ]
     assert keep
     for k in keep:
-        assert after.get(k) == before[k], k
+        # Sums rebuilt from the store add the same values in another order.
+        assert after.get(k) == pytest.approx(before[k], rel=1e-12), k
     # Gauges of the latest step are absent until the engine sends again.
     assert ("kvscope_engine_batch_size", LABELS_E1) not in after
     b2 = batch(engine_id="e1", seq=1, step_ts=[T0 + 10])
@@ -176,3 +177,83 @@ def test_counters_survive_restart(make_collector: Any) -> None:
     assert math.isclose(
         again[("kvscope_engine_batch_size", LABELS_E1)], b2["steps"]["batch_size"][0]
     )
+
+
+def _cum(values: list[float], le: float) -> int:
+    return sum(1 for v in values if v <= le)
+
+
+def test_request_latency_histograms_match_the_requests(make_collector: Any) -> None:
+    """Per finished request: TTFT (vLLM's, else queue + prefill), inter-token latency
+    (decode / (output tokens - 1), none for a one-token request), e2e, queue, lengths;
+    finish reasons with unknown ones as ``other``. The same after a restart, rebuilt
+    from the stored requests."""
+    reqs = {
+        "finished_unix_s": [T0 + 1, T0 + 2, T0 + 3, T0 + 4],
+        "e2e_s": [1.5, 0.3, 12.0, 2.0],
+        "queue_s": [0.0, 0.1, 4.0, 0.5],
+        "prefill_s": [0.15, 0.05, 0.6, 0.3],
+        "decode_s": [1.2, 0.0, 7.2, 1.0],
+        "ttft_s": [0.2, None, None, 0.9],
+        "prompt_tokens": [100, 20, 3000, 700],
+        "generation_tokens": [61, 1, 145, 11],
+        "cached_tokens": [0, 0, 16, 0],
+        "preemptions": [0, 0, 2, 0],
+        "finish_reason": ["stop", "length", "abort", "repetition"],
+    }
+    # By hand from the definitions (not the code's helpers).
+    expected = {
+        "kvscope_request_ttft_seconds": [0.2, 0.15, 4.6, 0.9],
+        "kvscope_request_inter_token_latency_seconds": [0.02, 0.05, 0.1],
+        "kvscope_request_e2e_seconds": [1.5, 0.3, 12.0, 2.0],
+        "kvscope_request_queue_seconds": [0.0, 0.1, 4.0, 0.5],
+        "kvscope_request_prompt_tokens": [100, 20, 3000, 700],
+        "kvscope_request_generation_tokens": [61, 1, 145, 11],
+    }
+    lc = make_collector()
+    b = batch(engine_id="e1", seq=0, hello=hello("e1", "boot-1", pool="pool-a", model="m-1"))
+    b["requests"] = reqs
+    assert post_batch(lc.url, b)[0] == 200
+    L = LABELS_E1
+
+    def check(m: dict[Any, float]) -> None:
+        for name, values in expected.items():
+            assert m[(f"{name}_count", L)] == len(values), name
+            assert m[(f"{name}_sum", L)] == pytest.approx(sum(values)), name
+            buckets = {
+                dict(k[1])["le"]: v
+                for k, v in m.items()
+                if k[0] == f"{name}_bucket" and dict(k[1])["engine"] == "e1"
+            }
+            assert len(buckets) >= 10 and buckets.pop("+Inf") == len(values), name
+            for le, n in buckets.items():
+                assert n == _cum(values, float(le)), (name, le)
+        # The SLO buckets the alert rules read exist.
+        for name, le in (
+            ("kvscope_request_ttft_seconds", "2.0"),
+            ("kvscope_request_inter_token_latency_seconds", "0.1"),
+        ):
+            assert (f"{name}_bucket", tuple(sorted((*L, ("le", le))))) in m, (name, le)
+        reasons = {
+            dict(k[1])["reason"]: v
+            for k, v in m.items()
+            if k[0] == "kvscope_request_finished_by_reason_total"
+        }
+        assert reasons == {"stop": 1, "length": 1, "abort": 1, "error": 0, "other": 1}
+
+    text, before = _scrape(lc.url)
+    check(before)
+    if shutil.which(PROMTOOL):
+        res = subprocess.run(
+            [PROMTOOL, "check", "metrics"], input=text.encode(), capture_output=True, timeout=30
+        )
+        assert res.returncode == 0, res.stdout.decode() + res.stderr.decode()
+    lc.stop()
+    lc2 = make_collector()
+    _, after = _scrape(lc2.url)
+    check(after)
+    # Later requests add to the rebuilt histograms.
+    b2 = batch(engine_id="e1", seq=1, req_ts=[T0 + 10])
+    assert post_batch(lc2.url, b2)[0] == 200
+    _, again = _scrape(lc2.url)
+    assert again[("kvscope_request_e2e_seconds_count", L)] == 5

@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvscope.cli import checks, main
 from kvscope.cli.collector import collector_settings
 from kvscope.collector._exposition import fmt
+from kvscope.collector.metrics import REQUEST_HISTOGRAMS
 from kvscope.collector.otlp import metrics_url
 from kvscope.collector.process import CollectorProcess, free_port
 from kvscope.collector.settings import Settings
@@ -180,7 +181,9 @@ def _prom(text: str) -> tuple[dict[Key, float], dict[str, str]]:
 
 
 def _pushed(name: str) -> bool:
-    return name.startswith(("kvscope_engine_", "kvscope_exporter_", "kvscope_advisor_"))
+    return name.startswith(
+        ("kvscope_engine_", "kvscope_exporter_", "kvscope_advisor_", "kvscope_request_")
+    )
 
 
 def _wait(what: str, check: Callable[[], Any], timeout_s: float = 15.0) -> Any:
@@ -299,6 +302,7 @@ def test_export_equals_metrics_and_survives_a_failing_receiver(
         assert {k[0] for k in hists} == {
             "kvscope_engine_step_batch_size",
             "kvscope_engine_step_kv_usage_ratio",
+            *(h.name for h in REQUEST_HISTOGRAMS),
         }
         for (name, attrs), (counts, bounds, total, count) in hists.items():
             les = [*(float(b) for b in bounds), float("inf")]
@@ -307,7 +311,9 @@ def test_export_equals_metrics_and_survives_a_failing_receiver(
                 running += n
                 labels = tuple(sorted((*attrs, ("le", "+Inf" if le == float("inf") else fmt(le)))))
                 assert prom[(f"{name}_bucket", labels)] == running, (name, le)
-            assert prom[(f"{name}_count", attrs)] == count == running > 10_000
+            # One observation per step, or per finished request (hundreds in the replay).
+            least = 10_000 if name.startswith("kvscope_engine_step_") else 100
+            assert prom[(f"{name}_count", attrs)] == count == running > least
             assert prom[(f"{name}_sum", attrs)] == pytest.approx(total, rel=1e-12)
 
         # The receiver answers 503: ingest goes on, the failures are counted and logged once.
