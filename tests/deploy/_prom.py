@@ -52,7 +52,9 @@ MULTI_ENGINE_KV_EVENT_METRICS = frozenset(
     }
 )
 
-_SELECTOR = re.compile(r"(?<![\w\"])(kvscope_[A-Za-z0-9_]+)(\{[^}]*\})?")
+_SELECTOR = re.compile(r"(?<![\w\":])(kvscope_[A-Za-z0-9_]+)(\{[^}]*\})?")
+"""A collector metric (a recorded series, ``level:kvscope_...:operations``, is not one)."""
+_RECORDED = re.compile(r"(?<![\w\":])([a-z_]+:kvscope_[A-Za-z0-9_]+:[A-Za-z0-9_]+)(\{[^}]*\})?")
 
 
 def require(path: str) -> str:
@@ -141,6 +143,11 @@ def load_rules() -> list[dict[str, Any]]:
     return [r for g in data["groups"] for r in g["rules"]]
 
 
+def load_alerts() -> list[dict[str, Any]]:
+    """The alerting rules of the alerts file (without its recording rules)."""
+    return [r for r in load_rules() if "alert" in r]
+
+
 def rule_queries() -> list[Query]:
     return [Query(r.get("alert") or r.get("record"), r["expr"].strip()) for r in load_rules()]
 
@@ -151,7 +158,13 @@ def selectors(expr: str) -> list[str]:
 
 
 def metric_names(expr: str) -> set[str]:
+    """The collector metrics an expression reads (not the recorded series)."""
     return {m.group(1) for m in _SELECTOR.finditer(expr)}
+
+
+def recorded_names(expr: str) -> set[str]:
+    """The recorded series (``level:metric:operations``) an expression reads."""
+    return {m.group(1) for m in _RECORDED.finditer(expr)}
 
 
 # -- a Prometheus server ----------------------------------------------------------------

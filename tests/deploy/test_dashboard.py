@@ -15,7 +15,9 @@ from _prom import (
     dashboard_queries,
     data_panels,
     load_dashboard,
+    load_rules,
     metric_names,
+    recorded_names,
     rule_queries,
 )
 
@@ -128,8 +130,25 @@ def test_the_dashboard_covers_what_the_collector_measures(dashboard: dict[str, A
         "kvscope_exporter_dropped_steps_total",
         "kvscope_collector_ingest_batches_total",
         "kvscope_advisor_runs_total",
+        "kvscope_request_ttft_seconds_bucket",
+        "kvscope_request_inter_token_latency_seconds_bucket",
+        "kvscope_request_e2e_seconds_bucket",
+        "kvscope_request_queue_seconds_bucket",
+        "kvscope_request_prompt_tokens_bucket",
+        "kvscope_request_generation_tokens_bucket",
+        "kvscope_request_finished_by_reason_total",
     ):
         assert metric in used, f"no panel shows {metric}"
+
+
+def test_recorded_series_come_from_the_rules(dashboard: dict[str, Any]) -> None:
+    """The burn-rate panels read the SLO recording rules of the alerts file."""
+    recorded = {r["record"] for r in load_rules() if "record" in r}
+    used = set().union(
+        *(recorded_names(q.expr) for q in dashboard_queries(dashboard, pool=".*", engine=".*"))
+    )
+    assert used, "no panel reads a recorded series"
+    assert used <= recorded, used - recorded
 
 
 def test_every_query_parses_on_a_real_prometheus(

@@ -4,7 +4,8 @@ Every panel that shows a number has a unit; the alert thresholds drawn on the pa
 the rules' numbers; every query filters on the cluster and namespace selectors in a way
 that still matches series without those labels; the rows below the fleet overview are
 collapsed; the data links open pages and a query parameter the kvscope app has; every
-alert links to its runbook page; only the data-loss alert pages.
+alert links to its runbook page; only data loss and a fast burn of an SLO's error budget
+page.
 """
 
 from __future__ import annotations
@@ -23,11 +24,20 @@ ALERTS = ROOT / "deploy" / "prometheus" / "kvscope-alerts.yml"
 RUNBOOKS = ROOT / "docs" / "runbooks"
 APP = ROOT / "dashboard"
 
-#: The one alert that pages: the collector cannot store batches (data loss).
-CRITICAL = {"KvscopeCollectorStoreFailing"}
+#: Data loss pages: the collector cannot store batches.
+DATA_LOSS = {"KvscopeCollectorStoreFailing"}
+#: A fast burn of a latency SLO's error budget pages (users are affected now); its slow
+#: burn is a ticket.
+FAST_SLO_BURN = {"KvscopeTtftSloFastBurn", "KvscopeItlSloFastBurn"}
+#: The alerts that page, and no other.
+CRITICAL = DATA_LOSS | FAST_SLO_BURN
+SLO_ATTAINMENT = "SLO attainment (TTFT <= 2 s, ITL <= 100 ms)"
 SCOPE_VARS = ("cluster", "namespace")
 RUNBOOK_SECTIONS = ("## What it means", "## Confirm", "## What to change", "## When to escalate")
-_SELECTOR = re.compile(r"(?<![\w\"])(kvscope_[A-Za-z0-9_]+)(\{[^}]*\})?")
+#: A collector metric, or a recorded series (``level:kvscope_...:operations``).
+_SELECTOR = re.compile(
+    r"(?<![\w\"])((?:[a-z_]+:)?kvscope_[A-Za-z0-9_]+(?::[A-Za-z0-9_]+)?)(\{[^}]*\})?"
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +47,16 @@ def dashboard() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def rules() -> dict[str, dict[str, Any]]:
+    """The alerting rules by name."""
     data = yaml.safe_load(ALERTS.read_text())
-    return {r["alert"]: r for g in data["groups"] for r in g["rules"]}
+    return {r["alert"]: r for g in data["groups"] for r in g["rules"] if "alert" in r}
+
+
+@pytest.fixture(scope="module")
+def records() -> dict[str, str]:
+    """The recording rules' expressions by recorded name."""
+    data = yaml.safe_load(ALERTS.read_text())
+    return {r["record"]: r["expr"] for g in data["groups"] for r in g["rules"] if "record" in r}
 
 
 def _data_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
@@ -82,7 +100,17 @@ def test_units_fit_what_the_panels_show(dashboard: dict[str, Any]) -> None:
     assert units["Preemptions/s"] == units["Preemptions and finished requests (/s)"] == "reqps"
     assert units["KV-cache usage"] == units["Prefix-cache hit ratio"] == "percentunit"
     assert units["Seconds since each engine's last batch"] == "s"
-    # Counts of requests, engines and blocks are shown as integers.
+    assert units[SLO_ATTAINMENT] == "percentunit"
+    for title in (
+        "Time to first token: p50 / p90 / p99",
+        "Inter-token latency: p50 / p90 / p99",
+        "End-to-end and queue time: p99",
+    ):
+        assert units[title] == "s", title
+    assert units["Finished requests by reason (/s)"] == "reqps"
+    # A burn rate is a plain multiple of the sustainable rate.
+    assert units["TTFT error-budget burn rate"] == units["ITL error-budget burn rate"] == "none"
+    # Counts of requests, engines, blocks and tokens are shown as integers.
     for title in (
         "Engines reporting",
         "Engines past their knee",
@@ -91,6 +119,8 @@ def test_units_fit_what_the_panels_show(dashboard: dict[str, Any]) -> None:
         "KV blocks in use vs capacity",
         "Blocks held per engine and distinct in the pool",
         "Pool recommended caps (requests in flight)",
+        "Prompt length per request: p50 / p90 / p99",
+        "Output length per request: p50 / p90 / p99",
     ):
         defaults = _panel(dashboard, title)["fieldConfig"]["defaults"]
         assert defaults["unit"] == "none" and defaults["decimals"] == 0, title
@@ -100,7 +130,7 @@ def test_units_fit_what_the_panels_show(dashboard: dict[str, Any]) -> None:
 
 
 def test_alert_thresholds_are_drawn_with_the_rules_numbers(
-    dashboard: dict[str, Any], rules: dict[str, dict[str, Any]]
+    dashboard: dict[str, Any], rules: dict[str, dict[str, Any]], records: dict[str, str]
 ) -> None:
     # (panel, alert, value drawn, the same value in the rule's expression)
     drawn = [
@@ -108,6 +138,12 @@ def test_alert_thresholds_are_drawn_with_the_rules_numbers(
         ("KV-cache usage", "KvscopeKvCacheSaturated", 0.5, r"\)\s*> 0\.5\s"),
         ("Preemptions and finished requests (/s)", "KvscopePreemptionStorm", 0.2, r"> 0\.2\s"),
         ("Seconds since each engine's last batch", "KvscopeEngineNotReporting", 90, r"> 90\s"),
+        (SLO_ATTAINMENT, "KvscopeTtftSloFastBurn", 0.99, r"\(1 - 0\.99\)"),
+        (SLO_ATTAINMENT, "KvscopeItlSloFastBurn", 0.99, r"\(1 - 0\.99\)"),
+        ("TTFT error-budget burn rate", "KvscopeTtftSloFastBurn", 14.4, r"> \(14\.4 \* "),
+        ("TTFT error-budget burn rate", "KvscopeTtftSloSlowBurn", 6, r"> \(6 \* "),
+        ("ITL error-budget burn rate", "KvscopeItlSloFastBurn", 14.4, r"> \(14\.4 \* "),
+        ("ITL error-budget burn rate", "KvscopeItlSloSlowBurn", 6, r"> \(6 \* "),
     ]
     for title, alert, value, in_rule in drawn:
         assert re.search(in_rule, rules[alert]["expr"]), (alert, in_rule)
@@ -127,6 +163,25 @@ def test_alert_thresholds_are_drawn_with_the_rules_numbers(
     ):
         assert f"{factor} * {gauge}" in rules["KvscopeLoadPastKnee"]["expr"]
         assert any(e.startswith(f"{factor} * {gauge}{{") for e in exprs), (factor, gauge)
+    # The SLO targets: the bucket of the recording rules is the line on the quantile panel
+    # and the bucket the attainment panel counts; the burn rates divide by the same budget.
+    attainment = [t["expr"] for t in _panel(dashboard, SLO_ATTAINMENT)["targets"]]
+    for title, metric, le in (
+        ("Time to first token: p50 / p90 / p99", "kvscope_request_ttft_seconds", "2.0"),
+        (
+            "Inter-token latency: p50 / p90 / p99",
+            "kvscope_request_inter_token_latency_seconds",
+            "0.1",
+        ),
+    ):
+        recorded = [e for e in records.values() if f"{metric}_bucket" in e]
+        assert len(recorded) == 4, metric
+        assert all(f'{metric}_bucket{{le="{le}"}}' in e for e in recorded), metric
+        assert float(le) in _threshold_values(_panel(dashboard, title)), title
+        assert any(f"{metric}_bucket{{" in e and f'le="{le}"}}' in e for e in attainment), metric
+    for title in ("TTFT error-budget burn rate", "ITL error-budget burn rate"):
+        for t in _panel(dashboard, title)["targets"]:
+            assert t["expr"].endswith(" / (1 - 0.99)"), (title, t["expr"])
 
 
 # -- cluster and namespace --------------------------------------------------------------
@@ -266,7 +321,14 @@ def test_every_alert_has_a_runbook(rules: dict[str, dict[str, Any]]) -> None:
     assert pages == set(rules), "runbook pages without an alert, or alerts without one"
 
 
-def test_only_data_loss_pages(rules: dict[str, dict[str, Any]]) -> None:
+def test_only_data_loss_and_fast_slo_burn_page(rules: dict[str, dict[str, Any]]) -> None:
+    """Data loss and a fast burn of an SLO's error budget page; the rest does not."""
     critical = {n for n, r in rules.items() if r["labels"]["severity"] == "critical"}
     assert critical == CRITICAL
+    # Every SLO burn alert is either fast (pages) or slow (a ticket), in pairs.
+    burns = {n for n in rules if n.endswith(("SloFastBurn", "SloSlowBurn"))}
+    assert {n for n in burns if n.endswith("SloFastBurn")} == FAST_SLO_BURN
+    for fast in FAST_SLO_BURN:
+        slow = fast.replace("SloFastBurn", "SloSlowBurn")
+        assert slow in burns and rules[slow]["labels"]["severity"] == "warning", slow
     assert rules["KvscopePreemptionStorm"]["labels"]["severity"] == "warning"

@@ -257,3 +257,6 @@ def test_kvscope_dashboard_and_alerts_lint_clean_against_a_collector(tmp_path: P
     )
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.startswith("clean:")
+    # The dashboard's burn-rate panels read series the rules file records: known, not
+    # left unchecked.
+    assert "not checked" not in p.stdout, p.stdout
