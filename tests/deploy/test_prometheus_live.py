@@ -8,8 +8,8 @@ beside vLLM's own KV-event publisher sending prefixes that the other replica hol
 KV-starved engine's overload (its 16- and 32-client levels) are sent at once, moved
 so that the overload starts now; then Prometheus starts (1 s scrapes, the rules
 evaluated every second) and scrapes that state once, and the overload follows at its
-recorded pace, about 30 s (the seconds spent starting Prometheus arrive at once). So
-Prometheus's rates cover the overload only, as they would a minute into a real one.
+recorded pace, about 30 s, from then on (the seconds spent starting Prometheus delay it).
+So Prometheus's rates cover the overload only, as they would a minute into a real one.
 A few malformed batches are sent meanwhile, as a misconfigured engine would.
 
 Then every dashboard query and every rule selector must return data, the overload
@@ -165,12 +165,17 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveFleet]:
         ).start()
         prom.wait_for('up{job="kvscope"} == 1', "the first scrape of the collector", 30)
         traffic = SharedPrefixTraffic(pubs).start()
+        # The overload is replayed at its recorded pace from here on, however long the
+        # set-up took: sent at once, its ~30 s would fall between two scrapes on a slow
+        # machine (once, 6 s of it were scraped, and the 10-minute load average stayed
+        # under 1.5 x the knee).
+        lag = max(0.0, time.time() - overload_at)
         rejected = 0
         next_bad = time.time() + 5
         while not all(s.done for s in streams):
             now = time.time()
             for s in streams:
-                s.send_due(collector.url, now)
+                s.send_due(collector.url, now - lag)
             if rejected < 4 and now >= next_bad:
                 assert _post_malformed(collector.url) == 400
                 rejected += 1
