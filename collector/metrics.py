@@ -63,6 +63,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvscope.advisor.prefill import request_ttft_s
+from kvscope.advisor.request_latency import request_itl_s
 from kvscope.collector._exposition import (
     CONTENT_TYPE,
     TextWriter,
@@ -235,15 +237,12 @@ def request_measures(cols: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     def col(name: str) -> np.ndarray:
         return np.asarray(cols[name], dtype=np.float64) if name in cols else np.full(n, np.nan)
 
-    ttft = col("ttft_s")
-    gaps = col("generation_tokens") - 1.0
-    with np.errstate(invalid="ignore", divide="ignore"):
-        itl = np.where(gaps >= 1.0, col("decode_s") / np.where(gaps >= 1.0, gaps, 1.0), np.nan)
+    frame = pd.DataFrame(
+        {k: col(k) for k in ("ttft_s", "queue_s", "prefill_s", "decode_s", "generation_tokens")}
+    )
     return {
-        "kvscope_request_ttft_seconds": np.where(
-            np.isfinite(ttft), ttft, col("queue_s") + col("prefill_s")
-        ),
-        "kvscope_request_inter_token_latency_seconds": itl,
+        "kvscope_request_ttft_seconds": np.asarray(request_ttft_s(frame), dtype=np.float64),
+        "kvscope_request_inter_token_latency_seconds": request_itl_s(frame),
         "kvscope_request_e2e_seconds": col("e2e_s"),
         "kvscope_request_queue_seconds": col("queue_s"),
         "kvscope_request_prompt_tokens": col("prompt_tokens"),
