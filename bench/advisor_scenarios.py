@@ -238,6 +238,8 @@ class LevelMeasure:
     admit_limit: int | None = None
     """Requests the engine admits at most (``--max-num-seqs`` + ``--max-num-queued-reqs``)
     when admission control is on; the rest are rejected with 503."""
+    error_kinds: dict[str, int] = field(default_factory=dict)
+    """The client's failed requests by kind (``http_503``, ``connection``, ``timeout``...)."""
 
     @property
     def offered(self) -> int:
@@ -249,6 +251,25 @@ class LevelMeasure:
     def delivered(self) -> bool:
         """Whether the engine saw the clients' load (the front end did not stall)."""
         return self.load_mean >= DELIVERED_LOAD_RATIO * self.offered
+
+    @property
+    def clean(self) -> bool:
+        """Whether every request was answered: without admission control, a failed request
+        is load the engine never served (with it, the excess is meant to get 503)."""
+        return self.admit_limit is not None or self.errors == 0
+
+    def trouble(self) -> str:
+        """What is wrong with this run, in words ('' when nothing)."""
+        out = []
+        if not self.delivered:
+            out.append(
+                f"the engine saw {self.load_mean:.1f} requests in flight on average, "
+                "the front end stalled"
+            )
+        if not self.clean:
+            kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.error_kinds.items()))
+            out.append(f"{self.errors} requests failed ({kinds or 'kind unknown'})")
+        return "; ".join(out)
 
 
 @dataclass
@@ -729,7 +750,9 @@ class AdvisorLab:
         admit_limit: int | None = None,
     ) -> tuple[LevelMeasure, SweepResult]:
         """One load level, measured; run again (up to ``attempts`` runs) while the engine
-        did not see the clients' load: a stalled front end measures nothing of the engine."""
+        did not see the clients' load (a stalled front end measures nothing of the engine)
+        or, without admission control, a request failed (the engine's log's error lines
+        are shown: a failure on an unlimited engine is the lab's, not the setting's)."""
         for attempt in range(1, attempts + 1):
             sweep = self._sweep(
                 server,
@@ -743,13 +766,15 @@ class AdvisorLab:
             level = self._measure(engine_id, sweep.levels)[0]
             level.attempts = attempt
             level.admit_limit = admit_limit
-            if level.delivered:
+            if level.delivered and level.clean:
                 break
             self._say(
-                f"{concurrency} clients: the engine saw {level.load_mean:.1f} requests "
-                f"in flight on average, the front end stalled"
+                f"{concurrency} clients: {level.trouble()}"
                 f"{'; running the level again' if attempt < attempts else ''}"
             )
+            if not level.clean:
+                for line in server.log_errors():
+                    self._say(f"  vLLM: {line}")
         return level, sweep
 
     def _repeated(
@@ -1104,6 +1129,7 @@ def measure_level(
         ttft_p99_s=lv.ttft_p99_s,
         completed=lv.requests_completed,
         errors=lv.error_count,
+        error_kinds=dict(lv.errors),
         engine_tokens_per_s=float(col("generation_tokens").sum()) / n if n else math.nan,
         preemptions_per_s=float(col("preemptions").sum()) / n if n else math.nan,
         batch_median=med("batch_mean"),

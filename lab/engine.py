@@ -441,6 +441,16 @@ class VllmServer:
             return ""
         return "\n".join(lines[-max_lines:])
 
+    def log_errors(self, max_lines: int = 5) -> list[str]:
+        """The server log's last ``max_lines`` error lines (vLLM's ``ERROR`` records and
+        exception messages), for saying why requests failed."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        hits = [ln.strip() for ln in lines if "ERROR" in ln or "Error:" in ln]
+        return hits[-max_lines:]
+
     def stop(self) -> None:
         """Stop the whole process group: SIGTERM, then SIGKILL after ``stop_timeout_s``."""
         proc, self._proc = self._proc, None

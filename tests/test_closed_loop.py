@@ -276,3 +276,55 @@ def test_flags_that_break_throughput_fail_on_both_pairs(tmp_path: Any) -> None:
     cap = lab.run_engine_cap(_uncapped_run(1000.0))
     assert cap.capped_starts == 2
     assert any(c.failed for c in cap_checks(_uncapped_run(1000.0), cap))
+
+
+class _LevelLab(AdvisorLab):
+    """The lab's level runner with the load and the collector replaced by given runs."""
+
+    def __init__(self, tmp: Any, runs: list[LevelMeasure]) -> None:
+        self.said: list[str] = []
+        super().__init__(tmp, log=self.said.append)
+        self.runs = list(runs)
+
+    def _sweep(self, *_: Any, **__: Any) -> Any:
+        return SimpleNamespace(levels=[None])
+
+    def _drain(self, server: Any, engine_id: str, timeout_s: float = 30.0) -> None:
+        pass
+
+    def _measure(self, engine_id: str, levels: Any) -> list[LevelMeasure]:
+        return [self.runs.pop(0)]
+
+
+def _failing(errors: dict[str, int]) -> LevelMeasure:
+    lv = level(900, 2.0, errors=sum(errors.values()))
+    lv.error_kinds = dict(errors)
+    return lv
+
+
+def test_an_uncapped_run_with_failed_requests_is_run_again(tmp_path: Any) -> None:
+    """Without admission control every request should be answered: a run with failures is
+    run again, and the log says which failed and what vLLM logged."""
+    server = SimpleNamespace(log_errors=lambda: ["ERROR 12-03 engine hiccup"])
+    lab = _LevelLab(tmp_path, [_failing({"connection": 3}), level(950, 2.0)])
+    kept, _ = lab._level(server, "e0", 32, 10.0, 3.0, seed=1)  # type: ignore[arg-type]
+    assert kept.attempts == 2 and kept.errors == 0 and kept.client_tokens_per_s == 950
+    assert any("3 requests failed (3 connection)" in s for s in lab.said), lab.said
+    assert any("engine hiccup" in s for s in lab.said), lab.said
+
+
+def test_refusals_under_admission_control_are_not_run_again(tmp_path: Any) -> None:
+    server = SimpleNamespace(log_errors=lambda: [])
+    lab = _LevelLab(tmp_path, [_failing({"http_503": 40}), level(950, 2.0)])
+    kept, _ = lab._level(server, "e0", 32, 10.0, 3.0, seed=1, admit_limit=20)  # type: ignore[arg-type]
+    assert kept.attempts == 1 and kept.error_kinds == {"http_503": 40}
+    assert lab.said == []
+
+
+def test_failures_that_persist_are_kept_and_said(tmp_path: Any) -> None:
+    server = SimpleNamespace(log_errors=lambda: [])
+    lab = _LevelLab(tmp_path, [_failing({"timeout": 1}) for _ in range(3)])
+    kept, _ = lab._level(server, "e0", 32, 10.0, 3.0, seed=1)  # type: ignore[arg-type]
+    assert kept.attempts == 3 and not kept.clean
+    assert "1 requests failed (1 timeout)" in kept.trouble()
+    assert len(lab.said) == 3 and "again" not in lab.said[-1]
