@@ -22,6 +22,12 @@ the middle of each day gives the trend. ``status``:
 * ``not_within``: it reaches it later than that.
 
 The first and last day of a week can be partial; their peaks are taken as they are.
+
+``history`` (per engine and UTC day before the week: ``engine_id``, ``pool``,
+``day_start_unix_s``, ``load_max``; the collector's 1-minute windows keep each minute's
+highest per-second load for months, see :mod:`kvscope.collector._rollup`) adds the days
+before the week to the line: a trend over weeks rather than days. A day in both (the
+week starting mid-day) takes the higher peak of each engine.
 """
 
 from __future__ import annotations
@@ -67,6 +73,8 @@ class PoolForecast:
     horizon_weeks: float = 8.0
     min_days: int = 4
     unit: str = "requests in flight"
+    history_days: int = 0
+    """How many of the days (the first ones) lie before the week (from ``history``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return _clean(dataclasses.asdict(self))
@@ -136,21 +144,56 @@ def engine_capacity(report: Report, engine_id: str) -> tuple[float | None, str]:
     return min(limits), "batch limit"
 
 
+def _engine_day_peaks(rows: Any, pool: str | None, into: dict[tuple[str, float], float]) -> None:
+    """Each (engine, day)'s highest load of ``pool`` from a frame-like of columns
+    engine_id, pool, day_start_unix_s, load_max, into ``into`` (keeping the higher)."""
+    n = len(rows.get("engine_id", [])) if rows is not None else 0
+    if not n or "load_max" not in rows:
+        return
+    for i in range(n):
+        load = rows["load_max"][i]
+        if rows["pool"][i] != pool or load is None:
+            continue
+        x = float(load)
+        if not math.isfinite(x):
+            continue
+        key = (str(rows["engine_id"][i]), float(rows["day_start_unix_s"][i]))
+        into[key] = max(x, into.get(key, x))
+
+
+def _columns(frame: Any) -> dict[str, list[Any]]:
+    """A DataFrame or a dict of columns as a dict of lists."""
+    if frame is None:
+        return {}
+    if hasattr(frame, "to_dict") and hasattr(frame, "columns"):
+        return {str(c): frame[c].tolist() for c in frame.columns}
+    return dict(frame)
+
+
 def capacity_forecast(
-    usage: Usage, report: Report, *, min_days: int = 4, horizon_weeks: float = 8.0
+    usage: Usage,
+    report: Report,
+    *,
+    min_days: int = 4,
+    horizon_weeks: float = 8.0,
+    history: Any = None,
 ) -> list[PoolForecast]:
-    """One :class:`PoolForecast` per pool of ``report`` (see the module docstring)."""
-    d = usage.days
-    n = len(d.get("engine_id", []))
+    """One :class:`PoolForecast` per pool of ``report`` (see the module docstring);
+    ``history``: the per engine-day peaks of the days before the week."""
+    hist = _columns(history)
     out = []
     for p in report.pools:
+        before: dict[tuple[str, float], float] = {}
+        _engine_day_peaks(hist, p.pool, before)
+        week: dict[tuple[str, float], float] = {}
+        _engine_day_peaks(usage.days, p.pool, week)
+        week_days = {day for _, day in week}
+        merged = {**before}
+        for k, v in week.items():
+            merged[k] = max(v, merged.get(k, v))
         peaks: dict[float, float] = {}
-        for i in range(n):
-            load = d["load_max"][i] if "load_max" in d else None
-            if d["pool"][i] != p.pool or load is None or not math.isfinite(float(load)):
-                continue
-            day = float(d["day_start_unix_s"][i])
-            peaks[day] = peaks.get(day, 0.0) + float(load)
+        for (_, day), load in merged.items():
+            peaks[day] = peaks.get(day, 0.0) + load
         caps = [engine_capacity(report, e) for e in p.engine_ids]
         capacity = None if any(c is None for c, _ in caps) else sum(c or 0.0 for c, _ in caps)
         days = sorted(peaks)
@@ -180,6 +223,7 @@ def capacity_forecast(
                 ),
                 horizon_weeks=horizon_weeks,
                 min_days=min_days,
+                history_days=sum(1 for x in days if x not in week_days),
             )
         )
     return out

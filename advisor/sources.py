@@ -398,6 +398,16 @@ class CollectorSource:
     ) -> pd.DataFrame:
         return self._ranged("/v1/windows", "ts_s", since, until, engine, pool)
 
+    def minute_windows(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
+        """The collector's downsampled tier (``/v1/windows_1m``): per engine and minute."""
+        return self._ranged("/v1/windows_1m", "ts_s", since, until, engine, pool)
+
     def requests(
         self,
         since: float | None = None,

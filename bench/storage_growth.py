@@ -17,17 +17,23 @@ in order, into a fresh DuckDB file and repeated under other engine ids until it 
 run), the file is checkpointed, and its growth over the empty table (indexes
 included) is divided by the rows.
 
+Before the measurement the store's complete minutes are rolled up into the
+downsampled tier (``windows_1m``, what the collector's retention task does every
+minute; see :mod:`kvscope.collector._rollup`).
+
 From the measured bytes per row and the rows an engine writes per second of
 reporting (steps, ledger entries and 1-second windows per second; finished requests
-at the recordings' rate), it derives the store of a fleet running around the clock:
-tables under a retention setting (``steps``: ``--raw-retention-s``, one day by
-default; ``ingested_batches``: the ledger, one day) stop growing at one retention
-period; ``windows_1s``, ``requests`` and the configuration tables are kept. The
-baseline in the same run is the whole file: its size over the steps stored (what
-``collector_ingest.py`` reports as bytes per step) next to the sum of the tables.
+at the recordings' rate; one minute window per minute), it derives the store of a
+fleet running around the clock: every growing table stops growing at its retention
+(defaults: ``steps`` and the ledger one day, ``windows_1s`` and ``requests`` 15 days,
+``windows_1m`` 400 days); the configuration tables are kept. The baseline in the same
+run is the whole file: its size over the steps stored (what ``collector_ingest.py``
+reports as bytes per step) next to the sum of the tables.
 
-Then: the size of a 100-engine week under the default retention, and the raw-step
-retention that keeps it under ``--budget-gib``.
+Then: the size of a 100-engine week under the default retention, the raw-step
+retention that keeps it under ``--budget-gib``, and the store a fleet settles at
+under the default lifecycle, next to a year of it with 1-second windows and requests
+kept forever (the store before the lifecycle).
 """
 
 from __future__ import annotations
@@ -48,8 +54,18 @@ from kvscope.collector.settings import Settings
 DAY_S = 86_400.0
 WEEK_DAYS = 7
 FLEET_ARGS = ["--max-new-engines-per-minute", "1000000"]
-RETAINED = {"steps": "raw_step_retention_s", "ingested_batches": "ledger_retention_s"}
+RETAINED = {
+    "steps": "raw_step_retention_s",
+    "ingested_batches": "ledger_retention_s",
+    "windows_1s": "window_retention_s",
+    "requests": "request_retention_s",
+    "windows_1m": "rollup_retention_s",
+}
 """Tables with a retention setting (the rest are kept)."""
+GROWING = ("steps", "ingested_batches", "windows_1s", "requests", "windows_1m")
+MINUTE_ROWS_PER_ENGINE_DAY = DAY_S / 60
+"""``windows_1m``: one row per minute an engine steps (a short run spans partial
+minutes, so its own rows per second would overstate this)."""
 
 
 def table_bytes(
@@ -119,6 +135,11 @@ def table_bytes(
     return rows, per_row
 
 
+def _span(seconds: float) -> str:
+    """``36 h``, ``15 d``: a retention in the unit that reads best."""
+    return f"{seconds / DAY_S:g} d" if seconds >= 2 * DAY_S else f"{seconds / 3600:g} h"
+
+
 def fmt_bytes(n: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
@@ -170,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)
         finally:
             collector.stop()
+        from kvscope.collector.store import Store
+
+        rolled = Store(str(store))  # every minute of the run complete: roll all of them up
+        try:
+            rolled.roll_up_now(now_unix_s=time.time() + 600.0)
+        finally:
+            rolled.close()
         file_bytes = store.stat().st_size
         rows, bytes_per_row = table_bytes(store, Path(tmp))
 
@@ -184,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in sorted(bytes_per_row, key=lambda t: -bytes_per_row[t] * rows[t]):
         b_row = bytes_per_row[t]
         rows_per_engine_day = rows[t] / engine_s * DAY_S
+        if t == "windows_1m":
+            rows_per_engine_day = MINUTE_ROWS_PER_ENGINE_DAY
         retention_s = getattr(defaults, RETAINED[t]) if t in RETAINED else 0.0
         per_day[t] = {
             "rows": rows[t],
@@ -195,16 +225,20 @@ def main(argv: list[str] | None = None) -> int:
         }
     # Tables whose rows come once per engine or boot (engines, engine_configs, ...) are
     # counted by what they hold now, per engine; they do not grow with time.
-    growing = {t for t in per_day if t in ("steps", "ingested_batches", "windows_1s", "requests")}
+    growing = {t for t in per_day if t in GROWING}
 
-    def week_bytes(raw_retention_s: float, n_engines: int) -> float:
+    def week_bytes(
+        raw_retention_s: float, n_engines: int, days: float = WEEK_DAYS, **ret_of: float
+    ) -> float:
+        """The store after ``days`` of ``n_engines`` reporting, with the default
+        retentions but ``raw_retention_s`` for steps and ``ret_of[table]`` (0: kept)."""
         total = 0.0
         for t, d in per_day.items():
             if t not in growing:
                 total += d["bytes"] / args.engines * n_engines
                 continue
-            kept_s = WEEK_DAYS * DAY_S
-            ret = raw_retention_s if t == "steps" else d["retention_s"]
+            kept_s = days * DAY_S
+            ret = raw_retention_s if t == "steps" else ret_of.get(t, d["retention_s"])
             if ret > 0:
                 kept_s = min(kept_s, ret)
             total += d["bytes_per_engine_day"] * kept_s / DAY_S * n_engines
@@ -225,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header))
     for t, d in per_day.items():
         ret = (
-            (f"{d['retention_s'] / 3600:g} h" if d["retention_s"] else "kept")
+            (_span(d["retention_s"]) if d["retention_s"] else "kept")
             if t in growing
             else "per engine"
         )  # one row per engine or boot: no growth
@@ -255,8 +289,26 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.fleet}-engine week of engines reporting around the clock, default retention (raw steps "
         f"{defaults.raw_step_retention_s / 3600:g} h, ledger "
-        f"{defaults.ledger_retention_s / 3600:g} h, windows and requests kept): "
+        f"{defaults.ledger_retention_s / 3600:g} h, 1-second windows and requests "
+        f"{_span(defaults.window_retention_s)}, minute windows {_span(defaults.rollup_retention_s)}): "
         f"{fmt_bytes(default_week)}"
+    )
+    settled_days = max(d["retention_s"] for d in per_day.values()) / DAY_S
+    settled = week_bytes(defaults.raw_step_retention_s, args.fleet, days=settled_days)
+    year_before = week_bytes(
+        defaults.raw_step_retention_s,
+        args.fleet,
+        days=365.0,
+        windows_1s=0.0,
+        requests=0.0,
+        windows_1m=1e-9,
+    )
+    year_now = week_bytes(defaults.raw_step_retention_s, args.fleet, days=365.0)
+    print(
+        f"{args.fleet} engines, a year: {fmt_bytes(year_now)} under the default lifecycle "
+        f"(settles at {fmt_bytes(settled)} after {settled_days:g} days), "
+        f"{fmt_bytes(year_before)} with 1-second windows and requests kept forever "
+        f"({year_before / max(year_now, 1.0):.1f}x)"
     )
     budget = args.budget_gib * 2**30
     options = [0.0, 7 * DAY_S, 3 * DAY_S, DAY_S, 12 * 3600.0, 6 * 3600.0, 3600.0]
@@ -287,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
             "tables": per_day,
             "file_bytes": file_bytes,
             "week_default_bytes": default_week,
+            "settled_bytes": settled,
+            "settled_days": settled_days,
+            "year_bytes": year_now,
+            "year_bytes_windows_kept": year_before,
             "fitting_raw_retention_s": fitting,
             "args": vars(args),
         },

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from kvscope.args import at_least_two, header, positive
+from kvscope.args import at_least_two, duration, header, positive
 from kvscope.cli.checks import MissingExtraError, require
 
 __all__ = ["add_parser", "collector_settings", "run"]
@@ -102,8 +102,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--raw-retention-s",
         type=float,
         default=24 * 3600,
-        help="seconds of raw per-step rows to keep; 1-second windows and "
-        "requests are kept (default: 86400; 0 keeps them forever)",
+        help="seconds of raw per-step rows to keep (default: 86400; 0 keeps them forever)",
+    )
+    p.add_argument(
+        "--window-retention",
+        type=duration,
+        default="15d",
+        metavar="DURATION",
+        help="how long to keep 1-second windows (what the advisor fits knees on); older "
+        "ones are deleted once rolled up into 1-minute windows (default: 15d, the weekly "
+        "report's two weeks; 0 keeps them)",
+    )
+    p.add_argument(
+        "--request-retention",
+        type=duration,
+        default="15d",
+        metavar="DURATION",
+        help="how long to keep finished requests (default: 15d; 0 keeps them)",
+    )
+    p.add_argument(
+        "--rollup-retention",
+        type=duration,
+        default="400d",
+        metavar="DURATION",
+        help="how long to keep 1-minute windows, the downsampled tier long ranges read "
+        "(default: 400d; 0 keeps them)",
     )
     p.add_argument(
         "--advise-interval-s",
@@ -218,6 +241,9 @@ def collector_settings(args: argparse.Namespace) -> Any:
         store_path=args.store,
         token=args.token,
         raw_step_retention_s=args.raw_retention_s,
+        window_retention_s=args.window_retention,
+        request_retention_s=args.request_retention,
+        rollup_retention_s=args.rollup_retention,
         advise_interval_s=args.advise_interval_s,
         advise_window_s=args.advise_window_s,
         kv_events=args.kv_events,

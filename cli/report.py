@@ -9,7 +9,15 @@ import os
 import sys
 from typing import Any
 
-from kvscope.args import TIME_SYNTAX, add_slo_targets, count, fraction, positive, ratio
+from kvscope.args import (
+    TIME_SYNTAX,
+    add_slo_targets,
+    count,
+    fraction,
+    non_negative,
+    positive,
+    ratio,
+)
 from kvscope.cli.checks import require
 
 EPILOG = f"""\
@@ -135,6 +143,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="USD",
         help="price of one GPU-hour in USD: the report prices each pool's GPU-hours and "
         "what the throughput advice is worth (default: none, GPU-hours only)",
+    )
+    p.add_argument(
+        "--forecast-weeks",
+        type=non_negative,
+        default=4.0,
+        metavar="N",
+        help="the capacity forecast's trend also runs through the daily peak load of the N "
+        "weeks before this one, from the collector's 1-minute windows (kept for months; "
+        "default: 4; 0: this week's days only)",
     )
     p.add_argument(
         "--timeout",
@@ -264,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
             min_routing_loss=args.min_routing_loss,
             imbalance_threshold=args.imbalance_threshold,
             gpu_hour_cost=args.gpu_hour_cost,
+            forecast_history_weeks=args.forecast_weeks,
         )
         if prom is not None:
             annotate_weeks(report, prom)

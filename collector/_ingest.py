@@ -75,6 +75,9 @@ class WriteCache:
     """Highest seq stored per (engine_id, boot_id), for boots active recently."""
     engines: set[str] = field(default_factory=set)
     window_max_s: dict[str, int] = field(default_factory=dict)
+    window_minutes: set[int] = field(default_factory=set)
+    """Start of each minute windows were written in since the last rollup (see
+    :mod:`kvscope.collector._rollup`)."""
     exporter: dict[HelloKey, dict[str, int]] = field(default_factory=dict)
 
     @classmethod
@@ -115,6 +118,7 @@ class WriteCache:
         for e, s in other.window_max_s.items():
             if s > self.window_max_s.get(e, s - 1):
                 self.window_max_s[e] = s
+        self.window_minutes |= other.window_minutes
         self.exporter.update(other.exporter)
 
 
@@ -201,6 +205,7 @@ def _write_steps(con: Any, new: list[PreparedBatch], out: WriteCache, known: Wri
         if fresh.any():
             con.execute(sql.WINDOW_INSERT)
         con.execute(sql.WINDOW_MERGE)
+    out.window_minutes.update(np.unique(w["ts_s"] // 60 * 60).tolist())
     group_max = np.full(len(names), -(2**62), dtype=np.int64)
     np.maximum.at(group_max, w_codes, w["ts_s"])
     for e, s in zip(names, group_max.tolist(), strict=True):

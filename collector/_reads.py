@@ -85,6 +85,26 @@ def engine_configs(cur: Any, engine_id: str | None = None) -> pd.DataFrame:
     )
 
 
+def _per_engine_rows(
+    cur: Any,
+    table: str,
+    engine_id: str | None,
+    pool: str | None,
+    since: float | None,
+    until: float | None,
+    limit: int | None,
+) -> pd.DataFrame:
+    """Every column of a per (engine_id, ts_s) table, plus the engine's pool and model."""
+    where, args = _where(engine_id, pool, "ts_s", since, until, alias="w")
+    return _df(
+        cur,
+        f"SELECT w.*, e.pool, e.model FROM {table} w "
+        f"LEFT JOIN engines e ON e.engine_id = w.engine_id{where} "
+        f"ORDER BY w.ts_s, w.engine_id{_limit(limit)}",
+        args,
+    )
+
+
 def windows(
     cur: Any,
     engine_id: str | None = None,
@@ -94,12 +114,42 @@ def windows(
     limit: int | None = None,
 ) -> pd.DataFrame:
     """1-second windows (all ``windows_1s`` columns, plus the engine's pool and model)."""
-    where, args = _where(engine_id, pool, "ts_s", since, until, alias="w")
+    return _per_engine_rows(cur, "windows_1s", engine_id, pool, since, until, limit)
+
+
+def minute_windows(
+    cur: Any,
+    engine_id: str | None = None,
+    pool: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    limit: int | None = None,
+) -> pd.DataFrame:
+    """1-minute windows (all ``windows_1m`` columns, plus the engine's pool and model);
+    the minutes overlapping ``[since, until)``."""
+    since = None if since is None else math.floor(since / 60.0) * 60
+    return _per_engine_rows(cur, "windows_1m", engine_id, pool, since, until, limit)
+
+
+def daily_load_peaks(
+    cur: Any,
+    pool: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    day_s: float = 86400.0,
+) -> pd.DataFrame:
+    """Per engine and UTC day from the 1-minute windows: engine_id, pool,
+    day_start_unix_s, load_max (the highest per-second load), active_s (seconds with
+    steps), generation_tokens."""
+    where, args = _where(None, pool, "ts_s", since, until, alias="w")
+    day = f"floor(w.ts_s / {float(day_s)}) * {float(day_s)}"
     return _df(
         cur,
-        "SELECT w.*, e.pool, e.model FROM windows_1s w "
-        f"LEFT JOIN engines e ON e.engine_id = w.engine_id{where} "
-        f"ORDER BY w.ts_s, w.engine_id{_limit(limit)}",
+        f"SELECT w.engine_id, e.pool, {day} AS day_start_unix_s, max(w.load_max) AS load_max, "
+        "CAST(sum(w.n_seconds) AS DOUBLE) AS active_s, "
+        "CAST(sum(w.generation_tokens) AS DOUBLE) AS generation_tokens "
+        f"FROM windows_1m w LEFT JOIN engines e ON e.engine_id = w.engine_id{where} "
+        "GROUP BY w.engine_id, e.pool, day_start_unix_s ORDER BY w.engine_id, day_start_unix_s",
         args,
     )
 

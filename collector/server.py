@@ -312,6 +312,19 @@ async def _windows(request: web.Request) -> web.Response:
     return await _read(request, _RANGE, "1h", _range_reader("windows"))
 
 
+async def _minute_windows(request: web.Request) -> web.Response:
+    return await _read(request, _RANGE, "1d", _range_reader("minute_windows"))
+
+
+async def _daily_load_peaks(request: web.Request) -> web.Response:
+    return await _read(
+        request,
+        ("pool", "since", "until", "format", "fields"),
+        "28d",
+        lambda st, q: st.daily_load_peaks(q.pool, q.since_unix_s, q.until_unix_s),
+    )
+
+
 async def _steps(request: web.Request) -> web.Response:
     return await _read(request, _RANGE, "1h", _range_reader("steps"))
 
@@ -402,6 +415,12 @@ async def _retention_loop(ctx: Context) -> None:
 
     def job() -> dict[str, int]:
         return {
+            **ctx.store.apply_lifecycle(
+                window_retention_s=s.window_retention_s,
+                request_retention_s=s.request_retention_s,
+                rollup_retention_s=s.rollup_retention_s,
+                rollup_lookback_s=s.rollup_lookback_s,
+            ),
             **ctx.store.apply_retention(s.raw_step_retention_s, s.ledger_retention_s),
             **ctx.store.apply_kv_event_retention(s.raw_step_retention_s),
         }
@@ -409,6 +428,7 @@ async def _retention_loop(ctx: Context) -> None:
     while True:
         try:
             deleted = await asyncio.wrap_future(ctx.writer.call(job))
+            log.debug("rolled up %d minute windows", deleted.pop("windows_1m_written", 0))
             if any(deleted.values()):
                 log.info("retention deleted %s", deleted)
         except WriterClosed:
@@ -585,6 +605,8 @@ def create_app(settings: Settings, store: Store | None = None) -> web.Applicatio
     app.router.add_get("/v1/engines", _engines)
     app.router.add_get("/v1/engines/{engine_id}/configs", _configs)
     app.router.add_get("/v1/windows", _windows)
+    app.router.add_get("/v1/windows_1m", _minute_windows)
+    app.router.add_get("/v1/daily_load_peaks", _daily_load_peaks)
     app.router.add_get("/v1/steps", _steps)
     app.router.add_get("/v1/requests", _requests)
     app.router.add_get("/v1/kv_events", _kv_events)

@@ -38,8 +38,20 @@ class Settings:
     """Idempotency-ledger rows older than this are deleted; 0 keeps them. A batch resent
     after its ledger row is gone would be stored again, so keep this far above any
     sender's retry horizon (the plugin resends within seconds to minutes)."""
+    window_retention_s: float = 15 * DAY_S
+    """1-second windows older than this are deleted once rolled up into 1-minute windows;
+    0 keeps them. The advisor fits knees on 1-second windows: the default covers the
+    weekly report's week and the week before it."""
+    request_retention_s: float = 15 * DAY_S
+    """Finished requests older than this (by ``finished_unix_s``) are deleted; 0 keeps them."""
+    rollup_retention_s: float = 400 * DAY_S
+    """1-minute windows (the downsampled tier read for long ranges) older than this are
+    deleted; 0 keeps them."""
+    rollup_lookback_s: float = 600.0
+    """Each retention pass rolls up this much of the already rolled-up minutes again
+    (besides every minute late data landed in): a minute's late seconds join it."""
     retention_interval_s: float = 60.0
-    """How often the retention task runs."""
+    """How often the retention task (rollup, then deletes) runs."""
     max_body_bytes: int = 8 * MIB
     """Largest accepted request body as sent (compressed); larger gets 413."""
     max_decompressed_bytes: int = 64 * MIB
@@ -118,7 +130,14 @@ class Settings:
             raise ValueError("store_path: must not be empty")
         if self.token is not None and not self.token.strip():
             raise ValueError("token: must not be blank (leave it unset for no auth)")
-        for name in ("raw_step_retention_s", "ledger_retention_s"):
+        for name in (
+            "raw_step_retention_s",
+            "ledger_retention_s",
+            "window_retention_s",
+            "request_retention_s",
+            "rollup_retention_s",
+            "rollup_lookback_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0 (0 keeps forever)")
         if self.retention_interval_s <= 0:

@@ -13,8 +13,12 @@ Tables (see :mod:`kvscope.collector.tables` for every column):
   ``first_seen_unix_s``/``last_seen_unix_s`` (collector clock), ``last_step_unix_s``.
 * ``engine_configs``: one row per (engine_id, boot_id) hello: the configuration history.
 * ``steps``: engine_id, boot_id and the wire's STEP_FIELDS; deleted after the retention.
-* ``windows_1s``: per (engine_id, ts_s) aggregates of the steps (kept forever).
-* ``requests``: engine_id, boot_id and the wire's REQUEST_FIELDS.
+* ``windows_1s``: per (engine_id, ts_s) aggregates of the steps; deleted after the window
+  retention, once rolled up into
+* ``windows_1m``: per (engine_id, minute) aggregates of the 1-second windows (see
+  :mod:`kvscope.collector._rollup`); deleted after the rollup retention.
+* ``requests``: engine_id, boot_id and the wire's REQUEST_FIELDS; deleted after the
+  request retention.
 * ``ingested_batches``: the idempotency ledger, key (engine_id, boot_id, seq).
 * ``exporter_stats``: the plugin's cumulative counters per (engine_id, boot_id).
 * ``kv_event_windows``: per (engine_id, ts_s) counters of the engine's KV-cache events
@@ -34,7 +38,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from kvscope.collector import _reads
+from kvscope.collector import _reads, _rollup
 from kvscope.collector._ingest import (
     DUPLICATE,
     STORED,
@@ -199,6 +203,46 @@ class Store:
             out["ingested_batches"] = self.delete_old_ledger(now - ledger_retention_s)
         return out
 
+    def apply_lifecycle(
+        self,
+        *,
+        window_retention_s: float,
+        request_retention_s: float,
+        rollup_retention_s: float,
+        rollup_lookback_s: float = 600.0,
+        now_unix_s: float | None = None,
+    ) -> dict[str, int]:
+        """Roll up the complete minutes into ``windows_1m`` (see
+        :mod:`kvscope.collector._rollup`), then delete 1-second windows past
+        ``window_retention_s`` whose minute is rolled up, requests finished before
+        ``request_retention_s`` and minute windows past ``rollup_retention_s`` (0 keeps).
+
+        As in Prometheus, the retentions count back from the newest data (the latest
+        1-second window, or now if that is later than now): a store of old data (an
+        import, a test's fixed timestamps) is not emptied by the wall clock. Returns the
+        minute rows written (``windows_1m_written``) and the rows deleted per table."""
+        now = time.time() if now_unix_s is None else now_unix_s
+        with self._write_lock:
+            self._check_open()
+            written, self._cache.window_minutes = self._cache.window_minutes, set()
+            try:
+                n, rolled, later = _rollup.roll_up(self._con, now, rollup_lookback_s, written)
+            except BaseException:
+                self._cache.window_minutes |= written
+                raise
+            self._cache.window_minutes |= later
+            newest = max(self._cache.window_max_s.values(), default=None)
+        ref = now if newest is None else min(now, float(newest) + 1.0)
+        out = {"windows_1m_written": n}
+        if window_retention_s > 0:
+            cutoff = min(ref - window_retention_s, float(rolled))
+            out["windows_1s"] = self._delete("windows_1s", "ts_s", cutoff)
+        if request_retention_s > 0:
+            out["requests"] = self._delete("requests", "finished_unix_s", ref - request_retention_s)
+        if rollup_retention_s > 0:
+            out["windows_1m"] = self._delete("windows_1m", "ts_s", ref - rollup_retention_s)
+        return out
+
     def write_kv_event_windows(self, rows: pd.DataFrame) -> int:
         """Merge per-(engine_id, ts_s) KV-event counters (columns ``KV_EVENT_COLUMNS``,
         one row per key): counts add up, held counts and block size take the new value.
@@ -279,6 +323,31 @@ class Store:
     ) -> pd.DataFrame:
         """Columns: engine_id, ts_s and the window aggregates (see :mod:`kvscope.collector.tables`), pool, model."""
         return _reads.windows(self._cursor(), engine_id, pool, since_unix_s, until_unix_s, limit)
+
+    def minute_windows(
+        self,
+        engine_id: str | None = None,
+        pool: str | None = None,
+        since_unix_s: float | None = None,
+        until_unix_s: float | None = None,
+        limit: int | None = None,
+    ) -> pd.DataFrame:
+        """The downsampled tier: engine_id, ts_s (minute start) and the minute aggregates
+        (see :mod:`kvscope.collector._rollup`), pool, model."""
+        return _reads.minute_windows(
+            self._cursor(), engine_id, pool, since_unix_s, until_unix_s, limit
+        )
+
+    def roll_up_now(self, now_unix_s: float | None = None, lookback_s: float = 600.0) -> int:
+        """Roll up the complete minutes without deleting anything (what the retention
+        task does first); returns the minute rows written."""
+        return self.apply_lifecycle(
+            window_retention_s=0,
+            request_retention_s=0,
+            rollup_retention_s=0,
+            rollup_lookback_s=lookback_s,
+            now_unix_s=now_unix_s,
+        )["windows_1m_written"]
 
     def steps(
         self,
@@ -371,6 +440,16 @@ class Store:
         """Per engine (``knees``: engine_id, knee) and UTC day: window sums, seconds past
         the knee and requests finished (``kvscope.advisor.usage.DAY_COLUMNS``), in SQL."""
         return _reads.usage_days(self._cursor(), knees, since_unix_s, until_unix_s)
+
+    def daily_load_peaks(
+        self,
+        pool: str | None = None,
+        since_unix_s: float | None = None,
+        until_unix_s: float | None = None,
+    ) -> pd.DataFrame:
+        """Per engine and UTC day of the 1-minute windows: engine_id, pool,
+        day_start_unix_s, load_max, active_s, generation_tokens."""
+        return _reads.daily_load_peaks(self._cursor(), pool, since_unix_s, until_unix_s)
 
     def exporter_stats(self, engine_id: str | None = None) -> pd.DataFrame:
         """Columns: engine_id, boot_id, the EXPORTER_FIELDS, updated_unix_s."""

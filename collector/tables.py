@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvscope.collector._rollup import MINUTE_FIELDS
 from kvscope.engine_plugins.schema import (
     BOOL,
     EXPORTER_FIELDS,
@@ -125,6 +126,10 @@ TABLES: dict[str, dict[str, Any]] = {
     "steps": {"cols": [("engine_id", "VARCHAR"), ("boot_id", "VARCHAR"), *_cols(STEP_FIELDS)]},
     "windows_1s": {
         "cols": [("engine_id", "VARCHAR"), ("ts_s", "BIGINT"), *WINDOW_FIELDS],
+        "pk": ("engine_id", "ts_s"),
+    },
+    "windows_1m": {
+        "cols": [("engine_id", "VARCHAR"), ("ts_s", "BIGINT"), *MINUTE_FIELDS],
         "pk": ("engine_id", "ts_s"),
     },
     "requests": {

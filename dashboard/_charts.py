@@ -48,11 +48,17 @@ def bucket_seconds(span_s: float, max_points: int = MAX_POINTS) -> int:
 
 
 def engine_series(
-    windows: pd.DataFrame, num_gpu_blocks: float | None, window_s: float = 1.0
+    windows: pd.DataFrame,
+    num_gpu_blocks: float | None,
+    window_s: float = 1.0,
+    *,
+    counts: bool | None = None,
 ) -> pd.DataFrame:
     """Per-second (or bucketed) series of one engine's windows, each ``window_s`` seconds
-    long (1 from a collector; from Prometheus the resolution, its counts per-second
-    rates). Buckets are whole multiples of ``window_s``.
+    long (1 from a collector, 60 from its 1-minute windows; from Prometheus the
+    resolution). ``counts``: whether the windows' tokens and preemptions are counts over
+    the window (a collector's) rather than per-second rates (Prometheus'); by default,
+    counts for 1-second windows only. Buckets are whole multiples of ``window_s``.
 
     Columns: ``time`` (UTC datetime), gauge means, maxima, and rates per second
     (``preemptions_per_s``, ``gen_tokens_per_s``, ``prompt_tokens_per_s``,
@@ -65,7 +71,9 @@ def engine_series(
     for c in (*_GAUGES, *_MAXES, *_SUMS, "ts_s"):
         w[c] = pd.to_numeric(w[c], errors="coerce") if c in w else np.nan
     step = max(1, round(window_s))
-    if step > 1:  # per-second rates over the window: back to counts
+    if counts is None:
+        counts = step == 1
+    if not counts:  # per-second rates over the window: back to counts
         for c in _SUMS:
             w[c] = w[c] * step
     span = float(w["ts_s"].max() - w["ts_s"].min() + step)

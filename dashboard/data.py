@@ -119,6 +119,17 @@ class Snapshot:
         return not self.from_prometheus
 
     @property
+    def long_range(self) -> bool:
+        """Whether the window is long enough (``LONG_RANGE_S``) for the time series to read
+        the collector's 1-minute windows."""
+        if self.from_prometheus:
+            return False
+        if self.since_unix_s is None:
+            return True
+        end = self.until_unix_s if self.until_unix_s is not None else self.fetched_unix_s
+        return end - self.since_unix_s >= LONG_RANGE_S
+
+    @property
     def window_s(self) -> float:
         """Length of one window in seconds (1 from a collector; the resolution read from
         Prometheus)."""
@@ -340,6 +351,32 @@ def _load_prometheus(
     snap.windows = source.frames.get("windows", pd.DataFrame())
     snap.requests = source.frames.get("requests", pd.DataFrame())
     return snap
+
+
+LONG_RANGE_S = 6 * 3600.0
+"""From this span on, the engine page's time series read the collector's 1-minute windows
+(the 1-second ones bucketed to minutes at least anyway; past the collector's window
+retention only the minutes are left)."""
+
+
+def read_minute_windows(
+    settings: DashboardSettings,
+    engine_id: str,
+    since_unix_s: float | None,
+    until_unix_s: float | None,
+) -> pd.DataFrame:
+    """The engine's 1-minute windows in ``[since, until)`` (``/v1/windows_1m``, paged), oldest
+    first; empty from a collector without them. Raises :class:`advisor.SourceError` on a
+    failed read."""
+    source = CollectorSource(
+        settings.collector_url, token=settings.token, timeout_s=settings.timeout_s
+    )
+    try:
+        return source.minute_windows(since_unix_s, until_unix_s, engine_id)
+    except SourceError as exc:
+        if exc.status == 404:  # a collector from before the tier
+            return pd.DataFrame()
+        raise
 
 
 def read_steps(

@@ -196,7 +196,14 @@ def forecast_text(wr: WeeklyReport, f: PoolForecast) -> str:
         if f.capacity is not None
         else "capacity unknown (an engine without a knee or batch limit)"
     )
-    peaks = ", ".join(num(x, ".0f") for x in f.daily_peak)
+    h = f.history_days
+    peaks = ", ".join(num(x, ".0f") for x in f.daily_peak[h:])
+    if h:
+        before = f.daily_peak[:h]
+        peaks = (
+            f"{peaks or '–'} this week, {num(min(before), '.0f')}–{num(max(before), '.0f')} "
+            f"over the {h} day(s) before (1-minute windows)"
+        )
     trend = (
         f"; trend {f.slope_per_day:+.2f}/day, {num(f.level_at_end)} on the last day"
         if f.slope_per_day is not None

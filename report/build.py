@@ -77,14 +77,17 @@ def build_weekly_report(
     gpu_hour_cost: float | None = None,
     forecast_min_days: int = 4,
     forecast_horizon_weeks: float = 8.0,
+    forecast_history_weeks: float = 4.0,
     **analyze_kw: Any,
 ) -> WeeklyReport:
     """Read, analyse and compare (see the module docstring). ``analyze_kw`` go to
     :func:`kvscope.advisor.analyze` for both weeks (SLOs, ``cap_fraction``...);
     ``max_windows_per_engine`` bounds a sampling source's read (``None``: read every
     window into memory, from any source); ``gpu_hour_cost`` (USD per GPU-hour) prices
-    the GPU-hours; the forecast needs ``forecast_min_days`` days with data and looks
-    ``forecast_horizon_weeks`` ahead."""
+    the GPU-hours; the forecast needs ``forecast_min_days`` days with data, looks
+    ``forecast_horizon_weeks`` ahead and draws its line through the daily peaks of the
+    week and, from a source with 1-minute windows (``daily_load_peaks``), of the
+    ``forecast_history_weeks`` before it."""
     bar = progress or _Silent()
     length = until - since
     prev_since = since - length
@@ -171,8 +174,17 @@ def build_weekly_report(
     actions = action_list(
         current, previous, week_configs.get("current"), values, week_configs.get("previous")
     )
+    history = None
+    peaks_of = getattr(source, "daily_load_peaks", None)
+    if peaks_of is not None and forecast_history_weeks > 0:
+        step("daily peaks of the weeks before (1-minute windows)")
+        history = peaks_of(since - forecast_history_weeks * 7 * 86400.0, since, pool=pool)
     forecast = capacity_forecast(
-        usage, current, min_days=forecast_min_days, horizon_weeks=forecast_horizon_weeks
+        usage,
+        current,
+        min_days=forecast_min_days,
+        horizon_weeks=forecast_horizon_weeks,
+        history=history,
     )
     bar.update(1)
     history = configs
@@ -195,6 +207,7 @@ def build_weekly_report(
             **analyze_kw,
             "forecast_min_days": forecast_min_days,
             "forecast_horizon_weeks": forecast_horizon_weeks,
+            "forecast_history_weeks": forecast_history_weeks,
         },
         actions=actions,
         gpu_hours=pool_hours,

@@ -24,7 +24,7 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
-from kvscope.advisor.sources import CollectorSource, WindowSample
+from kvscope.advisor.sources import CollectorSource, SourceError, WindowSample
 from kvscope.collector.store import Store
 from kvscope.collector.tables import STORE_SCHEMA_VERSION, StoreVersionError
 
@@ -168,6 +168,15 @@ class StoreSource:
         computed by DuckDB over every window of the range."""
         return self.store.usage_days(knees, since, until)
 
+    def daily_load_peaks(
+        self, since: float | None = None, until: float | None = None, *, pool: str | None = None
+    ) -> pd.DataFrame:
+        """Per engine and UTC day, the highest load from the 1-minute windows (empty for
+        a store made before them)."""
+        if "windows_1m" not in self.store.tables:
+            return pd.DataFrame()
+        return self.store.daily_load_peaks(pool, since, until)
+
     def close(self) -> None:
         self.store.close()
 
@@ -184,6 +193,25 @@ class HttpSource(CollectorSource):
             frames.append(self._frame(self._get(path, {"format": "columns"})))
         frames = [f for f in frames if len(f)]
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+    def daily_load_peaks(
+        self, since: float | None = None, until: float | None = None, *, pool: str | None = None
+    ) -> pd.DataFrame:
+        """``GET /v1/daily_load_peaks``: per engine and UTC day, the highest load from the
+        collector's 1-minute windows (empty from a collector without them)."""
+        params: dict[str, str] = {"format": "columns"}
+        if since is not None:
+            params["since"] = repr(float(since))
+        if until is not None:
+            params["until"] = repr(float(until))
+        if pool is not None:
+            params["pool"] = pool
+        try:
+            return self._frame(self._get("/v1/daily_load_peaks", params))
+        except SourceError as exc:
+            if exc.status == 404:
+                return pd.DataFrame()
+            raise
 
     def close(self) -> None:
         return None

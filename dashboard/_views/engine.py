@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 import streamlit as st
 
+from kvscope.advisor import SourceError
 from kvscope.dashboard._charts import (
     COUNT_FORMAT,
     engine_series,
@@ -16,7 +19,7 @@ from kvscope.dashboard._format import NONE, knee, num, pct, tok
 from kvscope.dashboard._status import recent
 from kvscope.dashboard._views._common import pick_engine, verdict_headline
 from kvscope.dashboard._views._steps import steps_section
-from kvscope.dashboard.data import Snapshot
+from kvscope.dashboard.data import Snapshot, read_minute_windows
 
 
 def _config_line(cfg: dict) -> str:
@@ -55,6 +58,28 @@ def _prefix_note(s: pd.DataFrame) -> str:
     return ""
 
 
+def _span_text(seconds: int) -> str:
+    if seconds % 3600 == 0:
+        return f"{seconds // 3600} h"
+    return f"{seconds // 60} min" if seconds % 60 == 0 else f"{seconds} s"
+
+
+def _series(snap: Snapshot, engine_id: str, blocks: Any) -> tuple[pd.DataFrame, str]:
+    """The engine's time series and where they come from: over a long window the
+    collector's 1-minute windows (complete, and kept after the 1-second ones), else the
+    windows the advisor read."""
+    if snap.long_range:
+        try:
+            minutes = read_minute_windows(
+                snap.settings, engine_id, snap.since_unix_s, snap.until_unix_s
+            )
+        except SourceError:
+            minutes = pd.DataFrame()
+        if len(minutes):
+            return engine_series(minutes, blocks, 60.0, counts=True), ", from 1-minute windows"
+    return engine_series(snap.engine_windows(engine_id), blocks, snap.window_s), ""
+
+
 def render(snap: Snapshot) -> None:
     report = snap.report
     assert report is not None
@@ -78,12 +103,13 @@ def render(snap: Snapshot) -> None:
         str(v.recommended_concurrency_cap) if v.recommended_concurrency_cap is not None else NONE,
     )
 
-    s = engine_series(snap.engine_windows(v.engine_id), cfg.get("num_gpu_blocks"), snap.window_s)
+    s, tier = _series(snap, v.engine_id, cfg.get("num_gpu_blocks"))
     if not len(s):
-        st.info("No 1-second windows of this engine in the window.")
+        st.info("No windows of this engine in the window.")
         return
-    per = "per second" if int(s["bucket_s"].iloc[0]) == 1 else f"per {s['bucket_s'].iloc[0]} s"
-    st.subheader(f"Time series ({per})")
+    b = int(s["bucket_s"].iloc[0])
+    per = "per second" if b == 1 else f"per {_span_text(b)}"
+    st.subheader(f"Time series ({per}{tier})")
     seqs, blocks = cfg.get("max_num_seqs"), cfg.get("num_gpu_blocks")
     left, right = st.columns(2)
     left.altair_chart(

@@ -94,3 +94,35 @@ def test_pool_forecast_sums_the_engines() -> None:
     usage, report = _pool_week({"a": 12.0, "b": None})
     (f,) = capacity_forecast(usage, report)
     assert f.status == "no_capacity" and f.capacity is None
+
+
+def test_the_weeks_before_from_the_minute_tier_extend_the_line() -> None:
+    """Three weeks before the week (as the collector's 1-minute windows give them, per
+    engine and day) join the line: a week that alone looks flat is part of a rise."""
+    usage, report = _pool_week({"a": 30.0, "b": 30.0})
+    # the week alone rises by 1 a day; before it, the pool rose 1 a day from 10 - 21
+    rows = []
+    for i in range(21):
+        day = DAY0 - (21 - i) * DAY_S
+        for eid, share in (("a", 0.4), ("b", 0.6)):
+            rows.append(
+                {
+                    "engine_id": eid,
+                    "pool": "p",
+                    "day_start_unix_s": day,
+                    "load_max": share * (i - 11.0),
+                }
+            )
+    rows.append(
+        {"engine_id": "gone", "pool": "other", "day_start_unix_s": DAY0 - DAY_S, "load_max": 99.0}
+    )
+    (f,) = capacity_forecast(usage, report, history=pd.DataFrame(rows))
+    assert f.history_days == 21 and len(f.daily_peak) == 28
+    assert f.daily_peak[:21] == pytest.approx([i - 11.0 for i in range(21)])
+    assert f.slope_per_day == pytest.approx(1.0, abs=1e-9)
+    # a day in both (the week starting mid-day) takes each engine's higher peak
+    both = pd.DataFrame(
+        [{"engine_id": "a", "pool": "p", "day_start_unix_s": DAY0, "load_max": 100.0}]
+    )
+    (g,) = capacity_forecast(usage, report, history=both)
+    assert g.history_days == 0 and g.daily_peak[0] == pytest.approx(100.0 + 6.0)

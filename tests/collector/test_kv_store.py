@@ -16,7 +16,7 @@ from kvscope.collector.tables import KV_EVENT_COLUMNS, TABLES
 
 T0 = 1_700_000_000.0
 NEW_COLUMNS = {"kv_events_endpoint"}
-NEW_TABLES = {"kv_event_windows"}
+NEW_TABLES = {"kv_event_windows", "windows_1m"}
 
 
 def _old_store(path: str) -> None:

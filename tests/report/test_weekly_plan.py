@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import pandas as pd
 import pytest
 from test_weekly import EID, T0, WEEK, _Source, fleet  # noqa: F401  (fleet: a fixture)
 
@@ -143,3 +144,50 @@ def test_thrash_rows_of_a_report(reports: dict) -> None:
             assert cell in ("–", "no") or "(" in cell or cell.startswith("yes:"), cell
             if "preemptions/s" in cell and cell.startswith("no"):
                 assert "holds" in cell or "below its peak" in cell or "not saturated" in cell
+
+
+class _WithHistory(_Source):
+    """The frames plus the collector's daily peaks of the weeks before (``daily_load_peaks``)."""
+
+    def __init__(self, frames: dict, peaks: pd.DataFrame) -> None:
+        super().__init__(frames)
+        self.peaks = peaks
+        self.asked: list[tuple[float | None, float | None, str | None]] = []
+
+    def daily_load_peaks(
+        self, since: float | None = None, until: float | None = None, *, pool: str | None = None
+    ) -> pd.DataFrame:
+        self.asked.append((since, until, pool))
+        p = self.peaks
+        return p[(p["day_start_unix_s"] >= (since or 0) - 86400) & (p["day_start_unix_s"] < until)]
+
+
+def test_the_forecast_runs_through_the_weeks_before(fleet: dict) -> None:  # noqa: F811
+    since = T0 - 3600 + WEEK
+    day0 = since // 86400 * 86400
+    peaks = pd.DataFrame(
+        [
+            {
+                "engine_id": EID,
+                "pool": "synth",
+                "day_start_unix_s": day0 - d * 86400.0,
+                "load_max": 2.0,
+            }
+            for d in range(1, 15)
+        ]
+    )
+    src = _WithHistory(fleet, peaks)
+    wr = build_weekly_report(
+        src, since, since + WEEK, source_label="frames", forecast_history_weeks=2
+    )
+    assert src.asked == [(since - 2 * WEEK, since, None)]
+    (f,) = wr.forecast
+    assert f.history_days == 14 and f.daily_peak[:14] == [2.0] * 14
+    md, cli = render_markdown(wr), render_summary(wr)
+    for text in (md, cli):
+        assert "over the 14 day(s) before (1-minute windows)" in text
+    assert WeeklyReport.from_json(wr.to_json()).forecast[0].history_days == 14
+    none = build_weekly_report(
+        src, since, since + WEEK, source_label="frames", forecast_history_weeks=0
+    )
+    assert none.forecast[0].history_days == 0 and len(src.asked) == 1

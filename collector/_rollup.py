@@ -1,0 +1,162 @@
+"""The store's downsampled tier: 1-minute windows rolled up from the 1-second ones.
+
+1-second windows are what the advisor fits knees on; kept forever they grow with every
+engine-second (about 250 bytes each on disk). ``windows_1m`` keeps, per engine and
+minute, what long ranges need: the sums (tokens, steps, preemptions, prefix lookups),
+the extremes, the step-weighted means the 1-second windows carry, and the per-second
+**load** (requests in flight, ``batch_mean + waiting_mean + deferred_mean`` as the
+advisor counts it) as its mean, median, P90 and maximum over the minute's seconds, with
+the busiest second's generated tokens. ``n_seconds`` counts the 1-second windows merged
+(the seconds the engine stepped). A minute row takes about a sixtieth of the space of
+the seconds it replaces, so the tier can be kept for months.
+
+The retention task (:meth:`kvscope.collector.store.Store.apply_lifecycle`) rolls up each
+minute once it ended ``ROLLUP_LAG_S`` ago, and again whenever the writer stored windows
+in it since the last pass (late data: a batch resent after an outage, a replayed
+recording): an upsert of the whole minute, so rolling up twice gives the same row. The
+end of the rolled-up minutes is kept in ``meta``; a store that has none (written by an
+older kvscope) is rolled up from its oldest window on the first pass. The minutes
+written are held in memory; as a safety net against losing them (a crash between a
+write and the next pass) the last ``lookback_s`` of minutes are rolled up again on every
+pass. A 1-second window is deleted only once its minute has been rolled up.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+MINUTE_S = 60
+ROLLUP_LAG_S = 120
+"""A minute is rolled up once it ended this long ago (the plugin sends within seconds)."""
+ROLLUP_CHUNK_S = 6 * 3600
+"""A backfill of an existing store rolls up this many seconds of windows per statement."""
+ROLLED_UNTIL_KEY = "windows_1m_until"
+"""``meta`` key: the end (exclusive, unix seconds) of the minutes rolled up so far."""
+
+_LOAD_1S = (
+    "(coalesce(batch_mean, 0.0) + coalesce(waiting_mean, 0.0) + coalesce(deferred_mean, 0.0))"
+)
+
+#: ``windows_1m`` columns after (engine_id, ts_s): (name, SQL type, aggregate over the
+#: minute's 1-second windows). Means are step-weighted like the 1-second ones; ``load_*``
+#: are over the seconds.
+MINUTE_AGGREGATES: tuple[tuple[str, str, str], ...] = (
+    ("n_seconds", "BIGINT", "count(*)"),
+    ("n_steps", "BIGINT", "sum(n_steps)"),
+    ("first_step_unix_s", "DOUBLE", "min(first_step_unix_s)"),
+    ("last_step_unix_s", "DOUBLE", "max(last_step_unix_s)"),
+    ("batch_sum", "BIGINT", "sum(batch_sum)"),
+    ("batch_mean", "DOUBLE", "sum(batch_sum) / nullif(sum(n_steps), 0)"),
+    ("batch_min", "BIGINT", "min(batch_min)"),
+    ("batch_max", "BIGINT", "max(batch_max)"),
+    ("kv_usage_sum", "DOUBLE", "sum(kv_usage_sum)"),
+    ("kv_usage_mean", "DOUBLE", "sum(kv_usage_sum) / nullif(sum(n_steps), 0)"),
+    ("kv_usage_max", "DOUBLE", "max(kv_usage_max)"),
+    ("kv_blocks_max", "BIGINT", "max(kv_blocks_max)"),
+    ("waiting_sum", "BIGINT", "sum(waiting_sum)"),
+    ("waiting_mean", "DOUBLE", "sum(waiting_sum) / nullif(sum(n_steps), 0)"),
+    ("waiting_max", "BIGINT", "max(waiting_max)"),
+    ("deferred_sum", "BIGINT", "sum(deferred_sum)"),
+    ("deferred_mean", "DOUBLE", "sum(deferred_sum) / nullif(sum(n_steps), 0)"),
+    ("deferred_max", "BIGINT", "max(deferred_max)"),
+    ("preemptions", "BIGINT", "sum(preemptions)"),
+    ("prompt_tokens", "BIGINT", "sum(prompt_tokens)"),
+    ("generation_tokens", "BIGINT", "sum(generation_tokens)"),
+    ("generation_tokens_max", "BIGINT", "max(generation_tokens)"),
+    ("prefix_queries", "BIGINT", "sum(prefix_queries)"),
+    ("prefix_hits", "BIGINT", "sum(prefix_hits)"),
+    ("iteration_n", "BIGINT", "sum(iteration_n)"),
+    ("iteration_s_sum", "DOUBLE", "sum(iteration_s_sum)"),
+    ("iteration_s_max", "DOUBLE", "max(iteration_s_max)"),
+    ("load_mean", "DOUBLE", f"avg({_LOAD_1S})"),
+    ("load_p50", "DOUBLE", f"quantile_cont({_LOAD_1S}, 0.5)"),
+    ("load_p90", "DOUBLE", f"quantile_cont({_LOAD_1S}, 0.9)"),
+    ("load_max", "DOUBLE", f"max({_LOAD_1S})"),
+)
+MINUTE_FIELDS: tuple[tuple[str, str], ...] = tuple((c, t) for c, t, _ in MINUTE_AGGREGATES)
+MINUTE_COLUMNS: tuple[str, ...] = ("engine_id", "ts_s", *(c for c, _ in MINUTE_FIELDS))
+
+ROLLUP_SQL = (
+    f"INSERT INTO windows_1m ({', '.join(MINUTE_COLUMNS)}) "
+    f"SELECT engine_id, (ts_s // {MINUTE_S}) * {MINUTE_S} AS minute, "
+    + ", ".join(agg for _, _, agg in MINUTE_AGGREGATES)
+    + " FROM windows_1s WHERE ts_s >= ? AND ts_s < ? GROUP BY engine_id, minute "
+    "ON CONFLICT (engine_id, ts_s) DO UPDATE SET "
+    + ", ".join(f"{c} = excluded.{c}" for c, _ in MINUTE_FIELDS)
+)
+
+
+def minute_floor(t: float) -> int:
+    """The start of the minute holding unix second ``t``."""
+    return math.floor(t / MINUTE_S) * MINUTE_S
+
+
+def rolled_until(con: Any) -> int | None:
+    """The end of the minutes rolled up so far (``None``: never rolled up)."""
+    row = con.execute("SELECT value FROM meta WHERE key = ?", [ROLLED_UNTIL_KEY]).fetchone()
+    return int(row[0]) if row else None
+
+
+def _runs(minutes: list[int], gap_s: int = 3600) -> list[tuple[int, int]]:
+    """Sorted minute starts as ``[start, end)`` ranges, joining those less than ``gap_s``
+    apart (one statement per range; the minutes between have no new data but rolling
+    them up again changes nothing)."""
+    out: list[tuple[int, int]] = []
+    for m in minutes:
+        if out and m - out[-1][1] < gap_s:
+            out[-1] = (out[-1][0], m + MINUTE_S)
+        else:
+            out.append((m, m + MINUTE_S))
+    return out
+
+
+def roll_up(
+    con: Any, now_unix_s: float, lookback_s: float, written: set[int] | None = None
+) -> tuple[int, int, set[int]]:
+    """Roll up the complete minutes not rolled up yet, the last ``lookback_s`` of those
+    that were and the complete minutes of ``written`` (minute starts the writer stored
+    windows in since the last pass), one transaction per range of at most
+    ``ROLLUP_CHUNK_S``; the caller holds the write lock. Returns the minute rows written,
+    the end of the rolled-up minutes and the minutes of ``written`` not complete yet
+    (to pass again next time)."""
+    end = minute_floor(now_unix_s - ROLLUP_LAG_S)
+    written = written or set()
+    later = {m for m in written if m >= end}
+    done = rolled_until(con)
+    ranges: list[tuple[int, int]] = []
+    if done is None:  # first pass on this store: every chunk holding a window
+        chunks = con.execute(
+            f"SELECT DISTINCT ts_s // {ROLLUP_CHUNK_S} FROM windows_1s WHERE ts_s < ? ORDER BY 1",
+            [end],
+        ).fetchall()
+        ranges = [
+            (int(c) * ROLLUP_CHUNK_S, min((int(c) + 1) * ROLLUP_CHUNK_S, end)) for (c,) in chunks
+        ]
+    else:
+        start = min(done, minute_floor(done - lookback_s))
+        ranges = _runs(sorted(m for m in written if m < start))
+        for a in range(start, end, ROLLUP_CHUNK_S):
+            ranges.append((a, min(a + ROLLUP_CHUNK_S, end)))
+    rows = 0
+    for a, b in ranges:
+        for lo in range(a, b, ROLLUP_CHUNK_S):
+            hi = min(lo + ROLLUP_CHUNK_S, b)
+            con.execute("BEGIN TRANSACTION")
+            try:
+                row = con.execute(ROLLUP_SQL, [lo, hi]).fetchone()
+                rows += int(row[0]) if row else 0
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+    until = end if done is None else max(done, end)
+    _set_until(con, until)
+    return rows, until, later
+
+
+def _set_until(con: Any, until: int) -> None:
+    con.execute(
+        "INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+        [ROLLED_UNTIL_KEY, str(int(until))],
+    )
