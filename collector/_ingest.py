@@ -75,6 +75,9 @@ class WriteCache:
     """Highest seq stored per (engine_id, boot_id), for boots active recently."""
     engines: set[str] = field(default_factory=set)
     window_max_s: dict[str, int] = field(default_factory=dict)
+    request_max_s: float | None = None
+    """The latest ``finished_unix_s`` stored (what the retentions count back from, with
+    the latest window)."""
     window_minutes: set[int] = field(default_factory=set)
     """Start of each minute windows were written in since the last rollup (see
     :mod:`kvscope.collector._rollup`)."""
@@ -101,6 +104,8 @@ class WriteCache:
         c.window_max_s = dict(
             con.execute("SELECT engine_id, max(ts_s) FROM windows_1s GROUP BY engine_id").fetchall()
         )
+        row = con.execute("SELECT max(finished_unix_s) FROM requests").fetchone()
+        c.request_max_s = float(row[0]) if row and row[0] is not None else None
         cols = ", ".join(EXPORTER_KEYS)
         for r in con.execute(f"SELECT engine_id, boot_id, {cols} FROM exporter_stats").fetchall():
             c.exporter[(r[0], r[1])] = {
@@ -119,6 +124,11 @@ class WriteCache:
             if s > self.window_max_s.get(e, s - 1):
                 self.window_max_s[e] = s
         self.window_minutes |= other.window_minutes
+        if other.request_max_s is not None:
+            mine = self.request_max_s
+            self.request_max_s = (
+                other.request_max_s if mine is None else max(mine, other.request_max_s)
+            )
         self.exporter.update(other.exporter)
 
 
@@ -212,7 +222,7 @@ def _write_steps(con: Any, new: list[PreparedBatch], out: WriteCache, known: Wri
         out.window_max_s[e] = s
 
 
-def _write_requests(con: Any, new: list[PreparedBatch]) -> None:
+def _write_requests(con: Any, new: list[PreparedBatch], out: WriteCache) -> None:
     rows = [b for b in new if b.n_requests]
     if not rows:
         return
@@ -223,6 +233,10 @@ def _write_requests(con: Any, new: list[PreparedBatch]) -> None:
         **_concat([b.requests for b in rows], REQUEST_COLUMNS),
     }
     con.execute(sql.REQUESTS_INSERT)
+    finished = np.asarray(_kv_requests["finished_unix_s"], dtype=float)
+    if len(finished) and np.isfinite(finished).any():
+        newest = float(np.nanmax(finished))
+        out.request_max_s = max(newest, out.request_max_s or newest)
 
 
 def _write_engines(con: Any, new: list[PreparedBatch], out: WriteCache, known: WriteCache) -> None:
@@ -348,7 +362,7 @@ def ingest_in_transaction(
     new = [b for b in candidates if b.key in claimed]
     if new:
         _write_steps(con, new, added, cache)
-        _write_requests(con, new)
+        _write_requests(con, new, added)
         _write_configs(con, new, added, cache)
         _write_engines(con, new, added, cache)
         _write_exporter(con, new, added, cache)

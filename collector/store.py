@@ -218,7 +218,7 @@ class Store:
         ``request_retention_s`` and minute windows past ``rollup_retention_s`` (0 keeps).
 
         As in Prometheus, the retentions count back from the newest data (the latest
-        1-second window, or now if that is later than now): a store of old data (an
+        1-second window or finished request, or now if that is later than now): a store of old data (an
         import, a test's fixed timestamps) is not emptied by the wall clock. Returns the
         minute rows written (``windows_1m_written``) and the rows deleted per table."""
         now = time.time() if now_unix_s is None else now_unix_s
@@ -231,8 +231,12 @@ class Store:
                 self._cache.window_minutes |= written
                 raise
             self._cache.window_minutes |= later
-            newest = max(self._cache.window_max_s.values(), default=None)
-        ref = now if newest is None else min(now, float(newest) + 1.0)
+            newest = max(
+                [float(v) + 1.0 for v in self._cache.window_max_s.values()]
+                + ([self._cache.request_max_s] if self._cache.request_max_s is not None else []),
+                default=None,
+            )
+        ref = now if newest is None else min(now, newest)
         out = {"windows_1m_written": n}
         if window_retention_s > 0:
             cutoff = min(ref - window_retention_s, float(rolled))

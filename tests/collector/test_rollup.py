@@ -238,3 +238,23 @@ def test_the_report_sources_read_the_daily_peaks(make_collector: Any, store_path
         assert offline.daily_load_peaks(base - day, base + 3 * day).equals(got)
     finally:
         offline.close()
+
+
+def test_requests_alone_count_as_the_newest_data_too(tmp_path: Path) -> None:
+    path = str(tmp_path / "r.duckdb")
+    s = Store(path)
+    b = batch(engine_id="e1", seq=0, with_hello=True, req_ts=[T0, T0 + 20 * 86400.0])
+    s.ingest_one(prepare_batch(b, T0))
+    s.close()
+    s = Store(path)  # the newest request is read back at open
+    try:
+        out = s.apply_lifecycle(
+            window_retention_s=15 * 86400.0,
+            request_retention_s=15 * 86400.0,
+            rollup_retention_s=0,
+            now_unix_s=time.time(),
+        )
+        assert out["requests"] == 1
+        assert s.requests()["finished_unix_s"].tolist() == [T0 + 20 * 86400.0]
+    finally:
+        s.close()
