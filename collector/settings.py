@@ -47,7 +47,7 @@ class Settings:
     rollup_retention_s: float = 400 * DAY_S
     """1-minute windows (the downsampled tier read for long ranges) older than this are
     deleted; 0 keeps them."""
-    rollup_lookback_s: float = 600.0
+    rollup_lookback_s: float = 120.0
     """Each retention pass rolls up this much of the already rolled-up minutes again
     (besides every minute late data landed in): a minute's late seconds join it."""
     retention_interval_s: float = 60.0

@@ -209,7 +209,7 @@ class Store:
         window_retention_s: float,
         request_retention_s: float,
         rollup_retention_s: float,
-        rollup_lookback_s: float = 600.0,
+        rollup_lookback_s: float = 120.0,
         now_unix_s: float | None = None,
     ) -> dict[str, int]:
         """Roll up the complete minutes into ``windows_1m`` (see
@@ -342,7 +342,7 @@ class Store:
             self._cursor(), engine_id, pool, since_unix_s, until_unix_s, limit
         )
 
-    def roll_up_now(self, now_unix_s: float | None = None, lookback_s: float = 600.0) -> int:
+    def roll_up_now(self, now_unix_s: float | None = None, lookback_s: float = 120.0) -> int:
         """Roll up the complete minutes without deleting anything (what the retention
         task does first); returns the minute rows written."""
         return self.apply_lifecycle(

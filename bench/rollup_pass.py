@@ -1,0 +1,106 @@
+"""What the collector's minute rollup costs its writer: one pass per retention interval.
+
+One command (under a minute)::
+
+    .venv/bin/python bench/rollup_pass.py [--engines 100,1000,2000] [--runs 5]
+
+What it does
+------------
+A store (:class:`kvscope.collector.store.Store`, a temporary file) is filled with the
+1-second windows of ``N`` engines stepping every second of the last minutes, as the
+collector holds them, and the rollup's pass is timed as the retention task runs it every
+``retention_interval_s`` (60 s) under the writer's lock: the minute that just completed
+plus the default lookback (``rollup_lookback_s``), and with a 10-minute lookback for
+comparison. The baseline, measured in the same run on the same store, is the writer's
+other periodic job: deleting the raw rows past their retention, here one minute of the
+fleet's 1-second windows. Medians of ``--runs`` passes; the share is the pass over the
+retention interval: the part of the writer's time the rollup takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from kvscope.collector import _rollup
+from kvscope.collector.settings import Settings
+from kvscope.collector.store import Store
+
+NOW = 1_800_000_000
+
+
+def _fill(con: object, engines: int, minutes: int) -> int:
+    t0 = NOW - _rollup.ROLLUP_LAG_S - minutes * 60
+    con.execute("DELETE FROM windows_1s")  # type: ignore[attr-defined]
+    con.execute(  # type: ignore[attr-defined]
+        "INSERT INTO windows_1s (engine_id, ts_s, n_steps, n_parts, batch_sum, batch_mean, "
+        "batch_min, batch_max, kv_usage_sum, kv_usage_mean, kv_usage_max, waiting_sum, "
+        "waiting_mean, generation_tokens, prompt_tokens, preemptions) "
+        f"SELECT 'e' || e, {t0} + t, 50, 1, 500 + t % 7, 10.0 + t % 7 / 50.0, 5, 15, 25.0, 0.5, "
+        "0.9, 100, 2.0, 500, 100, t % 3 "
+        f"FROM range({engines}) a(e), range({minutes * 60}) b(t)"
+    )
+    return t0
+
+
+def _pass_s(store: Store, engines: int, lookback_s: float, runs: int) -> tuple[float, int]:
+    con = store._con
+    minutes = int(lookback_s // 60) + 2
+    t0 = _fill(con, engines, minutes)
+    out, rows = [], 0
+    for _ in range(runs):
+        _rollup._set_until(con, t0 + (minutes - 1) * 60)  # one new minute, as every pass
+        a = time.perf_counter()
+        rows, _, _ = _rollup.roll_up(con, NOW, lookback_s, set())
+        out.append(time.perf_counter() - a)
+    return statistics.median(out), rows
+
+
+def _delete_s(store: Store, engines: int, runs: int) -> float:
+    out = []
+    for _ in range(runs):
+        t0 = _fill(store._con, engines, 2)
+        a = time.perf_counter()
+        store._delete("windows_1s", "ts_s", t0 + 60)
+        out.append(time.perf_counter() - a)
+    return statistics.median(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--engines", default="100,1000,2000", help="fleet sizes (default: 100,1000,2000)"
+    )
+    p.add_argument("--runs", type=int, default=5, help="passes per measurement (default: 5)")
+    args = p.parse_args(argv)
+    s = Settings()
+    interval, lookback = s.retention_interval_s, s.rollup_lookback_s
+    print(
+        f"{'engines':>8} {'delete 1 min (baseline)':>24} {f'rollup, lookback {lookback:g} s':>26} "
+        f"{'x baseline':>10} {'of the interval':>16} {'rollup, lookback 600 s':>23}"
+    )
+    with tempfile.TemporaryDirectory(prefix="kvscope-rollup-") as tmp:
+        store = Store(str(Path(tmp) / "rollup.duckdb"))
+        try:
+            for n in (int(x) for x in args.engines.split(",")):
+                base = _delete_s(store, n, args.runs)
+                cost, _ = _pass_s(store, n, lookback, args.runs)
+                wide, _ = _pass_s(store, n, 600.0, args.runs)
+                print(
+                    f"{n:>8,} {base * 1000:>21.1f} ms {cost * 1000:>23.1f} ms "
+                    f"{cost / base:>10.1f} {cost / interval:>15.2%} {wide * 1000:>20.1f} ms"
+                )
+        finally:
+            store.close()
+    print(
+        f"a pass rolls up the minute that completed and re-reads {lookback:g} s before it; "
+        f"it runs every {interval:g} s on the writer thread"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
