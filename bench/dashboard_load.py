@@ -17,8 +17,13 @@ the page's text holds what the page must show, and the text has not changed for
 every load a first load (new session, nothing cached by Streamlit's session state;
 the app's data cache is shared across sessions, as in service).
 
-It prints one row per page: median, minimum and maximum seconds over the runs.
-Do not run it beside other CPU-heavy work: the numbers measure the machine too.
+The baseline, measured the same way in the same run: a bare Streamlit app (a title and a
+line of text) served by the same Streamlit on another port: what any Streamlit page
+costs a fresh browser on this machine.
+
+It prints one row per page: median, minimum and maximum seconds over the runs, the
+median over the bare app's and over the 3-s target. Do not run it beside other
+CPU-heavy work: the numbers measure the machine too.
 """
 
 from __future__ import annotations
@@ -49,7 +54,11 @@ PAGES = {
     "plateau": ("plateau", ["Throughput and P99 latency against load", "Why: the bottleneck"]),
     "recommendations": ("recommendations", ["1. "]),
     "prefix": ("prefix", ["Prefix-cache hit rate per replica"]),
+    "latency": ("latency", ["One engine over time"]),
 }
+TARGET_S = 3.0
+BARE_APP = 'import streamlit as st\n\nst.title("bare")\nst.write("a bare Streamlit page")\n'
+"""The baseline: a Streamlit page with nothing to read."""
 """Page name -> (URL path, text the loaded page holds)."""
 
 
@@ -114,6 +123,49 @@ def demo_dashboard(workdir: Path, timeout_s: float = 600.0) -> Iterator[str]:
         log.close()
 
 
+@contextlib.contextmanager
+def bare_streamlit(workdir: Path, timeout_s: float = 120.0) -> Iterator[str]:
+    """A bare Streamlit app on a free port; its URL once it answers."""
+    app = workdir / "bare_app.py"
+    app.write_text(BARE_APP)
+    port = _free_port()
+    log = open(workdir / "bare.log", "wb")  # noqa: SIM115 (closed below)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "streamlit",
+            "run",
+            str(app),
+            "--server.port",
+            str(port),
+            "--server.headless",
+            "true",
+            "--browser.gatherUsageStats",
+            "false",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the bare Streamlit app did not come up")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
 def first_load_s(url: str, wait_for: list[str], settle_s: float) -> float:
     """Seconds from navigation to the rendered page, in a fresh browser."""
     with Chromium() as browser:
@@ -135,24 +187,37 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown page(s): {', '.join(unknown)}; pages: {', '.join(PAGES)}")
     timings: dict[str, list[float]] = {name: [] for name in pages}
+    bare: list[float] = []
     with (
         tempfile.TemporaryDirectory(prefix="kvscope-bench-") as tmp,
         demo_dashboard(Path(tmp)) as url,
+        bare_streamlit(Path(tmp)) as bare_url,
     ):
         print(f"dashboard {url}; {args.runs} first load(s) per page", file=sys.stderr)
         for run in range(args.runs):
+            b = first_load_s(bare_url, ["a bare Streamlit page"], args.settle)
+            bare.append(b)
+            print(f"run {run + 1} bare Streamlit: {b:.2f} s", file=sys.stderr)
             for name in pages:
                 path, wanted = PAGES[name]
                 s = first_load_s(f"{url}/{path}", wanted, args.settle)
                 timings[name].append(s)
                 print(f"run {run + 1} {name}: {s:.2f} s", file=sys.stderr)
-    print(f"{'page':<16} {'median s':>9} {'min s':>7} {'max s':>7} {'runs':>5}")
-    for name, ts in timings.items():
+    base = statistics.median(bare)
+    print(
+        f"{'page':<16} {'median s':>9} {'min s':>7} {'max s':>7} {'runs':>5} "
+        f"{'x bare':>7} {f'of {TARGET_S:g} s':>7}"
+    )
+    for name, ts in [("bare Streamlit", bare), *timings.items()]:
+        med = statistics.median(ts)
         print(
-            f"{name:<16} {statistics.median(ts):>9.2f} {min(ts):>7.2f} {max(ts):>7.2f} {len(ts):>5}"
+            f"{name:<16} {med:>9.2f} {min(ts):>7.2f} {max(ts):>7.2f} {len(ts):>5} "
+            f"{med / base if base > 0 else float('nan'):>7.1f} {med / TARGET_S:>7.0%}"
         )
     if args.json is not None:
-        args.json.write_text(json.dumps({"runs": args.runs, "seconds": timings}, indent=2))
+        args.json.write_text(
+            json.dumps({"runs": args.runs, "seconds": timings, "bare_seconds": bare}, indent=2)
+        )
     return 0
 
 
