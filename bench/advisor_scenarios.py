@@ -370,6 +370,10 @@ class Repeated:
 
     label: str
     runs: list[LevelMeasure]
+    left_out: list[LevelMeasure] = field(default_factory=list)
+    """Runs whose front end still stalled, or whose requests failed without admission
+    control, after every attempt: they measured the machine, not the setting, and another
+    round stands in for them."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -401,11 +405,14 @@ class Repeated:
         return ordered[(len(ordered) - 1) // 2]
 
     def describe(self) -> str:
-        return (
+        out = (
             f"{self.label}: median {self.tokens_per_s:,.0f} tok/s over "
             f"{len(self.runs)} runs ({', '.join(f'{lv.client_tokens_per_s:,.0f}' for lv in self.runs)}), "
             f"spread {self.spread:.0%}, standard error {self.relative_error:.1%}"
         )
+        if self.left_out:
+            out += f"; {len(self.left_out)} run(s) left out ({self.left_out[0].trouble()})"
+        return out
 
 
 @dataclass
@@ -787,10 +794,16 @@ class AdvisorLab:
     ) -> list[Repeated]:
         """Run each setting ``(label, clients, admit_limit)`` once per round, the settings
         interleaved, for ``rounds`` rounds; then one more round at a time (up to
-        ``MAX_ROUNDS``) while a setting's runs are noisier than ``MAX_RELATIVE_ERROR``."""
+        ``MAX_ROUNDS``) while a setting's runs are noisier than ``MAX_RELATIVE_ERROR`` or
+        fewer than ``rounds``: a run whose front end still stalled (or whose requests
+        failed without admission control) after every attempt is left out
+        (:attr:`Repeated.left_out`) and another round stands in for it."""
         out = [Repeated(label, []) for label, _, _ in settings]
+        last: list[LevelMeasure | None] = [None] * len(settings)
         for r in range(MAX_ROUNDS):
-            if r >= rounds and all(rep.relative_error <= MAX_RELATIVE_ERROR for rep in out):
+            if all(
+                len(rep.runs) >= rounds and rep.relative_error <= MAX_RELATIVE_ERROR for rep in out
+            ):
                 break
             for i, ((_, clients, admit), rep) in enumerate(zip(settings, out, strict=True)):
                 level, _ = self._level(
@@ -802,16 +815,24 @@ class AdvisorLab:
                     seed + 10 * r + i,
                     admit_limit=admit,
                 )
-                rep.runs.append(level)
+                last[i] = level
+                if level.delivered and level.clean:
+                    rep.runs.append(level)
+                else:  # measured the machine, not the setting: another round stands in
+                    rep.left_out.append(level)
+                    self._say(f"{rep.label}: run left out, another round stands in")
             self._say(
                 "round "
                 + str(r + 1)
                 + ": "
                 + "; ".join(
-                    f"{rep.label} {rep.runs[-1].client_tokens_per_s:,.0f} tok/s" for rep in out
+                    f"{rep.label} {lv.client_tokens_per_s:,.0f} tok/s"
+                    for rep, lv in zip(out, last, strict=True)
                 )
             )
         for rep in out:
+            if not rep.runs:  # nothing measured the setting: keep what was, for the verdict to say
+                rep.runs, rep.left_out = rep.left_out, []
             self._say(rep.describe())
         return out
 

@@ -328,3 +328,30 @@ def test_failures_that_persist_are_kept_and_said(tmp_path: Any) -> None:
     assert kept.attempts == 3 and not kept.clean
     assert "1 requests failed (1 timeout)" in kept.trouble()
     assert len(lab.said) == 3 and "again" not in lab.said[-1]
+
+
+def _stalled() -> LevelMeasure:
+    lv = level(400, 2.0)
+    lv.load_mean = 20.0  # of 32 clients: the front end stalled
+    return lv
+
+
+def test_a_run_that_stalls_on_every_attempt_is_left_out_and_replaced(tmp_path: Any) -> None:
+    """A machine too slow for one run's every attempt measured the machine, not the
+    setting: the run is left out and another round stands in for it."""
+    server = SimpleNamespace(log_errors=lambda: [])
+    feed = [level(950, 2.0), _stalled(), _stalled(), _stalled(), level(950, 2.0), level(950, 2.0)]
+    lab = _LevelLab(tmp_path, feed)
+    (rep,) = lab._repeated(server, "e0", [("32 clients", 32, None)], seed=1)  # type: ignore[arg-type]
+    assert [lv.client_tokens_per_s for lv in rep.runs] == [950, 950, 950]
+    assert len(rep.left_out) == 1 and rep.left_out[0].attempts == 3
+    assert "1 run(s) left out (the engine saw 20.0 requests in flight" in rep.describe()
+    assert not lab.runs  # four rounds: the stalled one did not count
+
+
+def test_a_setting_that_never_delivers_keeps_its_runs_for_the_verdict(tmp_path: Any) -> None:
+    server = SimpleNamespace(log_errors=lambda: [])
+    lab = _LevelLab(tmp_path, [_stalled() for _ in range(3 * 5)])
+    (rep,) = lab._repeated(server, "e0", [("32 clients", 32, None)], seed=1)  # type: ignore[arg-type]
+    assert len(rep.runs) == 5 and not rep.left_out
+    assert not any(lv.delivered for lv in rep.runs)
