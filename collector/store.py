@@ -218,25 +218,32 @@ class Store:
         ``request_retention_s`` and minute windows past ``rollup_retention_s`` (0 keeps).
 
         As in Prometheus, the retentions count back from the newest data (the latest
-        1-second window or finished request, or now if that is later than now): a store of old data (an
-        import, a test's fixed timestamps) is not emptied by the wall clock. Returns the
-        minute rows written (``windows_1m_written``) and the rows deleted per table."""
+        1-second window or finished request, or now if that is later than now): a store of
+        old data (an import, a test's fixed timestamps) is not emptied by the wall clock.
+        Returns the minute rows written (``windows_1m_written``) and the rows deleted per
+        table."""
         now = time.time() if now_unix_s is None else now_unix_s
         with self._write_lock:
             self._check_open()
+            newest = max(
+                [float(v) + 1.0 for v in self._cache.window_max_s.values()]
+                + ([self._cache.request_max_s] if self._cache.request_max_s is not None else []),
+                default=None,
+            )
+            ref = now if newest is None else min(now, newest)
             written, self._cache.window_minutes = self._cache.window_minutes, set()
+            if window_retention_s > 0:
+                # A minute that began before the retention may have lost seconds to it: late
+                # data there is not rolled up again (its row would lose them), and is
+                # deleted below with its neighbours.
+                kept_from = _rollup.minute_floor(ref - window_retention_s) + _rollup.MINUTE_S
+                written = {m for m in written if m >= kept_from}
             try:
                 n, rolled, later = _rollup.roll_up(self._con, now, rollup_lookback_s, written)
             except BaseException:
                 self._cache.window_minutes |= written
                 raise
             self._cache.window_minutes |= later
-            newest = max(
-                [float(v) + 1.0 for v in self._cache.window_max_s.values()]
-                + ([self._cache.request_max_s] if self._cache.request_max_s is not None else []),
-                default=None,
-            )
-        ref = now if newest is None else min(now, newest)
         out = {"windows_1m_written": n}
         if window_retention_s > 0:
             cutoff = min(ref - window_retention_s, float(rolled))

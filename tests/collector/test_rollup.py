@@ -258,3 +258,16 @@ def test_requests_alone_count_as_the_newest_data_too(tmp_path: Path) -> None:
         assert s.requests()["finished_unix_s"].tolist() == [T0 + 20 * 86400.0]
     finally:
         s.close()
+
+
+def test_late_seconds_behind_the_retention_do_not_replace_their_minute(store: Store) -> None:
+    day = 86400.0
+    _send(store, [T0 + i for i in range(60)], 0)
+    _send(store, [T0 + 20 * day + i for i in range(60)], 1)
+    kw = {"window_retention_s": 15 * day, "request_retention_s": 0, "rollup_retention_s": 0}
+    assert store.apply_lifecycle(**kw, now_unix_s=time.time())["windows_1s"] == 60
+    _send(store, [T0 + 10.5], 2)  # a late second of the minute whose seconds are gone
+    out = store.apply_lifecycle(**kw, now_unix_s=time.time())
+    assert out["windows_1s"] == 1 and out["windows_1m_written"] == 0
+    m = store.minute_windows().set_index("ts_s")
+    assert m.loc[int(T0), "n_seconds"] == 60  # as rolled up before, not replaced by the one
