@@ -63,7 +63,7 @@ class Chromium:
         if path is None:
             raise BrowserError(f"{binary} is not installed")
         self.width, self.height = width, height
-        self._profile = tempfile.TemporaryDirectory(prefix="kvscope-chromium-")
+        self._profile = Path(tempfile.mkdtemp(prefix="kvscope-chromium-"))
         self.proc = subprocess.Popen(
             [
                 path,
@@ -78,7 +78,7 @@ class Chromium:
                 f"--window-size={width},{height}",
                 "--remote-debugging-port=0",
                 "--remote-debugging-address=127.0.0.1",
-                f"--user-data-dir={self._profile.name}",
+                f"--user-data-dir={self._profile}",
                 "about:blank",
             ],
             stdout=subprocess.DEVNULL,
@@ -238,7 +238,13 @@ class Chromium:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._profile.cleanup()
+        # Chromium's helper processes can still write to the profile for a moment after
+        # the browser exits: remove it until it is gone (a leftover is not an error).
+        for _ in range(20):
+            shutil.rmtree(self._profile, ignore_errors=True)
+            if not self._profile.exists():
+                break
+            time.sleep(0.1)
 
     def __enter__(self) -> Chromium:
         return self
