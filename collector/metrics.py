@@ -295,6 +295,15 @@ REJECT_REASONS: tuple[str, ...] = (
 )
 #: Reasons of ``kvscope_collector_rejected_reads_total`` (read API and /metrics).
 READ_REJECT_REASONS: tuple[str, ...] = ("bad_params", "unauthorized")
+#: Tables of ``kvscope_collector_retention_deleted_rows_total``, exported at 0 from the start.
+RETAINED_TABLES: tuple[str, ...] = (
+    "steps",
+    "ingested_batches",
+    "kv_event_windows",
+    "windows_1s",
+    "requests",
+    "windows_1m",
+)
 
 _GAUGES = (  # (metric, attribute, help)
     (
@@ -547,10 +556,13 @@ class FleetState:
         self._batches = {"stored": 0, "duplicate": 0, "rejected": 0, "failed": 0}
         self._rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
         self._read_rejected: dict[str, int] = dict.fromkeys(READ_REJECT_REASONS, 0)
+        self._retention_deleted: dict[str, int] = dict.fromkeys(RETAINED_TABLES, 0)
         self._not_exported = 0
         self._ack_hist = np.zeros(len(_ACK_LES), dtype=np.int64)
         self._ack_sum = 0.0
         self.extra: dict[str, tuple[str, str, Callable[[], float]]] = {}
+        self.rollup_rows_written = 0
+        """1-minute window rows the retention task's rollup has written."""
         """Collector metrics read at scrape time: name -> (gauge|counter, help, callable)."""
         self.sections: list[Callable[[TextWriter], None]] = []
         """More families written at scrape time, after the state's own (e.g. the advisor's
@@ -632,6 +644,12 @@ class FleetState:
         with self._lock:
             self._batches["rejected"] += 1
             self._rejected[reason] = self._rejected.get(reason, 0) + 1
+
+    def record_retention(self, deleted: Mapping[str, int]) -> None:
+        """Count the rows one retention pass deleted, per table."""
+        with self._lock:
+            for table, n in deleted.items():
+                self._retention_deleted[table] = self._retention_deleted.get(table, 0) + int(n)
 
     def record_read_rejection(self, reason: str) -> None:
         """Count a read-API or /metrics request answered 400 or 401."""
@@ -856,6 +874,15 @@ class FleetState:
         )
         for reason, n in sorted(self._read_rejected.items()):
             w.sample("kvscope_collector_rejected_reads_total", label_str((("reason", reason),)), n)
+        w.family(
+            "kvscope_collector_retention_deleted_rows_total",
+            "counter",
+            "Store rows the retention task deleted, by table (see the collector's retention flags).",
+        )
+        for table, n in sorted(self._retention_deleted.items()):
+            w.sample(
+                "kvscope_collector_retention_deleted_rows_total", label_str((("table", table),)), n
+            )
         w.family(
             "kvscope_collector_engines_not_exported",
             "gauge",

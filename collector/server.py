@@ -46,6 +46,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import math
 import re
 import signal
 import ssl
@@ -428,7 +429,10 @@ async def _retention_loop(ctx: Context) -> None:
     while True:
         try:
             deleted = await asyncio.wrap_future(ctx.writer.call(job))
-            log.debug("rolled up %d minute windows", deleted.pop("windows_1m_written", 0))
+            written = deleted.pop("windows_1m_written", 0)
+            ctx.state.rollup_rows_written += written
+            log.debug("rolled up %d minute windows", written)
+            ctx.state.record_retention(deleted)
             if any(deleted.values()):
                 log.info("retention deleted %s", deleted)
         except WriterClosed:
@@ -524,6 +528,19 @@ def _lifecycle(
             "gauge",
             "The limit on in-flight ingest bytes; past it ingest answers 503.",
             lambda: ctx.inflight.limit,
+        )
+        state.extra["kvscope_collector_rollup_behind_seconds"] = (
+            "gauge",
+            "Seconds from the end of the minutes rolled up into 1-minute windows to now (about "
+            "3 minutes when the rollup keeps up; NaN before its first pass).",
+            lambda: (
+                time.time() - store.rolled_until_s if store.rolled_until_s is not None else math.nan
+            ),
+        )
+        state.extra["kvscope_collector_rollup_rows_total"] = (
+            "counter",
+            "1-minute window rows the rollup has written (a minute rolled up again counts again).",
+            lambda: state.rollup_rows_written,
         )
         retention = asyncio.create_task(_retention_loop(ctx), name="kvscope-retention")
         verdicts: VerdictLoop | None = None

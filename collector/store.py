@@ -79,6 +79,9 @@ RECENT_BOOTS_S = 3600.0
 class Store:
     """A DuckDB-backed store; safe to read from many threads while one thread writes."""
 
+    rolled_until_s: float | None = None
+    """The end of the minutes rolled up by the last lifecycle pass (None before it)."""
+
     def __init__(self, path: str, memory_limit_mib: int | None = None) -> None:
         self.path = path
         config: dict[str, str | bool | int | float | list[str]] = (
@@ -244,6 +247,7 @@ class Store:
                 self._cache.window_minutes |= written
                 raise
             self._cache.window_minutes |= later
+        self.rolled_until_s = float(rolled)
         out = {"windows_1m_written": n}
         if window_retention_s > 0:
             cutoff = min(ref - window_retention_s, float(rolled))

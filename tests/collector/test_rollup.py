@@ -14,7 +14,7 @@ from typing import Any
 
 import duckdb
 import pytest
-from _collector_helpers import batch, get_json, hello, post_batch, steps
+from _collector_helpers import batch, get_json, hello, http, post_batch, steps
 
 from kvscope.collector._rollup import ROLLED_UNTIL_KEY
 from kvscope.collector.batch import prepare_batch
@@ -209,6 +209,17 @@ def test_the_tier_and_the_daily_peaks_over_http(make_collector: Any) -> None:
     want = _expected_minutes(st)
     assert body["rows"][0]["load_max"] == pytest.approx(max(m["load_max"] for m in want.values()))
     assert body["rows"][0]["active_s"] == 240
+    # the lifecycle on /metrics: rows written, how far behind, rows deleted per table
+    status, _, text = http("GET", lc.url + "/metrics")
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.decode().splitlines()
+        if line.startswith("kvscope_collector_r")
+    }
+    assert values["kvscope_collector_rollup_rows_total"] >= 4
+    assert 120 <= values["kvscope_collector_rollup_behind_seconds"] < 240
+    for table in ("windows_1s", "requests", "windows_1m", "steps"):
+        assert values[f'kvscope_collector_retention_deleted_rows_total{{table="{table}"}}'] == 0
 
 
 def test_the_report_sources_read_the_daily_peaks(make_collector: Any, store_path: str) -> None:
