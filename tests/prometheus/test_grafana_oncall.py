@@ -138,6 +138,7 @@ def test_alert_thresholds_are_drawn_with_the_rules_numbers(
         ("KV-cache usage", "KvscopeKvCacheSaturated", 0.5, r"\)\s*> 0\.5\s"),
         ("Preemptions and finished requests (/s)", "KvscopePreemptionStorm", 0.2, r"> 0\.2\s"),
         ("Seconds since each engine's last batch", "KvscopeEngineNotReporting", 90, r"> 90\s"),
+        ("Store: 1-minute rollup behind", "KvscopeRollupStalled", 900, r"> 900$"),
         (SLO_ATTAINMENT, "KvscopeTtftSloFastBurn", 0.99, r"\(1 - 0\.99\)"),
         (SLO_ATTAINMENT, "KvscopeItlSloFastBurn", 0.99, r"\(1 - 0\.99\)"),
         ("TTFT error-budget burn rate", "KvscopeTtftSloFastBurn", 14.4, r"> \(14\.4 \* "),
