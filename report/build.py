@@ -178,7 +178,8 @@ def build_weekly_report(
     peaks_of = getattr(source, "daily_load_peaks", None)
     if peaks_of is not None and forecast_history_weeks > 0:
         step("daily peaks of the weeks before (1-minute windows)")
-        history = peaks_of(since - forecast_history_weeks * 7 * 86400.0, since, pool=pool)
+        start = max(0.0, since - forecast_history_weeks * 7 * 86400.0)
+        history = peaks_of(start, since, pool=pool) if since > start else None
     forecast = capacity_forecast(
         usage,
         current,

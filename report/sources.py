@@ -200,10 +200,11 @@ class HttpSource(CollectorSource):
         """``GET /v1/daily_load_peaks``: per engine and UTC day, the highest load from the
         collector's 1-minute windows (empty from a collector without them)."""
         params: dict[str, str] = {"format": "columns"}
+        # unix seconds, never negative (a minus sign reads as "ago" in the time syntax)
         if since is not None:
-            params["since"] = repr(float(since))
+            params["since"] = repr(max(0.0, float(since)))
         if until is not None:
-            params["until"] = repr(float(until))
+            params["until"] = repr(max(0.0, float(until)))
         if pool is not None:
             params["pool"] = pool
         try:
