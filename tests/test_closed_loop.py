@@ -4,6 +4,7 @@ made-up levels: medians, spread, and the verdict of each property."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import statistics
 from collections.abc import Iterator
@@ -355,3 +356,33 @@ def test_a_setting_that_never_delivers_keeps_its_runs_for_the_verdict(tmp_path: 
     (rep,) = lab._repeated(server, "e0", [("32 clients", 32, None)], seed=1)  # type: ignore[arg-type]
     assert len(rep.runs) == 5 and not rep.left_out
     assert not any(lv.delivered for lv in rep.runs)
+
+
+def test_the_prediction_follows_a_machine_that_slowed_down() -> None:
+    """The figures of a real run: the machine ran the uncapped engine at 1,174 tok/s when the
+    advisor predicted, then at 439 and 433 around the flags' start: the predicted P99 is
+    held in seconds of the slower machine (scaled by 2.7), not of the faster one."""
+    capped = Repeated("flags", [level(450, 6.6), level(452, 6.5), level(447, 6.6)])
+    first = Repeated("first", [level(1199, 9.0), level(1174, 9.0), level(1138, 9.0)])
+    again = Repeated("again", [level(452, 20.0), level(439, 20.0), level(428, 20.0)])
+    again2 = Repeated("again 2", [level(437, 20.0), level(433, 20.0), level(420, 20.0)])
+    run = CapRun(
+        how="engine",
+        cap=12,
+        capped=capped,
+        reference=Repeated("32", [*first.runs, *again.runs, *again2.runs]),
+        peak_tokens_per_s=1200,
+        flags=["--max-num-seqs 12", "--max-num-queued-reqs 15"],
+        reference_start_runs=(first, again, again2),
+    )
+    assert run.machine_slowdown == pytest.approx(1174 / 436)
+    *_, predicted = cap_checks(_run(predicted_p99_s=2.03), run)
+    assert predicted.verdict == HOLDS and "x 2.69" in predicted.what
+    assert predicted.ratio.estimate == pytest.approx(6.6 / (2.03 * 1174 / 436), rel=0.02)
+    # on a steady machine (starts within 1.5x) the prediction is taken as it is
+    steady = dataclasses.replace(run, reference_start_runs=(again, again2))
+    assert steady.machine_slowdown == 1.0
+    *_, predicted = cap_checks(_run(predicted_p99_s=2.03), steady)
+    assert predicted.verdict == FAILS and predicted.ratio.estimate == pytest.approx(
+        6.6 / 2.03, rel=0.02
+    )
