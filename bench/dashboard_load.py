@@ -77,22 +77,17 @@ def _healthy(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def demo_dashboard(workdir: Path, timeout_s: float = 600.0) -> Iterator[str]:
-    """``kvscope dashboard --demo`` on a free port; its URL once it answers."""
+def _served(what: str, args: list[str], log_path: Path, timeout_s: float) -> Iterator[str]:
+    """``python -m <args> --port P`` on a free port P; its URL once Streamlit's health check
+    answers; stopped (SIGTERM, then SIGKILL of its group) on exit."""
     port = _free_port()
-    log = open(workdir / "dashboard.log", "wb")  # noqa: SIM115 (closed below)
+    log = open(log_path, "wb")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "kvscope.cli.main",
-            "dashboard",
-            "--demo",
-            "--demo-dir",
-            str(workdir),
-            "--refresh",
-            "0",
-            "--port",
+            *args,
+            "--port" if args[0] != "streamlit" else "--server.port",
             str(port),
         ],
         stdout=log,
@@ -107,8 +102,7 @@ def demo_dashboard(workdir: Path, timeout_s: float = 600.0) -> Iterator[str]:
         while not _healthy(url):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(
-                    "kvscope dashboard --demo did not come up:\n"
-                    + (workdir / "dashboard.log").read_text(errors="replace")[-3000:]
+                    f"{what} did not come up:\n" + log_path.read_text(errors="replace")[-3000:]
                 )
             time.sleep(0.5)
         yield url
@@ -123,47 +117,23 @@ def demo_dashboard(workdir: Path, timeout_s: float = 600.0) -> Iterator[str]:
         log.close()
 
 
-@contextlib.contextmanager
-def bare_streamlit(workdir: Path, timeout_s: float = 120.0) -> Iterator[str]:
+def demo_dashboard(
+    workdir: Path, timeout_s: float = 600.0
+) -> contextlib.AbstractContextManager[str]:
+    """``kvscope dashboard --demo`` on a free port; its URL once it answers."""
+    args = ["kvscope.cli.main", "dashboard", "--demo", "--demo-dir", str(workdir), "--refresh", "0"]
+    return _served("kvscope dashboard --demo", args, workdir / "dashboard.log", timeout_s)
+
+
+def bare_streamlit(
+    workdir: Path, timeout_s: float = 120.0
+) -> contextlib.AbstractContextManager[str]:
     """A bare Streamlit app on a free port; its URL once it answers."""
     app = workdir / "bare_app.py"
     app.write_text(BARE_APP)
-    port = _free_port()
-    log = open(workdir / "bare.log", "wb")  # noqa: SIM115 (closed below)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "streamlit",
-            "run",
-            str(app),
-            "--server.port",
-            str(port),
-            "--server.headless",
-            "true",
-            "--browser.gatherUsageStats",
-            "false",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the bare Streamlit app did not come up")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+    args = ["streamlit", "run", str(app), "--server.headless", "true"]
+    args += ["--browser.gatherUsageStats", "false"]
+    return _served("the bare Streamlit app", args, workdir / "bare.log", timeout_s)
 
 
 def first_load_s(url: str, wait_for: list[str], settle_s: float) -> float:
