@@ -18,9 +18,12 @@ Every busy window is one linear equation; the model is their least-squares
 solution. Windows in which the engine idled part of the second sit above the fit
 (their steps explain less than a second), so the fit is trimmed: windows whose
 explained time falls short of the second by more than ``idle_tolerance`` are
-dropped and the fit repeated (``n_iter`` times). A negative coefficient is set to
-zero (it means the data does not separate that cost): the fit is a non-negative least
-squares.
+dropped and the fit repeated (``n_iter`` times). A window with requests waiting
+(``min_queue`` or more on average) is never dropped so: with a queue the engine
+cannot idle, and such a window running slow (a slower machine at that time, a
+long-context batch) is evidence the fit must explain, not an idle second. A negative
+coefficient is set to zero (it means the data does not separate that cost): the fit is
+a non-negative least squares.
 
 With a prompt-to-generation ratio ``r`` (prompt tokens prefilled per generated
 token), a batch of ``B`` sequences produces
@@ -41,6 +44,8 @@ idle_tolerance : explained time this far below 1 s marks a window as partly idle
 n_iter : trimming rounds (default 3).
 min_windows : fewer usable windows raise :class:`~kvscope.advisor.curve.NotEnoughData`
     (default 8).
+min_queue : requests waiting (mean over the window's steps) that mark a window as never
+    idle (default 1).
 """
 
 from __future__ import annotations
@@ -63,11 +68,13 @@ class StepTimeModel:
         idle_tolerance: float = 0.08,
         n_iter: int = 3,
         min_windows: int = 8,
+        min_queue: float = 1.0,
     ) -> None:
         self.min_busy_ratio = min_busy_ratio
         self.idle_tolerance = idle_tolerance
         self.n_iter = n_iter
         self.min_windows = min_windows
+        self.min_queue = min_queue
 
     def fit(self, windows: pd.DataFrame) -> StepTimeModel:
         w = prepare_windows(windows)
@@ -85,6 +92,11 @@ class StepTimeModel:
             w["preemptions"].fillna(0.0).to_numpy(float),
         ]
         busy = w["busy_ratio"].fillna(1.0).to_numpy(float)
+        # A window with requests waiting (one or more over its steps, on average) did not
+        # idle: the engine steps back to back while any request runs, and with a queue
+        # some does. Explaining less than its second, it ran slower than the fit.
+        queued = (w["waiting_mean"].fillna(0.0) + w["deferred_mean"].fillna(0.0)).to_numpy(float)
+        never_idle = queued >= self.min_queue
         use = (w["n_steps"].to_numpy(float) >= 5) & (busy >= self.min_busy_ratio)
         use &= np.isfinite(X).all(axis=1)
         if use.sum() < self.min_windows:
@@ -93,7 +105,7 @@ class StepTimeModel:
         for _ in range(max(1, self.n_iter)):
             coef = self._solve(X[use])
             explained = X @ coef
-            keep = use & (explained >= 1.0 - self.idle_tolerance)
+            keep = use & ((explained >= 1.0 - self.idle_tolerance) | never_idle)
             if keep.sum() < self.min_windows or (keep == use).all():
                 break
             use = keep

@@ -75,7 +75,7 @@ import pandas as pd
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.noise import FAILS, Ratio, ratio, ratio_to, relative_error
+from bench.noise import FAILS, WITHIN_NOISE, Ratio, ratio, ratio_to, relative_error
 from kvscope.advisor import CollectorSource, EngineVerdict, Report, analyze
 from kvscope.collector.process import CollectorProcess
 from kvscope.lab.engine import (
@@ -170,6 +170,14 @@ scaled by it before the flags' P99 is held to it (:attr:`CapRun.machine_slowdown
 MAX_PLATEAU_ERROR = 0.2
 """The capacity model's predicted plateau within this share of the measured one
 (measured runs / prediction between 1 / 1.2 and 1 / 0.8)."""
+SWEEP_SPEED_CHANGE = 1.25
+"""The machine's speed is taken as steady over a sweep when the levels run both on the
+way up and on the way back down (8 clients and more) agree within this factor, up over
+down, geometric mean over the pairs (:attr:`RegimeRun.sweep_drift`): 0.89-1.03 on
+three steady sweeps (each pair within 1.42). The capacity model's plateau is predicted in
+the speed of the sweep's windows; runs at another speed say nothing of the model: past
+this factor within the sweep, the prediction is not judged, and uncapped closed-loop runs
+whose median is off the sweep's top level by more are left out (the check says so)."""
 
 
 @dataclass(frozen=True)
@@ -182,13 +190,16 @@ class Check:
     """The property in words, with its bound."""
     ratio: Ratio
     verdict: str
+    note: str = ""
+    """What the runs judged leave out, or why the property was not judged."""
 
     @property
     def failed(self) -> bool:
         return self.verdict == FAILS
 
     def describe(self) -> str:
-        return f"{self.name}: {self.what}: {self.ratio.describe()} -> {self.verdict}"
+        tail = f" ({self.note})" if self.note else ""
+        return f"{self.name}: {self.what}: {self.ratio.describe()} -> {self.verdict}{tail}"
 
 
 @dataclass(frozen=True)
@@ -358,6 +369,41 @@ class RegimeRun:
         ran, its uncapped overload runs (the same engine at the sweep's top concurrency)."""
         extra = self.client_cap.reference.runs if self.client_cap is not None else []
         return [*self.plateau_levels, *(lv for lv in extra if lv.delivered)]
+
+    @property
+    def speed_pairs(self) -> list[tuple[int, float, float]]:
+        """``(clients, up, down)`` client tok/s of each level run both on the way up and
+        on the way back down, both delivered."""
+        up = {lv.concurrency: lv for lv in self.levels if lv.delivered}
+        return [
+            (lv.concurrency, up[lv.concurrency].client_tokens_per_s, lv.client_tokens_per_s)
+            for lv in self.return_levels
+            if lv.delivered
+            and lv.concurrency in up
+            and lv.client_tokens_per_s > 0
+            and up[lv.concurrency].client_tokens_per_s > 0
+        ]
+
+    @property
+    def sweep_drift(self) -> float | None:
+        """How the machine's speed moved over the sweep: the geometric mean over
+        :attr:`speed_pairs` of up / down (above 1: slower on the way down; ``None``
+        without pairs)."""
+        pairs = self.speed_pairs
+        if not pairs:
+            return None
+        return math.exp(statistics.fmean(math.log(u / d) for _, u, d in pairs))
+
+    @property
+    def closed_loop_drift(self) -> float | None:
+        """The sweep's top level over the median of the closed loop's uncapped runs at
+        the same concurrency (above 1: the machine ran slower since; ``None`` without)."""
+        cap = self.client_cap
+        runs = [lv.client_tokens_per_s for lv in cap.reference.runs] if cap else []
+        runs = [v for v in runs if v > 0]
+        if not runs or not self.top.delivered or not self.top.client_tokens_per_s > 0:
+            return None
+        return self.top.client_tokens_per_s / statistics.median(runs)
 
     @property
     def predicted_plateau_tokens_per_s(self) -> float | None:
@@ -1049,12 +1095,35 @@ class AdvisorLab:
         raise AssertionError("unreachable")  # pragma: no cover
 
 
+def _off(factor: float | None, limit: float) -> bool:
+    return factor is not None and max(factor, 1 / factor) > limit
+
+
 def plateau_checks(run: RegimeRun) -> list[Check]:
     """The capacity model's predicted plateau against every run at the plateau, client
     side (the load generator's output tokens) and engine side (vLLM's generated tokens in
-    the collector's windows)."""
+    the collector's windows), at the speed of the sweep the prediction was made on (see
+    ``SWEEP_SPEED_CHANGE``: a sweep whose speed drifted is not judged, closed-loop runs at
+    another speed are left out)."""
     predicted = run.predicted_plateau_tokens_per_s
     runs = run.plateau_runs
+    notes: list[str] = []
+    verdict_override = None
+    drift, later = run.sweep_drift, run.closed_loop_drift
+    if _off(later, SWEEP_SPEED_CHANGE) and run.client_cap is not None:
+        left = {id(lv) for lv in run.client_cap.reference.runs}
+        runs = [lv for lv in runs if id(lv) not in left]
+        notes.append(
+            f"the closed loop's {len(left)} uncapped runs left out: the sweep's top level "
+            f"ran {later:.2f}x their speed"
+        )
+    if _off(drift, SWEEP_SPEED_CHANGE):
+        pairs = ", ".join(f"{c}: {u:,.0f}/{d:,.0f}" for c, u, d in run.speed_pairs)
+        notes.append(
+            f"not judged: the machine's speed moved {drift:.2f}x within the sweep "
+            f"(tok/s up/down by clients {pairs})"
+        )
+        verdict_override = WITHIN_NOISE
     if predicted is None or not predicted > 0 or not runs:
         return []
     lo, hi = 1 / (1 + MAX_PLATEAU_ERROR), 1 / (1 - MAX_PLATEAU_ERROR)
@@ -1072,7 +1141,8 @@ def plateau_checks(run: RegimeRun) -> list[Check]:
                 f"capacity model ({side})",
                 f"measured / predicted plateau ({predicted:,.0f} tok/s) in {lo:.2f}-{hi:.2f}",
                 r,
-                r.within(lo, hi),
+                verdict_override or r.within(lo, hi),
+                "; ".join(notes),
             )
         )
     return out
@@ -1254,6 +1324,13 @@ def levels_table(run: RegimeRun) -> str:
             f"{_num(lv.preemptions_per_s, '.1f'):>9} {_num(lv.ttft_p99_s):>7}s "
             f"{_num(lv.e2e_p99_s):>7}s {_num(lv.engine_e2e_p99_s):>6}s {_runs(lv):>4}"
         )
+    drift, later = run.sweep_drift, run.closed_loop_drift
+    if drift is not None:
+        lines.append(
+            f"machine speed: up / down {drift:.2f} over {len(run.speed_pairs)} levels"
+            + (f"; sweep's top level / closed loop's uncapped runs {later:.2f}" if later else "")
+            + f" (steady within {SWEEP_SPEED_CHANGE:g})"
+        )
     return "\n".join(lines)
 
 
@@ -1329,7 +1406,13 @@ def summary(runs: list[RegimeRun], engine_cap: CapRun | None) -> dict[str, Any]:
         "regimes": {},
         "closed_loop": {},
         "checks": [
-            {"name": c.name, "property": c.what, "verdict": c.verdict, **asdict(c.ratio)}
+            {
+                "name": c.name,
+                "property": c.what,
+                "verdict": c.verdict,
+                "note": c.note,
+                **asdict(c.ratio),
+            }
             for c in checks(runs, engine_cap)
         ],
     }
@@ -1345,6 +1428,8 @@ def summary(runs: list[RegimeRun], engine_cap: CapRun | None) -> dict[str, Any]:
             "growth_last_doubling_ratio": r.growth_last_doubling,
             "predicted_plateau_tokens_per_s": r.predicted_plateau_tokens_per_s,
             "prediction_error_ratio_vs_client": r.prediction_error_ratio,
+            "sweep_drift": r.sweep_drift,
+            "closed_loop_drift": r.closed_loop_drift,
             "kv_capacity": r.evidence("kv_capacity"),
             "bottleneck": r.evidence("bottleneck"),
             "levels": [asdict(lv) for lv in r.levels],
@@ -1418,6 +1503,7 @@ def checks_table(judged: list[Check]) -> str:
             f"{c.name[:46]:<46} {c.what[:56]:<56} {r.estimate:>6.2f} "
             f"{f'{r.low:.2f}-{r.high:.2f}':>12} {runs:>6} {c.verdict}"
         )
+    lines += [f"{c.name}: {c.note}" for c in judged if c.note]
     lines.append(
         f"capacity model: the prediction within {MAX_PLATEAU_ERROR:.0%} of the runs at the "
         "plateau; ratio: geometric means of the runs; 95% CI: Welch's t interval on their logarithms; "

@@ -22,7 +22,9 @@ from bench.advisor_scenarios import (
     Repeated,
     cap_checks,
     checks,
+    checks_table,
     format_all,
+    plateau_checks,
     summary,
 )
 from bench.noise import FAILS, HOLDS, WITHIN_NOISE
@@ -386,3 +388,74 @@ def test_the_prediction_follows_a_machine_that_slowed_down() -> None:
     assert predicted.verdict == FAILS and predicted.ratio.estimate == pytest.approx(
         6.6 / 2.03, rel=0.02
     )
+
+
+def _kv_starved(
+    up: list[tuple[int, float]],
+    down: list[tuple[int, float]],
+    uncapped: list[float],
+    predicted: float,
+) -> RegimeRun:
+    """A KV-starved run with a knee of 10 (plateau levels: 16 clients and more), its way
+    back down, and a closed loop whose uncapped runs made ``uncapped`` tok/s."""
+    verdict = SimpleNamespace(knee_concurrency=10.0, saturated=True)
+    evidence = {"kv_capacity": {"predicted_plateau_tokens_per_s": predicted}}
+    report = SimpleNamespace(
+        engine=lambda _eid: verdict,
+        findings_of=lambda kind, _eid: (
+            [SimpleNamespace(evidence=evidence[kind])] if kind in evidence else []
+        ),
+    )
+    run = RegimeRun(
+        scenario=SCENARIOS["kv-starved"],
+        engine_id="e0",
+        startup_s=40.0,
+        since_unix_s=0.0,
+        until_unix_s=100.0,
+        levels=[level(t, 1.0, clients=c) for c, t in up],
+        report=report,  # type: ignore[arg-type]
+        return_levels=[level(t, 1.0, clients=c) for c, t in down],
+    )
+    run.client_cap = CapRun(
+        how="client",
+        cap=10,
+        capped=Repeated("cap 10", [level(t, 1.0, clients=10) for t in uncapped]),
+        reference=Repeated("32 clients", [level(t, 3.0) for t in uncapped]),
+        peak_tokens_per_s=max(t for _, t in up),
+    )
+    return run
+
+
+UP = [(4, 500), (8, 800), (12, 900), (16, 960), (24, 950), (32, 940)]
+DOWN = [(24, 970), (16, 950), (12, 910), (8, 790)]
+
+
+def test_the_capacity_model_fails_when_a_steady_machine_refutes_it() -> None:
+    run = _kv_starved(UP, DOWN, [950, 930, 960, 940, 955], predicted=1400)
+    assert run.sweep_drift == pytest.approx(1.0, abs=0.03)
+    assert run.closed_loop_drift == pytest.approx(940 / 950)
+    client, engine = plateau_checks(run)
+    assert client.verdict == FAILS and engine.verdict == FAILS and not client.note
+    assert client.ratio.n_a == 5 + 5  # 16, 24, 32 and back at 24, 16 (>= 1.5 x the knee)
+
+
+def test_a_sweep_whose_speed_moved_does_not_judge_the_capacity_model() -> None:
+    """Fast on the way up, two thirds of that on the way back down: the prediction, made on
+    windows of both speeds, is said not judged rather than failed."""
+    down = [(c, t / 1.5) for c, t in DOWN]
+    run = _kv_starved(UP, down, [t / 1.5 for t in (950, 930, 960, 940, 955)], predicted=1400)
+    assert run.sweep_drift == pytest.approx(1.5, rel=0.01)
+    client, engine = plateau_checks(run)
+    assert client.verdict == WITHIN_NOISE == engine.verdict
+    assert "not judged: the machine's speed moved 1.50x within the sweep" in client.note
+    assert "24: 950/647" in client.note
+    assert "not judged" in checks_table([client, engine])
+
+
+def test_closed_loop_runs_at_another_speed_are_left_out_of_the_capacity_model() -> None:
+    run = _kv_starved(UP, DOWN, [560, 570, 580, 575, 565], predicted=950)
+    assert run.closed_loop_drift == pytest.approx(940 / 570)
+    client, _ = plateau_checks(run)
+    assert client.ratio.n_a == 5  # the sweep's levels only
+    assert client.verdict == HOLDS
+    assert "5 uncapped runs left out: the sweep's top level ran 1.65x their speed" in client.note
