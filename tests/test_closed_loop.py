@@ -132,6 +132,16 @@ def test_rejected_share_counts_every_capped_run() -> None:
     assert run.rejected_share == pytest.approx(40 / 60)
 
 
+def _report(verdict: Any, evidence: dict[str, dict[str, Any]]) -> Any:
+    """A stand-in for the advisor's report: one engine's verdict and findings' evidence."""
+    return SimpleNamespace(
+        engine=lambda _eid: verdict,
+        findings_of=lambda kind, _eid: (
+            [SimpleNamespace(evidence=evidence[kind])] if kind in evidence else []
+        ),
+    )
+
+
 def test_the_summary_and_the_tables_carry_every_verdict() -> None:
     """What the engine tier prints and writes (terminal summary, ``advisor_real.json``),
     on made-up runs and a stand-in for the advisor's report."""
@@ -148,12 +158,7 @@ def test_the_summary_and_the_tables_carry_every_verdict() -> None:
         to_dict=lambda: {"bottleneck": "kv_cache_bound"},
     )
     evidence = {"kv_capacity": {"predicted_plateau_tokens_per_s": 1000.0, "kv_batch": 14.0}}
-    report = SimpleNamespace(
-        engine=lambda _eid: verdict,
-        findings_of=lambda kind, _eid: (
-            [SimpleNamespace(evidence=evidence[kind])] if kind in evidence else []
-        ),
-    )
+    report = _report(verdict, evidence)
     levels = [level(t, 1.0, clients=c) for c, t in ((4, 500), (8, 800), (16, 960), (32, 940))]
     run = RegimeRun(
         scenario=SCENARIOS["kv-starved"],
@@ -400,12 +405,7 @@ def _kv_starved(
     back down, and a closed loop whose uncapped runs made ``uncapped`` tok/s."""
     verdict = SimpleNamespace(knee_concurrency=10.0, saturated=True)
     evidence = {"kv_capacity": {"predicted_plateau_tokens_per_s": predicted}}
-    report = SimpleNamespace(
-        engine=lambda _eid: verdict,
-        findings_of=lambda kind, _eid: (
-            [SimpleNamespace(evidence=evidence[kind])] if kind in evidence else []
-        ),
-    )
+    report = _report(verdict, evidence)
     run = RegimeRun(
         scenario=SCENARIOS["kv-starved"],
         engine_id="e0",
