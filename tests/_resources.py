@@ -174,8 +174,32 @@ def note_positions(items: list[pytest.Item]) -> None:
             _last_use[name] = i
 
 
+def in_xdist_worker() -> bool:
+    """Whether this process is one of pytest-xdist's workers (``scripts/test`` runs the
+    tiers without an engine on every core)."""
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
+def worker_group(nodeid: str) -> str:
+    """The unit of tests one xdist worker runs whole (``conftest.py``'s scheduler): a
+    folder of ``tests/``, so that a fixture shared by a folder's modules starts once and
+    its servers never run twice side by side; a module at the top level, which shares
+    none."""
+    path = nodeid.split("::", 1)[0]
+    parts = path.split("/")
+    if len(parts) > 2 and parts[0] == "tests":
+        return "/".join(parts[:2])
+    return path
+
+
 def release_unused(item: pytest.Item) -> None:
-    """Release every registered fixture no test after ``item`` uses."""
+    """Release every registered fixture no test after ``item`` uses.
+
+    Not in an xdist worker: a worker runs its share of the tests in an order of its
+    own, so the collected positions do not say which of its tests come later; there a
+    fixture is released at its scope's end. (No engine runs under xdist.)"""
+    if in_xdist_worker():
+        return
     here = _position.get(item.nodeid)
     if here is None:
         return

@@ -6,6 +6,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,7 @@ from tests._resources import (
     note_positions,
     order_items,
     release_unused,
+    worker_group,
 )
 
 
@@ -34,6 +36,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if len(keep) < len(items):
             config.hook.pytest_deselected(items=[i for i in items if i not in keep])
             items[:] = keep
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist with ``--dist loadscope`` (scripts/test), one worker runs a
+    folder of ``tests/`` (or a top-level module) whole: its shared fixtures start once,
+    its servers never twice at a time (``tests/_resources.py``'s ``worker_group``)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FolderScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return FolderScheduling(config, log)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -46,7 +46,11 @@ def test_an_engine_may_not_start_beside_another(pretend_engine: subprocess.Popen
     assert server.pid is None
 
 
-def test_a_declared_pool_may_run_side_by_side(pretend_engine: subprocess.Popen[bytes]) -> None:
+def test_a_declared_pool_may_run_side_by_side(
+    pretend_engine: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Only the engines are counted here: another xdist worker may have a Prometheus up.
+    monkeypatch.setattr(_resources, "live_heavy_servers", lambda: [])
     with side_by_side(2):
         check_engine_may_start()
     with pytest.raises(EngineOverlap):
@@ -88,6 +92,7 @@ def test_engine_tests_run_last_with_shared_engine_modules_together() -> None:
 def test_a_fixture_is_released_after_its_last_test(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("_releases", "_position", "_last_use"):  # the session's own stay as they are
         monkeypatch.setattr(_resources, name, {})
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     items = [_item("m::1", ("srv",)), _item("m::2", ("srv",)), _item("m::3")]
     _resources.note_positions(items)
     released: list[str] = []
@@ -99,3 +104,27 @@ def test_a_fixture_is_released_after_its_last_test(monkeypatch: pytest.MonkeyPat
     assert released == ["srv"]
     _resources.release_unused(items[2])
     assert released == ["srv"]
+
+
+def test_an_xdist_worker_keeps_fixtures_to_their_scope_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker runs its share in an order of its own: the collected positions say
+    nothing of what it runs next, so nothing is released early there."""
+    for name in ("_releases", "_position", "_last_use"):
+        monkeypatch.setattr(_resources, name, {})
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    items = [_item("m::1", ("srv",)), _item("m::2")]
+    _resources.note_positions(items)
+    released: list[str] = []
+    request = SimpleNamespace(fixturename="srv")
+    _resources.release_after_last_use(request, lambda: released.append("srv"))  # type: ignore[arg-type]
+    _resources.release_unused(items[1])
+    assert released == []
+
+
+def test_a_worker_runs_a_folder_whole_and_top_level_modules_apart() -> None:
+    group = _resources.worker_group
+    assert group("tests/prometheus/test_a.py::t[x]") == group("tests/prometheus/sub/test_b.py::t")
+    assert group("tests/prometheus/test_a.py::Class::t") == "tests/prometheus"
+    assert group("tests/test_sweep.py::t") == "tests/test_sweep.py"
+    assert group("tests/test_sweep.py::t") != group("tests/test_docs.py::t")
+    assert group("tests/dashboard/test_x.py::t") != group("tests/report/test_x.py::t")
