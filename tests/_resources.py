@@ -4,7 +4,8 @@ On a 2-core machine an idle vLLM engine still spins a core, and a Prometheus or
 VictoriaMetrics next to it takes its share: either moves a measured throughput by tens
 of percent. Two rules keep the engine tier's figures about the engine under test:
 
-* **One engine at a time.** For the whole session ``VllmServer.start`` is checked: an
+* **One engine at a time.** For the whole session (the serial one that runs the engine
+  tests; pytest-xdist's workers run none) ``VllmServer.start`` is checked: an
   engine started while another vLLM API server is alive on this machine (left running
   by an earlier fixture, or another job's) fails at once, naming both. Tests that need
   a pool of engines on purpose say so with :func:`side_by_side`. No Prometheus or

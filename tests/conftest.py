@@ -14,6 +14,7 @@ from kvscope.collector.process import CollectorProcess
 from kvscope.lab.recording import load_recording, replay
 from tests._resources import (
     guard_engine_starts,
+    in_xdist_worker,
     note_positions,
     order_items,
     release_unused,
@@ -58,6 +59,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     note_positions(session.items)
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if in_xdist_worker() and item.get_closest_marker("engine") is not None:
+        pytest.fail(
+            "an engine test under pytest-xdist: real engines run one at a time, in a "
+            'serial session (scripts/test runs -m "engine and not matrix" without -n)',
+            pytrace=False,
+        )
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     try:
@@ -68,7 +78,14 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 @pytest.fixture(scope="session", autouse=True)
 def _one_engine_at_a_time() -> Iterator[None]:
-    """Every vLLM engine of the session starts alone (``tests/_resources.py``)."""
+    """Every vLLM engine of the session starts alone (``tests/_resources.py``).
+
+    Not in an xdist worker: scripts/test runs the engine tests in a serial session of
+    their own, and the workers' tests start no engine (a failing start of a pretend one
+    at most) while another worker's Prometheus may well be up."""
+    if in_xdist_worker():
+        yield
+        return
     with pytest.MonkeyPatch.context() as mp:
         guard_engine_starts(mp)
         yield

@@ -36,10 +36,14 @@ def pretend_engine() -> Iterator[subprocess.Popen[bytes]]:
     proc.wait()
 
 
-def test_an_engine_may_not_start_beside_another(pretend_engine: subprocess.Popen[bytes]) -> None:
+def test_an_engine_may_not_start_beside_another(
+    pretend_engine: subprocess.Popen[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(EngineOverlap, match=f"pid {pretend_engine.pid}"):
         check_engine_may_start()
-    # The session's VllmServer.start is checked before anything is spawned.
+    # VllmServer.start is checked before anything is spawned (the serial session's guard,
+    # installed here too for a run under xdist, whose workers have none).
+    _resources.guard_engine_starts(monkeypatch)
     server = VllmServer("/nonexistent", python="/bin/false", startup_timeout_s=5)
     with pytest.raises(EngineOverlap):
         server.start()
