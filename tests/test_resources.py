@@ -93,15 +93,22 @@ def test_engine_tests_run_last_with_shared_engine_modules_together() -> None:
     ]
 
 
-def test_a_fixture_is_released_after_its_last_test(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("_releases", "_position", "_last_use"):  # the session's own stay as they are
+def _register_srv(monkeypatch: pytest.MonkeyPatch, items: list[Any]) -> list[str]:
+    """Fresh release state (the session's own stay as they are) with ``items`` collected
+    and a fixture ``srv`` registered; returns the list its releases are appended to."""
+    for name in ("_releases", "_position", "_last_use"):
         monkeypatch.setattr(_resources, name, {})
-    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    items = [_item("m::1", ("srv",)), _item("m::2", ("srv",)), _item("m::3")]
     _resources.note_positions(items)
     released: list[str] = []
     request = SimpleNamespace(fixturename="srv")
     _resources.release_after_last_use(request, lambda: released.append("srv"))  # type: ignore[arg-type]
+    return released
+
+
+def test_a_fixture_is_released_after_its_last_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    items = [_item("m::1", ("srv",)), _item("m::2", ("srv",)), _item("m::3")]
+    released = _register_srv(monkeypatch, items)
     _resources.release_unused(items[0])
     assert released == []
     _resources.release_unused(items[1])
@@ -113,14 +120,9 @@ def test_a_fixture_is_released_after_its_last_test(monkeypatch: pytest.MonkeyPat
 def test_an_xdist_worker_keeps_fixtures_to_their_scope_end(monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker runs its share in an order of its own: the collected positions say
     nothing of what it runs next, so nothing is released early there."""
-    for name in ("_releases", "_position", "_last_use"):
-        monkeypatch.setattr(_resources, name, {})
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
     items = [_item("m::1", ("srv",)), _item("m::2")]
-    _resources.note_positions(items)
-    released: list[str] = []
-    request = SimpleNamespace(fixturename="srv")
-    _resources.release_after_last_use(request, lambda: released.append("srv"))  # type: ignore[arg-type]
+    released = _register_srv(monkeypatch, items)
     _resources.release_unused(items[1])
     assert released == []
 
