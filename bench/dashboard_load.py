@@ -33,7 +33,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,6 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "dashboard"))
 
 from _browser import Chromium  # noqa: E402
+
+from kvscope.collector.process import free_port  # noqa: E402
 
 PAGES = {
     "overview": ("", ["Fleet overview", "Engines"]),
@@ -62,12 +63,6 @@ BARE_APP = 'import streamlit as st\n\nst.title("bare")\nst.write("a bare Streaml
 """Page name -> (URL path, text the loaded page holds)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
@@ -80,7 +75,7 @@ def _healthy(url: str) -> bool:
 def _served(what: str, args: list[str], log_path: Path, timeout_s: float) -> Iterator[str]:
     """``python -m <args> --port P`` on a free port P; its URL once Streamlit's health check
     answers; stopped (SIGTERM, then SIGKILL of its group) on exit."""
-    port = _free_port()
+    port = free_port()
     log = open(log_path, "wb")  # noqa: SIM115 (closed below)
     proc = subprocess.Popen(
         [

@@ -13,6 +13,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -20,12 +21,43 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+PORT_HOLD_S = 120.0
+"""How long a port handed out by `free_port` is kept from other kvscope processes: the
+time a child process may take to bind it (an engine's start on a slow machine)."""
+
+
+def _claim_port(port: int, now: float) -> bool:
+    """Record ``port`` as handed out, unless another kvscope process did so in the last
+    `PORT_HOLD_S`: the kernel may hand a just-closed port to the next caller, and two
+    processes (pytest-xdist's workers, a demo beside the tests) would then start two
+    servers on one port. Best effort: a folder that cannot be written claims nothing."""
+    folder = Path(tempfile.gettempdir()) / "kvscope-ports"
+    mark = folder / str(port)
+    try:
+        folder.mkdir(exist_ok=True)
+        try:
+            os.close(os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            if now - mark.stat().st_mtime < PORT_HOLD_S:
+                return False
+            os.utime(mark, (now, now))  # an old claim: the port is free again
+            return True
+    except OSError:
+        return True
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that is free on ``host`` right now and that no other kvscope process
+    was handed in the last `PORT_HOLD_S`."""
+    port = 0
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if _claim_port(port, time.time()):
+            return port
+    return port
 
 
 class CollectorError(RuntimeError):

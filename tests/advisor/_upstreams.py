@@ -90,12 +90,6 @@ class Upstream(ThreadingHTTPServer):
         self.server_close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def wait_listening(
     port: int, timeout_s: float = 20.0, alive: Callable[[], bool] | None = None
 ) -> None:

@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from kvscope.advisor.gateways import ReplicaCap, pool_renderings, replica_renderings
-from tests.advisor._upstreams import Burst, Upstream, free_port, settle, wait_listening
+from kvscope.collector.process import free_port
+from tests.advisor._upstreams import Burst, Upstream, settle, wait_listening
 
 CAP = 3
 """Each replica's cap: small, so a burst of four times it is quick."""

@@ -19,7 +19,8 @@ from vllm_router.launch_router import parse_router_args
 
 from kvscope.advisor.gateways import ReplicaCap, balance_routing, pool_renderings, prefix_routing
 from kvscope.advisor.gateways.vllm_router import LAUNCH, VERSION
-from tests.advisor._upstreams import Burst, Upstream, free_port, post, wait_listening
+from kvscope.collector.process import free_port
+from tests.advisor._upstreams import Burst, Upstream, post, wait_listening
 
 
 def _replicas(addresses: list[str], cap: int = 12, queue: int = 3) -> list[ReplicaCap]:
