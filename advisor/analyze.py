@@ -471,12 +471,15 @@ def _config_recommendations(
                     f"steps are full at {budget:.0f} computed tokens and the step-time model "
                     f"shows a per-step cost bigger steps amortise: raise "
                     f"--max-num-batched-tokens to {2 * budget:.0f} (predicted prefill rate "
-                    f"{gain:+.0%})"
+                    f"{gain:+.0%}, 95% interval {ev['budget_doubling_gain_low']:+.0%} to "
+                    f"{ev['budget_doubling_gain_high']:+.0%})"
                 ),
                 change={"vllm_flags": [f"--max-num-batched-tokens {int(2 * budget)}"]},
                 expected_effect={
                     "computed_tokens_per_step_now": ev["computed_tokens_per_step_median"],
                     "gain_ratio": gain,
+                    "gain_ratio_low": float(ev["budget_doubling_gain_low"]),
+                    "gain_ratio_high": float(ev["budget_doubling_gain_high"]),
                 },
                 tradeoff="longer steps: decoding requests see more inter-token latency during prefills",
                 confidence=0.5,

@@ -32,12 +32,15 @@ admitted. Each class is named only on positive evidence, in this order:
    ``max_num_seqs``, KV not full.
 3. ``token_budget_bound``: computed tokens per step are at least ``budget_fill`` of
    ``max_num_batched_tokens`` **and** the step-time model shows that bigger steps
-   would amortise a per-step cost: doubling the budget (twice the prefill tokens per
-   step, the same decode batch) raises the prefill rate by at least
-   ``min_budget_gain`` (the predicted gain is in the evidence and the
-   recommendation). When steps are full but step time grows in proportion to the
-   tokens in them (prefill-bound, as on a CPU), a larger budget would not help: that
-   is ``compute_bound``. Without a step-time model the engine is ``unexplained``.
+   would amortise a per-step cost: doubling the budget (twice the prompt and decode
+   work per step, with requests admitted as fast as they are prefilled, and one
+   per-step cost: :meth:`StepTimeModel.budget_gain`) raises the prefill rate by at least
+   ``min_budget_gain``, the lower end of the prediction's 95% interval included (the
+   predicted gain and its interval are in the evidence and the recommendation). When
+   steps are full but step time grows in proportion to the tokens in them
+   (prefill-bound, as on a CPU), a larger budget would not help: the interval's upper
+   end below ``min_budget_gain`` names ``compute_bound``. Without a step-time model, or
+   with an interval across ``min_budget_gain``, the engine is ``unexplained``.
 4. ``unexplained`` when requests wait (median queue at least ``queue_min``) while the
    KV cache, the sequence slots and the token budget all have room: vLLM's scheduler
    does not leave requests waiting in that state, so the evidence contradicts itself
@@ -74,8 +77,17 @@ Every threshold is in :meth:`BottleneckClassifier.parameters` and in the report'
 seq_cap_ratio : batch / max_num_seqs that counts as pinned at the cap (0.9).
 budget_fill : computed tokens per step / max_num_batched_tokens that counts as a full
     step (0.7).
-min_budget_gain : prefill-rate gain from doubling the budget, by the step-time model,
-    that makes a full budget the limit (0.1).
+min_budget_gain : prefill-rate gain from doubling the budget, by the step-time model's
+    budget fit, that makes a full budget the limit (0.25), judged on the fit's 95%
+    interval: its lower end at least this names ``token_budget_bound``, its upper end
+    below it ``compute_bound``, an interval across it ``unexplained``. A quarter, set
+    from the two controls measured on the lab's CPU engine: the linear step model
+    over-states what much bigger steps gain there (its per-step cost grows with the
+    step), and a predicted +18% (95%: +17 to +19%) for doubling a 256-token budget came
+    with no gain from an 8x larger one (0.80 to 0.90 of the throughput), while a
+    predicted +37% (+32 to +40%) for a 64-token budget came with +39 to +57% from an 8x
+    larger one. A doubled budget also makes every step that holds decoding requests up
+    to twice as long (their inter-token latency), so a small gain is no advice.
 min_step_slowdown : growth of step time from the lowest load to the plateau that shows
     compute (0.25: steps/s at the plateau at most 0.8 of the low-load rate).
 queue_min : median waiting requests that count as a persistent queue (1).
@@ -131,6 +143,11 @@ _WHY_BUDGET = (
     "steps are full at max_num_batched_tokens={budget}, but without a step-time fit "
     "nothing tells whether a larger budget would raise throughput"
 )
+_WHY_BUDGET_UNSURE = (
+    "steps are full at max_num_batched_tokens={budget}, but the step-time fit cannot tell "
+    "whether a larger budget would pay: doubling it predicts {gain:+.0%} (95% interval "
+    "{lo:+.0%} to {hi:+.0%}) against the {min_gain:.0%} that would make it the limit"
+)
 
 
 def _num(cfg: dict[str, Any], key: str) -> float:
@@ -172,7 +189,7 @@ class BottleneckClassifier:
         *,
         seq_cap_ratio: float = 0.9,
         budget_fill: float = 0.7,
-        min_budget_gain: float = 0.1,
+        min_budget_gain: float = 0.25,
         min_step_slowdown: float = 0.25,
         queue_min: float = 1.0,
         frontend_share: float = 0.25,
@@ -352,15 +369,15 @@ class BottleneckClassifier:
         queue_w = region["waiting_mean"].astype(float) >= self.queue_min
         pinned = math.isfinite(cap) and ev["batch_median"] >= self.seq_cap_ratio * cap
         budget_full = math.isfinite(budget) and ev["budget_fill_median"] >= self.budget_fill
-        # Would twice the budget pay? Twice the prefill per step, the same decode batch.
-        gain = math.nan
+        # Would twice the budget pay? Twice the work per step for one per-step cost.
+        gain = gain_lo = gain_hi = math.nan
         if budget_full and steps is not None:
-            b = ev["batch_median"]
             pp = float((computed_prompt / n_steps).median())
-            t1 = float(steps.step_s(b, pp))
-            t2 = float(steps.step_s(b, 2.0 * pp))
-            gain = 2.0 * t1 / t2 - 1.0 if pp > 0 and t2 > 0 else 0.0
+            gp = float((region["gen_tokens_per_s"].astype(float) / n_steps).median())
+            gain, gain_lo, gain_hi = steps.budget_gain(pp, gp)
         ev["budget_doubling_gain_ratio"] = gain
+        ev["budget_doubling_gain_low"] = gain_lo
+        ev["budget_doubling_gain_high"] = gain_hi
         slowdown = (
             ev["steps_per_s_low_load"] / ev["steps_per_s_plateau"] - 1.0
             if ev["steps_per_s_plateau"] > 0
@@ -383,14 +400,24 @@ class BottleneckClassifier:
             ev["kv_full_from_preemptions"] = True
         elif pinned:
             label, share = "max_num_seqs_bound", float((batch >= self.seq_cap_ratio * cap).mean())
-        elif budget_full and math.isfinite(gain) and gain >= self.min_budget_gain:
+        elif budget_full and math.isfinite(gain_lo) and gain_lo >= self.min_budget_gain:
             label, share = "token_budget_bound", float((fill >= self.budget_fill).mean())
-        elif budget_full and math.isfinite(gain):
+        elif budget_full and math.isfinite(gain_hi) and gain_hi < self.min_budget_gain:
             label, share = "compute_bound", float((fill >= self.budget_fill).mean())
             ev["prefill_bound"] = True
         elif budget_full:
             label, share = "unexplained", float((fill >= self.budget_fill).mean())
-            why = _WHY_BUDGET.format(budget=_fmt_int(budget))
+            why = (
+                _WHY_BUDGET_UNSURE.format(
+                    budget=_fmt_int(budget),
+                    gain=gain,
+                    lo=gain_lo,
+                    hi=gain_hi,
+                    min_gain=self.min_budget_gain,
+                )
+                if math.isfinite(gain)
+                else _WHY_BUDGET.format(budget=_fmt_int(budget))
+            )
         elif queue:
             label, share = "unexplained", float(queue_w.mean())
             why = _WHY_QUEUE
@@ -453,9 +480,16 @@ class BottleneckClassifier:
         if ev.get("kv_full_from_preemptions"):
             pre += ", full between the sampled usage readings"
         gain = ev["budget_doubling_gain_ratio"]
+        gain_text = f"{gain:+.0%}" if math.isfinite(gain) else "?"
+        lo, hi = (
+            ev.get("budget_doubling_gain_low", math.nan),
+            ev.get("budget_doubling_gain_high", math.nan),
+        )
+        if math.isfinite(lo) and math.isfinite(hi):
+            gain_text += f" (95%: {lo:+.0%} to {hi:+.0%})"
         budget_text = (
             f"steps full at the token budget but step time grows with the tokens in them: "
-            f"doubling it predicts {gain:+.0%}"
+            f"doubling it predicts {gain_text}"
             if ev.get("prefill_bound")
             else "steps below the token budget"
         )
@@ -463,7 +497,7 @@ class BottleneckClassifier:
             pre=pre,
             cap=_fmt_int(ev["max_num_seqs"]),
             budget=_fmt_int(ev["max_num_batched_tokens"]),
-            gain=f"{gain:+.0%}" if math.isfinite(gain) else "?",
+            gain=gain_text,
             budget_text=budget_text,
             why=ev.get("why", ""),
             fe_share=_pct(ev.get("frontend_share_median", math.nan)),

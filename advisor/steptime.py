@@ -35,6 +35,34 @@ throughput at a batch it has not run yet is predicted from the batches it has ru
 This is how the KV capacity model turns "the cache fits N sequences" into tokens
 per second, and how an engine that is not saturated gets its headroom.
 
+Whether a larger token budget pays
+----------------------------------
+:meth:`StepTimeModel.budget_gain` answers it from a second fit on the same busy windows,
+summed over blocks of ``budget_block`` consecutive windows::
+
+    busy seconds  ~=  a * n_steps  +  g * generated tokens  +  c * computed prompt tokens
+
+Generated tokens stand for the decode work (on a GPU a decoding sequence's KV reads cost
+far more than a prompt token's compute). Blocks rather than seconds: vLLM counts a
+prompt's tokens in the step that completes its prefill, while its chunks ran in the
+steps before, often in the second before; one-second windows then put the chunks' time
+and their tokens in different equations, and the fit hands the prefill's cost to
+whatever else grew with it (the batch). Summed over a few seconds the two meet again.
+On the lab's CPU engine (a 256-token budget) the per-second fit put 5 ms on each
+generated token and 15 us on a prompt token; over blocks of three seconds it finds no
+separate decode cost and about 100 us per prompt token, as on every engine measured
+(budgets of 64 to 2,048 tokens).
+At the plateau, with requests waiting, the engine admits them as fast as their prompts
+are prefilled, so the decode work per step follows the prefill (the same generated
+tokens per prompt token): twice the budget carries twice the prompt tokens (``p`` per
+step now) and twice the decode work (``d``), and only the per-step cost ``a`` is
+shared. A step of ``t1 = a + g d + c p`` becomes ``2 t1 - a`` and the prefill rate
+changes by ``2 t1 / (2 t1 - a) - 1 = a / (2 t1 - a)``: what a bigger budget buys is the
+per-step cost it amortises. (Holding the decode work fixed instead would over-state it:
+the decoding requests a faster prefill admits lengthen the steps.) The 95% interval
+comes from refits on resampled blocks (a block bootstrap: neighbouring seconds are not
+independent).
+
 Parameters
 ----------
 min_busy_ratio : windows used must have steps spread over this share of the second
@@ -46,9 +74,18 @@ min_windows : fewer usable windows raise :class:`~kvscope.advisor.curve.NotEnoug
     (default 8).
 min_queue : requests waiting (mean over the window's steps) that mark a window as never
     idle (default 1).
+budget_block : consecutive busy windows summed into one equation of the budget fit
+    (default 3).
+min_budget_blocks : fewer blocks leave :meth:`StepTimeModel.budget_gain` unanswered
+    (default 6).
+budget_boot : bootstrap refits for the budget gain's interval (default 200; seeded, so a
+    verdict is reproducible).
 """
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -56,6 +93,15 @@ from scipy import optimize
 
 from kvscope.advisor.curve import NotEnoughData
 from kvscope.advisor.frames import prepare_windows
+
+
+class BudgetGain(NamedTuple):
+    """Predicted prefill-rate change from doubling the token budget, with its 95%
+    bootstrap interval (NaN when the budget fit has too few blocks)."""
+
+    ratio: float
+    low: float
+    high: float
 
 
 class StepTimeModel:
@@ -69,12 +115,18 @@ class StepTimeModel:
         n_iter: int = 3,
         min_windows: int = 8,
         min_queue: float = 1.0,
+        budget_block: int = 3,
+        min_budget_blocks: int = 6,
+        budget_boot: int = 200,
     ) -> None:
         self.min_busy_ratio = min_busy_ratio
         self.idle_tolerance = idle_tolerance
         self.n_iter = n_iter
         self.min_windows = min_windows
         self.min_queue = min_queue
+        self.budget_block = budget_block
+        self.min_budget_blocks = min_budget_blocks
+        self.budget_boot = budget_boot
 
     def fit(self, windows: pd.DataFrame) -> StepTimeModel:
         w = prepare_windows(windows)
@@ -117,7 +169,54 @@ class StepTimeModel:
             float(w.loc[use, "batch_mean"].min()),
             float(w.loc[use, "batch_mean"].max()),
         )
+        self._fit_budget(w, computed.to_numpy(float), use)
         return self
+
+    def _fit_budget(self, w: pd.DataFrame, computed: np.ndarray, use: np.ndarray) -> None:
+        """The budget fit (module docstring): blocks of ``budget_block`` busy windows in
+        time order, each summed into one equation."""
+        Xw = np.c_[
+            w["n_steps"].to_numpy(float),
+            w["gen_tokens_per_s"].to_numpy(float),
+            computed,
+            w["preemptions"].fillna(0.0).to_numpy(float),
+        ]
+        rows = np.flatnonzero(use & np.isfinite(Xw).all(axis=1))
+        if "ts_s" in w:
+            rows = rows[np.argsort(w["ts_s"].to_numpy(float)[rows], kind="stable")]
+        k = max(1, self.budget_block)
+        blocks = [rows[i : i + k] for i in range(0, len(rows) - k + 1, k)]
+        self._budget_X = np.array([Xw[b].sum(axis=0) for b in blocks]).reshape(-1, 4)
+        self._budget_y = np.array([float(len(b)) for b in blocks])
+        self.budget_coef_ = np.full(4, math.nan)
+        if len(blocks) >= self.min_budget_blocks:
+            self.budget_coef_, _ = optimize.nnls(self._budget_X, self._budget_y)
+
+    @staticmethod
+    def _doubling_gain(coef: np.ndarray, prompt_per_step: float, gen_per_step: float) -> float:
+        t1 = coef[0] + coef[1] * gen_per_step + coef[2] * prompt_per_step
+        t2 = 2.0 * t1 - coef[0]  # twice the prompt and decode work, one per-step cost
+        return float(2.0 * t1 / t2 - 1.0) if t2 > 0 else math.nan
+
+    def budget_gain(self, prompt_per_step: float, gen_per_step: float) -> BudgetGain:
+        """Predicted change of the prefill rate from doubling the token budget, for steps
+        that carry ``prompt_per_step`` computed prompt tokens and ``gen_per_step``
+        generated tokens (twice both per step, one per-step cost: module docstring),
+        with its 95% block-bootstrap interval."""
+        if not np.isfinite(self.budget_coef_).all():
+            return BudgetGain(math.nan, math.nan, math.nan)
+        if prompt_per_step <= 0:
+            return BudgetGain(0.0, 0.0, 0.0)
+        ratio = self._doubling_gain(self.budget_coef_, prompt_per_step, gen_per_step)
+        rng = np.random.default_rng(0)
+        n = len(self._budget_y)
+        boot = []
+        for _ in range(self.budget_boot):
+            pick = rng.integers(0, n, n)
+            coef, _ = optimize.nnls(self._budget_X[pick], self._budget_y[pick])
+            boot.append(self._doubling_gain(coef, prompt_per_step, gen_per_step))
+        lo, hi = np.nanpercentile(boot, [2.5, 97.5])
+        return BudgetGain(ratio, float(lo), float(hi))
 
     @staticmethod
     def _solve(X: np.ndarray) -> np.ndarray:
@@ -174,4 +273,8 @@ class StepTimeModel:
             "rmse_s": self.rmse_s_,
             "batch_min": self.batch_range_[0],
             "batch_max": self.batch_range_[1],
+            "budget_fit_blocks": len(self._budget_y),
+            "budget_fit_step_s": float(self.budget_coef_[0]),
+            "budget_fit_per_generated_token_s": float(self.budget_coef_[1]),
+            "budget_fit_per_prompt_token_s": float(self.budget_coef_[2]),
         }
