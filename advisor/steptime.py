@@ -169,25 +169,20 @@ class StepTimeModel:
             float(w.loc[use, "batch_mean"].min()),
             float(w.loc[use, "batch_mean"].max()),
         )
-        self._fit_budget(w, computed.to_numpy(float), use)
+        # The budget fit's columns: the same, with generated tokens for the batch.
+        self._fit_budget(w, np.c_[X[:, 0], w["gen_tokens_per_s"].to_numpy(float), X[:, 2:]], use)
         return self
 
-    def _fit_budget(self, w: pd.DataFrame, computed: np.ndarray, use: np.ndarray) -> None:
+    def _fit_budget(self, w: pd.DataFrame, Xw: np.ndarray, use: np.ndarray) -> None:
         """The budget fit (module docstring): blocks of ``budget_block`` busy windows in
         time order, each summed into one equation."""
-        Xw = np.c_[
-            w["n_steps"].to_numpy(float),
-            w["gen_tokens_per_s"].to_numpy(float),
-            computed,
-            w["preemptions"].fillna(0.0).to_numpy(float),
-        ]
         rows = np.flatnonzero(use & np.isfinite(Xw).all(axis=1))
         if "ts_s" in w:
             rows = rows[np.argsort(w["ts_s"].to_numpy(float)[rows], kind="stable")]
         k = max(1, self.budget_block)
         blocks = [rows[i : i + k] for i in range(0, len(rows) - k + 1, k)]
         self._budget_X = np.array([Xw[b].sum(axis=0) for b in blocks]).reshape(-1, 4)
-        self._budget_y = np.array([float(len(b)) for b in blocks])
+        self._budget_y = np.full(len(blocks), float(k))  # busy seconds per block
         self.budget_coef_ = np.full(4, math.nan)
         if len(blocks) >= self.min_budget_blocks:
             self.budget_coef_, _ = optimize.nnls(self._budget_X, self._budget_y)

@@ -9,6 +9,7 @@ fitted only on the first run's one-second windows, as the collector stores them.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -116,6 +117,7 @@ CASES = {
 }
 
 
+@functools.cache
 def _run(case: str) -> tuple[pd.DataFrame, float, StepTimeModel]:
     """The case's windows, the measured gain of twice the budget at the top load, and the
     step-time model fitted on the windows."""
