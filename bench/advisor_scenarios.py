@@ -696,9 +696,11 @@ class AdvisorLab:
         max_num_seqs: int,
         extra_args: tuple[str, ...] = (),
         engine_core_nice: int = 19,
+        api_server_cpus: float | None = None,
     ) -> Iterator[VllmServer]:
         """A real engine with the plugin shipping to the collector under ``pool``
-        (``engine_core_nice``: see :class:`~kvscope.lab.engine.VllmServer`)."""
+        (``engine_core_nice``, ``api_server_cpus``: see
+        :class:`~kvscope.lab.engine.VllmServer`)."""
         assert self.model_dir is not None
         self._say(
             f"{pool}: starting vLLM (--num-gpu-blocks-override {num_gpu_blocks}, "
@@ -713,6 +715,7 @@ class AdvisorLab:
             enable_prefix_caching=True,
             extra_args=extra_args,
             engine_core_nice=engine_core_nice,
+            api_server_cpus=api_server_cpus,
             env={
                 "KVSCOPE_COLLECTOR_URL": self._collector.url,
                 "KVSCOPE_POOL": pool,
@@ -722,7 +725,14 @@ class AdvisorLab:
         )
         try:
             server.start()
-            self._say(f"{pool}: engine up in {server.startup_s:.0f} s at {server.url}")
+            self._say(
+                f"{pool}: engine up in {server.startup_s:.0f} s at {server.url}"
+                + (
+                    ""
+                    if api_server_cpus is None
+                    else f", API server held to {api_server_cpus:g} CPUs"
+                )
+            )
             yield server
         finally:
             server.stop()

@@ -61,7 +61,9 @@ __all__ = [
     "build_model",
     "default_model_dir",
     "free_port",
+    "limit_cpu",
     "parse_prometheus_text",
+    "release_cpu_limit",
     "vllm_counter_totals",
 ]
 
@@ -236,6 +238,48 @@ def renice_process_group(pgid: int, comm_prefix: str, nice: int) -> int:
     return changed
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def limit_cpu(pid: int, cores: float, name: str, root: Path = CGROUP_ROOT) -> Path:
+    """Hold process ``pid`` (all its threads) to ``cores`` CPUs' worth of time: a CFS
+    quota in a new cgroup ``name``, as a container's CPU limit does (Kubernetes'
+    ``resources.limits.cpu``). Works on cgroup v2 (``cpu.max``) and v1 (the ``cpu``
+    controller's ``cpu.cfs_quota_us``); returns the cgroup's folder, for
+    :func:`release_cpu_limit`. Needs root; raises :class:`LabError` saying why otherwise."""
+    if not cores > 0:
+        raise LabError(f"a CPU limit needs a positive number of cores, got {cores}")
+    period = 100_000
+    quota = max(1_000, round(cores * period))
+    v1 = root / "cpu"
+    try:
+        if (v1 / "cpu.cfs_quota_us").exists():
+            group = v1 / name
+            group.mkdir(exist_ok=True)
+            (group / "cpu.cfs_period_us").write_text(str(period))
+            (group / "cpu.cfs_quota_us").write_text(str(quota))
+        elif "cpu" in (root / "cgroup.controllers").read_text().split():
+            group = root / name
+            group.mkdir(exist_ok=True)
+            (group / "cpu.max").write_text(f"{quota} {period}")
+        else:
+            raise LabError(f"no cgroup CPU controller under {root} (v1 cpu/ or v2 cpu.max)")
+        (group / "cgroup.procs").write_text(str(pid))
+    except OSError as e:
+        raise LabError(
+            f"cannot limit process {pid} to {cores:g} CPUs with a cgroup under {root}: {e} "
+            "(needs root and a writable cgroup CPU controller)"
+        ) from e
+    return group
+
+
+def release_cpu_limit(group: Path) -> None:
+    """Remove a cgroup made by :func:`limit_cpu` once its processes have ended (a
+    cgroup that still has processes is left, with its limit)."""
+    with contextlib.suppress(OSError):
+        group.rmdir()
+
+
 class VllmServer:
     """A real vLLM OpenAI-compatible server in a subprocess, as a context manager.
 
@@ -263,6 +307,11 @@ class VllmServer:
     closed-loop client's concurrency does not reach the engine (measured: 46-88% of
     2-16 clients' requests in flight at the engine; with nice 19: 95-97%, and 5-9%
     more throughput). The engine core still runs whenever it has work.
+
+    ``api_server_cpus`` (default ``None``: no limit): once healthy, the API server
+    process (tokenising, detokenising, streaming; not the engine core) is held to this
+    many CPUs' worth of time by a cgroup quota (:func:`limit_cpu`), as a container's CPU
+    limit does: a front end too small for its engine.
     """
 
     def __init__(
@@ -286,6 +335,7 @@ class VllmServer:
         stop_timeout_s: float = 20.0,
         python: str = sys.executable,
         engine_core_nice: int = 19,
+        api_server_cpus: float | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.served_model_name = served_model_name
@@ -315,6 +365,8 @@ class VllmServer:
         self.engine_core_nice = engine_core_nice
         self.reniced_threads = 0
         """Threads of the engine-core process given ``engine_core_nice`` after start-up."""
+        self.api_server_cpus = api_server_cpus
+        self._cpu_group: Path | None = None
         self.startup_s: float | None = None
         """Seconds from process start to the first healthy ``/health``."""
         self._proc: subprocess.Popen[bytes] | None = None
@@ -398,6 +450,14 @@ class VllmServer:
             self.reniced_threads = renice_process_group(
                 self._proc.pid, ENGINE_CORE_COMM, self.engine_core_nice
             )
+        if self.api_server_cpus is not None:
+            try:
+                self._cpu_group = limit_cpu(
+                    self._proc.pid, self.api_server_cpus, f"kvscope-api-server-{self._proc.pid}"
+                )
+            except BaseException:
+                self.stop()
+                raise
         return self
 
     def _wait_healthy(self, started: float) -> None:
@@ -468,6 +528,9 @@ class VllmServer:
         while _group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.1)
         _signal_group(pgid, signal.SIGKILL)
+        if self._cpu_group is not None:
+            release_cpu_limit(self._cpu_group)
+            self._cpu_group = None
 
     def __enter__(self) -> VllmServer:
         return self.start()

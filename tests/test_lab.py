@@ -195,3 +195,52 @@ def test_renice_process_group_touches_only_the_named_processes_of_the_group() ->
         for p in (leader, other):
             p.kill()
             p.wait()
+
+
+def test_limit_cpu_holds_a_busy_process_to_its_quota() -> None:
+    """The real cgroup CPU controller (root, as CI): a process that spins on a whole core
+    gets about the limit's share of one once limited (CFS quota, 100 ms periods)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from kvscope.lab.engine import limit_cpu, release_cpu_limit
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    group = None
+    try:
+        group = limit_cpu(spin.pid, 0.2, f"kvscope-test-limit-{os.getpid()}")
+        time.sleep(0.3)  # the first period's burst
+
+        def cpu_s() -> float:
+            fields = Path(f"/proc/{spin.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+        c0, t0 = cpu_s(), time.monotonic()
+        time.sleep(2.0)
+        share = (cpu_s() - c0) / (time.monotonic() - t0)
+        assert 0.1 <= share <= 0.3, f"a 0.2-CPU limit let the spinning process use {share:.2f}"
+    finally:
+        spin.kill()
+        spin.wait()
+        if group is not None:
+            time.sleep(0.1)
+            release_cpu_limit(group)
+            assert not group.exists(), "the cgroup outlived its process"
+
+
+def test_limit_cpu_writes_a_v2_quota_and_says_what_is_missing(tmp_path: Path) -> None:
+    from kvscope.lab.engine import limit_cpu
+
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    group = limit_cpu(4321, 0.25, "api", root=tmp_path)
+    assert (group / "cpu.max").read_text() == "25000 100000"
+    assert (group / "cgroup.procs").read_text() == "4321"
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "cgroup.controllers").write_text("memory pids\n")
+    with pytest.raises(LabError, match="no cgroup CPU controller"):
+        limit_cpu(4321, 0.25, "api", root=bare)
+    with pytest.raises(LabError, match="positive number of cores"):
+        limit_cpu(4321, 0.0, "api", root=tmp_path)

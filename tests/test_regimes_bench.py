@@ -4,11 +4,22 @@ right, the request mix by load, the table. The regimes themselves run on the rea
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
-from bench.advisor_regimes import REGIMES, RegimeResult, table
-from bench.noise import FAILS, HOLDS, ratio
+import pytest
+
+from bench.advisor_regimes import (
+    REGIMES,
+    Engine,
+    RegimeLab,
+    RegimeResult,
+    advice_engine,
+    advice_verdict,
+    predicted_ratio,
+    table,
+)
+from bench.noise import FAILS, HOLDS, WITHIN_NOISE, ratio
 
 
 def _result(verdict: dict[str, Any], **kw: Any) -> RegimeResult:
@@ -61,3 +72,58 @@ def test_the_table_shows_the_cap_check() -> None:
     text = table([_result(v, cap=_cap(FAILS, HOLDS))])
     row = text.splitlines()[2]
     assert " 9 " in row and "0.96 (" in row and row.rstrip().endswith("NO")
+
+
+def _rec(kind: str, flags: list[str], gain: float, **kw: Any) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "change": {"vllm_flags": flags},
+        "expected_effect": {"gain_ratio": gain, **kw.pop("effect", {})},
+        "evidence": kw.pop("evidence", {}),
+        "summary": "",
+    }
+
+
+def test_the_advice_check_applies_what_the_advisor_recommends() -> None:
+    base = Engine(num_gpu_blocks=160, max_num_seqs=64, max_num_batched_tokens=64)
+    fp8 = _rec("whatif_kv_cache_dtype_fp8", ["--kv-cache-dtype fp8"], 0.24,
+               evidence={"num_gpu_blocks": 320})  # fmt: skip
+    assert advice_engine(fp8, base) == replace(base, num_gpu_blocks=320)
+    budget = _rec("raise_max_num_batched_tokens", ["--max-num-batched-tokens 128"], 0.33)
+    assert advice_engine(budget, base) == replace(base, max_num_batched_tokens=128)
+    seqs = _rec("raise_max_num_seqs", ["--max-num-seqs 96"], 0.2)
+    assert advice_engine(seqs, base) == replace(base, max_num_seqs=96)
+    # Not a flag the lab's engine can take, no predicted gain, no more blocks than now.
+    assert advice_engine(_rec("scale_api_server", ["--api-server-count 2"], 0.0), base) is None
+    assert advice_engine({**budget, "expected_effect": {"gain_ratio": None}}, base) is None
+    assert advice_engine({**fp8, "evidence": {"num_gpu_blocks": 160}}, base) is None
+    # The first kind the lab can apply, in ADVICE_KINDS order.
+    picked = RegimeLab._advice_of(replace(REGIMES["long-context"], engine=base), [budget, fp8])
+    assert picked is not None and picked[0] is fp8
+
+
+def test_the_advice_must_come_within_the_tolerance_of_its_prediction() -> None:
+    pred = predicted_ratio(_rec("raise_max_num_batched_tokens", [], 0.33,
+                                effect={"gain_ratio_low": 0.30, "gain_ratio_high": 0.38}))  # fmt: skip
+    assert pred == pytest.approx((1.33, 1.30, 1.38))
+    assert predicted_ratio(_rec("whatif_kv_cache_dtype_fp8", [], 0.24)) == (1.24, 1.24, 1.24)
+    tight = [100.0, 101.0, 99.0]
+    assert advice_verdict(ratio([133.0, 134.0, 132.0], tight), pred) == HOLDS
+    # 1.10 measured against a predicted 1.30-1.38, widened by 10%: 1.17 at the least.
+    assert advice_verdict(ratio([110.0, 111.0, 110.5], tight), pred) == FAILS
+    assert advice_verdict(ratio([160.0, 161.0, 160.5], tight), pred) == FAILS
+    assert advice_verdict(ratio([118.0, 110.0, 126.0], tight), pred) == WITHIN_NOISE
+
+
+def test_a_refuted_advice_makes_the_regime_wrong_and_shows_in_the_table() -> None:
+    v = {"bottleneck": "kv_cache_bound", "knee_concurrency": 3.0, "recommended_concurrency_cap": 3}
+    r = ratio([116.0, 115.0, 116.5], [100.0, 101.0, 99.0])
+    advice = {"flags": ["--kv-cache-dtype fp8"], "predicted_ratio": 1.3, "ratio": asdict(r),
+              "verdict": FAILS}  # fmt: skip
+    assert _result(v).advice_holds is None
+    assert _result(v, advice={**advice, "verdict": HOLDS}).right
+    bad = _result(v, advice=advice)
+    assert bad.advice_holds is False and not bad.right
+    row = table([bad]).splitlines()[2]
+    assert "--kv-cache-dtype fp8" in row and "x1.30" in row and "1.16 (" in row
+    assert row.rstrip().endswith("NO")

@@ -1,5 +1,6 @@
 """The advisor on more real engine regimes, each against a control that lifts the
-suspected limit (``bench/advisor_regimes.py``): every regime x ``KVSCOPE_REGIME_RUNS``
+suspected limit, and its recommended flag applied to measure the effect it predicts
+(``bench/advisor_regimes.py``): every regime x ``KVSCOPE_REGIME_RUNS``
 runs (default 3). A long matrix (about 5 minutes per regime run), run only when asked::
 
     scripts/test -m matrix tests/integration/test_advisor_regimes.py -s
@@ -50,3 +51,7 @@ def test_regime_verdict_matches_its_control(regime_lab: RegimeLab, name: str) ->
         assert r.control_agrees is not False, f"{name}: the control disagrees: {ctl}"
         assert r.knee_and_cap_right, f"{name}: an engine that never saturated got {r.verdict}"
         assert r.cap_holds is not False, f"{name}: the cap's runs refute it: {r.cap}"
+        assert r.advice_holds is not False, (
+            f"{name}: the recommended flag's measured effect refutes its prediction: "
+            f"{ {k: v for k, v in r.advice.items() if k != 'levels'} }"
+        )
