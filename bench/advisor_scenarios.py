@@ -661,9 +661,12 @@ class AdvisorLab:
         self.workdir.mkdir(parents=True, exist_ok=True)
         if self.model_dir is None:
             self.model_dir = build_model(default_model_dir("mid"), "mid")
-        self.collector = CollectorProcess(
-            self.workdir / "store.duckdb", log_path=self.workdir / "collector.log"
-        ).start()
+        # Every run starts a store of its own: the engines of a run are found by pool,
+        # and an earlier run's engines have the same pools (its store is kept beside).
+        store = self.workdir / "store.duckdb"
+        if store.exists():
+            store.replace(self.workdir / "store-previous.duckdb")
+        self.collector = CollectorProcess(store, log_path=self.workdir / "collector.log").start()
         self._say(f"collector at {self.collector.url}, store {self.workdir / 'store.duckdb'}")
         return self
 

@@ -243,13 +243,15 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 def limit_cpu(pid: int, cores: float, name: str, root: Path = CGROUP_ROOT) -> Path:
     """Hold process ``pid`` (all its threads) to ``cores`` CPUs' worth of time: a CFS
-    quota in a new cgroup ``name``, as a container's CPU limit does (Kubernetes'
+    quota (per 20 ms period, at least 1 ms) in a new cgroup ``name``, as a container's CPU limit does (Kubernetes'
     ``resources.limits.cpu``). Works on cgroup v2 (``cpu.max``) and v1 (the ``cpu``
     controller's ``cpu.cfs_quota_us``); returns the cgroup's folder, for
     :func:`release_cpu_limit`. Needs root; raises :class:`LabError` saying why otherwise."""
     if not cores > 0:
         raise LabError(f"a CPU limit needs a positive number of cores, got {cores}")
-    period = 100_000
+    # Short periods spread the allowance (a 100 ms period lets a process run its whole
+    # share, then freezes it for the rest); the kernel's smallest quota is 1 ms.
+    period = 20_000
     quota = max(1_000, round(cores * period))
     v1 = root / "cpu"
     try:

@@ -199,7 +199,7 @@ def test_renice_process_group_touches_only_the_named_processes_of_the_group() ->
 
 def test_limit_cpu_holds_a_busy_process_to_its_quota() -> None:
     """The real cgroup CPU controller (root, as CI): a process that spins on a whole core
-    gets about the limit's share of one once limited (CFS quota, 100 ms periods)."""
+    gets about the limit's share of one once limited (CFS quota, 20 ms periods)."""
     import os
     import subprocess
     import sys
@@ -235,7 +235,7 @@ def test_limit_cpu_writes_a_v2_quota_and_says_what_is_missing(tmp_path: Path) ->
 
     (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
     group = limit_cpu(4321, 0.25, "api", root=tmp_path)
-    assert (group / "cpu.max").read_text() == "25000 100000"
+    assert (group / "cpu.max").read_text() == "5000 20000"
     assert (group / "cgroup.procs").read_text() == "4321"
     bare = tmp_path / "bare"
     bare.mkdir()
