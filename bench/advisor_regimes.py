@@ -31,7 +31,9 @@ applies it: an engine with the change (fp8 and a second GPU as the what-if's blo
 which is what the prediction rests on: the CPU engine has neither), ``CONTROL_RUNS`` runs
 at the regime's highest load, against the regime's runs there. The measured ratio must lie
 within ``ADVICE_TOLERANCE`` of the predicted one (of its interval where the advisor gives
-one): the expected effect an operator is promised, measured.
+one): the expected effect an operator is promised, measured. Under open-loop arrivals the
+prediction is held to what the highest rate offers (an engine delivers no more tokens than
+it is sent requests for).
 
 The regimes:
 
@@ -189,6 +191,18 @@ def predicted_ratio(rec: dict[str, Any]) -> tuple[float, float, float]:
     lo = g if low is None or not math.isfinite(float(low)) else float(low)
     hi = g if high is None or not math.isfinite(float(high)) else float(high)
     return 1.0 + g, 1.0 + min(lo, g), 1.0 + max(hi, g)
+
+
+def within_offered(
+    predicted: tuple[float, float, float], ceiling: float | None
+) -> tuple[float, float, float]:
+    """The predicted ratio no higher than ``ceiling``: under open-loop arrivals the engine
+    cannot deliver more than is offered (the highest rate's tokens/s over the regime's
+    throughput there), whatever its capacity; ``None``: closed loop, no ceiling."""
+    if ceiling is None:
+        return predicted
+    p, lo, hi = predicted
+    return min(p, ceiling), min(lo, ceiling), min(hi, ceiling)
 
 
 def advice_verdict(measured: Ratio, predicted: tuple[float, float, float]) -> str:
@@ -717,6 +731,9 @@ class RegimeLab(AdvisorLab):
             else f"{max(regime.concurrency)} clients"
         )
         predicted = predicted_ratio(rec)
+        if regime.rates:
+            offered = max(regime.rates) * regime.output_tokens
+            predicted = within_offered(predicted, offered / statistics.geometric_mean(regime_runs))
         with self._started(apool, engine) as server:
             self._say(
                 f"{apool}: the advice {rec['change']['vllm_flags']} ({engine.describe()}), "

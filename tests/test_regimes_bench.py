@@ -18,6 +18,7 @@ from bench.advisor_regimes import (
     advice_verdict,
     predicted_ratio,
     table,
+    within_offered,
 )
 from bench.noise import FAILS, HOLDS, WITHIN_NOISE, ratio
 
@@ -127,3 +128,12 @@ def test_a_refuted_advice_makes_the_regime_wrong_and_shows_in_the_table() -> Non
     row = table([bad]).splitlines()[2]
     assert "--kv-cache-dtype fp8" in row and "x1.30" in row and "1.16 (" in row
     assert row.rstrip().endswith("NO")
+
+
+def test_an_open_loop_prediction_is_held_to_what_the_rate_offers() -> None:
+    # 12 requests/s of 128 tokens offer 1,536 tok/s; the regime ran 1,230 there.
+    assert within_offered((1.56, 1.50, 1.60), 1536 / 1230) == pytest.approx(
+        (1.249, 1.249, 1.249), abs=1e-3
+    )
+    assert within_offered((1.10, 1.05, 1.30), 1.2) == (1.10, 1.05, 1.2)
+    assert within_offered((1.56, 1.50, 1.60), None) == (1.56, 1.50, 1.60)
