@@ -248,6 +248,12 @@ class Regime:
     """The control runs the regime's top loads times this (``2`` with the same engine:
     throughput that grows with load shows the engine was not saturated)."""
 
+    def top_load(self, scale: int = 1) -> str:
+        """The highest load, times ``scale``, as said in the output."""
+        if self.rates:
+            return f"{max(self.rates) * scale:g} requests/s"
+        return f"{max(self.concurrency) * scale} clients"
+
     def mix_of(self, clients: int) -> tuple[int, int]:
         """Prompt words at ``clients`` (see ``mix``)."""
         words = self.prompt_words
@@ -672,11 +678,7 @@ class RegimeLab(AdvisorLab):
         assert c is not None
         scale = regime.control_scale
         cpool = f"{pool}-control"
-        unit = (
-            f"{max(regime.rates) * scale:g} requests/s"
-            if regime.rates
-            else f"{max(regime.concurrency) * scale} clients"
-        )
+        unit = regime.top_load(scale)
         with self._started(cpool, c) as server:
             what = c.describe() + (f", {scale}x the load" if scale != 1 else "")
             self._say(f"{cpool}: the control ({what}) at {unit}, {CONTROL_RUNS} runs")
@@ -725,11 +727,7 @@ class RegimeLab(AdvisorLab):
         highest load against the regime's runs there, the ratio against the predicted one
         (see the module docstring)."""
         apool = f"{pool}-advice"
-        unit = (
-            f"{max(regime.rates):g} requests/s"
-            if regime.rates
-            else f"{max(regime.concurrency)} clients"
-        )
+        unit = regime.top_load()
         predicted = predicted_ratio(rec)
         if regime.rates:
             offered = max(regime.rates) * regime.output_tokens

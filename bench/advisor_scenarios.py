@@ -667,7 +667,7 @@ class AdvisorLab:
         if store.exists():
             store.replace(self.workdir / "store-previous.duckdb")
         self.collector = CollectorProcess(store, log_path=self.workdir / "collector.log").start()
-        self._say(f"collector at {self.collector.url}, store {self.workdir / 'store.duckdb'}")
+        self._say(f"collector at {self.collector.url}, store {store}")
         return self
 
     def close(self) -> None:
@@ -728,14 +728,10 @@ class AdvisorLab:
         )
         try:
             server.start()
-            self._say(
-                f"{pool}: engine up in {server.startup_s:.0f} s at {server.url}"
-                + (
-                    ""
-                    if api_server_cpus is None
-                    else f", API server held to {api_server_cpus:g} CPUs"
-                )
+            held = (
+                "" if api_server_cpus is None else f", API server held to {api_server_cpus:g} CPUs"
             )
+            self._say(f"{pool}: engine up in {server.startup_s:.0f} s at {server.url}{held}")
             yield server
         finally:
             server.stop()

@@ -243,8 +243,8 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 def limit_cpu(pid: int, cores: float, name: str, root: Path = CGROUP_ROOT) -> Path:
     """Hold process ``pid`` (all its threads) to ``cores`` CPUs' worth of time: a CFS
-    quota (per 20 ms period, at least 1 ms) in a new cgroup ``name``, as a container's CPU limit does (Kubernetes'
-    ``resources.limits.cpu``). Works on cgroup v2 (``cpu.max``) and v1 (the ``cpu``
+    quota (per 20 ms period, at least 1 ms) in a new cgroup ``name``, as a container's CPU
+    limit does (Kubernetes' ``resources.limits.cpu``). Works on cgroup v2 (``cpu.max``) and v1 (the ``cpu``
     controller's ``cpu.cfs_quota_us``); returns the cgroup's folder, for
     :func:`release_cpu_limit`. Needs root; raises :class:`LabError` saying why otherwise."""
     if not cores > 0:
