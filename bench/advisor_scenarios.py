@@ -748,10 +748,26 @@ class AdvisorLab:
         seed: int,
         error_backoff_s: float = 0.1,
     ) -> SweepResult:
+        return self._sweep_urls(
+            [server.url], concurrency, duration_s, warmup_s, seed, error_backoff_s, MODEL_NAME
+        )
+
+    def _sweep_urls(
+        self,
+        urls: list[str],
+        concurrency: list[int],
+        duration_s: float,
+        warmup_s: float,
+        seed: int,
+        error_backoff_s: float,
+        model: str,
+    ) -> SweepResult:
+        """The lab's workload, closed loop, over ``urls`` (round robin over several)."""
         return run_sweep(
             SweepConfig(
-                url=server.url,
-                model=MODEL_NAME,
+                url=urls[0],
+                replicas=urls[1:],
+                model=model,
                 concurrency=concurrency,
                 duration_s=duration_s,
                 warmup_s=warmup_s,

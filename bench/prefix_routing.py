@@ -47,9 +47,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvscope.advisor import CollectorSource, Report, analyze
 from kvscope.collector.process import CollectorProcess, free_port
 from kvscope.lab.engine import VllmServer, build_model, default_model_dir, vllm_counter_totals
+from kvscope.lab.gateway import VllmRouter, router_args
 from kvscope.lab.sweep import SweepConfig, SweepResult, run_sweep
 
 POOL = "routing"
@@ -74,6 +77,7 @@ class RunMeasure:
     client_ttft_p50_s: float | None
     engine_ttft_mean_s: float | None = None
     engine_ttft_p50_s: float | None = None
+    engine_ttft_p90_s: float | None = None
     n_engine_requests: int = 0
 
     @property
@@ -96,6 +100,28 @@ class RoutingResult:
     pool_evidence: dict[str, Any] = field(default_factory=dict)
     startup_s: list[float] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
+    gateway: str = "client"
+    """``client``: the load generator routes (round robin, then prefix-affine);
+    ``vllm-router``: vLLM's router does (``round_robin``, then the advisor's rendering)."""
+    router_command: str | None = None
+    """The advisor's vllm-router rendering the second run was routed by."""
+    missing_worker_flags: list[str] = field(default_factory=list)
+    """Flags the rendering asks of every vLLM worker that the engines were started without."""
+
+    @property
+    def measured_ttft_change_s(self) -> float | None:
+        """Mean engine TTFT under the recommended routing minus under round robin."""
+        if self.affine is None:
+            return None
+        a, b = self.affine.engine_ttft_mean_s, self.round_robin.engine_ttft_mean_s
+        return None if a is None or b is None else a - b
+
+    @property
+    def ttft_change_error(self) -> float | None:
+        """Measured over predicted mean TTFT change, less one (0: exactly as predicted;
+        negative: a smaller change, or one in the other direction when below -1)."""
+        m, p = self.measured_ttft_change_s, self.predicted_ttft_change_s
+        return None if m is None or not p else m / p - 1.0
 
     @property
     def hit_rate_error(self) -> float | None:
@@ -112,6 +138,8 @@ class RoutingResult:
                 out[name]["hit_rate"] = run.hit_rate
                 out[name]["hit_rate_per_engine"] = run.hit_rate_per_engine
         out["hit_rate_error"] = self.hit_rate_error
+        out["measured_ttft_change_s"] = self.measured_ttft_change_s
+        out["ttft_change_error"] = self.ttft_change_error
         return out
 
 
@@ -144,8 +172,11 @@ class RoutingLab:
         seed: int = 11,
         log: Any = None,
         progress: bool = False,
+        engine_args: tuple[str, ...] = (),
     ) -> None:
         self.workdir = Path(workdir)
+        self.engine_args = tuple(engine_args)
+        """More vLLM flags for both engines."""
         self.model_dir = Path(model_dir) if model_dir else None
         self.concurrency = concurrency
         self.requests = requests
@@ -185,12 +216,14 @@ class RoutingLab:
                 served_model_name=MODEL_NAME,
                 num_gpu_blocks=NUM_GPU_BLOCKS,
                 enable_prefix_caching=True,
-                extra_args=["--kv-events-config", json.dumps(events)],
+                extra_args=["--kv-events-config", json.dumps(events), *self.engine_args],
                 env={
                     "KVSCOPE_COLLECTOR_URL": self.collector.url,
                     "KVSCOPE_POOL": POOL,
                     "KVSCOPE_FLUSH_INTERVAL_S": "0.5",
                     "VLLM_SERVER_DEV_MODE": "1",
+                    # the advisor's renderings name each engine by this address
+                    "KVSCOPE_HOST": "127.0.0.1",
                     "VLLM_CPU_OMP_THREADS_BIND": str(i),
                 },
                 log_path=self.workdir / f"vllm-{i}.log",
@@ -279,7 +312,10 @@ class RoutingLab:
                 raise RuntimeError(f"collector holds {ours} prefix queries, vLLM counted {theirs}")
             time.sleep(0.5)
 
-    def run(self, policy: str) -> RunMeasure:
+    def run(self, policy: str, via: str | None = None) -> RunMeasure:
+        """One run of the workload under ``policy``: the load generator's own routing over
+        the engines, or (``via``: a gateway's URL) every request to the gateway, which
+        routes; requests per engine then come from vLLM's counters."""
         self._reset_caches()
         before = self._counters()
         since = time.time()
@@ -290,9 +326,9 @@ class RoutingLab:
         )
         sweep: SweepResult = run_sweep(
             SweepConfig(
-                url=self.servers[0].url,
-                replicas=[s.url for s in self.servers[1:]],
-                routing=policy,
+                url=via or self.servers[0].url,
+                replicas=[] if via else [s.url for s in self.servers[1:]],
+                routing="round-robin" if via else policy,
                 model=MODEL_NAME,
                 concurrency=[self.concurrency],
                 duration_s=self.duration_s,
@@ -323,7 +359,14 @@ class RoutingLab:
             policy=policy,
             since_unix_s=since,
             until_unix_s=until,
-            requests_per_engine=list(lv.requests_per_target or []),
+            requests_per_engine=(
+                [
+                    int(a["vllm:request_success_total"] - b["vllm:request_success_total"])
+                    for a, b in zip(after, before, strict=True)
+                ]
+                if via
+                else list(lv.requests_per_target or [])
+            ),
             queries=q,
             hits=h,
             completed=lv.requests_completed,
@@ -335,6 +378,7 @@ class RoutingLab:
         if ttft:
             run.engine_ttft_mean_s = statistics.fmean(ttft)
             run.engine_ttft_p50_s = statistics.median(ttft)
+            run.engine_ttft_p90_s = float(np.quantile(ttft, 0.9))
             run.n_engine_requests = len(ttft)
         self._say(
             f"{policy}: hit rate {run.hit_rate:.1%} (per engine "
@@ -352,8 +396,21 @@ class RoutingLab:
             pool=POOL,
         )
 
-    def scenario(self) -> RoutingResult:
-        rr = self.run("round-robin")
+    def _router(self, args: list[str], name: str) -> VllmRouter:
+        return VllmRouter(args, self.workdir / f"router-{name}.log")
+
+    def scenario(self, gateway: str = "client") -> RoutingResult:
+        """Round robin, the advisor's prediction, then the routing it recommends; with
+        ``gateway="vllm-router"`` both runs go through vLLM's router: ``--policy
+        round_robin``, then the command the advisor rendered, as rendered."""
+        if gateway not in ("client", "vllm-router"):
+            raise ValueError(f"gateway must be client or vllm-router, not {gateway!r}")
+        if gateway == "client":
+            rr = self.run("round-robin")
+        else:
+            workers = ["--worker-urls", *(s.url for s in self.servers)]
+            with self._router([*workers, "--policy", "round_robin"], "round_robin") as gw:
+                rr = self.run("vllm-router round_robin", via=gw.url)
         report = self.advise(rr)
         rec = next((r for r in report.recommendations if r.kind == "prefix_aware_routing"), None)
         pool = next((p for p in report.pools if p.pool == POOL), None)
@@ -367,8 +424,27 @@ class RoutingLab:
         if found:
             evidence = dict(found[0].evidence)
         self._say(f"advisor: {rec.summary if rec else 'no prefix-aware routing recommendation'}")
-        affine = self.run("prefix-affine")
+        command = None
+        missing: list[str] = []
+        if gateway == "client":
+            affine: RunMeasure | None = self.run("prefix-affine")
+        elif rec is None:
+            affine = None
+        else:
+            router = rec.change["gateway"]["vllm_router"]
+            command = str(router["config"])
+            missing = [f for f in router.get("worker_flags", []) if f not in self.engine_args]
+            if missing:
+                self._say(f"the engines run without {' '.join(missing)}, which it needs")
+            args = router_args(command)
+            policy = args[args.index("--policy") + 1] if "--policy" in args else "default"
+            self._say(f"vllm-router with the advisor's rendering:\n{command}")
+            with self._router(args, policy) as gw:
+                affine = self.run(f"vllm-router {policy}", via=gw.url)
         return RoutingResult(
+            gateway=gateway,
+            router_command=command,
+            missing_worker_flags=missing,
             round_robin=rr,
             affine=affine,
             predicted_hit_rate=None if predicted is None else float(predicted),
@@ -386,6 +462,7 @@ class RoutingLab:
                 "output_tokens": self.output_tokens,
                 "num_gpu_blocks": NUM_GPU_BLOCKS,
                 "seed": self.seed,
+                "engine_args": list(self.engine_args),
             },
         )
 
@@ -407,6 +484,7 @@ def format_result(res: RoutingResult) -> str:
             "requests per engine",
             "TTFT mean (engine)",
             "TTFT p50 (engine)",
+            "TTFT p90 (engine)",
         )
     ]
     for run in (res.round_robin, res.affine):
@@ -420,6 +498,7 @@ def format_result(res: RoutingResult) -> str:
                 " / ".join(map(str, run.requests_per_engine)),
                 _ms(run.engine_ttft_mean_s),
                 _ms(run.engine_ttft_p50_s),
+                _ms(run.engine_ttft_p90_s),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -427,20 +506,18 @@ def format_result(res: RoutingResult) -> str:
     lines.insert(1, "-" * len(lines[0]))
     lines.append("")
     lines.append(
-        f"advisor's prediction for prefix-affine routing: hit rate "
+        f"advisor's prediction for {'prefix-affine routing' if res.gateway == 'client' else 'its vllm-router rendering'}: hit rate "
         f"{_pct(res.predicted_hit_rate)}, TTFT change "
         f"{'-' if res.predicted_ttft_change_s is None else f'{res.predicted_ttft_change_s * 1e3:+.0f} ms'}"
     )
     if res.affine is not None and res.predicted_hit_rate is not None:
-        measured_ttft = (
-            None
-            if res.affine.engine_ttft_mean_s is None or res.round_robin.engine_ttft_mean_s is None
-            else res.affine.engine_ttft_mean_s - res.round_robin.engine_ttft_mean_s
-        )
+        measured_ttft = res.measured_ttft_change_s
+        err = res.ttft_change_error
         lines.append(
             f"measured: hit rate {_pct(res.affine.hit_rate)} "
             f"(error {res.hit_rate_error:+.1%} absolute), TTFT change "
             f"{'-' if measured_ttft is None else f'{measured_ttft * 1e3:+.0f} ms'}"
+            f"{'' if err is None else f' ({err:+.0%} of the predicted change)'}"
         )
     return "\n".join(lines)
 
@@ -466,6 +543,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--prefix-words", type=int, default=300, help="words per shared prefix (default 300)"
     )
+    p.add_argument(
+        "--gateway",
+        choices=("client", "vllm-router"),
+        default="client",
+        help="who routes: the load generator (round robin, then prefix-affine; default) or "
+        "vLLM's router (round_robin, then the advisor's rendering of it)",
+    )
+    p.add_argument(
+        "--no-scale-out",
+        action="store_true",
+        help="with --gateway vllm-router: start the engines without --enable-scale-out, which "
+        "the advisor's cache_aware rendering asks for (to see the router route without it)",
+    )
     p.add_argument("--workdir", default=None, help="keep the store and logs here")
     p.add_argument("--json", default=None, help="write the figures to this JSON file")
     args = p.parse_args(argv)
@@ -481,8 +571,13 @@ def main(argv: list[str] | None = None) -> int:
         prefix_words=args.prefix_words,
         log=lambda t: print(t, file=sys.stderr, flush=True),
         progress=True,
+        engine_args=(
+            ("--enable-scale-out",)
+            if args.gateway == "vllm-router" and not args.no_scale_out
+            else ()
+        ),
     ) as lab:
-        res = lab.scenario()
+        res = lab.scenario(args.gateway)
     print(format_result(res))
     if args.json:
         Path(args.json).write_text(json.dumps(res.to_dict(), indent=2) + "\n")

@@ -107,12 +107,14 @@ def rendering(
     excess: str | None = None,
     effect: str | None = None,
     p99_e2e_s: float | None = None,
+    worker_flags: list[str] | None = None,
 ) -> dict[str, Any]:
     """One gateway's rendering: the text to paste (``config``, in ``fmt``: nginx, yaml or
     bash), whether it is per ``replica`` or per ``pool``, where its fields were verified
     (``source``); for a cap what happens to the requests beyond it (``excess``) and the e2e
     P99 the admitted ones can expect (``p99_e2e_s``; None: the rendering does not bound it),
-    for routing what it changes (``effect``)."""
+    for routing what it changes (``effect``); ``worker_flags``: vLLM flags every replica behind
+    the gateway needs for the rendering to do what it says."""
     out: dict[str, Any] = {"config": config, "format": fmt, "scope": scope}
     if excess is not None:
         out["excess"] = excess
@@ -121,5 +123,7 @@ def rendering(
         )
     if effect is not None:
         out["effect"] = effect
+    if worker_flags:
+        out["worker_flags"] = list(worker_flags)
     out["source"] = source
     return out

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -88,21 +87,6 @@ class Upstream(ThreadingHTTPServer):
         self.release.set()
         self.shutdown()
         self.server_close()
-
-
-def wait_listening(
-    port: int, timeout_s: float = 20.0, alive: Callable[[], bool] | None = None
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if alive is not None and not alive():
-            raise RuntimeError(f"the process meant to listen on {port} exited")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
 
 
 def post(port: int, path: str = "/v1/completions", timeout_s: float = 60.0) -> tuple[int, bytes]:

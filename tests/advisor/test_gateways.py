@@ -155,6 +155,8 @@ def test_routing_renders_the_routers_policy_and_thresholds() -> None:
     assert "--policy cache_aware" in flags and "--cache-threshold 0.2" in flags
     # A worker more than the replicas' vLLM queue ahead is past its cap: balance.
     assert "--balance-abs-threshold 3" in flags and "--balance-rel-threshold 1.25" in flags
+    # cache_aware tokenizes through the workers' render endpoint: without it, no affinity.
+    assert g["worker_flags"] == ["--enable-scale-out"] and "--enable-scale-out" in g["effect"]
     assert "30% -> 50%" in g["effect"] and "excess" not in g
     nocap = prefix_routing(
         ["a:1", "b:1"],

@@ -10,8 +10,6 @@ pool to that cap.
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,60 +19,12 @@ import yaml
 
 from kvscope.advisor.gateways import ReplicaCap, pool_renderings, replica_renderings
 from kvscope.collector.process import free_port
-from tests.advisor._upstreams import Burst, Upstream, settle, wait_listening
+from kvscope.lab.gateway import Nginx
+from tests.advisor._upstreams import Burst, Upstream, settle
 
 CAP = 3
 """Each replica's cap: small, so a burst of four times it is quick."""
 BURST = 4 * CAP
-
-
-def _nginx() -> str:
-    found = shutil.which("nginx") or (
-        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
-    )
-    assert found, "nginx is missing: install Debian's nginx (scripts/test does)"
-    return found
-
-
-class Nginx:
-    """A real nginx with two worker processes serving ``site`` (a conf.d file) on ``port``."""
-
-    def __init__(self, tmp: Path, site: str, port: int) -> None:
-        self.dir, self.port = tmp, port
-        for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (tmp / sub).mkdir(exist_ok=True)
-        (tmp / "nginx.conf").write_text(
-            f"""worker_processes 2;
-pid {tmp}/nginx.pid;
-error_log {tmp}/error.log info;
-events {{ worker_connections 256; }}
-http {{
-    access_log off;
-    client_body_temp_path {tmp}/body;
-    proxy_temp_path {tmp}/proxy;
-    fastcgi_temp_path {tmp}/fastcgi;
-    uwsgi_temp_path {tmp}/uwsgi;
-    scgi_temp_path {tmp}/scgi;
-{site}
-}}
-"""
-        )
-        args = [_nginx(), "-p", str(tmp), "-c", str(tmp / "nginx.conf")]
-        check = subprocess.run([*args, "-t"], capture_output=True, text=True)
-        assert check.returncode == 0, check.stderr
-        self.proc = subprocess.Popen([*args, "-g", "daemon off;"], stderr=subprocess.PIPE)
-        wait_listening(port, alive=lambda: self.proc.poll() is None)
-
-    def log(self) -> str:
-        return (self.dir / "error.log").read_text()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
 
 
 @pytest.fixture
@@ -95,7 +45,7 @@ def _run(
     """Send a burst of BURST requests through nginx, wait until each is either answered or
     held by an upstream, and return (statuses so far, requests held, nginx's error log);
     then release the held ones and check they succeed."""
-    nginx = Nginx(tmp, site, port)
+    nginx = Nginx(tmp, site, port).start()
     try:
         burst = Burst(port, BURST)
         settle(lambda: burst.answered() + a.now + b.now == BURST)
@@ -189,7 +139,7 @@ def test_the_ingress_retry_passes_a_replicas_503_on_only_with_non_idempotent(
                 f"server {{ listen 127.0.0.1:{port}; "
                 f"location / {{ {retry} proxy_pass http://u; }} }}"
             )
-            nginx = Nginx(tmp_path, site, port)
+            nginx = Nginx(tmp_path, site, port).start()
             try:
                 got[bool(retry)] = Counter(Burst(port, 2 * CAP, gap_s=0.02).join())
             finally:

@@ -5,7 +5,6 @@ excess what the rendering says."""
 
 from __future__ import annotations
 
-import shlex
 import subprocess
 import sys
 import time
@@ -19,8 +18,8 @@ from vllm_router.launch_router import parse_router_args
 
 from kvscope.advisor.gateways import ReplicaCap, balance_routing, pool_renderings, prefix_routing
 from kvscope.advisor.gateways.vllm_router import LAUNCH, VERSION
-from kvscope.collector.process import free_port
-from tests.advisor._upstreams import Burst, Upstream, post, wait_listening
+from kvscope.lab.gateway import VllmRouter, router_args
+from tests.advisor._upstreams import Burst, Upstream, post
 
 
 def _replicas(addresses: list[str], cap: int = 12, queue: int = 3) -> list[ReplicaCap]:
@@ -30,7 +29,7 @@ def _replicas(addresses: list[str], cap: int = 12, queue: int = 3) -> list[Repli
 def _args(config: str) -> list[str]:
     """The arguments of a rendered router command line."""
     assert config.startswith(LAUNCH + " ")
-    return shlex.split(config[len(LAUNCH) :].replace("\\\n", " "))
+    return router_args(config)
 
 
 def _rendered() -> list[str]:
@@ -85,35 +84,8 @@ def test_rendered_commands_parse_to_what_the_rendering_means() -> None:
 
 @contextmanager
 def _router(args: list[str], tmp: Path) -> Iterator[int]:
-    port = free_port()
-    log = (tmp / f"router-{port}.log").open("w")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm_router.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--prometheus-port",
-            str(free_port()),
-            *args,
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    try:
-        wait_listening(port, timeout_s=60, alive=lambda: proc.poll() is None)
-        yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-        log.close()
+    with VllmRouter(args, tmp / "router.log") as router:
+        yield router.port
 
 
 @pytest.fixture
@@ -191,3 +163,15 @@ def test_the_circuit_breaker_takes_capped_workers_out_unless_disabled(
         assert after == [200, 200, 200]
     else:
         assert after == [503, 503, 503]
+
+
+def test_the_worker_flag_cache_aware_needs_is_a_flag_of_the_installed_vllm() -> None:
+    """``--enable-scale-out`` registers the render endpoint the router tokenizes with; a flag
+    vLLM does not know would stop every worker from starting."""
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs
+
+    from kvscope.advisor.gateways.vllm_router import CACHE_AWARE_WORKER_FLAGS
+
+    fields = {f.replace("_", "-") for f in FrontendArgs.__dataclass_fields__}
+    for flag in CACHE_AWARE_WORKER_FLAGS:
+        assert flag.removeprefix("--") in fields, flag
