@@ -493,10 +493,12 @@ class GatewayLab(AdvisorLab):
         if router:
             rendering = self._pool_rendering(report, n, "vllm_router")
             res = self._result("router-pool", report, caps, rendering)
-            flags = [_flags(report, eid) for eid in ids]
+            # Each restarted engine listens where its cap's engine did: its flags by port.
+            by_port = {int(caps[eid].address.rsplit(":", 1)[1]): eid for eid in ids}
+            flags = [_flags(report, by_port[port]) for port in ports]
             if router_queue is not None:
-                for eid, f in zip(ids, flags, strict=True):
-                    f["--max-num-queued-reqs"] = caps[eid].cap + router_queue
+                for port, f in zip(ports, flags, strict=True):
+                    f["--max-num-queued-reqs"] = caps[by_port[port]].cap + router_queue
             with self.engines(pool, n, ports=ports, flags=flags, label="-flags"):
                 args = router_args(rendering["config"])
                 self._say(f"{pool}: vllm-router with the rendering:\n{rendering['config']}")
