@@ -493,12 +493,7 @@ class GatewayLab(AdvisorLab):
         if router:
             rendering = self._pool_rendering(report, n, "vllm_router")
             res = self._result("router-pool", report, caps, rendering)
-            # Each restarted engine listens where its cap's engine did: its flags by port.
-            by_port = {int(caps[eid].address.rsplit(":", 1)[1]): eid for eid in ids}
-            flags = [_flags(report, by_port[port]) for port in ports]
-            if router_queue is not None:
-                for port, f in zip(ports, flags, strict=True):
-                    f["--max-num-queued-reqs"] = caps[by_port[port]].cap + router_queue
+            flags = replica_flags(report, caps, ports, router_queue)
             with self.engines(pool, n, ports=ports, flags=flags, label="-flags"):
                 args = router_args(rendering["config"])
                 self._say(f"{pool}: vllm-router with the rendering:\n{rendering['config']}")
@@ -561,6 +556,21 @@ def pool_in_flight_max(steps: pd.DataFrame, engine_ids: list[str]) -> int:
         latest[str(eid)] = float(load)
         best = max(best, sum(latest.values()))
     return int(best)
+
+
+def replica_flags(
+    report: Report, caps: dict[str, ReplicaCap], ports: list[int], router_queue: int | None
+) -> list[dict[str, int]]:
+    """The vLLM flags of each engine to restart on ``ports``: each port's own cap's flags (the
+    engine that listened there), with ``--max-num-queued-reqs C + router_queue`` if given."""
+    by_port = {int(c.address.rsplit(":", 1)[1]): eid for eid, c in caps.items()}
+    out = []
+    for port in ports:
+        f = _flags(report, by_port[port])
+        if router_queue is not None:
+            f["--max-num-queued-reqs"] = caps[by_port[port]].cap + router_queue
+        out.append(f)
+    return out
 
 
 def _flags(report: Report, engine_id: str) -> dict[str, int]:

@@ -15,6 +15,7 @@ from bench.gateway_loops import (
     _listen_local,
     gateway_checks,
     pool_in_flight_max,
+    replica_flags,
     server_name_form,
     table,
 )
@@ -143,3 +144,22 @@ def test_the_rendered_router_command_becomes_the_routers_arguments() -> None:
     assert "--max-concurrent-requests" in args and args[-1] == "--disable-circuit-breaker"
     with pytest.raises(ValueError, match="not a vllm-router command"):
         router_args("nginx -s reload")
+
+
+def test_a_restarted_engine_gets_the_flags_of_the_cap_measured_at_its_port() -> None:
+    from types import SimpleNamespace
+
+    def rec(eid: str, seqs: int, queued: int) -> Any:
+        return SimpleNamespace(
+            kind="concurrency_cap",
+            scope=SimpleNamespace(engine_id=eid),
+            change={"vllm_flags": [f"--max-num-seqs {seqs}", f"--max-num-queued-reqs {queued}"]},
+        )
+
+    report: Any = SimpleNamespace(recommendations=[rec(A, 9, 13), rec(B, 11, 15)])
+    # the engines listed port 2 first: ids sort the other way
+    assert replica_flags(report, _caps(), [2, 1], None) == [
+        {"--max-num-seqs": 11, "--max-num-queued-reqs": 15},
+        {"--max-num-seqs": 9, "--max-num-queued-reqs": 13},
+    ]
+    assert replica_flags(report, _caps(), [1, 2], 0)[0]["--max-num-queued-reqs"] == 10
