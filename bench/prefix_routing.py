@@ -29,6 +29,14 @@ What it does
    over ``vllm:prefix_cache_queries_total``, summed over both engines, before/after
    each run); engine-side TTFT from the requests the collector stored.
 
+With ``--gateway vllm-router`` both runs go through vLLM's router instead of the load
+generator's routing: ``--policy round_robin`` first, then the router started with the
+advisor's ``vllm_router`` rendering as rendered (its command's arguments); requests per engine
+then come from vLLM's counters. The engines start with ``--enable-scale-out``, which the
+rendering asks of every worker (``worker_flags``: the router tokenizes prompts through the
+workers' ``/v1/completions/render``); ``--no-scale-out`` leaves it off to show the router
+routing without affinity.
+
 The workload is sized so both replicas hold every prefix (no eviction): then the
 tokens a prefix-aware router would have saved are exactly the blocks one replica
 computed while the other held them, which is what the prediction counts.
