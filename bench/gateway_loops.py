@@ -16,8 +16,8 @@ engines (uncapped), interleaved, ``duration`` seconds each after a warm-up. A cl
 request the gateway refused waits ``REFUSED_BACKOFF_S`` before its next one, as a caller
 that retries later.
 
-What each gateway run is held to (the issue's figures; ratios with their 95% interval
-over the runs, :mod:`bench.noise`):
+What each gateway run is held to (ratios with their 95% interval over the runs,
+:mod:`bench.noise`; the targets below, and the tests' bounds in :data:`GATE`):
 
 - **in flight**: the highest count of requests at each engine (running + waiting +
   deferred, in every step kvscope's plugin recorded from the run's start to its end)
@@ -26,8 +26,10 @@ over the runs, :mod:`bench.noise`):
   of the uncapped runs';
 - **tail**: the admitted requests' e2e P99 (the client's) at most ``MAX_P99_RATIO`` of the
   uncapped one;
-- **excess**: every refused request answered with the status the rendering names (503
-  from ``limit_conn``), none with another.
+- **excess**: every refused request answered as the rendering says (nginx: 503 from
+  ``limit_conn``; vllm-router: 429 from its bucket, or a replica's refusal passed on, see
+  :data:`STATUSES`), nothing else;
+- reported beside them: the admitted P99 against the rendering's predicted one.
 
 The loops:
 
@@ -760,7 +762,11 @@ def main(argv: list[str] | None = None) -> int:
         "(default: the advisor's Q)",
     )
     ap.add_argument("--duration", type=float, default=5.0, help="seconds per sweep level")
-    ap.add_argument("--workdir", default="/tmp/kvscope-gateway-loops")
+    ap.add_argument(
+        "--workdir",
+        default="/tmp/kvscope-gateway-loops",
+        help="the store, the engines' and gateways' logs (default: %(default)s)",
+    )
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
     loops = [x for x in args.loops.split(",") if x]

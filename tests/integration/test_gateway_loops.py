@@ -38,7 +38,7 @@ def gateway_lab(mid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 def _refuted(result: LoopResult) -> list[str]:
-    """The properties refuted against the tests' bounds (``GATE``; the issue's targets are
+    """The properties refuted against the tests' bounds (``GATE``; the targets are
     in the table with their own verdicts)."""
     return [f"{c.name}: {c.figure}" for c in result.gate if c.verdict == FAILS]
 
