@@ -86,6 +86,7 @@ from bench.advisor_scenarios import MIN_THROUGHPUT_FRACTION as MIN_THROUGHPUT_FR
 from bench.noise import FAILS, HOLDS, ratio, ratio_to
 from kvscope.advisor import CollectorSource, Report, analyze
 from kvscope.advisor.gateways import ReplicaCap
+from kvscope.collector.process import free_port
 from kvscope.lab.engine import VllmServer, build_model, default_model_dir
 from kvscope.lab.gateway import Nginx, VllmRouter, router_args
 from kvscope.lab.sweep import LevelResult
@@ -421,11 +422,19 @@ class GatewayLab(AdvisorLab):
         )
 
     def _through_nginx(
-        self, result: LoopResult, setting: str, site: str, clients: int, seed: int, ids: list[str]
+        self,
+        result: LoopResult,
+        setting: str,
+        site: tuple[str, int],
+        clients: int,
+        seed: int,
+        ids: list[str],
     ) -> None:
-        port = int(site.split("listen 127.0.0.1:")[1].split(";")[0])
+        """One overload run through a real nginx serving ``site`` (its text and the port it
+        listens on)."""
+        text, port = site
         tag = setting.replace(" ", "-").replace("$", "")
-        with Nginx(self.workdir / f"nginx-{result.loop}-{tag}", site, port) as gw:
+        with Nginx(self.workdir / f"nginx-{result.loop}-{tag}", text, port) as gw:
             result.runs.append(self.overload(setting, [gw.url], clients, seed, ids))
             log = gw.log()
         for key in ("limiting connections", "no live upstreams"):
@@ -442,20 +451,13 @@ class GatewayLab(AdvisorLab):
             rendering = self._pool_rendering(report, 1, "nginx")
             result = self._result("nginx-one", report, caps, rendering)
             self._say(f"{pool}: nginx with the rendering:\n{rendering['config']}")
-            site = _listen_local(rendering["config"], self._free_port())
+            port = free_port()
+            site = (_listen_local(rendering["config"], port), port)
             for r in range(ROUNDS):
                 seed = self.seed + 10 * r
                 self._through_nginx(result, "nginx", site, self.top, seed, ids)
                 result.runs.append(self.overload("uncapped", urls, self.top, seed + 1, ids))
-            result.checks = gateway_checks(result, "nginx", caps)
-            result.gate = gateway_checks(
-                result,
-                "nginx",
-                caps,
-                min_fraction=GATE["nginx"][0],
-                max_p99=GATE["nginx"][1],
-                against_prediction=False,
-            )
+            judge(result, "nginx", caps)
         return result
 
     def pool_loops(
@@ -478,9 +480,10 @@ class GatewayLab(AdvisorLab):
                 rendering = self._pool_rendering(report, n, "nginx")
                 res = self._result("nginx-pool", report, caps, rendering)
                 self._say(f"{pool}: nginx with the rendering:\n{rendering['config']}")
-                site = _listen_local(rendering["config"], self._free_port())
+                port, old_port = free_port(), free_port()
+                site = (_listen_local(rendering["config"], port), port)
                 one = min(res.caps.values())
-                old = server_name_form(res.caps, one, self._free_port())
+                old = (server_name_form(res.caps, one, old_port), old_port)
                 for r in range(ROUNDS):
                     seed = self.seed + 10 * r
                     self._through_nginx(res, "nginx", site, clients, seed, ids)
@@ -515,23 +518,8 @@ class GatewayLab(AdvisorLab):
                     eid: c.max_num_queued_reqs if q is None else c.cap + q
                     for eid, c in caps.items()
                 }
-            res.checks = gateway_checks(res, setting, caps, bound)
-            res.gate = gateway_checks(
-                res,
-                setting,
-                caps,
-                bound,
-                min_fraction=GATE[setting][0],
-                max_p99=GATE[setting][1],
-                against_prediction=False,
-            )
+            judge(res, setting, caps, bound)
         return out
-
-    @staticmethod
-    def _free_port() -> int:
-        from kvscope.collector.process import free_port
-
-        return free_port()
 
 
 def _in_flight(steps: pd.DataFrame) -> pd.Series:
@@ -594,6 +582,21 @@ STATUSES = {"nginx": {"http_503"}, "vllm-router": {"http_429", "http_503", "serv
 429 past its bucket and a replica's refusal at vLLM's admission limit passed on: 503, or for
 a streaming request vLLM refuses after its 200 went out, an error event in the stream
 (``server_error`` in the load generator's kinds)."""
+
+
+def judge(
+    result: LoopResult,
+    setting: str,
+    caps: dict[str, ReplicaCap],
+    bound: dict[str, int] | None = None,
+) -> None:
+    """Set ``result.checks`` (the targets, and the admitted P99 against the rendering's) and
+    ``result.gate`` (the tests' bounds for ``setting``, :data:`GATE`)."""
+    result.checks = gateway_checks(result, setting, caps, bound)
+    low, high = GATE[setting]
+    result.gate = gateway_checks(
+        result, setting, caps, bound, min_fraction=low, max_p99=high, against_prediction=False
+    )
 
 
 def gateway_checks(
