@@ -20,7 +20,8 @@ Percentiles and means
 P50, P90 and P99 interpolate linearly between order statistics (NumPy's default); a
 request without a value of a measure is left out of that measure (``n`` counts those
 that are in). Rows with a ``weight`` column (from Prometheus each row stands for
-``weight`` requests, :func:`kvscope.sources.prometheus.frames.pseudo_requests`) count
+``weight`` requests, :func:`kvscope.sources.prometheus.frames.pseudo_requests`; from the
+collector's request tier, :func:`kvscope.advisor.request_tier.requests_from_tier`) count
 with their weight: ``n`` is the summed weight (rounded), means are weighted, and
 percentiles use the weighted inverted CDF when the weights differ (equal weights change
 nothing). ``breakdown_mean_s`` splits the mean life of the requests that report all four
@@ -89,13 +90,20 @@ def request_itl_s(requests: pd.DataFrame) -> np.ndarray:
 
 
 def _measures(requests: pd.DataFrame) -> dict[str, np.ndarray]:
-    out = {
-        "ttft_s": np.asarray(request_ttft_s(requests), float),
-        "itl_s": request_itl_s(requests),
-    }
+    # Rows from a histogram tier carry their ITL (decode / gaps would pair two marginals).
+    itl = request_itl_s(requests)
+    if "itl_s" in requests:
+        given = _col(requests, "itl_s")
+        itl = np.where(np.isfinite(given), given, itl)
+    out = {"ttft_s": np.asarray(request_ttft_s(requests), float), "itl_s": itl}
     for c in ("e2e_s", "queue_s", "prefill_s", "decode_s", *LENGTH_MEASURES):
         out[c] = _col(requests, c)
     return out
+
+
+def _estimated(requests: pd.DataFrame) -> bool:
+    """True when some rows come from histograms (:mod:`kvscope.advisor.request_tier`)."""
+    return "estimated" in requests and bool(requests["estimated"].fillna(False).astype(bool).any())
 
 
 def _weights(requests: pd.DataFrame) -> np.ndarray:
@@ -182,7 +190,8 @@ class RequestLatency:
     finish_reasons: dict[str, int] = field(default_factory=dict)
     slo: dict[str, SloAttainment] = field(default_factory=dict)
     weighted: bool = False
-    """True when rows stood for several requests each (estimated from histograms)."""
+    """True when rows came from histograms (Prometheus's, or the collector's request tier
+    past its request retention): the numbers are estimates."""
 
     def quantiles(self, measure: str) -> Quantiles:
         """One of :data:`LATENCY_MEASURES` or :data:`LENGTH_MEASURES`."""
@@ -265,7 +274,7 @@ def request_latency(requests: pd.DataFrame, targets: SloTargets | None = None) -
             str(k): round(float(v)) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])
         },
         slo=_slo(m, w, targets or SloTargets()),
-        weighted=bool(np.any(w != 1.0)),
+        weighted=bool(np.any(w != 1.0)) or _estimated(requests),
         **kw,
     )
 

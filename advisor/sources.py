@@ -39,6 +39,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import pandas as pd
 
+from kvscope.advisor.request_tier import tier_step_s, with_tier
+
 
 class SourceError(RuntimeError):
     """A source could not deliver (collector unreachable, bad answer).
@@ -415,7 +417,45 @@ class CollectorSource:
         engine: str | None = None,
         pool: str | None = None,
     ) -> pd.DataFrame:
-        return self._ranged("/v1/requests", "finished_unix_s", since, until, engine, pool)
+        """The finished requests of ``[since, until)``: one row each while the collector
+        keeps them, and, for the part of the range its request retention deleted, rows
+        standing for them from its request tier (``estimated``, see
+        :mod:`kvscope.advisor.request_tier`)."""
+        raw = self._ranged("/v1/requests", "finished_unix_s", since, until, engine, pool)
+        tier = self.request_minutes(
+            since, until, engine, pool, step_s=tier_step_s(since, until), deleted_only=True
+        )
+        return with_tier(raw, tier)
+
+    def request_minutes(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+        *,
+        step_s: int = 60,
+        deleted_only: bool = False,
+    ) -> pd.DataFrame:
+        """``GET /v1/requests_1m``: the collector's request tier summed per engine over
+        ``step_s``; with ``deleted_only`` only where the request rows were deleted. Empty
+        from a collector without it (404)."""
+        params = {
+            "since": 0 if since is None else since,
+            "until": until,
+            "engine": engine,
+            "pool": pool,
+            "format": "columns",
+            "limit": self.page_rows,
+            "step": int(step_s),
+            "deleted_only": "true" if deleted_only else "false",
+        }
+        try:
+            return self._paged("/v1/requests_1m", "ts_s", params)
+        except SourceError as exc:
+            if exc.status == 404:
+                return pd.DataFrame()
+            raise
 
     def kv_events(
         self, since: float | None = None, until: float | None = None, pool: str | None = None

@@ -13,8 +13,10 @@ collector holds them, and the rollup's pass is timed as the retention task runs 
 plus the default lookback (``rollup_lookback_s``), and with a 10-minute lookback for
 comparison. The baseline, measured in the same run on the same store, is the writer's
 other periodic job: deleting the raw rows past their retention, here one minute of the
-fleet's 1-second windows. Medians of ``--runs`` passes; the share is the pass over the
-retention interval: the part of the writer's time the rollup takes.
+fleet's 1-second windows. The same pass over the request tier (``requests_1m``, of
+``REQUESTS_PER_S`` finished requests a second per engine) follows, timed the same way.
+Medians of ``--runs`` passes; the share is the pass over the retention interval: the
+part of the writer's time the rollup takes.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvscope.collector import _rollup
+from kvscope.collector import _request_rollup, _rollup
 from kvscope.collector.settings import Settings
 from kvscope.collector.store import Store
 
 NOW = 1_800_000_000
+REQUESTS_PER_S = 2
 
 
 def _fill(con: object, engines: int, minutes: int) -> int:
@@ -46,15 +49,40 @@ def _fill(con: object, engines: int, minutes: int) -> int:
     return t0
 
 
-def _pass_s(store: Store, engines: int, lookback_s: float, runs: int) -> tuple[float, int]:
+def _fill_requests(con: object, engines: int, minutes: int, per_s: int) -> int:
+    """``per_s`` finished requests a second per engine (the recordings finish 1.8)."""
+    t0 = NOW - _rollup.ROLLUP_LAG_S - minutes * 60
+    con.execute("DELETE FROM requests")  # type: ignore[attr-defined]
+    con.execute(  # type: ignore[attr-defined]
+        "INSERT INTO requests (engine_id, boot_id, finished_unix_s, e2e_s, queue_s, prefill_s, "
+        "decode_s, ttft_s, prompt_tokens, generation_tokens, cached_tokens, preemptions, "
+        "finish_reason) "
+        f"SELECT 'e' || e, 'b', {t0} + t / {per_s} + 0.1, 1.0 + t % 13 / 4.0, t % 5 / 10.0, "
+        "0.05 + t % 7 / 100.0, 0.9 + t % 11 / 5.0, NULL, 200 + t % 900, 20 + t % 300, "
+        "t % 64, 0, CASE WHEN t % 9 = 0 THEN 'length' ELSE 'stop' END "
+        f"FROM range({engines}) a(e), range({minutes * 60 * per_s}) b(t)"
+    )
+    return t0
+
+
+def _pass_s(
+    store: Store,
+    engines: int,
+    lookback_s: float,
+    runs: int,
+    tier: _rollup.Tier = _rollup.WINDOWS_1M,
+) -> tuple[float, int]:
     con = store._con
     minutes = int(lookback_s // 60) + 2
-    t0 = _fill(con, engines, minutes)
+    if tier is _rollup.WINDOWS_1M:
+        t0 = _fill(con, engines, minutes)
+    else:
+        t0 = _fill_requests(con, engines, minutes, REQUESTS_PER_S)
     out, rows = [], 0
     for _ in range(runs):
-        _rollup._set_until(con, t0 + (minutes - 1) * 60)  # one new minute, as every pass
+        _rollup._set_until(con, t0 + (minutes - 1) * 60, tier)  # one new minute, as every pass
         a = time.perf_counter()
-        rows, _, _ = _rollup.roll_up(con, NOW, lookback_s, set())
+        rows, _, _ = _rollup.roll_up(con, NOW, lookback_s, set(), tier)
         out.append(time.perf_counter() - a)
     return statistics.median(out), rows
 
@@ -80,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     interval, lookback = s.retention_interval_s, s.rollup_lookback_s
     print(
         f"{'engines':>8} {'delete 1 min (baseline)':>24} {f'rollup, lookback {lookback:g} s':>26} "
-        f"{'x baseline':>10} {'of the interval':>16} {'rollup, lookback 600 s':>23}"
+        f"{'x baseline':>10} {'of the interval':>16} {'rollup, lookback 600 s':>23} "
+        f"{'request minutes':>16} {'both, of the interval':>22}"
     )
     with tempfile.TemporaryDirectory(prefix="kvscope-rollup-") as tmp:
         store = Store(str(Path(tmp) / "rollup.duckdb"))
@@ -89,9 +118,11 @@ def main(argv: list[str] | None = None) -> int:
                 base = _delete_s(store, n, args.runs)
                 cost, _ = _pass_s(store, n, lookback, args.runs)
                 wide, _ = _pass_s(store, n, 600.0, args.runs)
+                req, _ = _pass_s(store, n, lookback, args.runs, _request_rollup.REQUESTS_1M)
                 print(
                     f"{n:>8,} {base * 1000:>21.1f} ms {cost * 1000:>23.1f} ms "
-                    f"{cost / base:>10.1f} {cost / interval:>15.2%} {wide * 1000:>20.1f} ms"
+                    f"{cost / base:>10.1f} {cost / interval:>15.2%} {wide * 1000:>20.1f} ms "
+                    f"{req * 1000:>13.1f} ms {(cost + req) / interval:>22.2%}"
                 )
         finally:
             store.close()

@@ -18,15 +18,16 @@ run), the file is checkpointed, and its growth over the empty table (indexes
 included) is divided by the rows.
 
 Before the measurement the store's complete minutes are rolled up into the
-downsampled tier (``windows_1m``, what the collector's retention task does every
-minute; see :mod:`kvscope.collector._rollup`).
+downsampled tiers (``windows_1m`` and ``requests_1m``, what the collector's retention
+task does every minute; see :mod:`kvscope.collector._rollup` and
+:mod:`kvscope.collector._request_rollup`).
 
 From the measured bytes per row and the rows an engine writes per second of
 reporting (steps, ledger entries and 1-second windows per second; finished requests
-at the recordings' rate; one minute window per minute), it derives the store of a
+at the recordings' rate; one minute window and one request minute per minute), it derives the store of a
 fleet running around the clock: every growing table stops growing at its retention
 (defaults: ``steps`` and the ledger one day, ``windows_1s`` and ``requests`` 15 days,
-``windows_1m`` 400 days); the configuration tables are kept. The baseline in the same
+``windows_1m`` 400 days, ``requests_1m`` 90 days); the configuration tables are kept. The baseline in the same
 run is the whole file: its size over the steps stored (what ``collector_ingest.py``
 reports as bytes per step) next to the sum of the tables.
 
@@ -60,9 +61,10 @@ RETAINED = {
     "windows_1s": "window_retention_s",
     "requests": "request_retention_s",
     "windows_1m": "rollup_retention_s",
+    "requests_1m": "request_rollup_retention_s",
 }
 """Tables with a retention setting (the rest are kept)."""
-GROWING = ("steps", "ingested_batches", "windows_1s", "requests", "windows_1m")
+GROWING = ("steps", "ingested_batches", "windows_1s", "requests", "windows_1m", "requests_1m")
 MINUTE_ROWS_PER_ENGINE_DAY = DAY_S / 60
 """``windows_1m``: one row per minute an engine steps (a short run spans partial
 minutes, so its own rows per second would overstate this)."""
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     for t in sorted(bytes_per_row, key=lambda t: -bytes_per_row[t] * rows[t]):
         b_row = bytes_per_row[t]
         rows_per_engine_day = rows[t] / engine_s * DAY_S
-        if t == "windows_1m":
+        if t in ("windows_1m", "requests_1m"):  # a busy engine finishes requests every minute
             rows_per_engine_day = MINUTE_ROWS_PER_ENGINE_DAY
         retention_s = getattr(defaults, RETAINED[t]) if t in RETAINED else 0.0
         per_day[t] = {
@@ -290,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.fleet}-engine week of engines reporting around the clock, default retention (raw steps "
         f"{defaults.raw_step_retention_s / 3600:g} h, ledger "
         f"{defaults.ledger_retention_s / 3600:g} h, 1-second windows and requests "
-        f"{_span(defaults.window_retention_s)}, minute windows {_span(defaults.rollup_retention_s)}): "
+        f"{_span(defaults.window_retention_s)}, minute windows {_span(defaults.rollup_retention_s)}, request minutes "
+        f"{_span(defaults.request_rollup_retention_s)}): "
         f"{fmt_bytes(default_week)}"
     )
     settled_days = max(d["retention_s"] for d in per_day.values()) / DAY_S
@@ -302,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         windows_1s=0.0,
         requests=0.0,
         windows_1m=1e-9,
+        requests_1m=1e-9,
     )
     year_now = week_bytes(defaults.raw_step_retention_s, args.fleet, days=365.0)
     print(

@@ -129,6 +129,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default: 400d; 0 keeps them)",
     )
     p.add_argument(
+        "--request-rollup-retention",
+        type=duration,
+        default="90d",
+        metavar="DURATION",
+        help="how long to keep request minutes, the per-minute latency histograms SLO "
+        "attainment reads past --request-retention (default: 90d; 0 keeps them)",
+    )
+    p.add_argument(
         "--advise-interval-s",
         type=float,
         default=60.0,
@@ -244,6 +252,7 @@ def collector_settings(args: argparse.Namespace) -> Any:
         window_retention_s=args.window_retention,
         request_retention_s=args.request_retention,
         rollup_retention_s=args.rollup_retention,
+        request_rollup_retention_s=args.request_rollup_retention,
         advise_interval_s=args.advise_interval_s,
         advise_window_s=args.advise_window_s,
         kv_events=args.kv_events,

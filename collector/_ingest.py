@@ -81,6 +81,9 @@ class WriteCache:
     window_minutes: set[int] = field(default_factory=set)
     """Start of each minute windows were written in since the last rollup (see
     :mod:`kvscope.collector._rollup`)."""
+    request_minutes: set[int] = field(default_factory=set)
+    """Start of each minute requests finished in that were written since the last rollup
+    (see :mod:`kvscope.collector._request_rollup`)."""
     exporter: dict[HelloKey, dict[str, int]] = field(default_factory=dict)
 
     @classmethod
@@ -124,6 +127,7 @@ class WriteCache:
             if s > self.window_max_s.get(e, s - 1):
                 self.window_max_s[e] = s
         self.window_minutes |= other.window_minutes
+        self.request_minutes |= other.request_minutes
         if other.request_max_s is not None:
             mine = self.request_max_s
             self.request_max_s = (
@@ -237,6 +241,8 @@ def _write_requests(con: Any, new: list[PreparedBatch], out: WriteCache) -> None
     if len(finished) and np.isfinite(finished).any():
         newest = float(np.nanmax(finished))
         out.request_max_s = max(newest, out.request_max_s or newest)
+        ok = finished[np.isfinite(finished)]
+        out.request_minutes.update((np.unique(np.floor(ok / 60.0)) * 60).astype(int).tolist())
 
 
 def _write_engines(con: Any, new: list[PreparedBatch], out: WriteCache, known: WriteCache) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from kvscope.collector import _request_rollup
 from kvscope.collector.tables import KV_EVENT_FIELDS, KV_EVENT_LAST
 from kvscope.engine_plugins.schema import EXPORTER_KEYS
 
@@ -129,6 +130,31 @@ def minute_windows(
     the minutes overlapping ``[since, until)``."""
     since = None if since is None else math.floor(since / 60.0) * 60
     return _per_engine_rows(cur, "windows_1m", engine_id, pool, since, until, limit)
+
+
+def request_minutes(
+    cur: Any,
+    engine_id: str | None = None,
+    pool: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    limit: int | None = None,
+    step_s: int = 60,
+) -> pd.DataFrame:
+    """The request tier summed per engine over ``step_s`` (see
+    :func:`kvscope.collector._request_rollup.select_sql`: bucket columns named
+    ``ttft_s{le=0.5}``), plus the engine's pool and model; the minutes overlapping
+    ``[since, until)``, oldest first."""
+    since = None if since is None else math.floor(since / 60.0) * 60
+    where, args = _where(engine_id, pool, "ts_s", since, until, alias="r")
+    return _df(
+        cur,
+        f"SELECT r.engine_id, {_request_rollup.select_sql(step_s)}, "
+        "any_value(e.pool) AS pool, any_value(e.model) AS model "
+        f"FROM requests_1m r LEFT JOIN engines e ON e.engine_id = r.engine_id{where} "
+        f"GROUP BY r.engine_id, 2 ORDER BY 2, r.engine_id{_limit(limit)}",
+        args,
+    )
 
 
 def daily_load_peaks(

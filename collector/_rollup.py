@@ -24,6 +24,7 @@ pass. A 1-second window is deleted only once its minute has been rolled up.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 MINUTE_S = 60
@@ -87,14 +88,32 @@ ROLLUP_SQL = (
 )
 
 
+@dataclass(frozen=True)
+class Tier:
+    """One rolled-up table: its upsert (``[lo, hi)`` of the source's time column as
+    arguments), the source table and time column, and the ``meta`` key of its progress."""
+
+    name: str
+    sql: str
+    source: str
+    ts_col: str
+    until_key: str
+    fill_sql: str | None = None
+    """The rollup of the rows the tier lacks only (``ON CONFLICT DO NOTHING``), run for
+    late data behind the source's retention; ``None``: such data is dropped."""
+
+
+WINDOWS_1M = Tier("windows_1m", ROLLUP_SQL, "windows_1s", "ts_s", ROLLED_UNTIL_KEY)
+
+
 def minute_floor(t: float) -> int:
     """The start of the minute holding unix second ``t``."""
     return math.floor(t / MINUTE_S) * MINUTE_S
 
 
-def rolled_until(con: Any) -> int | None:
+def rolled_until(con: Any, tier: Tier = WINDOWS_1M) -> int | None:
     """The end of the minutes rolled up so far (``None``: never rolled up)."""
-    row = con.execute("SELECT value FROM meta WHERE key = ?", [ROLLED_UNTIL_KEY]).fetchone()
+    row = con.execute("SELECT value FROM meta WHERE key = ?", [tier.until_key]).fetchone()
     return int(row[0]) if row else None
 
 
@@ -111,8 +130,30 @@ def _runs(minutes: list[int], gap_s: int = 3600) -> list[tuple[int, int]]:
     return out
 
 
+def fill(con: Any, minutes: set[int], tier: Tier) -> int:
+    """Roll up ``minutes`` (starts) with ``tier.fill_sql``: rows only where the tier has
+    none. Returns the rows written."""
+    if tier.fill_sql is None or not minutes:
+        return 0
+    rows = 0
+    for lo, hi in _runs(sorted(minutes)):
+        con.execute("BEGIN TRANSACTION")
+        try:
+            row = con.execute(tier.fill_sql, [lo, hi]).fetchone()
+            rows += int(row[0]) if row else 0
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+    return rows
+
+
 def roll_up(
-    con: Any, now_unix_s: float, lookback_s: float, written: set[int] | None = None
+    con: Any,
+    now_unix_s: float,
+    lookback_s: float,
+    written: set[int] | None = None,
+    tier: Tier = WINDOWS_1M,
 ) -> tuple[int, int, set[int]]:
     """Roll up the complete minutes not rolled up yet, the last ``lookback_s`` of those
     that were and the complete minutes of ``written`` (minute starts the writer stored
@@ -123,11 +164,12 @@ def roll_up(
     end = minute_floor(now_unix_s - ROLLUP_LAG_S)
     written = written or set()
     later = {m for m in written if m >= end}
-    done = rolled_until(con)
+    done = rolled_until(con, tier)
     ranges: list[tuple[int, int]] = []
-    if done is None:  # first pass on this store: every chunk holding a window
+    if done is None:  # first pass on this store: every chunk holding a row
         chunks = con.execute(
-            f"SELECT DISTINCT ts_s // {ROLLUP_CHUNK_S} FROM windows_1s WHERE ts_s < ? ORDER BY 1",
+            f"SELECT DISTINCT CAST(floor({tier.ts_col} / {ROLLUP_CHUNK_S}) AS BIGINT) "
+            f"FROM {tier.source} WHERE {tier.ts_col} < ? ORDER BY 1",
             [end],
         ).fetchall()
         ranges = [
@@ -144,19 +186,19 @@ def roll_up(
             hi = min(lo + ROLLUP_CHUNK_S, b)
             con.execute("BEGIN TRANSACTION")
             try:
-                row = con.execute(ROLLUP_SQL, [lo, hi]).fetchone()
+                row = con.execute(tier.sql, [lo, hi]).fetchone()
                 rows += int(row[0]) if row else 0
                 con.execute("COMMIT")
             except BaseException:
                 con.execute("ROLLBACK")
                 raise
     until = end if done is None else max(done, end)
-    _set_until(con, until)
+    _set_until(con, until, tier)
     return rows, until, later
 
 
-def _set_until(con: Any, until: int) -> None:
+def _set_until(con: Any, until: int, tier: Tier) -> None:
     con.execute(
         "INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-        [ROLLED_UNTIL_KEY, str(int(until))],
+        [tier.until_key, str(int(until))],
     )

@@ -73,6 +73,12 @@ from kvscope.collector._exposition import (
     label_value,
 )
 from kvscope.collector._ingest import DUPLICATE, STORED, IngestResult
+from kvscope.collector._request_rollup import (
+    FINISH_REASONS,
+    ITL_SECONDS_BUCKETS,
+    REQUEST_SECONDS_BUCKETS,
+    REQUEST_TOKEN_BUCKETS,
+)
 from kvscope.collector.batch import PreparedBatch
 from kvscope.engine_plugins.schema import BOOL, EXPORTER_FIELDS, FLOAT, HELLO_FIELDS, INT
 
@@ -119,56 +125,6 @@ ACK_SECONDS_BUCKETS: tuple[float, ...] = (
     5.0,
     10.0,
 )
-REQUEST_SECONDS_BUCKETS: tuple[float, ...] = (
-    0.05,
-    0.1,
-    0.2,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    3.0,
-    4.0,
-    5.0,
-    7.5,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    60.0,
-    120.0,
-    300.0,
-)
-ITL_SECONDS_BUCKETS: tuple[float, ...] = (
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.06,
-    0.075,
-    0.1,
-    0.125,
-    0.15,
-    0.2,
-    0.25,
-    0.3,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
-REQUEST_TOKEN_BUCKETS: tuple[float, ...] = tuple(float(2**k) for k in range(4, 18))
-"""16 to 131,072 tokens, powers of two."""
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error", "other")
-"""Values of the ``reason`` label of ``kvscope_request_finished_by_reason_total``; any
-other finish reason counts as ``other``."""
 
 
 @dataclass(frozen=True)
@@ -303,6 +259,7 @@ RETAINED_TABLES: tuple[str, ...] = (
     "windows_1s",
     "requests",
     "windows_1m",
+    "requests_1m",
 )
 
 _GAUGES = (  # (metric, attribute, help)
@@ -563,6 +520,8 @@ class FleetState:
         self.extra: dict[str, tuple[str, str, Callable[[], float]]] = {}
         self.rollup_rows_written = 0
         """1-minute window rows the retention task's rollup has written."""
+        self.request_rollup_rows_written = 0
+        """Request-minute rows (``requests_1m``) the retention task's rollup has written."""
         """Collector metrics read at scrape time: name -> (gauge|counter, help, callable)."""
         self.sections: list[Callable[[TextWriter], None]] = []
         """More families written at scrape time, after the state's own (e.g. the advisor's

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from kvscope.args import ParamError, parse_time
+from kvscope.args import ParamError, parse_duration, parse_time
 
 __all__ = ["FORMATS", "ParamError", "Query", "parse_query", "parse_time"]
 
@@ -30,6 +30,10 @@ class Query:
     source: str = "windows"
     fields: tuple[str, ...] | None = None
     """Columns to return (all when None)."""
+    step_s: int = 60
+    """Seconds summed per row of the request tier (a multiple of 60)."""
+    deleted_only: bool = False
+    """Of the request tier, only the minutes whose request rows the retention deleted."""
 
 
 def parse_query(
@@ -81,6 +85,15 @@ def parse_query(
         fields = tuple(f.strip() for f in params["fields"].split(",") if f.strip())
         if not fields:
             raise ParamError("fields: expected a comma-separated list of column names")
+    step_s = 60
+    if "step" in params:
+        step = parse_duration("step", params["step"])
+        if step < 60 or step % 60:
+            raise ParamError(f"step: must be a whole number of minutes, got {params['step']!r}")
+        step_s = int(step)
+    deleted_only = params.get("deleted_only", "false").lower()
+    if deleted_only not in ("true", "false", "1", "0"):
+        raise ParamError(f"deleted_only: expected true or false, got {params['deleted_only']!r}")
     return Query(
         engine_id=params.get("engine"),
         pool=params.get("pool"),
@@ -91,4 +104,6 @@ def parse_query(
         group_by=group_by,
         source=source,
         fields=fields,
+        step_s=step_s,
+        deleted_only=deleted_only in ("true", "1"),
     )

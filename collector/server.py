@@ -317,6 +317,21 @@ async def _minute_windows(request: web.Request) -> web.Response:
     return await _read(request, _RANGE, "1d", _range_reader("minute_windows"))
 
 
+async def _request_minutes(request: web.Request) -> web.Response:
+    def run(st: Store, q: Query) -> pd.DataFrame:
+        return st.request_minutes(
+            q.engine_id,
+            q.pool,
+            q.since_unix_s,
+            q.until_unix_s,
+            q.limit,
+            step_s=q.step_s,
+            deleted_only=q.deleted_only,
+        )
+
+    return await _read(request, (*_RANGE, "step", "deleted_only"), "1d", run)
+
+
 async def _daily_load_peaks(request: web.Request) -> web.Response:
     return await _read(
         request,
@@ -420,6 +435,7 @@ async def _retention_loop(ctx: Context) -> None:
                 window_retention_s=s.window_retention_s,
                 request_retention_s=s.request_retention_s,
                 rollup_retention_s=s.rollup_retention_s,
+                request_rollup_retention_s=s.request_rollup_retention_s,
                 rollup_lookback_s=s.rollup_lookback_s,
             ),
             **ctx.store.apply_retention(s.raw_step_retention_s, s.ledger_retention_s),
@@ -430,8 +446,10 @@ async def _retention_loop(ctx: Context) -> None:
         try:
             deleted = await asyncio.wrap_future(ctx.writer.call(job))
             written = deleted.pop("windows_1m_written", 0)
+            written_req = deleted.pop("requests_1m_written", 0)
             ctx.state.rollup_rows_written += written
-            log.debug("rolled up %d minute windows", written)
+            ctx.state.request_rollup_rows_written += written_req
+            log.debug("rolled up %d minute windows, %d request minutes", written, written_req)
             ctx.state.record_retention(deleted)
             if any(deleted.values()):
                 log.info("retention deleted %s", deleted)
@@ -542,6 +560,12 @@ def _lifecycle(
             "1-minute window rows the rollup has written (a minute rolled up again counts again).",
             lambda: state.rollup_rows_written,
         )
+        state.extra["kvscope_collector_request_rollup_rows_total"] = (
+            "counter",
+            "Request-minute rows (requests_1m) the rollup has written (a minute rolled up again "
+            "counts again).",
+            lambda: state.request_rollup_rows_written,
+        )
         retention = asyncio.create_task(_retention_loop(ctx), name="kvscope-retention")
         verdicts: VerdictLoop | None = None
         if settings.advise_interval_s > 0:
@@ -623,6 +647,7 @@ def create_app(settings: Settings, store: Store | None = None) -> web.Applicatio
     app.router.add_get("/v1/engines/{engine_id}/configs", _configs)
     app.router.add_get("/v1/windows", _windows)
     app.router.add_get("/v1/windows_1m", _minute_windows)
+    app.router.add_get("/v1/requests_1m", _request_minutes)
     app.router.add_get("/v1/daily_load_peaks", _daily_load_peaks)
     app.router.add_get("/v1/steps", _steps)
     app.router.add_get("/v1/requests", _requests)

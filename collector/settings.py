@@ -43,10 +43,15 @@ class Settings:
     0 keeps them. The advisor fits knees on 1-second windows: the default covers the
     weekly report's week and the week before it."""
     request_retention_s: float = 15 * DAY_S
-    """Finished requests older than this (by ``finished_unix_s``) are deleted; 0 keeps them."""
+    """Finished requests older than this (by ``finished_unix_s``) are deleted once rolled up
+    into the request tier; 0 keeps them."""
     rollup_retention_s: float = 400 * DAY_S
     """1-minute windows (the downsampled tier read for long ranges) older than this are
     deleted; 0 keeps them."""
+    request_rollup_retention_s: float = 90 * DAY_S
+    """Request minutes (``requests_1m``: per-minute latency histograms, what SLO attainment
+    past the request retention reads) older than this are deleted; 0 keeps them. A quarter:
+    SLOs are judged over 28 or 30 days, a quarter's review reads 90."""
     rollup_lookback_s: float = 120.0
     """Each retention pass rolls up this much of the already rolled-up minutes again
     (besides every minute late data landed in): a minute's late seconds join it."""
@@ -136,6 +141,7 @@ class Settings:
             "window_retention_s",
             "request_retention_s",
             "rollup_retention_s",
+            "request_rollup_retention_s",
             "rollup_lookback_s",
         ):
             if getattr(self, name) < 0:

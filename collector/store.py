@@ -18,7 +18,9 @@ Tables (see :mod:`kvscope.collector.tables` for every column):
 * ``windows_1m``: per (engine_id, minute) aggregates of the 1-second windows (see
   :mod:`kvscope.collector._rollup`); deleted after the rollup retention.
 * ``requests``: engine_id, boot_id and the wire's REQUEST_FIELDS; deleted after the
-  request retention.
+  request retention, once rolled up into
+* ``requests_1m``: per (engine_id, minute of finish) counts, histogram buckets and sums
+  (see :mod:`kvscope.collector._request_rollup`); deleted after the rollup retention.
 * ``ingested_batches``: the idempotency ledger, key (engine_id, boot_id, seq).
 * ``exporter_stats``: the plugin's cumulative counters per (engine_id, boot_id).
 * ``kv_event_windows``: per (engine_id, ts_s) counters of the engine's KV-cache events
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -38,7 +41,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from kvscope.collector import _reads, _rollup
+from kvscope.collector import _reads, _request_rollup, _rollup
 from kvscope.collector._ingest import (
     DUPLICATE,
     STORED,
@@ -212,19 +215,22 @@ class Store:
         window_retention_s: float,
         request_retention_s: float,
         rollup_retention_s: float,
+        request_rollup_retention_s: float | None = None,
         rollup_lookback_s: float = 120.0,
         now_unix_s: float | None = None,
     ) -> dict[str, int]:
-        """Roll up the complete minutes into ``windows_1m`` (see
-        :mod:`kvscope.collector._rollup`), then delete 1-second windows past
-        ``window_retention_s`` whose minute is rolled up, requests finished before
-        ``request_retention_s`` and minute windows past ``rollup_retention_s`` (0 keeps).
+        """Roll up the complete minutes into ``windows_1m`` and ``requests_1m`` (see
+        :mod:`kvscope.collector._rollup` and :mod:`kvscope.collector._request_rollup`),
+        then delete 1-second windows past ``window_retention_s`` and requests finished
+        before ``request_retention_s`` whose minute is rolled up, 1-minute windows past
+        ``rollup_retention_s`` and request minutes past ``request_rollup_retention_s``
+        (``None``: ``rollup_retention_s``); 0 keeps.
 
         As in Prometheus, the retentions count back from the newest data (the latest
         1-second window or finished request, or now if that is later than now): a store of
         old data (an import, a test's fixed timestamps) is not emptied by the wall clock.
-        Returns the minute rows written (``windows_1m_written``) and the rows deleted per
-        table."""
+        Returns the minute rows written (``windows_1m_written``, ``requests_1m_written``)
+        and the rows deleted per table."""
         now = time.time() if now_unix_s is None else now_unix_s
         with self._write_lock:
             self._check_open()
@@ -234,29 +240,90 @@ class Store:
                 default=None,
             )
             ref = now if newest is None else min(now, newest)
-            written, self._cache.window_minutes = self._cache.window_minutes, set()
-            if window_retention_s > 0:
-                # A minute that began before the retention may have lost seconds to it: late
-                # data there is not rolled up again (its row would lose them), and is
-                # deleted below with its neighbours.
-                kept_from = _rollup.minute_floor(ref - window_retention_s) + _rollup.MINUTE_S
-                written = {m for m in written if m >= kept_from}
-            try:
-                n, rolled, later = _rollup.roll_up(self._con, now, rollup_lookback_s, written)
-            except BaseException:
-                self._cache.window_minutes |= written
-                raise
-            self._cache.window_minutes |= later
+            n, rolled = self._roll_up(
+                _rollup.WINDOWS_1M,
+                "window_minutes",
+                window_retention_s,
+                ref,
+                now,
+                rollup_lookback_s,
+            )
+            n_req, req_rolled = self._roll_up(
+                _request_rollup.REQUESTS_1M,
+                "request_minutes",
+                request_retention_s,
+                ref,
+                now,
+                rollup_lookback_s,
+            )
         self.rolled_until_s = float(rolled)
-        out = {"windows_1m_written": n}
+        out = {"windows_1m_written": n, "requests_1m_written": n_req}
         if window_retention_s > 0:
             cutoff = min(ref - window_retention_s, float(rolled))
             out["windows_1s"] = self._delete("windows_1s", "ts_s", cutoff)
         if request_retention_s > 0:
-            out["requests"] = self._delete("requests", "finished_unix_s", ref - request_retention_s)
+            # Whole minutes, so a minute's requests are either all kept or all in the tier.
+            kept_from = min(_rollup.minute_floor(ref - request_retention_s), req_rolled)
+            out["requests"] = self._delete("requests", "finished_unix_s", kept_from)
+            with self._write_lock:
+                self._check_open()
+                if kept_from > (self.requests_kept_from() or -math.inf):
+                    self._con.execute(
+                        "INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE "
+                        "SET value = excluded.value",
+                        [_request_rollup.REQUESTS_KEPT_FROM_KEY, str(int(kept_from))],
+                    )
         if rollup_retention_s > 0:
             out["windows_1m"] = self._delete("windows_1m", "ts_s", ref - rollup_retention_s)
+        req_keep = (
+            rollup_retention_s if request_rollup_retention_s is None else request_rollup_retention_s
+        )
+        if req_keep > 0:
+            out["requests_1m"] = self._delete("requests_1m", "ts_s", ref - req_keep)
         return out
+
+    def _roll_up(
+        self,
+        tier: _rollup.Tier,
+        written_attr: str,
+        retention_s: float,
+        ref: float,
+        now: float,
+        lookback_s: float,
+    ) -> tuple[int, int]:
+        """One tier's rollup pass (the caller holds the write lock): rows written and
+        the end of the rolled-up minutes."""
+        written: set[int] = getattr(self._cache, written_attr)
+        setattr(self._cache, written_attr, set())
+        behind: set[int] = set()
+        if retention_s > 0:
+            # A minute that began before the retention may have lost rows to it: late
+            # data there is not rolled up again (its row would lose them); it only fills
+            # the tier where it has no row (``tier.fill_sql``; windows: dropped), and is
+            # deleted with its neighbours.
+            kept_from = _rollup.minute_floor(ref - retention_s) + _rollup.MINUTE_S
+            behind = {m for m in written if m < kept_from}
+            written = written - behind
+        try:
+            n, rolled, later = _rollup.roll_up(self._con, now, lookback_s, written, tier)
+            n += _rollup.fill(self._con, {m for m in behind if m < rolled}, tier)
+        except BaseException:
+            getattr(self._cache, written_attr).update(written)
+            raise
+        getattr(self._cache, written_attr).update(later)
+        return n, rolled
+
+    def requests_kept_from(self) -> float | None:
+        """Requests finished before this (unix seconds) were deleted by the retention and
+        are only in ``requests_1m`` (None: none deleted yet)."""
+        row = (
+            self._cursor()
+            .execute(
+                "SELECT value FROM meta WHERE key = ?", [_request_rollup.REQUESTS_KEPT_FROM_KEY]
+            )
+            .fetchone()
+        )
+        return float(row[0]) if row else None
 
     def write_kv_event_windows(self, rows: pd.DataFrame) -> int:
         """Merge per-(engine_id, ts_s) KV-event counters (columns ``KV_EVENT_COLUMNS``,
@@ -455,6 +522,32 @@ class Store:
         """Per engine (``knees``: engine_id, knee) and UTC day: window sums, seconds past
         the knee and requests finished (``kvscope.advisor.usage.DAY_COLUMNS``), in SQL."""
         return _reads.usage_days(self._cursor(), knees, since_unix_s, until_unix_s)
+
+    def request_minutes(
+        self,
+        engine_id: str | None = None,
+        pool: str | None = None,
+        since_unix_s: float | None = None,
+        until_unix_s: float | None = None,
+        limit: int | None = None,
+        step_s: int = 60,
+        deleted_only: bool = False,
+    ) -> pd.DataFrame:
+        """The request tier (see :mod:`kvscope.collector._request_rollup`) summed per
+        engine over ``step_s``; with ``deleted_only`` only the minutes before
+        :meth:`requests_kept_from` (none when no request was deleted)."""
+        if deleted_only:
+            kept_from = self.requests_kept_from()
+            if kept_from is None:
+                kept_from = -math.inf
+            until_unix_s = kept_from if until_unix_s is None else min(until_unix_s, kept_from)
+            if since_unix_s is not None and until_unix_s <= since_unix_s:
+                until_unix_s = since_unix_s
+        if until_unix_s is not None and not math.isfinite(until_unix_s):
+            until_unix_s = -1.0
+        return _reads.request_minutes(
+            self._cursor(), engine_id, pool, since_unix_s, until_unix_s, limit, step_s
+        )
 
     def daily_load_peaks(
         self,

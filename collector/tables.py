@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvscope.collector._request_rollup import REQUEST_MINUTE_FIELDS
 from kvscope.collector._rollup import MINUTE_FIELDS
 from kvscope.engine_plugins.schema import (
     BOOL,
@@ -134,6 +135,10 @@ TABLES: dict[str, dict[str, Any]] = {
     },
     "requests": {
         "cols": [("engine_id", "VARCHAR"), ("boot_id", "VARCHAR"), *_cols(REQUEST_FIELDS)],
+    },
+    "requests_1m": {
+        "cols": [("engine_id", "VARCHAR"), ("ts_s", "BIGINT"), *REQUEST_MINUTE_FIELDS],
+        "pk": ("engine_id", "ts_s"),
     },
     "kv_event_windows": {
         "cols": [("engine_id", "VARCHAR"), ("ts_s", "BIGINT"), *KV_EVENT_FIELDS],

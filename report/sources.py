@@ -24,6 +24,7 @@ from pathlib import Path
 import duckdb
 import pandas as pd
 
+from kvscope.advisor.request_tier import tier_step_s, with_tier
 from kvscope.advisor.sources import CollectorSource, SourceError, WindowSample
 from kvscope.collector.store import Store
 from kvscope.collector.tables import STORE_SCHEMA_VERSION, StoreVersionError
@@ -133,7 +134,22 @@ class StoreSource:
         engine: str | None = None,
         pool: str | None = None,
     ) -> pd.DataFrame:
-        return self.store.requests(engine, pool, since, until)
+        """One row per request the store keeps, and rows standing for those its request
+        retention deleted (see :mod:`kvscope.advisor.request_tier`)."""
+        return with_tier(
+            self.store.requests(engine, pool, since, until), self._tier(since, until, engine, pool)
+        )
+
+    def _tier(
+        self, since: float | None, until: float | None, engine: str | None, pool: str | None
+    ) -> pd.DataFrame:
+        """The request tier where the store's request rows were deleted (empty for a
+        store made before it)."""
+        if "requests_1m" not in self.store.tables:
+            return pd.DataFrame()
+        return self.store.request_minutes(
+            engine, pool, since, until, step_s=tier_step_s(since, until), deleted_only=True
+        )
 
     def kv_events(
         self, since: float | None = None, until: float | None = None, pool: str | None = None
@@ -158,7 +174,7 @@ class StoreSource:
         s = self.store.window_sample(max_windows_per_engine, pool, since, until)
         return WindowSample(
             windows=s["windows"],
-            requests=s["requests"],
+            requests=with_tier(s["requests"], self._tier(since, until, None, pool)),
             kv_events=s["kv_events"] if "kv_event_windows" in self.store.tables else pd.DataFrame(),
             counts=s["counts"],
         )

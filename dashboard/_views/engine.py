@@ -20,6 +20,7 @@ from kvscope.dashboard._status import recent
 from kvscope.dashboard._views._common import pick_engine, verdict_headline
 from kvscope.dashboard._views._steps import steps_section
 from kvscope.dashboard.data import Snapshot, read_minute_windows
+from kvscope.dashboard.settings import DashboardSettings
 
 
 def _config_line(cfg: dict) -> str:
@@ -64,14 +65,32 @@ def _span_text(seconds: int) -> str:
     return f"{seconds // 60} min" if seconds % 60 == 0 else f"{seconds} s"
 
 
+@st.cache_data(ttl=600, max_entries=64, show_spinner="Reading the 1-minute windows...")
+def _minute_windows(
+    _settings: DashboardSettings,
+    key: str,
+    engine_id: str,
+    since_unix_s: float | None,
+    until_unix_s: float | None,
+) -> pd.DataFrame:
+    """:func:`read_minute_windows`, kept per engine and range and shared by the sessions
+    (each read of the collector brings a new range, so a new read)."""
+    del key  # stands for the settings (secrets digested)
+    return read_minute_windows(_settings, engine_id, since_unix_s, until_unix_s)
+
+
 def _series(snap: Snapshot, engine_id: str, blocks: Any) -> tuple[pd.DataFrame, str]:
     """The engine's time series and where they come from: over a long window the
     collector's 1-minute windows (complete, and kept after the 1-second ones), else the
     windows the advisor read."""
     if snap.long_range:
         try:
-            minutes = read_minute_windows(
-                snap.settings, engine_id, snap.since_unix_s, snap.until_unix_s
+            minutes = _minute_windows(
+                snap.settings,
+                snap.settings.cache_key(),
+                engine_id,
+                snap.since_unix_s,
+                snap.until_unix_s,
             )
         except SourceError:
             minutes = pd.DataFrame()

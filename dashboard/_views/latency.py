@@ -70,7 +70,16 @@ def _pool(snap: Snapshot, report: Report, pv: PoolVerdict, targets: SloTargets) 
     if lat is None:
         st.info("No finished requests in this pool in the window.")
         return
-    note = " (estimated from Prometheus histograms)" if lat.weighted else ""
+    note = (
+        (
+            " (estimated from Prometheus histograms)"
+            if snap.from_prometheus
+            else " (partly estimated from the collector's request minutes: the range "
+            "reaches past its request retention)"
+        )
+        if lat.weighted
+        else ""
+    )
     st.caption(
         f"{lat.n_requests:,} finished requests over {len(pv.engine_ids)} engine(s){note}. "
         "ITL: decode time / (output tokens − 1), requests with 2 output tokens or more."

@@ -11,6 +11,8 @@ import math
 import numpy as np
 import pandas as pd
 
+from kvscope.advisor.request_tier import cumulative_round, quantiles_from_buckets
+
 __all__ = [
     "HISTOGRAM_COLUMNS",
     "bucket_quantile",
@@ -32,38 +34,6 @@ HISTOGRAM_COLUMNS: dict[str, str] = {
     "decode_s": "decode",
     "generation_tokens": "request_generation_tokens",
 }
-
-
-def cumulative_round(x: np.ndarray) -> np.ndarray:
-    """Non-negative reals to integers whose running sums stay within 0.5 of the reals'."""
-    c = np.round(np.cumsum(np.clip(np.nan_to_num(np.asarray(x, float)), 0.0, None)))
-    return np.diff(np.concatenate([[0.0], c])).astype(int)
-
-
-def quantiles_from_buckets(les: np.ndarray, cumulative: np.ndarray, n: int) -> np.ndarray:
-    """``n`` values spread over a histogram: the quantiles ``(i + 0.5) / n``.
-
-    ``les`` are the upper bounds (ascending, the last may be +Inf), ``cumulative`` the
-    cumulative counts (may be fractional: rates times the window). Within a bucket the
-    values are interpolated linearly, as ``histogram_quantile`` does; the first bucket
-    starts at 0; values falling in the +Inf bucket get the highest finite bound.
-    """
-    les = np.asarray(les, float)
-    cum = np.maximum.accumulate(np.clip(np.nan_to_num(np.asarray(cumulative, float)), 0, None))
-    total = float(cum[-1]) if len(cum) else 0.0
-    if n <= 0 or total <= 0:
-        return np.full(max(n, 0), math.nan)
-    rank = (np.arange(n) + 0.5) / n * total
-    b = np.clip(np.searchsorted(cum, rank, side="left"), 0, len(cum) - 1)
-    lower = np.concatenate([[0.0], les[:-1]])
-    prev = np.concatenate([[0.0], cum[:-1]])
-    finite = les[np.isfinite(les)]
-    top = float(finite.max()) if len(finite) else math.nan
-    lo, hi = lower[b], les[b]
-    span = cum[b] - prev[b]
-    frac = np.where(span > 0, (rank - prev[b]) / np.where(span > 0, span, 1.0), 0.5)
-    out = np.where(np.isfinite(hi), lo + (hi - lo) * frac, np.maximum(lo, top))
-    return np.asarray(out, float)
 
 
 def pseudo_requests(

@@ -1,0 +1,231 @@
+"""The request tier: finished requests rolled up per engine and minute into histograms,
+deleted only once rolled up, and read back (over HTTP and from the store file) as rows
+standing for the requests, so SLO attainment and percentiles cover a range longer than
+the request retention.
+
+Expected values are computed here with NumPy from the requests sent, not from the
+rollup's SQL or the advisor's code."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from _collector_helpers import batch, post_batch, requests
+
+from kvscope.advisor import analyze
+from kvscope.advisor.sources import CollectorSource
+from kvscope.collector.batch import prepare_batch
+from kvscope.collector.store import Store
+
+DAY = 86400.0
+T0 = 1_700_000_040.0  # a minute start
+
+
+def _ttft(r: dict[str, list[Any]]) -> np.ndarray:
+    ttft = np.array([math.nan if v is None else v for v in r["ttft_s"]], float)
+    fallback = np.array(r["queue_s"], float) + np.array(r["prefill_s"], float)
+    return np.where(np.isfinite(ttft), ttft, fallback)
+
+
+def _itl(r: dict[str, list[Any]]) -> np.ndarray:
+    gen = np.array(r["generation_tokens"], float)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(gen >= 2, np.array(r["decode_s"], float) / (gen - 1), math.nan)
+
+
+def _random_requests(rng: np.random.Generator, finished: np.ndarray) -> dict[str, list[Any]]:
+    n = len(finished)
+    return requests(
+        finished.tolist(),
+        e2e_s=rng.lognormal(0.5, 0.8, n).tolist(),
+        queue_s=rng.exponential(0.3, n).tolist(),
+        prefill_s=rng.exponential(0.15, n).tolist(),
+        decode_s=rng.gamma(2.0, 1.0, n).tolist(),
+        ttft_s=[None if i % 5 == 0 else float(v) for i, v in enumerate(rng.lognormal(-1, 0.9, n))],
+        prompt_tokens=rng.integers(20, 4000, n).tolist(),
+        generation_tokens=rng.integers(1, 600, n).tolist(),
+        cached_tokens=rng.integers(0, 20, n).tolist(),
+        preemptions=(rng.random(n) < 0.1).astype(int).tolist(),
+        finish_reason=rng.choice(["stop", "length", "abort", "error", "cancelled"], n).tolist(),
+    )
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Any:
+    s = Store(str(tmp_path / "s.duckdb"))
+    yield s
+    s.close()
+
+
+def test_a_minute_counts_its_requests_at_every_bound(store: Store) -> None:
+    rng = np.random.default_rng(3)
+    finished = T0 + np.sort(rng.uniform(0, 180, 400))  # three minutes
+    r = _random_requests(rng, finished)
+    store.ingest_one(prepare_batch(batch(seq=0, with_hello=True, requests=r), T0 + 200))
+    store.apply_lifecycle(
+        window_retention_s=0, request_retention_s=0, rollup_retention_s=0, now_unix_s=T0 + 900
+    )
+    got = store.request_minutes().set_index("ts_s")
+    minute = np.floor(finished / 60) * 60
+    assert sorted(got.index) == sorted({int(m) for m in minute})
+    ttft, itl, e2e = _ttft(r), _itl(r), np.array(r["e2e_s"])
+    reason = np.array(r["finish_reason"])
+    for m, row in got.iterrows():
+        sel = minute == m
+        assert row["n_requests"] == sel.sum()
+        assert row["ttft_s{le=0.5}"] == (ttft[sel] <= 0.5).sum()
+        assert row["ttft_s{le=2}"] == (ttft[sel] <= 2).sum()
+        assert row["itl_s{le=0.01}"] == (itl[sel] <= 0.01).sum()
+        assert row["itl_s{le=+Inf}"] == np.isfinite(itl[sel]).sum()
+        assert row["e2e_s{le=5}"] == (e2e[sel] <= 5).sum()
+        assert row["e2e_s_sum"] == pytest.approx(e2e[sel].sum())
+        assert row["n_abort"] == (reason[sel] == "abort").sum()
+        assert row["n_other"] == (reason[sel] == "cancelled").sum()
+        assert row["preemptions_sum"] == sum(np.array(r["preemptions"])[sel])
+    # summed over a step: the same counts per engine
+    day = store.request_minutes(step_s=3600)
+    assert day["n_requests"].sum() == 400 and set(day["step_s"]) == {3600}
+
+
+def test_requests_are_deleted_in_whole_minutes_once_rolled_up(store: Store) -> None:
+    old = [T0 + 5, T0 + 30, T0 + 65]
+    new = [T0 + 20 * DAY + 5]
+    store.ingest_one(prepare_batch(batch(seq=0, with_hello=True, req_ts=old + new), T0))
+    assert store.requests_kept_from() is None
+    assert store.request_minutes(deleted_only=True).empty
+    out = store.apply_lifecycle(
+        window_retention_s=15 * DAY,
+        request_retention_s=15 * DAY,
+        rollup_retention_s=0,
+        now_unix_s=time.time(),
+    )
+    assert out["requests"] == 3 and out["requests_1m_written"] == 3
+    assert store.requests()["finished_unix_s"].tolist() == new
+    kept_from = store.requests_kept_from()
+    assert kept_from is not None and kept_from % 60 == 0 and T0 + 65 < kept_from <= new[0]
+    gone = store.request_minutes(deleted_only=True)
+    assert gone["ts_s"].tolist() == [int(T0), int(T0 + 60)]
+    assert gone["n_requests"].tolist() == [2, 1]
+    assert store.request_minutes()["n_requests"].sum() == 4  # the tier keeps the new one too
+    out = store.apply_lifecycle(
+        window_retention_s=15 * DAY,
+        request_retention_s=15 * DAY,
+        rollup_retention_s=400 * DAY,
+        request_rollup_retention_s=10 * DAY,
+        now_unix_s=time.time(),
+    )
+    assert out["requests_1m"] == 2 and out.get("windows_1m") == 0
+    assert store.request_minutes()["n_requests"].tolist() == [1]
+
+
+def test_a_store_from_before_the_tier_is_rolled_up_before_requests_are_deleted(
+    store: Store,
+) -> None:
+    store.ingest_one(prepare_batch(batch(seq=0, with_hello=True, req_ts=[T0 + 1, T0 + DAY]), T0))
+    store._con.execute("DELETE FROM meta WHERE key = 'requests_1m_until'")
+    store._con.execute("DELETE FROM requests_1m")
+    store.apply_lifecycle(
+        window_retention_s=0,
+        request_retention_s=0.5 * DAY,
+        rollup_retention_s=0,
+        now_unix_s=time.time(),
+    )
+    assert store.requests()["finished_unix_s"].tolist() == [T0 + DAY]
+    assert store.request_minutes()["n_requests"].tolist() == [1, 1]
+
+
+def test_late_requests_behind_the_retention_fill_the_tier_but_never_replace_a_row(
+    store: Store,
+) -> None:
+    kw = {"window_retention_s": 0, "request_retention_s": 15 * DAY, "rollup_retention_s": 0}
+    now = T0 + 20 * DAY + 600
+    store.ingest_one(
+        prepare_batch(batch(seq=0, with_hello=True, req_ts=[T0 + 5, T0 + 20 * DAY]), T0)
+    )
+    store.apply_lifecycle(**kw, now_unix_s=now)
+    assert store.request_minutes()["n_requests"].tolist() == [1, 1]
+    # an import of old traffic: one more request of that rolled-up minute, one of a new one
+    store.ingest_one(prepare_batch(batch(seq=1, req_ts=[T0 + 6, T0 + DAY + 7]), T0))
+    out = store.apply_lifecycle(**kw, now_unix_s=now)
+    assert out["requests"] == 2 and out["requests_1m_written"] == 1
+    got = store.request_minutes().set_index("ts_s")["n_requests"]
+    assert got.to_dict() == {int(T0): 1, int(T0 + DAY): 1, int(T0 + 20 * DAY): 1}
+
+
+def _truth(all_r: dict[str, list[Any]]) -> dict[str, float]:
+    ttft, e2e = _ttft(all_r), np.array(all_r["e2e_s"])
+    return {
+        "n": len(ttft),
+        "ttft_share": float((ttft <= 0.5).mean()),
+        "e2e_share": float((e2e <= 5.0).mean()),
+        "e2e_p50": float(np.quantile(e2e, 0.5)),
+        "e2e_p99": float(np.quantile(e2e, 0.99)),
+    }
+
+
+def test_slo_attainment_over_30_days_reads_the_tier_past_the_request_retention(
+    make_collector: Any, store_path: str
+) -> None:
+    """30 days of requests, 15 kept as rows: over HTTP and from the store file, the
+    advisor's SLO attainment and percentiles over the 30 days are those of every request
+    sent, not of the last 15 days'."""
+    from kvscope.report.sources import StoreSource, open_store
+
+    rng = np.random.default_rng(11)
+    end = math.floor(time.time() / 60) * 60 - 600
+    start = end - 30 * DAY
+    # the first 15 days slower than the last 15: a range cut at the retention shows it
+    first = np.sort(rng.uniform(start, start + 15 * DAY, 3000))
+    last = np.sort(rng.uniform(start + 15.5 * DAY, end, 3000))
+    r_first, r_last = _random_requests(rng, first), _random_requests(rng, last)
+    r_first["e2e_s"] = [3 * v for v in r_first["e2e_s"]]
+    lc = make_collector(retention_interval_s=0.2, request_retention_s=15 * DAY)
+    src = CollectorSource(lc.url)
+    # As in service: the first half arrives (and is rolled up) before the second.
+    assert post_batch(lc.url, batch(seq=0, with_hello=True, requests=r_first))[0] == 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if src.request_minutes(start - 60, end + 60)["n_requests"].sum() == 3000:
+            break
+        time.sleep(0.2)
+    assert post_batch(lc.url, batch(seq=1, requests=r_last))[0] == 200
+    # a minute of steps, so the engine is analysed
+    b = batch(seq=2, step_ts=[end - 120 + 0.5 * i for i in range(120)])
+    assert post_batch(lc.url, b)[0] == 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        raw = src._ranged("/v1/requests", "finished_unix_s", start - 60, end + 60, None, None)
+        if len(raw) == 3000:
+            break
+        time.sleep(0.2)
+    assert len(raw) == 3000  # the first 15 days' rows are gone
+    all_r = {k: r_first[k] + r_last[k] for k in r_first}
+    want = _truth(all_r)
+    kept = _truth(r_last)
+    assert abs(want["e2e_share"] - kept["e2e_share"]) > 0.1  # the cut would show
+
+    def check(latency: Any) -> None:
+        assert latency.n_requests == want["n"]
+        assert latency.weighted  # said to be estimated
+        assert latency.slo["ttft"].share == pytest.approx(want["ttft_share"], abs=1e-9)
+        assert latency.slo["e2e"].share == pytest.approx(want["e2e_share"], abs=1e-9)
+        # within a bucket the values are linear: the bucket bounds around the truth
+        assert latency.e2e_s.p50 == pytest.approx(want["e2e_p50"], rel=0.15)
+        assert latency.e2e_s.p99 == pytest.approx(want["e2e_p99"], rel=0.25)
+
+    report = analyze(src, start - 60, end + 60, slo_ttft_s=0.5, slo_e2e_s=5.0)
+    (pool,) = report.pools
+    check(pool.latency)
+    lc.stop()
+    offline = StoreSource(open_store(store_path))
+    try:
+        check(
+            analyze(offline, start - 60, end + 60, slo_ttft_s=0.5, slo_e2e_s=5.0).pools[0].latency
+        )
+    finally:
+        offline.close()
