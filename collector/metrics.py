@@ -76,8 +76,10 @@ from kvscope.collector._ingest import DUPLICATE, STORED, IngestResult
 from kvscope.collector._request_rollup import (
     FINISH_REASONS,
     ITL_SECONDS_BUCKETS,
+    ITL_SQL,
     REQUEST_SECONDS_BUCKETS,
     REQUEST_TOKEN_BUCKETS,
+    TTFT_SQL,
 )
 from kvscope.collector.batch import PreparedBatch
 from kvscope.engine_plugins.schema import BOOL, EXPORTER_FIELDS, FLOAT, HELLO_FIELDS, INT
@@ -147,14 +149,14 @@ REQUEST_HISTOGRAMS: tuple[RequestHistogram, ...] = (
         "kvscope_request_ttft_seconds",
         REQUEST_SECONDS_BUCKETS,
         "Time to first token per finished request (vLLM's, else queue + prefill time).",
-        "coalesce(ttft_s, queue_s + prefill_s)",
+        TTFT_SQL,
     ),
     RequestHistogram(
         "kvscope_request_inter_token_latency_seconds",
         ITL_SECONDS_BUCKETS,
         "Mean inter-token latency per finished request with at least 2 output tokens: "
         "decode time / (output tokens - 1).",
-        "CASE WHEN generation_tokens >= 2 THEN decode_s / (generation_tokens - 1) END",
+        ITL_SQL,
     ),
     RequestHistogram(
         "kvscope_request_e2e_seconds",
