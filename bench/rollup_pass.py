@@ -3,6 +3,7 @@
 One command (under a minute)::
 
     .venv/bin/python bench/rollup_pass.py [--engines 100,1000,2000] [--runs 5]
+        [--backfill-days 1 --backfill-engines 100]
 
 What it does
 ------------
@@ -17,6 +18,11 @@ fleet's 1-second windows. The same pass over the request tier (``requests_1m``, 
 ``REQUESTS_PER_S`` finished requests a second per engine) follows, timed the same way.
 Medians of ``--runs`` passes; the share is the pass over the retention interval: the
 part of the writer's time the rollup takes.
+
+With ``--backfill-days``: a store holding that many days of windows and requests and
+no tier (what a kvscope from before the tiers leaves) is rolled up by the retention
+task's passes, each stopping after the chunk (an hour of rows) that took it past its
+budget (``ROLLUP_PASS_BUDGET_S``); each pass's seconds are how long ingest waits for it.
 """
 
 from __future__ import annotations
@@ -87,6 +93,44 @@ def _pass_s(
     return statistics.median(out), rows
 
 
+def backfill(store: Store, engines: int, days: float) -> list[tuple[float, int, int]]:
+    """A store holding ``days`` of ``engines``' 1-second windows and finished requests
+    and no tier (as a kvscope before the tiers left it), rolled up by the retention
+    task's passes: per pass its seconds (the writer waits that long) and the window and
+    request-minute rows it wrote, until both tiers are caught up."""
+    con = store._con
+    minutes = int(days * 1440)
+    _fill(con, engines, minutes)
+    _fill_requests(con, engines, minutes, REQUESTS_PER_S)
+    con.execute("DELETE FROM windows_1m")
+    con.execute("DELETE FROM requests_1m")
+    con.execute(
+        "DELETE FROM meta WHERE key IN (?, ?)",
+        [_rollup.ROLLED_UNTIL_KEY, _request_rollup.REQUESTS_ROLLED_UNTIL_KEY],
+    )
+    s = Settings()
+    passes: list[tuple[float, int, int]] = []
+    while True:
+        a = time.perf_counter()
+        out = store.apply_lifecycle(
+            window_retention_s=0,
+            request_retention_s=0,
+            rollup_retention_s=0,
+            rollup_lookback_s=s.rollup_lookback_s,
+            now_unix_s=NOW,
+        )
+        passes.append(
+            (time.perf_counter() - a, out["windows_1m_written"], out["requests_1m_written"])
+        )
+        done = [
+            _rollup.rolled_until(con, t) for t in (_rollup.WINDOWS_1M, _request_rollup.REQUESTS_1M)
+        ]
+        if all(
+            d is not None and d >= _rollup.minute_floor(NOW - _rollup.ROLLUP_LAG_S) for d in done
+        ):
+            return passes
+
+
 def _delete_s(store: Store, engines: int, runs: int) -> float:
     out = []
     for _ in range(runs):
@@ -103,6 +147,16 @@ def main(argv: list[str] | None = None) -> int:
         "--engines", default="100,1000,2000", help="fleet sizes (default: 100,1000,2000)"
     )
     p.add_argument("--runs", type=int, default=5, help="passes per measurement (default: 5)")
+    p.add_argument(
+        "--backfill-days",
+        type=float,
+        default=0.0,
+        help="also time the passes that roll up a backlog of this many days (a store from "
+        "before the tiers) of --backfill-engines engines (default: 0, skipped)",
+    )
+    p.add_argument(
+        "--backfill-engines", type=int, default=100, help="engines of the backlog (default: 100)"
+    )
     args = p.parse_args(argv)
     s = Settings()
     interval, lookback = s.retention_interval_s, s.rollup_lookback_s
@@ -130,6 +184,25 @@ def main(argv: list[str] | None = None) -> int:
         f"a pass rolls up the minute that completed and re-reads {lookback:g} s before it; "
         f"it runs every {interval:g} s on the writer thread"
     )
+    if args.backfill_days > 0:
+        with tempfile.TemporaryDirectory(prefix="kvscope-backfill-") as tmp:
+            store = Store(str(Path(tmp) / "backfill.duckdb"))
+            try:
+                n, d = args.backfill_engines, args.backfill_days
+                print(f"\nbackfill: {n} engines x {d:g} days, filling the store ...")
+                passes = backfill(store, n, d)
+            finally:
+                store.close()
+        secs = [x[0] for x in passes]
+        print(f"{'pass':>5} {'seconds':>8} {'window minutes':>15} {'request minutes':>16}")
+        for i, (sec, w, r) in enumerate(passes, 1):
+            print(f"{i:>5} {sec:>8.2f} {w:>15,} {r:>16,}")
+        print(
+            f"{len(passes)} passes (chunks of {_rollup.ROLLUP_CHUNK_S // 3600} h until "
+            f"{_rollup.ROLLUP_PASS_BUDGET_S:g} s per tier and pass, one pass every "
+            f"{interval:g} s): the writer waits at most {max(secs):.2f} s at a time (median "
+            f"{statistics.median(secs):.2f} s), {sum(secs):.1f} s in all"
+        )
     return 0
 
 

@@ -24,14 +24,23 @@ pass. A 1-second window is deleted only once its minute has been rolled up.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
 MINUTE_S = 60
 ROLLUP_LAG_S = 120
 """A minute is rolled up once it ended this long ago (the plugin sends within seconds)."""
-ROLLUP_CHUNK_S = 6 * 3600
-"""A backfill of an existing store rolls up this many seconds of windows per statement."""
+ROLLUP_CHUNK_S = 3600
+"""A backlog is rolled up this many seconds of rows per statement (and transaction)."""
+LATE_CHUNK_S = 6 * 3600
+"""Late data (minutes rolled up before, written again) is rolled up this many seconds of
+rows per statement: it is sparse, and a statement's fixed cost dominates."""
+ROLLUP_PASS_BUDGET_S = 1.0
+"""A pass stops rolling up a backlog (a store from before the tier, a collector that was
+stopped) once it has taken this long, after at least one chunk: ingest waits for one
+bounded pass at a time, the next pass goes on (see ``bench/rollup_pass.py
+--backfill-days``)."""
 ROLLED_UNTIL_KEY = "windows_1m_until"
 """``meta`` key: the end (exclusive, unix seconds) of the minutes rolled up so far."""
 
@@ -130,16 +139,14 @@ def _runs(minutes: list[int], gap_s: int = 3600) -> list[tuple[int, int]]:
     return out
 
 
-def fill(con: Any, minutes: set[int], tier: Tier) -> int:
-    """Roll up ``minutes`` (starts) with ``tier.fill_sql``: rows only where the tier has
-    none. Returns the rows written."""
-    if tier.fill_sql is None or not minutes:
-        return 0
+def _run(con: Any, sql: str, a: int, b: int, chunk_s: int = ROLLUP_CHUNK_S) -> int:
+    """``sql`` over ``[a, b)``, one transaction per ``chunk_s``; rows written."""
     rows = 0
-    for lo, hi in _runs(sorted(minutes)):
+    for lo in range(a, b, chunk_s):
+        hi = min(lo + chunk_s, b)
         con.execute("BEGIN TRANSACTION")
         try:
-            row = con.execute(tier.fill_sql, [lo, hi]).fetchone()
+            row = con.execute(sql, [lo, hi]).fetchone()
             rows += int(row[0]) if row else 0
             con.execute("COMMIT")
         except BaseException:
@@ -148,51 +155,59 @@ def fill(con: Any, minutes: set[int], tier: Tier) -> int:
     return rows
 
 
+def fill(con: Any, minutes: set[int], tier: Tier) -> int:
+    """Roll up ``minutes`` (starts) with ``tier.fill_sql``: rows only where the tier has
+    none. Returns the rows written."""
+    if tier.fill_sql is None or not minutes:
+        return 0
+    return sum(_run(con, tier.fill_sql, lo, hi, LATE_CHUNK_S) for lo, hi in _runs(sorted(minutes)))
+
+
 def roll_up(
     con: Any,
     now_unix_s: float,
     lookback_s: float,
     written: set[int] | None = None,
     tier: Tier = WINDOWS_1M,
+    budget_s: float | None = ROLLUP_PASS_BUDGET_S,
 ) -> tuple[int, int, set[int]]:
     """Roll up the complete minutes not rolled up yet, the last ``lookback_s`` of those
     that were and the complete minutes of ``written`` (minute starts the writer stored
     windows in since the last pass), one transaction per range of at most
-    ``ROLLUP_CHUNK_S``; the caller holds the write lock. Returns the minute rows written,
-    the end of the rolled-up minutes and the minutes of ``written`` not complete yet
-    (to pass again next time)."""
+    ``ROLLUP_CHUNK_S``; the caller holds the write lock. A backlog (a store written
+    before the tier, a collector that was stopped) is rolled up oldest first until the
+    pass has taken ``budget_s`` (at least one chunk; ``None``: all of it at once), so a
+    pass holds the writer for a bounded time. Returns the minute rows written, the end of the rolled-up minutes and
+    the minutes of ``written`` not complete yet (to pass again next time)."""
     end = minute_floor(now_unix_s - ROLLUP_LAG_S)
     written = written or set()
     later = {m for m in written if m >= end}
     done = rolled_until(con, tier)
-    ranges: list[tuple[int, int]] = []
+    late: list[tuple[int, int]] = []
+    seq: list[tuple[int, int]] = []
     if done is None:  # first pass on this store: every chunk holding a row
         chunks = con.execute(
             f"SELECT DISTINCT CAST(floor({tier.ts_col} / {ROLLUP_CHUNK_S}) AS BIGINT) "
             f"FROM {tier.source} WHERE {tier.ts_col} < ? ORDER BY 1",
             [end],
         ).fetchall()
-        ranges = [
+        seq = [
             (int(c) * ROLLUP_CHUNK_S, min((int(c) + 1) * ROLLUP_CHUNK_S, end)) for (c,) in chunks
         ]
     else:
         start = min(done, minute_floor(done - lookback_s))
-        ranges = _runs(sorted(m for m in written if m < start))
-        for a in range(start, end, ROLLUP_CHUNK_S):
-            ranges.append((a, min(a + ROLLUP_CHUNK_S, end)))
+        late = _runs(sorted(m for m in written if m < start))
+        seq = [(a, min(a + ROLLUP_CHUNK_S, end)) for a in range(start, end, ROLLUP_CHUNK_S)]
+    t0 = time.monotonic()
     rows = 0
-    for a, b in ranges:
-        for lo in range(a, b, ROLLUP_CHUNK_S):
-            hi = min(lo + ROLLUP_CHUNK_S, b)
-            con.execute("BEGIN TRANSACTION")
-            try:
-                row = con.execute(tier.sql, [lo, hi]).fetchone()
-                rows += int(row[0]) if row else 0
-                con.execute("COMMIT")
-            except BaseException:
-                con.execute("ROLLBACK")
-                raise
+    for a, b in late:  # late data, sparse: fewer, longer statements
+        rows += _run(con, tier.sql, a, b, LATE_CHUNK_S)
     until = end if done is None else max(done, end)
+    for i, (a, b) in enumerate(seq):
+        rows += _run(con, tier.sql, a, b)
+        if budget_s is not None and i + 1 < len(seq) and time.monotonic() - t0 >= budget_s:
+            until = b if done is None else max(done, b)
+            break
     _set_until(con, until, tier)
     return rows, until, later
 

@@ -218,13 +218,16 @@ class Store:
         request_rollup_retention_s: float | None = None,
         rollup_lookback_s: float = 120.0,
         now_unix_s: float | None = None,
+        rollup_budget_s: float | None = _rollup.ROLLUP_PASS_BUDGET_S,
     ) -> dict[str, int]:
         """Roll up the complete minutes into ``windows_1m`` and ``requests_1m`` (see
         :mod:`kvscope.collector._rollup` and :mod:`kvscope.collector._request_rollup`),
         then delete 1-second windows past ``window_retention_s`` and requests finished
         before ``request_retention_s`` whose minute is rolled up, 1-minute windows past
         ``rollup_retention_s`` and request minutes past ``request_rollup_retention_s``
-        (``None``: ``rollup_retention_s``); 0 keeps.
+        (``None``: ``rollup_retention_s``); 0 keeps. A backlog is rolled up
+        for about ``rollup_budget_s`` per tier and call (``None``: whole), and only what
+        is rolled up is deleted.
 
         As in Prometheus, the retentions count back from the newest data (the latest
         1-second window or finished request, or now if that is later than now): a store of
@@ -247,6 +250,7 @@ class Store:
                 ref,
                 now,
                 rollup_lookback_s,
+                rollup_budget_s,
             )
             n_req, req_rolled = self._roll_up(
                 _request_rollup.REQUESTS_1M,
@@ -255,6 +259,7 @@ class Store:
                 ref,
                 now,
                 rollup_lookback_s,
+                rollup_budget_s,
             )
         self.rolled_until_s = float(rolled)
         out = {"windows_1m_written": n, "requests_1m_written": n_req}
@@ -290,6 +295,7 @@ class Store:
         ref: float,
         now: float,
         lookback_s: float,
+        budget_s: float | None,
     ) -> tuple[int, int]:
         """One tier's rollup pass (the caller holds the write lock): rows written and
         the end of the rolled-up minutes."""
@@ -305,7 +311,7 @@ class Store:
             behind = {m for m in written if m < kept_from}
             written = written - behind
         try:
-            n, rolled, later = _rollup.roll_up(self._con, now, lookback_s, written, tier)
+            n, rolled, later = _rollup.roll_up(self._con, now, lookback_s, written, tier, budget_s)
             n += _rollup.fill(self._con, {m for m in behind if m < rolled}, tier)
         except BaseException:
             getattr(self._cache, written_attr).update(written)
@@ -429,6 +435,7 @@ class Store:
             rollup_retention_s=0,
             rollup_lookback_s=lookback_s,
             now_unix_s=now_unix_s,
+            rollup_budget_s=None,
         )["windows_1m_written"]
 
     def steps(

@@ -14,7 +14,7 @@ from typing import Any
 
 import duckdb
 import pytest
-from _collector_helpers import batch, get_json, hello, http, post_batch, steps
+from _collector_helpers import batch, get_json, hello, http, post_batch, requests, steps
 
 from kvscope.collector._rollup import ROLLED_UNTIL_KEY
 from kvscope.collector.batch import prepare_batch
@@ -185,6 +185,40 @@ def test_a_store_from_before_the_tier_is_rolled_up_whole_on_the_first_pass(
         s.close()
 
 
+def test_a_backlog_is_rolled_up_a_bounded_part_a_pass_and_deleted_only_once_rolled_up(
+    store: Store,
+) -> None:
+    from kvscope.collector._rollup import ROLLUP_CHUNK_S
+
+    # a minute in each of 6 consecutive chunks (hours), windows and requests
+    hour = math.floor(T0 / ROLLUP_CHUNK_S) * ROLLUP_CHUNK_S
+    starts = [hour + k * ROLLUP_CHUNK_S + 600 for k in range(6)]
+    for k, t in enumerate(starts):
+        b = batch(engine_id="e1", seq=k, with_hello=k == 0, step_ts=[t + i for i in range(60)])
+        b["requests"] = requests([t + 30.0])
+        store.ingest_one(prepare_batch(b, t + 60))
+    now = starts[-1] + 3600.0
+    kw = {"window_retention_s": 600.0, "request_retention_s": 600.0, "rollup_retention_s": 0}
+    per_pass = []
+    for _ in range(8):
+        # a budget of 0: one chunk a pass
+        out = store.apply_lifecycle(**kw, now_unix_s=now, rollup_budget_s=0.0)
+        per_pass.append((out["windows_1m_written"], out["requests_1m_written"]))
+        # nothing is deleted before its minute is rolled up
+        rolled = store.rolled_until_s or 0.0
+        w = store.windows()["ts_s"]
+        assert (w >= rolled).sum() == 60 * sum(t >= rolled for t in starts)
+        # every request is a row or in the tier
+        minutes = set(store.requests()["finished_unix_s"] // 60 * 60)
+        minutes |= set(store.request_minutes()["ts_s"])
+        assert len(minutes) == 6
+    assert per_pass[:6] == [(1, 1)] * 6
+    assert len(store.minute_windows()) == 6
+    assert store.request_minutes()["n_requests"].tolist() == [1] * 6
+    # deleted once rolled up, but the retention's last 600 s (the last minute's)
+    assert store.windows()["ts_s"].min() >= starts[-1] and len(store.requests()) == 1
+
+
 def test_the_tier_and_the_daily_peaks_over_http(make_collector: Any) -> None:
     lc = make_collector(retention_interval_s=0.2)
     now = time.time()
@@ -209,13 +243,20 @@ def test_the_tier_and_the_daily_peaks_over_http(make_collector: Any) -> None:
     want = _expected_minutes(st)
     assert body["rows"][0]["load_max"] == pytest.approx(max(m["load_max"] for m in want.values()))
     assert body["rows"][0]["active_s"] == 240
-    # the lifecycle on /metrics: rows written, how far behind, rows deleted per table
-    status, _, text = http("GET", lc.url + "/metrics")
-    values = {
-        line.split(" ")[0]: float(line.split(" ")[1])
-        for line in text.decode().splitlines()
-        if line.startswith("kvscope_collector_r")
-    }
+    # the lifecycle on /metrics: rows written, how far behind, rows deleted per table (the
+    # counters move when the whole pass has returned, after its rows are readable)
+    values: dict[str, float] = {}
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        status, _, text = http("GET", lc.url + "/metrics")
+        values = {
+            line.split(" ")[0]: float(line.split(" ")[1])
+            for line in text.decode().splitlines()
+            if line.startswith("kvscope_collector_r")
+        }
+        if values["kvscope_collector_rollup_rows_total"] >= 4:
+            break
+        time.sleep(0.1)
     assert values["kvscope_collector_rollup_rows_total"] >= 4
     assert 120 <= values["kvscope_collector_rollup_behind_seconds"] < 240
     for table in ("windows_1s", "requests", "windows_1m", "steps"):
