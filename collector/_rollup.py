@@ -15,10 +15,10 @@ minute once it ended ``ROLLUP_LAG_S`` ago, and again whenever the writer stored 
 in it since the last pass (late data: a batch resent after an outage, a replayed
 recording): an upsert of the whole minute, so rolling up twice gives the same row. The
 end of the rolled-up minutes is kept in ``meta``; a store that has none (written by an
-older kvscope) is rolled up from its oldest window on the first pass. The minutes
-written are held in memory; as a safety net against losing them (a crash between a
-write and the next pass) the last ``lookback_s`` of minutes are rolled up again on every
-pass. A 1-second window is deleted only once its minute has been rolled up.
+older kvscope) is rolled up from its oldest window, a bounded part per pass (see
+``ROLLUP_PASS_BUDGET_S``). The minutes written are held in memory; as a safety net
+against losing them (a crash between a write and the next pass) the last ``lookback_s``
+of minutes are rolled up again on every pass. A 1-second window is deleted only once its minute has been rolled up.
 """
 
 from __future__ import annotations
