@@ -5,13 +5,18 @@
 twin's ``VllmConfig`` (so the hello carries the configuration), a clock that reads the
 simulated time (so rows carry simulated timestamps) and ``simulated=True`` (so the
 collector, /metrics and every surface can tell a twin from a server). Its exporter is
-not a thread: the feed runs one export cycle per simulated second in the twin's loop,
+not a thread: the feed runs one export cycle per simulated second from the twin's loop,
 so a twin running 30x faster than real time still hands over every row, and the
-replay waits for the collector instead of dropping what it cannot send.
+replay waits for the collector instead of dropping what it cannot send. The cycle runs
+on a helper thread while the twin computes the next simulated second (its HTTP round
+trip and the collector's commit overlap the scheduler's work), and the next cycle
+waits for it: one cycle in flight at most, so nothing is dropped and an export's error
+stops the replay.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kvscope.engine_plugins.exporter import Exporter
@@ -59,6 +64,8 @@ class CollectorFeed:
             simulated=True,
         )
         self._next_tick = start_unix_s + 1.0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvscope-twin-feed")
+        self._pending: Future[None] | None = None
 
     @property
     def engine_id(self) -> str:
@@ -68,11 +75,25 @@ class CollectorFeed:
         self.now = now_unix_s
         self.logger.record(scheduler_stats, iteration_stats)
         if now_unix_s >= self._next_tick:
-            self.exporter.tick(now_unix_s=now_unix_s)
+            self._wait()
+            self._pending = self._pool.submit(self._tick, now_unix_s)
             self._next_tick = now_unix_s + 1.0
+
+    def _tick(self, now_unix_s: float) -> None:
+        self.exporter.tick(now_unix_s=now_unix_s)
+
+    def _wait(self) -> None:
+        """Wait for the cycle in flight; its error is raised here."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def close(self, now_unix_s: float) -> None:
         """Send everything left; raise :class:`FeedError` if any row was not stored."""
+        try:
+            self._wait()
+        finally:
+            self._pool.shutdown(wait=True)
         self.now = now_unix_s
         self.exporter.tick(now_unix_s=now_unix_s + 2.0, final=True)
         stats = self.exporter.stats(self.engine_id)
