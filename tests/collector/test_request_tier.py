@@ -229,3 +229,18 @@ def test_slo_attainment_over_30_days_reads_the_tier_past_the_request_retention(
         )
     finally:
         offline.close()
+
+
+def test_the_tier_endpoint_checks_its_parameters(make_collector: Any) -> None:
+    from _collector_helpers import get_json
+
+    lc = make_collector()
+    for query, says in (
+        ("step=90", "whole number of minutes"),
+        ("step=soon", "step"),
+        ("deleted_only=maybe", "deleted_only: expected true or false"),
+    ):
+        status, body = get_json(lc.url, f"/v1/requests_1m?{query}")
+        assert status == 400 and says in body["error"], (query, body)
+    status, body = get_json(lc.url, "/v1/requests_1m?step=1h&deleted_only=true")
+    assert status == 200 and body["rows"] == []
