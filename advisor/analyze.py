@@ -16,6 +16,7 @@ least-loaded routing). Gains of different kinds are not on one scale.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
 from typing import Any
@@ -46,7 +47,7 @@ from kvscope.advisor.gateways import (
 from kvscope.advisor.latency import LatencyVsLoad
 from kvscope.advisor.prefix import PrefixRouting
 from kvscope.advisor.request_latency import SloTargets, request_latency
-from kvscope.advisor.sources import Source, WindowSample
+from kvscope.advisor.sources import Source, SourceError, WindowSample
 from kvscope.advisor.steptime import StepTimeModel
 
 MAX_WINDOWS_PER_ENGINE = 30_000
@@ -83,9 +84,35 @@ def analyze(
     sampler = getattr(source, "window_sample", None)
     if sampler is not None and max_windows_per_engine:
         s = sampler(since, until, pool=pool, max_windows_per_engine=max_windows_per_engine)
-        return analyze_sample(
+        return _with_oldest_window(
+            source,
+            analyze_sample(
+                engines,
+                s,
+                since=since,
+                until=until,
+                pool=pool,
+                slo_ttft_p99_s=slo_ttft_p99_s,
+                slo_e2e_p99_s=slo_e2e_p99_s,
+                slo_ttft_s=slo_ttft_s,
+                slo_itl_s=slo_itl_s,
+                slo_e2e_s=slo_e2e_s,
+                cap_fraction=cap_fraction,
+                min_routing_loss=min_routing_loss,
+                imbalance_threshold=imbalance_threshold,
+            ),
+        )
+    windows = source.windows(since, until, pool=pool)
+    requests = source.requests(since, until, pool=pool)
+    read_events = getattr(source, "kv_events", None)  # sources written before kv_events
+    kv_events = read_events(since, until, pool=pool) if read_events else None
+    return _with_oldest_window(
+        source,
+        analyze_frames(
             engines,
-            s,
+            windows,
+            requests,
+            kv_events,
             since=since,
             until=until,
             pool=pool,
@@ -97,28 +124,19 @@ def analyze(
             cap_fraction=cap_fraction,
             min_routing_loss=min_routing_loss,
             imbalance_threshold=imbalance_threshold,
-        )
-    windows = source.windows(since, until, pool=pool)
-    requests = source.requests(since, until, pool=pool)
-    read_events = getattr(source, "kv_events", None)  # sources written before kv_events
-    kv_events = read_events(since, until, pool=pool) if read_events else None
-    return analyze_frames(
-        engines,
-        windows,
-        requests,
-        kv_events,
-        since=since,
-        until=until,
-        pool=pool,
-        slo_ttft_p99_s=slo_ttft_p99_s,
-        slo_e2e_p99_s=slo_e2e_p99_s,
-        slo_ttft_s=slo_ttft_s,
-        slo_itl_s=slo_itl_s,
-        slo_e2e_s=slo_e2e_s,
-        cap_fraction=cap_fraction,
-        min_routing_loss=min_routing_loss,
-        imbalance_threshold=imbalance_threshold,
+        ),
     )
+
+
+def _with_oldest_window(source: Any, report: Report) -> Report:
+    """An empty report of a source that deletes old windows (a collector, a store) says
+    where its 1-second windows start (``coverage.oldest_window_unix_s``): a window before
+    that holds nothing the analyses can read, whatever the engines did then."""
+    oldest = getattr(source, "oldest_window_unix_s", None)
+    if oldest is not None and not report.has_data and report.coverage.get("n_engines_known"):
+        with contextlib.suppress(SourceError):  # the message is then the usual one
+            report.coverage["oldest_window_unix_s"] = oldest()
+    return report
 
 
 def analyze_sample(engines: pd.DataFrame, sample: WindowSample, **kw: Any) -> Report:

@@ -546,6 +546,14 @@ def no_data_message(
     now = time.time() if now_unix_s is None else now_unix_s
     until = report.until_unix_s
     since = report.since_unix_s
+    oldest = cov.get("oldest_window_unix_s")
+    if oldest is not None and (until if until is not None else now) <= oldest:
+        return (
+            f"{head}; 1-second windows are held from {_utc(oldest)} on (older ones are "
+            "deleted after the collector's --window-retention, 15 days by default, and "
+            "kept only as 1-minute windows and request minutes, which the analyses do not "
+            f"fit): move the window after {_utc(oldest)}"
+        )
     if until is not None and latest >= until:
         return (
             f"{head}; the newest step is from {_utc(latest)}, after the window: move "

@@ -427,6 +427,13 @@ class CollectorSource:
         )
         return with_tier(raw, tier)
 
+    def oldest_window_unix_s(self) -> float | None:
+        """The start of the oldest 1-second window the collector holds (older ones were
+        deleted by its window retention); None when it holds none."""
+        answer = self._get("/v1/windows", {"since": 0, "limit": 1, "fields": "ts_s"})
+        rows = answer.get("rows") or []
+        return float(rows[0]["ts_s"]) if rows else None
+
     def request_minutes(
         self,
         since: float | None = None,

@@ -81,6 +81,14 @@ def no_data_message(
     now = time.time() if now_unix_s is None else now_unix_s
     newest = f"the newest step is from {utc_text(latest, now)} ({ago_text(now - latest)} ago)"
     until, since = report.until_unix_s, report.since_unix_s
+    oldest = cov.get("oldest_window_unix_s")
+    if oldest is not None and (until if until is not None else now) <= oldest:
+        return (
+            f"{head}; the collector holds 1-second windows from {utc_text(oldest, now)} on "
+            "(older ones are deleted after its window retention, 15 days by default, and "
+            "kept only as 1-minute windows and request minutes, which the analyses do not "
+            f"fit): set a range after {utc_text(oldest, now)} in the sidebar"
+        )
     if ranged and until is not None and latest >= until:
         return f"{head}; {newest}, after the range: move its end later in the sidebar"
     if ranged:

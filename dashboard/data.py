@@ -75,6 +75,10 @@ class _KeepingSource:
         self.frames["kv_events"] = self.source.kv_events(since, until, pool)
         return self.frames["kv_events"]
 
+    def oldest_window_unix_s(self) -> float | None:
+        oldest = getattr(self.source, "oldest_window_unix_s", None)
+        return oldest() if oldest is not None else None
+
 
 @dataclass
 class Snapshot:

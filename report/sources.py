@@ -140,6 +140,11 @@ class StoreSource:
             self.store.requests(engine, pool, since, until), self._tier(since, until, engine, pool)
         )
 
+    def oldest_window_unix_s(self) -> float | None:
+        """The start of the oldest 1-second window the store holds; None when none."""
+        w = self.store.windows(None, None, None, None, 1)
+        return float(w["ts_s"].iloc[0]) if len(w) else None
+
     def _tier(
         self, since: float | None, until: float | None, engine: str | None, pool: str | None
     ) -> pd.DataFrame:

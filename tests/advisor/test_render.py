@@ -124,6 +124,12 @@ def test_no_data_messages() -> None:
         until=last - 9_000,
     )
     assert "move --until later" in no_data_message(earlier, "http://c", "W")
+    # the window lies before the oldest 1-second window the source holds: it aged out
+    earlier.coverage["oldest_window_unix_s"] = last - 5_000
+    msg = no_data_message(earlier, "http://c", "W")
+    assert "1-second windows are held from" in msg and "--window-retention" in msg
+    assert msg.endswith("move the window after " + msg.rsplit("move the window after ", 1)[1])
+    assert "move --until later" not in msg
     empty = analyze(FrameSource(pd.DataFrame(), pd.DataFrame()))
     assert "knows no engines yet" in no_data_message(empty, "http://c", "W")
     other = analyze(FrameSource(s.engines, s.windows, s.requests), pool="nope")

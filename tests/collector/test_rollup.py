@@ -219,6 +219,30 @@ def test_a_backlog_is_rolled_up_a_bounded_part_a_pass_and_deleted_only_once_roll
     assert store.windows()["ts_s"].min() >= starts[-1] and len(store.requests()) == 1
 
 
+def test_a_window_before_the_oldest_second_kept_says_so(
+    make_collector: Any, store_path: str
+) -> None:
+    from kvscope.advisor import analyze
+    from kvscope.advisor.render import no_data_message
+    from kvscope.advisor.sources import CollectorSource
+    from kvscope.report.sources import StoreSource, open_store
+
+    lc = make_collector()
+    ts = [T0 + 20 * 86400 + 0.5 * i for i in range(240)]
+    assert post_batch(lc.url, batch(seq=0, with_hello=True, step_ts=ts))[0] == 200
+    old = (T0 + 86400, T0 + 2 * 86400)  # the engines ran then; its seconds are gone
+    report = analyze(CollectorSource(lc.url), *old)
+    assert not report.has_data
+    assert report.coverage["oldest_window_unix_s"] == math.floor(ts[0])
+    assert "1-second windows are held from" in no_data_message(report, lc.url, "W")
+    lc.stop()
+    offline = StoreSource(open_store(store_path))
+    try:
+        assert analyze(offline, *old).coverage["oldest_window_unix_s"] == math.floor(ts[0])
+    finally:
+        offline.close()
+
+
 def test_the_tier_and_the_daily_peaks_over_http(make_collector: Any) -> None:
     lc = make_collector(retention_interval_s=0.2)
     now = time.time()

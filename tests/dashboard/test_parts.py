@@ -456,6 +456,12 @@ def test_no_data_messages_name_the_sidebar_not_a_flag() -> None:
         ranged=True,
     )
     assert text.endswith("after the range: move its end later in the sidebar")
+    # A range before the oldest 1-second window the collector holds: aged out.
+    aged = _empty_report(now - 30 * 86400, now - 29 * 86400, now - 60)
+    aged.coverage["oldest_window_unix_s"] = now - 15 * 86400
+    text = no_data_message(aged, "http://c", "W", now_unix_s=now, ranged=True)
+    assert "the collector holds 1-second windows from" in text
+    assert text.endswith("in the sidebar") and "move its end later" not in text
     for t in (text,):
         assert "--" not in t
     assert window_text(now - 1800, None, "30m").endswith("to now (window 30m)")
