@@ -86,6 +86,8 @@ def analyze(
         s = sampler(since, until, pool=pool, max_windows_per_engine=max_windows_per_engine)
         return _with_oldest_window(
             source,
+            since,
+            until,
             analyze_sample(
                 engines,
                 s,
@@ -108,6 +110,8 @@ def analyze(
     kv_events = read_events(since, until, pool=pool) if read_events else None
     return _with_oldest_window(
         source,
+        since,
+        until,
         analyze_frames(
             engines,
             windows,
@@ -128,14 +132,19 @@ def analyze(
     )
 
 
-def _with_oldest_window(source: Any, report: Report) -> Report:
-    """An empty report of a source that deletes old windows (a collector, a store) says
-    where its 1-second windows start (``coverage.oldest_window_unix_s``): a window before
-    that holds nothing the analyses can read, whatever the engines did then."""
-    oldest = getattr(source, "oldest_window_unix_s", None)
-    if oldest is not None and not report.has_data and report.coverage.get("n_engines_known"):
+def _with_oldest_window(
+    source: Any, since: float | None, until: float | None, report: Report
+) -> Report:
+    """An empty report of a source that deletes old 1-second windows (a collector, a
+    store) says where they start (``coverage.oldest_window_unix_s``) when the window's
+    seconds were deleted (its 1-minute windows are kept): the engines ran then, and the
+    analyses have nothing to fit."""
+    aged_out = getattr(source, "seconds_aged_out", None)
+    if aged_out is not None and not report.has_data and report.coverage.get("n_engines_known"):
         with contextlib.suppress(SourceError):  # the message is then the usual one
-            report.coverage["oldest_window_unix_s"] = oldest()
+            oldest = aged_out(since, until)
+            if oldest is not None:
+                report.coverage["oldest_window_unix_s"] = oldest
     return report
 
 

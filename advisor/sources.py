@@ -427,9 +427,26 @@ class CollectorSource:
         )
         return with_tier(raw, tier)
 
-    def oldest_window_unix_s(self) -> float | None:
-        """The start of the oldest 1-second window the collector holds (older ones were
-        deleted by its window retention); None when it holds none."""
+    def seconds_aged_out(self, since: float | None, until: float | None) -> float | None:
+        """Where the collector's 1-second windows start, when ``[since, until)`` holds none
+        of them but 1-minute windows: the engines ran then and the window retention has
+        deleted their seconds. None otherwise (nothing ran then, or no tier)."""
+        try:
+            minutes = self._get(
+                "/v1/windows_1m",
+                {
+                    "since": 0 if since is None else since,
+                    "until": until,
+                    "limit": 1,
+                    "fields": "ts_s",
+                },
+            )
+        except SourceError as exc:
+            if exc.status == 404:  # a collector from before the tier
+                return None
+            raise
+        if not minutes.get("rows"):
+            return None
         answer = self._get("/v1/windows", {"since": 0, "limit": 1, "fields": "ts_s"})
         rows = answer.get("rows") or []
         return float(rows[0]["ts_s"]) if rows else None

@@ -109,10 +109,19 @@ class Tier:
     until_key: str
     fill_sql: str | None = None
     """The rollup of the rows the tier lacks only (``ON CONFLICT DO NOTHING``), run for
-    late data behind the source's retention; ``None``: such data is dropped."""
+    late data behind the source's retention (an import, a replay of old traffic): its
+    minutes are added where the tier has none, never replacing a row whose rows were
+    deleted since; ``None``: such data is dropped."""
 
 
-WINDOWS_1M = Tier("windows_1m", ROLLUP_SQL, "windows_1s", "ts_s", ROLLED_UNTIL_KEY)
+WINDOWS_1M = Tier(
+    "windows_1m",
+    ROLLUP_SQL,
+    "windows_1s",
+    "ts_s",
+    ROLLED_UNTIL_KEY,
+    fill_sql=ROLLUP_SQL.split(" ON CONFLICT ")[0] + " ON CONFLICT DO NOTHING",
+)
 
 
 def minute_floor(t: float) -> int:

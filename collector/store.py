@@ -305,8 +305,8 @@ class Store:
         if retention_s > 0:
             # A minute that began before the retention may have lost rows to it: late
             # data there is not rolled up again (its row would lose them); it only fills
-            # the tier where it has no row (``tier.fill_sql``; windows: dropped), and is
-            # deleted with its neighbours.
+            # the tier where it has no row (``tier.fill_sql``), and is deleted with its
+            # neighbours.
             kept_from = _rollup.minute_floor(ref - retention_s) + _rollup.MINUTE_S
             behind = {m for m in written if m < kept_from}
             written = written - behind

@@ -75,9 +75,9 @@ class _KeepingSource:
         self.frames["kv_events"] = self.source.kv_events(since, until, pool)
         return self.frames["kv_events"]
 
-    def oldest_window_unix_s(self) -> float | None:
-        oldest = getattr(self.source, "oldest_window_unix_s", None)
-        return oldest() if oldest is not None else None
+    def seconds_aged_out(self, since: float | None, until: float | None) -> float | None:
+        aged_out = getattr(self.source, "seconds_aged_out", None)
+        return aged_out(since, until) if aged_out is not None else None
 
 
 @dataclass

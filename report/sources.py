@@ -140,8 +140,13 @@ class StoreSource:
             self.store.requests(engine, pool, since, until), self._tier(since, until, engine, pool)
         )
 
-    def oldest_window_unix_s(self) -> float | None:
-        """The start of the oldest 1-second window the store holds; None when none."""
+    def seconds_aged_out(self, since: float | None, until: float | None) -> float | None:
+        """Where the store's 1-second windows start, when ``[since, until)`` holds none of
+        them but 1-minute windows (their seconds were deleted); None otherwise."""
+        if "windows_1m" not in self.store.tables:
+            return None
+        if not len(self.store.minute_windows(None, None, since, until, 1)):
+            return None
         w = self.store.windows(None, None, None, None, 1)
         return float(w["ts_s"].iloc[0]) if len(w) else None
 

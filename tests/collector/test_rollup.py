@@ -219,26 +219,37 @@ def test_a_backlog_is_rolled_up_a_bounded_part_a_pass_and_deleted_only_once_roll
     assert store.windows()["ts_s"].min() >= starts[-1] and len(store.requests()) == 1
 
 
-def test_a_window_before_the_oldest_second_kept_says_so(
-    make_collector: Any, store_path: str
-) -> None:
+def test_a_window_whose_seconds_aged_out_says_so(make_collector: Any, store_path: str) -> None:
     from kvscope.advisor import analyze
     from kvscope.advisor.render import no_data_message
     from kvscope.advisor.sources import CollectorSource
     from kvscope.report.sources import StoreSource, open_store
 
-    lc = make_collector()
-    ts = [T0 + 20 * 86400 + 0.5 * i for i in range(240)]
-    assert post_batch(lc.url, batch(seq=0, with_hello=True, step_ts=ts))[0] == 200
-    old = (T0 + 86400, T0 + 2 * 86400)  # the engines ran then; its seconds are gone
-    report = analyze(CollectorSource(lc.url), *old)
+    lc = make_collector(retention_interval_s=0.2)
+    old = [T0 + 86400 + 0.5 * i for i in range(240)]  # the engine ran then ...
+    new = [T0 + 20 * 86400 + 0.5 * i for i in range(240)]
+    assert post_batch(lc.url, batch(seq=0, with_hello=True, step_ts=old))[0] == 200
+    assert post_batch(lc.url, batch(seq=1, step_ts=new))[0] == 200
+    src = CollectorSource(lc.url)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:  # ... and its seconds are deleted after 15 days
+        if src.windows(0, None)["ts_s"].min() >= new[0] - 1:
+            break
+        time.sleep(0.1)
+    then = (T0 + 86400 - 60, T0 + 86400 + 600)
+    report = analyze(src, *then)
     assert not report.has_data
-    assert report.coverage["oldest_window_unix_s"] == math.floor(ts[0])
+    assert report.coverage["oldest_window_unix_s"] == math.floor(new[0])
     assert "1-second windows are held from" in no_data_message(report, lc.url, "W")
+    # before the first data ever: nothing aged out, the usual message
+    before = analyze(src, T0 - 7200, T0 - 3600)
+    assert "oldest_window_unix_s" not in before.coverage
+    assert "1-second windows are held" not in no_data_message(before, lc.url, "W")
     lc.stop()
     offline = StoreSource(open_store(store_path))
     try:
-        assert analyze(offline, *old).coverage["oldest_window_unix_s"] == math.floor(ts[0])
+        assert analyze(offline, *then).coverage["oldest_window_unix_s"] == math.floor(new[0])
+        assert "oldest_window_unix_s" not in analyze(offline, T0 - 7200, T0 - 3600).coverage
     finally:
         offline.close()
 
