@@ -81,55 +81,29 @@ def analyze(
     requests and KV events of those blocks; the report's coverage then states the true
     counts and ``window_sample_share``. ``None`` reads everything."""
     engines = source.engines()
+    kw: dict[str, Any] = {
+        "since": since,
+        "until": until,
+        "pool": pool,
+        "slo_ttft_p99_s": slo_ttft_p99_s,
+        "slo_e2e_p99_s": slo_e2e_p99_s,
+        "slo_ttft_s": slo_ttft_s,
+        "slo_itl_s": slo_itl_s,
+        "slo_e2e_s": slo_e2e_s,
+        "cap_fraction": cap_fraction,
+        "min_routing_loss": min_routing_loss,
+        "imbalance_threshold": imbalance_threshold,
+    }
     sampler = getattr(source, "window_sample", None)
     if sampler is not None and max_windows_per_engine:
         s = sampler(since, until, pool=pool, max_windows_per_engine=max_windows_per_engine)
-        return _with_oldest_window(
-            source,
-            since,
-            until,
-            analyze_sample(
-                engines,
-                s,
-                since=since,
-                until=until,
-                pool=pool,
-                slo_ttft_p99_s=slo_ttft_p99_s,
-                slo_e2e_p99_s=slo_e2e_p99_s,
-                slo_ttft_s=slo_ttft_s,
-                slo_itl_s=slo_itl_s,
-                slo_e2e_s=slo_e2e_s,
-                cap_fraction=cap_fraction,
-                min_routing_loss=min_routing_loss,
-                imbalance_threshold=imbalance_threshold,
-            ),
-        )
+        return _with_oldest_window(source, since, until, analyze_sample(engines, s, **kw))
     windows = source.windows(since, until, pool=pool)
     requests = source.requests(since, until, pool=pool)
     read_events = getattr(source, "kv_events", None)  # sources written before kv_events
     kv_events = read_events(since, until, pool=pool) if read_events else None
-    return _with_oldest_window(
-        source,
-        since,
-        until,
-        analyze_frames(
-            engines,
-            windows,
-            requests,
-            kv_events,
-            since=since,
-            until=until,
-            pool=pool,
-            slo_ttft_p99_s=slo_ttft_p99_s,
-            slo_e2e_p99_s=slo_e2e_p99_s,
-            slo_ttft_s=slo_ttft_s,
-            slo_itl_s=slo_itl_s,
-            slo_e2e_s=slo_e2e_s,
-            cap_fraction=cap_fraction,
-            min_routing_loss=min_routing_loss,
-            imbalance_threshold=imbalance_threshold,
-        ),
-    )
+    report = analyze_frames(engines, windows, requests, kv_events, **kw)
+    return _with_oldest_window(source, since, until, report)
 
 
 def _with_oldest_window(

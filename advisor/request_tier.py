@@ -127,6 +127,10 @@ def _engine_rows(eid: str, g: pd.DataFrame, buckets: dict, max_rows: int) -> pd.
         m: g[cols].apply(pd.to_numeric, errors="coerce").to_numpy(float)
         for m, (_, cols) in buckets.items()
     }
+    sums = {
+        m: np.nan_to_num(_num(g, f"{m}_sum")) for m in (*_LENGTHS, "cached_tokens", "preemptions")
+    }
+    reason_counts = np.column_stack([np.nan_to_num(_num(g, f"n_{r}")) for r in _REASONS])
     parts: list[pd.DataFrame] = []
     for i in np.flatnonzero(n_rows > 0):
         n, c = int(n_rows[i]), float(counts[i])
@@ -141,9 +145,7 @@ def _engine_rows(eid: str, g: pd.DataFrame, buckets: dict, max_rows: int) -> pd.
                 k = min(n, round(n * have / c)) if c > 0 else 0
                 v = quantiles_from_buckets(les, cum[m][i], k)
                 if m in _LENGTHS and k:
-                    exact = (
-                        float(np.nan_to_num(_num(g, f"{m}_sum")[i])) / have if have else math.nan
-                    )
+                    exact = float(sums[m][i]) / have if have else math.nan
                     if math.isfinite(exact) and np.nanmean(v) > 0:
                         v = v * (exact / float(np.nanmean(v)))
                 # Requests without an ITL had one output token: the shortest outputs,
@@ -153,15 +155,11 @@ def _engine_rows(eid: str, g: pd.DataFrame, buckets: dict, max_rows: int) -> pd.
                 else:
                     vals[:k] = v
             row[m] = vals
-        prompt_sum = float(np.nan_to_num(_num(g, "prompt_tokens_sum")[i]))
-        cached_share = (
-            float(np.nan_to_num(_num(g, "cached_tokens_sum")[i])) / prompt_sum
-            if prompt_sum > 0
-            else 0.0
-        )
+        prompt_sum = float(sums["prompt_tokens"][i])
+        cached_share = float(sums["cached_tokens"][i]) / prompt_sum if prompt_sum > 0 else 0.0
         row["cached_tokens"] = np.round(np.asarray(row["prompt_tokens"], float) * cached_share)
-        row["preemptions"] = np.full(n, float(np.nan_to_num(_num(g, "preemptions_sum")[i])) / c)
-        reasons = np.array([float(np.nan_to_num(_num(g, f"n_{r}")[i])) for r in _REASONS])
+        row["preemptions"] = np.full(n, float(sums["preemptions"][i]) / c)
+        reasons = reason_counts[i]
         per = (
             cumulative_round(reasons * n / reasons.sum())
             if reasons.sum() > 0

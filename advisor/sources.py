@@ -354,6 +354,7 @@ class CollectorSource:
         until: float | None,
         engine: str | None,
         pool: str | None,
+        **extra: Any,
     ) -> pd.DataFrame:
         return self._paged(
             path,
@@ -365,6 +366,7 @@ class CollectorSource:
                 "pool": pool,
                 "format": "columns",
                 "limit": self.page_rows,
+                **extra,
             },
         )
 
@@ -464,18 +466,17 @@ class CollectorSource:
         """``GET /v1/requests_1m``: the collector's request tier summed per engine over
         ``step_s``; with ``deleted_only`` only where the request rows were deleted. Empty
         from a collector without it (404)."""
-        params = {
-            "since": 0 if since is None else since,
-            "until": until,
-            "engine": engine,
-            "pool": pool,
-            "format": "columns",
-            "limit": self.page_rows,
-            "step": int(step_s),
-            "deleted_only": "true" if deleted_only else "false",
-        }
         try:
-            return self._paged("/v1/requests_1m", "ts_s", params)
+            return self._ranged(
+                "/v1/requests_1m",
+                "ts_s",
+                since,
+                until,
+                engine,
+                pool,
+                step=int(step_s),
+                deleted_only="true" if deleted_only else "false",
+            )
         except SourceError as exc:
             if exc.status == 404:
                 return pd.DataFrame()

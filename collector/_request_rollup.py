@@ -29,7 +29,6 @@ Prometheus does (``ttft_s{le=0.5}``), so a reader needs no table of bounds.
 from __future__ import annotations
 
 import math
-import re
 
 from kvscope.collector._rollup import MINUTE_S, Tier
 
@@ -108,28 +107,41 @@ def _bucket_col(measure: str, i: int) -> str:
     return f"{measure}_b{i:02d}"
 
 
-def _aggregates() -> tuple[tuple[str, str, str], ...]:
+def _le_text(b: float) -> str:
+    return "+Inf" if math.isinf(b) else f"{b:g}"
+
+
+def bucket_names(measure: str) -> list[str]:
+    """The read-back names of ``measure``'s bucket columns: ``ttft_s{le=0.05}``, ...,
+    ``ttft_s{le=+Inf}``."""
+    bounds = (*MEASURES[measure][1], math.inf)
+    return [f"{measure}{{le={_le_text(b)}}}" for b in bounds]
+
+
+def _aggregates() -> tuple[tuple[str, str, str, str], ...]:
+    """(column, SQL type, aggregate, name read back) of every ``requests_1m`` column."""
     reason = "coalesce(finish_reason, '')"
-    out: list[tuple[str, str, str]] = [("n_requests", "BIGINT", "count(*)")]
+    out: list[tuple[str, str, str, str]] = [("n_requests", "BIGINT", "count(*)", "n_requests")]
     for r in FINISH_REASONS[:-1]:
-        out.append((f"n_{r}", "BIGINT", f"count_if({reason} = '{r}')"))
+        out.append((f"n_{r}", "BIGINT", f"count_if({reason} = '{r}')", f"n_{r}"))
     named = ", ".join(f"'{r}'" for r in FINISH_REASONS[:-1])
-    out.append(("n_other", "BIGINT", f"count_if({reason} NOT IN ({named}))"))
+    out.append(("n_other", "BIGINT", f"count_if({reason} NOT IN ({named}))", "n_other"))
     for m, (sql, bounds) in MEASURES.items():
         v = _finite(sql)
+        names = bucket_names(m)
         for i, b in enumerate(bounds):
-            out.append((_bucket_col(m, i), "BIGINT", f"count_if({v} <= {b!r})"))
-        out.append((_bucket_col(m, len(bounds)), "BIGINT", f"count({v})"))
-        out.append((f"{m}_sum", "DOUBLE", f"coalesce(sum({v}), 0.0)"))
-    out.append(("cached_tokens_sum", "DOUBLE", f"coalesce(sum({_finite('cached_tokens')}), 0.0)"))
-    out.append(("preemptions_sum", "DOUBLE", f"coalesce(sum({_finite('preemptions')}), 0.0)"))
+            out.append((_bucket_col(m, i), "BIGINT", f"count_if({v} <= {b!r})", names[i]))
+        out.append((_bucket_col(m, len(bounds)), "BIGINT", f"count({v})", names[-1]))
+        out.append((f"{m}_sum", "DOUBLE", f"coalesce(sum({v}), 0.0)", f"{m}_sum"))
+    for m in ("cached_tokens", "preemptions"):
+        out.append((f"{m}_sum", "DOUBLE", f"coalesce(sum({_finite(m)}), 0.0)", f"{m}_sum"))
     return tuple(out)
 
 
 #: ``requests_1m`` columns after (engine_id, ts_s): (name, SQL type, aggregate).
-REQUEST_MINUTE_AGGREGATES: tuple[tuple[str, str, str], ...] = _aggregates()
+REQUEST_MINUTE_AGGREGATES: tuple[tuple[str, str, str, str], ...] = _aggregates()
 REQUEST_MINUTE_FIELDS: tuple[tuple[str, str], ...] = tuple(
-    (c, t) for c, t, _ in REQUEST_MINUTE_AGGREGATES
+    (c, t) for c, t, _, _ in REQUEST_MINUTE_AGGREGATES
 )
 REQUEST_MINUTE_COLUMNS: tuple[str, ...] = (
     "engine_id",
@@ -146,7 +158,7 @@ REQUEST_ROLLUP_SQL = (
     f"INSERT INTO requests_1m ({', '.join(REQUEST_MINUTE_COLUMNS)}) "
     f"SELECT engine_id, CAST(floor(finished_unix_s / {MINUTE_S}) AS BIGINT) * {MINUTE_S} "
     "AS minute, "
-    + ", ".join(agg for _, _, agg in REQUEST_MINUTE_AGGREGATES)
+    + ", ".join(agg for _, _, agg, _ in REQUEST_MINUTE_AGGREGATES)
     + " FROM requests WHERE finished_unix_s >= ? AND finished_unix_s < ? "
     "GROUP BY engine_id, minute ON CONFLICT (engine_id, ts_s) DO UPDATE SET "
     + ", ".join(f"{c} = excluded.{c}" for c, _ in REQUEST_MINUTE_FIELDS)
@@ -156,7 +168,6 @@ REQUEST_FILL_SQL = REQUEST_ROLLUP_SQL.split(" ON CONFLICT ")[0] + " ON CONFLICT 
 requests of a minute past the request retention (an import, a replay), whose row, if
 any, counts requests deleted since."""
 REQUESTS_1M = Tier(
-    "requests_1m",
     REQUEST_ROLLUP_SQL,
     "requests",
     "finished_unix_s",
@@ -165,26 +176,11 @@ REQUESTS_1M = Tier(
 )
 
 
-def _le_text(b: float) -> str:
-    return "+Inf" if math.isinf(b) else f"{b:g}"
-
-
-def bucket_names(measure: str) -> list[str]:
-    """The read-back names of ``measure``'s bucket columns: ``ttft_s{le=0.05}``, ...,
-    ``ttft_s{le=+Inf}``."""
-    bounds = (*MEASURES[measure][1], math.inf)
-    return [f"{measure}{{le={_le_text(b)}}}" for b in bounds]
-
-
 def select_sql(step_s: int) -> str:
     """The tier summed over ``step_s`` (a multiple of 60) per engine, bucket columns
     named by :func:`bucket_names`; ``WHERE`` and ``ORDER`` are the caller's."""
     step = max(MINUTE_S, int(step_s) // MINUTE_S * MINUTE_S)
     parts = [f"(r.ts_s // {step}) * {step} AS ts_s", f"{step} AS step_s"]
-    for c, _ in REQUEST_MINUTE_FIELDS:
-        m = re.fullmatch(r"(.+)_b(\d\d)", c)
-        name = bucket_names(m.group(1))[int(m.group(2))] if m and m.group(1) in MEASURES else c
-        parts.append(
-            f'CAST(sum(r.{c}) AS {"DOUBLE" if c.endswith("_sum") else "BIGINT"}) AS "{name}"'
-        )
+    for c, t, _, name in REQUEST_MINUTE_AGGREGATES:
+        parts.append(f'CAST(sum(r.{c}) AS {t}) AS "{name}"')
     return ", ".join(parts)

@@ -102,7 +102,6 @@ class Tier:
     """One rolled-up table: its upsert (``[lo, hi)`` of the source's time column as
     arguments), the source table and time column, and the ``meta`` key of its progress."""
 
-    name: str
     sql: str
     source: str
     ts_col: str
@@ -115,7 +114,6 @@ class Tier:
 
 
 WINDOWS_1M = Tier(
-    "windows_1m",
     ROLLUP_SQL,
     "windows_1s",
     "ts_s",
@@ -221,8 +219,13 @@ def roll_up(
     return rows, until, later
 
 
-def _set_until(con: Any, until: int, tier: Tier) -> None:
+def set_meta(con: Any, key: str, value: str) -> None:
+    """Keep ``value`` under ``key`` in the store's ``meta`` table."""
     con.execute(
         "INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-        [tier.until_key, str(int(until))],
+        [key, value],
     )
+
+
+def _set_until(con: Any, until: int, tier: Tier) -> None:
+    set_meta(con, tier.until_key, str(int(until)))

@@ -273,10 +273,8 @@ class Store:
             with self._write_lock:
                 self._check_open()
                 if kept_from > (self.requests_kept_from() or -math.inf):
-                    self._con.execute(
-                        "INSERT INTO meta VALUES (?, ?) ON CONFLICT (key) DO UPDATE "
-                        "SET value = excluded.value",
-                        [_request_rollup.REQUESTS_KEPT_FROM_KEY, str(int(kept_from))],
+                    _rollup.set_meta(
+                        self._con, _request_rollup.REQUESTS_KEPT_FROM_KEY, str(int(kept_from))
                     )
         if rollup_retention_s > 0:
             out["windows_1m"] = self._delete("windows_1m", "ts_s", ref - rollup_retention_s)
