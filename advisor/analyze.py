@@ -53,6 +53,11 @@ from kvscope.advisor.steptime import StepTimeModel
 MAX_WINDOWS_PER_ENGINE = 30_000
 """Windows per engine the analyses read at most from a source that can sample (about
 8 hours of 1-second windows); more are sampled in whole time blocks."""
+NO_WINDOWS_HEADROOM = (
+    "no 1-second windows in the range (the collector's window retention deleted them, or "
+    "none were sent): no knee, cap or bottleneck; request latency only"
+)
+"""The ``headroom`` of an engine with finished requests in the range and no window."""
 MIN_EXTRA_SEQUENCES = 1.0
 """A KV what-if is recommended only when it makes room for at least this many more
 sequences (vLLM admits whole sequences; less is within the footprint estimate's error)."""
@@ -114,7 +119,11 @@ def _with_oldest_window(
     seconds were deleted (its 1-minute windows are kept): the engines ran then, and the
     analyses have nothing to fit."""
     aged_out = getattr(source, "seconds_aged_out", None)
-    if aged_out is not None and not report.has_data and report.coverage.get("n_engines_known"):
+    if (
+        aged_out is not None
+        and not report.coverage.get("n_engines_analyzed")
+        and report.coverage.get("n_engines_known")
+    ):
         with contextlib.suppress(SourceError):  # the message is then the usual one
             oldest = aged_out(since, until)
             if oldest is not None:
@@ -185,11 +194,18 @@ def analyze_frames(
         else engines.iloc[0:0]
     )
     w_in = windows[windows["engine_id"].isin(set(analyzed["engine_id"]))] if has_ids else windows
-    report.coverage = _coverage(engines, analyzed, w_in, requests, known_pools)
     # One pass over the frames instead of one scan per engine (a fleet has many).
     w_of = dict(tuple(w_in.groupby("engine_id", sort=False))) if has_ids else {}
     has_req = bool(len(requests)) and "engine_id" in requests
     r_of = dict(tuple(requests.groupby("engine_id", sort=False))) if has_req else {}
+    # Engines with finished requests but no window in the range (their seconds aged out
+    # while their request minutes are kept): latency and SLO attainment only.
+    latency_only = (
+        engines[engines["engine_id"].isin(set(r_of) - with_data)]
+        if "engine_id" in engines and r_of
+        else engines.iloc[0:0]
+    )
+    report.coverage = _coverage(engines, analyzed, w_in, requests, known_pools, latency_only)
     for _, row in analyzed.sort_values("engine_id").iterrows() if len(analyzed) else ():
         cfg = {k: (None if _isnan(v) else v) for k, v in row.to_dict().items()}
         eid = str(cfg["engine_id"])
@@ -205,6 +221,19 @@ def analyze_frames(
             slo_e2e_p99_s=slo_e2e_p99_s,
         )
         report.engine(eid).latency = request_latency(r, targets) if len(r) else None
+    for row in latency_only.to_dict("records"):
+        eid, pool_of = str(row["engine_id"]), row.get("pool")
+        report.engines.append(
+            EngineVerdict(
+                engine_id=eid,
+                pool=None if pool_of is None or _isnan(pool_of) else str(pool_of),
+                bottleneck="insufficient_data",
+                saturated=False,
+                headroom=NO_WINDOWS_HEADROOM,
+                latency=request_latency(r_of[eid], targets),
+            )
+        )
+    report.engines.sort(key=lambda v: v.engine_id)
     _pools(report)
     for pv in report.pools:
         r = _rows_of(requests, set(pv.engine_ids))
@@ -236,10 +265,12 @@ def _coverage(
     windows: pd.DataFrame,
     requests: pd.DataFrame,
     pools: list[str],
+    latency_only: pd.DataFrame,
 ) -> dict[str, Any]:
     ids = set(analyzed["engine_id"]) if "engine_id" in analyzed else set()
+    lat_ids = set(latency_only["engine_id"]) if "engine_id" in latency_only else set()
     n_req = (
-        int(requests["engine_id"].isin(ids).sum())
+        int(requests["engine_id"].isin(ids | lat_ids).sum())
         if len(requests) and "engine_id" in requests
         else 0
     )
@@ -252,6 +283,7 @@ def _coverage(
     return {
         "n_engines_known": len(engines),
         "n_engines_analyzed": len(ids),
+        "n_engines_latency_only": len(lat_ids),
         "n_windows": len(windows),
         "n_requests": n_req,
         "first_window_s": float(ts.min()) if len(ts) else None,
@@ -635,14 +667,18 @@ def _prefix_and_balance(
         for c in (analyzed.to_dict("records") if len(analyzed) else [])
     }
     for pv in report.pools:
-        ids = set(pv.engine_ids)
+        # engines with latency only (no window in the range) have nothing to weigh here
+        engine_ids = [e for e in pv.engine_ids if e in configs]
+        if not engine_ids:
+            continue
+        ids = set(engine_ids)
         w, r = _rows_of(windows, ids), _rows_of(requests, ids)
         pr = PrefixRouting(min_routing_loss=min_routing_loss).fit(
-            [configs[e] for e in pv.engine_ids], w, r, _rows_of(kv_events, ids)
+            [configs[e] for e in engine_ids], w, r, _rows_of(kv_events, ids)
         )
         report.findings.extend(pr.findings(pv.pool))
         rec = pr.recommendation(pv.pool)
-        addresses = sorted({upstream(e) for e in pv.engine_ids})
+        addresses = sorted({upstream(e) for e in engine_ids})
         replicas = [ReplicaCap.from_recommendation(c) for c in _cap_recs(report, pv.pool)]
         if rec is not None:
             rec.change["gateway"] = prefix_routing(
@@ -656,15 +692,15 @@ def _prefix_and_balance(
             )
             report.recommendations.append(rec)
         rates = dict(zip(pr.engines_["engine_id"], pr.engines_["hit_rate"], strict=True))
-        for eid in pv.engine_ids:
+        for eid in engine_ids:
             report.engine(eid).prefix_hit_rate = _finite(rates.get(eid))
         pv.prefix_hit_rate = _finite(pr.hit_rate_)
         if pr.predicted_hit_rate_affine_ is not None:
             pv.prefix_routing_loss = _finite(pr.routing_loss_)
             pv.predicted_prefix_hit_rate_affine = _finite(pr.predicted_hit_rate_affine_)
-        if len(pv.engine_ids) < 2:
+        if len(engine_ids) < 2:
             continue
-        lb = LoadBalance(threshold=imbalance_threshold).fit(w, r, pv.engine_ids)
+        lb = LoadBalance(threshold=imbalance_threshold).fit(w, r, engine_ids)
         scope = Scope(pool=pv.pool)
         report.findings.append(lb.finding(scope))
         pv.load_imbalance = _finite(lb.imbalance_)

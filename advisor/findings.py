@@ -290,7 +290,8 @@ class Report:
     coverage: dict[str, Any] = field(default_factory=dict)
     """What the analysis read: ``n_engines_known`` (in the source, after the pool
     filter), ``n_engines_analyzed`` (those with windows in the time range),
-    ``n_windows``, ``n_requests``, ``first_window_s`` / ``last_window_s`` (first and
+    ``n_engines_latency_only`` (those with finished requests and no window in it: their
+    1-second windows aged out; latency only), ``n_windows``, ``n_requests``, ``first_window_s`` / ``last_window_s`` (first and
     last second with data), ``latest_step_unix_s`` (the newest step any of those
     engines ever sent, also outside the range) and ``pools`` (every pool the source
     knows)."""
@@ -305,11 +306,13 @@ class Report:
 
     @property
     def has_data(self) -> bool:
-        """True when at least one engine had windows in the time range (for a report
-        written without ``coverage``: when it has engine verdicts)."""
+        """True when at least one engine had windows or finished requests in the time
+        range (for a report written without ``coverage``: when it has engine verdicts)."""
         if "n_engines_analyzed" not in self.coverage:
             return bool(self.engines)
-        return bool(self.coverage["n_engines_analyzed"])
+        return bool(
+            self.coverage["n_engines_analyzed"] or self.coverage.get("n_engines_latency_only")
+        )
 
     def engine(self, engine_id: str) -> EngineVerdict:
         """The verdict of one engine (KeyError when absent)."""

@@ -185,7 +185,7 @@ def _engine_block(report: Report, v: EngineVerdict) -> list[Padding]:
     head.append(v.bottleneck, style=style)
     if v.bottleneck == "insufficient_data":
         head.append(f" ({v.headroom})")
-        return [_ind(head, 2)]
+        return [_ind(head, 2), *(_ind(t, 4) for t in _latency_lines(v))]
     head.append(", saturated" if v.saturated else ", headroom")
     if v.preemption_thrash:
         head.append(", preemption thrash", style="bold red")
@@ -232,11 +232,17 @@ def _engine_block(report: Report, v: EngineVerdict) -> list[Padding]:
     why = report.findings_of("bottleneck", v.engine_id)
     if why:
         lines.append(Text(f"why: {why[0].summary}", style="dim"))
-    if v.latency is not None:
-        lines.append(Text(f"latency {latency_text(v.latency)}"))
-        if v.latency.slo:
-            lines.append(Text(f"SLO attainment: {slo_text(v.latency)}"))
+    lines.extend(_latency_lines(v))
     return [_ind(head, 2), *(_ind(t, 4) for t in lines)]
+
+
+def _latency_lines(v: EngineVerdict) -> list[Text]:
+    if v.latency is None:
+        return []
+    lines = [Text(f"latency {latency_text(v.latency)}")]
+    if v.latency.slo:
+        lines.append(Text(f"SLO attainment: {slo_text(v.latency)}"))
+    return lines
 
 
 def _verdict(report: Report) -> list[Text | Padding]:
@@ -463,7 +469,19 @@ def _read_line(report: Report, source: str, window: str) -> str:
         f"{cov.get('n_engines_analyzed', 0)} engine(s), {cov.get('n_windows', 0):,} "
         f"one-second windows, {cov.get('n_requests', 0):,} finished requests"
     )
+    read += latency_only_text(cov)
     return f"from {source or 'the source'}, {window or 'all data'}: {read}"
+
+
+def latency_only_text(coverage: dict[str, Any]) -> str:
+    """`` (and 2 engine(s) with request latency only: ...)`` for a coverage with engines
+    whose range holds finished requests and no 1-second window; else empty."""
+    n = coverage.get("n_engines_latency_only")
+    if not n:
+        return ""
+    oldest = coverage.get("oldest_window_unix_s")
+    where = f", held from {_utc(oldest)} on" if oldest is not None else ""
+    return f" (and {n} engine(s) with request latency only: no 1-second windows{where})"
 
 
 def window_text(

@@ -180,6 +180,11 @@ def engines_text(snap: Snapshot) -> str:
         f"{len(known)} engine(s) known"
         + (f" ({down} DOWN)" if down else "")
         + f", {cov.get('n_engines_analyzed', 0)} with data in the window"
+        + (
+            f" ({n} more with request latency only: no 1-second windows in it)"
+            if (n := cov.get("n_engines_latency_only"))
+            else ""
+        )
     )
 
 

@@ -244,3 +244,121 @@ def test_the_tier_endpoint_checks_its_parameters(make_collector: Any) -> None:
         assert status == 400 and says in body["error"], (query, body)
     status, body = get_json(lc.url, "/v1/requests_1m?step=1h&deleted_only=true")
     assert status == 200 and body["rows"] == []
+
+
+def test_a_range_older_than_the_window_retention_gets_its_latency_from_the_tier(
+    make_collector: Any, store_path: str
+) -> None:
+    """A week 25 days back: its 1-second windows and its request rows are deleted (15
+    days), its request minutes kept. `advise` gives the engine's latency and SLO
+    attainment over that week (those of every request sent then), says the knee needs
+    the seconds and where they start, and exits 0."""
+    import subprocess
+    import sys
+
+    from kvscope.advisor.render_text import text_report
+    from kvscope.report.sources import StoreSource, open_store
+
+    rng = np.random.default_rng(5)
+    now = math.floor(time.time() / 60) * 60 - 600
+    old_lo, old_hi = now - 25 * DAY, now - 18 * DAY
+    finished = np.sort(rng.uniform(old_lo, old_hi, 2000))
+    r_old = _random_requests(rng, finished)
+    lc = make_collector(retention_interval_s=0.2)
+    src = CollectorSource(lc.url)
+    old_steps = [old_lo + 30 + 0.5 * i for i in range(240)]  # the engine ran then
+    b = batch(seq=0, with_hello=True, step_ts=old_steps, requests=r_old)
+    assert post_batch(lc.url, b)[0] == 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # rolled up (both tiers) before the new data lands
+        minutes = src.request_minutes(old_lo - 60, old_hi + 60)
+        if len(minutes) and minutes["n_requests"].sum() == 2000 and len(src.minute_windows()):
+            break
+        time.sleep(0.2)
+    new_steps = [now - 120 + 0.5 * i for i in range(120)]
+    assert post_batch(lc.url, batch(seq=1, step_ts=new_steps))[0] == 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the retention deletes the old rows
+        if not len(src.windows(old_lo - 60, old_hi + 60)) and not len(
+            src._ranged("/v1/requests", "finished_unix_s", old_lo - 60, old_hi + 60, None, None)
+        ):
+            break
+        time.sleep(0.2)
+    assert not len(src.windows(old_lo - 60, old_hi + 60))
+    ttft, e2e = _ttft(r_old), np.array(r_old["e2e_s"])
+
+    def check(report: Any) -> None:
+        assert report.has_data
+        assert report.coverage["n_engines_analyzed"] == 0
+        assert report.coverage["n_engines_latency_only"] == 1
+        assert report.coverage["n_requests"] == 2000
+        assert report.coverage["oldest_window_unix_s"] == math.floor(new_steps[0])
+        (v,) = report.engines
+        assert v.bottleneck == "insufficient_data" and v.knee_concurrency is None
+        assert v.latency.n_requests == 2000 and v.latency.weighted
+        assert v.latency.slo["ttft"].share == pytest.approx(float((ttft <= 0.5).mean()), abs=1e-9)
+        assert v.latency.slo["e2e"].share == pytest.approx(float((e2e <= 5.0).mean()), abs=1e-9)
+        assert not report.recommendations
+        (pool,) = report.pools
+        assert pool.latency.n_requests == 2000
+
+    report = analyze(src, old_lo - 60, old_hi + 60, slo_ttft_s=0.5, slo_e2e_s=5.0)
+    check(report)
+    text = text_report(report, source=lc.url, window="W")
+    assert "1 engine(s) with request latency only" in text
+    assert "SLO attainment" in text
+    # the command a user runs: exit 0, the attainment printed
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "advise",
+            "--collector",
+            lc.url,
+            "--since",
+            "26d",
+            "--until",
+            "17d",
+            "--slo-e2e",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "request latency only" in out.stdout and "SLO attainment" in out.stdout
+    lc.stop()
+    offline = StoreSource(open_store(store_path))
+    try:
+        check(analyze(offline, old_lo - 60, old_hi + 60, slo_ttft_s=0.5, slo_e2e_s=5.0))
+    finally:
+        offline.close()
+    # the weekly report of that week, from the store file: written, with the latency
+    out_dir = Path(store_path).parent / "report"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvscope",
+            "report",
+            "--store",
+            store_path,
+            "--since",
+            "26d",
+            "--until",
+            "18d",
+            "--slo-e2e",
+            "5",
+            "--out",
+            str(out_dir),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    md = (out_dir / "report.md").read_text()
+    assert "request latency only" in md and "2,000" in md
