@@ -123,6 +123,11 @@ def _engine_rows(eid: str, g: pd.DataFrame, buckets: dict, max_rows: int) -> pd.
     n_rows = cumulative_round(counts * scale)
     ts = _num(g, "ts_s")
     step = _num(g, "step_s") if "step_s" in g else np.full(len(g), 60.0)
+    # the minutes a row sums (a tier read before these columns: the whole step)
+    lo = np.where(np.isfinite(first := _num(g, "first_minute_s")), first, ts)
+    hi = np.where(
+        np.isfinite(end := _num(g, "end_minute_s")), end, ts + np.nan_to_num(step, nan=60.0)
+    )
     cum = {
         m: g[cols].apply(pd.to_numeric, errors="coerce").to_numpy(float)
         for m, (_, cols) in buckets.items()
@@ -134,8 +139,10 @@ def _engine_rows(eid: str, g: pd.DataFrame, buckets: dict, max_rows: int) -> pd.
     parts: list[pd.DataFrame] = []
     for i in np.flatnonzero(n_rows > 0):
         n, c = int(n_rows[i]), float(counts[i])
+        # spread evenly over the minutes the row sums: a range split inside a step (a
+        # week's boundary) divides its requests as the minutes do
         row: dict[str, object] = {
-            "finished_unix_s": np.full(n, ts[i] + np.nan_to_num(step[i], nan=60.0) / 2)
+            "finished_unix_s": lo[i] + (np.arange(n) + 0.5) * (hi[i] - lo[i]) / n
         }
         for m in TIER_MEASURES:
             vals = np.full(n, math.nan)

@@ -104,17 +104,101 @@ def weekly_usage(
     until: float,
     *,
     day_s: float = DAY_S,
+    minutes: pd.DataFrame | None = None,
 ) -> Usage:
     """One week's use per engine and day (see the module docstring); days are UTC
-    days (``day_s`` long) overlapping ``[since, until)``, the first and last partial."""
+    days (``day_s`` long) overlapping ``[since, until)``, the first and last partial.
+    ``minutes``: the collector's 1-minute windows, which stand for the minutes whose
+    1-second windows are not in ``windows`` (deleted by the window retention)."""
     verdicts = {v.engine_id: v for v in report.engines}
-    return usage_from_days(
-        usage_days(windows, requests, verdicts, since, until, day_s=day_s),
-        report,
-        since,
-        until,
-        day_s=day_s,
+    days = usage_days(windows, requests, verdicts, since, until, day_s=day_s)
+    if minutes is not None and len(minutes):
+        days = merge_days(days, minute_days(minutes, windows, verdicts, since, until, day_s=day_s))
+    return usage_from_days(days, report, since, until, day_s=day_s)
+
+
+def minute_days(
+    minutes: pd.DataFrame,
+    windows: pd.DataFrame,
+    verdicts: dict[str, EngineVerdict],
+    since: float,
+    until: float,
+    *,
+    day_s: float = DAY_S,
+) -> pd.DataFrame:
+    """The :data:`DAY_COLUMNS` sums of the 1-minute windows (``windows_1m`` rows) of the
+    minutes without a 1-second window in ``windows``: a minute's seconds with steps
+    (``n_seconds``) are its active seconds, and count as past the knee when its median
+    per-second load is (an estimate: the seconds themselves are gone). No requests: the
+    request tier's rows are in the requests frame already."""
+    m = minutes[minutes["engine_id"].isin(verdicts)] if "engine_id" in minutes else minutes
+    if not len(m):
+        return pd.DataFrame(columns=list(DAY_COLUMNS))
+    ts = pd.to_numeric(m["ts_s"], errors="coerce").astype(float)
+    m = m[(ts >= math.floor(since / 60.0) * 60) & (ts < until)]
+    if len(windows) and "engine_id" in windows:
+        held = set(
+            zip(
+                windows["engine_id"].astype(str),
+                np.floor(pd.to_numeric(windows["ts_s"], errors="coerce") / 60.0) * 60,
+                strict=True,
+            )
+        )
+        keep = [
+            (str(e), float(t)) not in held for e, t in zip(m["engine_id"], m["ts_s"], strict=True)
+        ]
+        m = m[keep]
+    if not len(m):
+        return pd.DataFrame(columns=list(DAY_COLUMNS))
+
+    def num(col: str) -> pd.Series:
+        if col not in m:
+            return pd.Series(0.0, index=m.index)
+        return pd.to_numeric(m[col], errors="coerce").fillna(0.0).astype(float)
+
+    knee = m["engine_id"].map(lambda e: _saturation_knee(verdicts[e])).astype(float)
+    seconds = num("n_seconds")
+    t = pd.to_numeric(m["ts_s"], errors="coerce").astype(float)
+    f = pd.DataFrame(
+        {
+            "engine_id": m["engine_id"].astype(str),
+            "day": _day(t, day_s),
+            "active_s": seconds,
+            "saturated_s": seconds.where(num("load_p50") > knee, 0.0),
+            **{c: num(c) for c in USAGE_SUMS if c not in ("active_s", "saturated_s", "requests")},
+            "peak": num("generation_tokens_max"),
+            "load_max": num("load_max"),
+            "first": t,
+            "last": t + 59.0,
+        }
     )
+    g = f.groupby(["engine_id", "day"], sort=True)
+    out = g.sum(numeric_only=True)
+    out["gen_tokens_per_s_peak"] = g["peak"].max()
+    out["load_max"] = g["load_max"].max()
+    out["first_window_s"] = g["first"].min()
+    out["last_window_s"] = g["last"].max()
+    out["requests"] = 0.0
+    out = out.reset_index().rename(columns={"day": "day_start_unix_s"})
+    return out[list(DAY_COLUMNS)]
+
+
+def merge_days(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+    """Two :data:`DAY_COLUMNS` frames of the same days summed per (engine, day): sums
+    added, peaks and loads their maximum, first and last windows the outer ones."""
+    both = [x for x in (a, b) if len(x)]
+    if len(both) < 2:
+        return both[0] if both else a
+    f = pd.concat(both, ignore_index=True)
+    for c in DAY_COLUMNS[2:]:
+        f[c] = pd.to_numeric(f[c], errors="coerce").astype(float)
+    g = f.groupby(["engine_id", "day_start_unix_s"], sort=True)
+    out = g[[*USAGE_SUMS]].sum()
+    out["gen_tokens_per_s_peak"] = g["gen_tokens_per_s_peak"].max()
+    out["load_max"] = g["load_max"].max()
+    out["first_window_s"] = g["first_window_s"].min()
+    out["last_window_s"] = g["last_window_s"].max()
+    return out.reset_index()[list(DAY_COLUMNS)]
 
 
 def usage_days(
@@ -141,7 +225,13 @@ def usage_days(
         r = r[r["engine_id"].isin(verdicts)]
         t = pd.to_numeric(r["finished_unix_s"], errors="coerce")
         r = r[(t >= since) & (t < until)].assign(day=_day(t, day_s))
-        n_req = r.groupby(["engine_id", "day"]).size()
+        # a row of the request tier may stand for several requests (``weight``)
+        weight = (
+            pd.to_numeric(r["weight"], errors="coerce").fillna(1.0)
+            if "weight" in r
+            else pd.Series(1.0, index=r.index)
+        )
+        n_req = weight.groupby([r["engine_id"], r["day"]]).sum()
     else:
         n_req = pd.Series(dtype=float)
     rows = []

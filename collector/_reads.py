@@ -503,61 +503,96 @@ def window_sample(
 
 
 def usage_days(
-    cur: Any, knees: pd.DataFrame, since: float, until: float, day_s: float = 86400.0
+    cur: Any,
+    knees: pd.DataFrame,
+    since: float,
+    until: float,
+    day_s: float = 86400.0,
+    *,
+    minutes: bool = False,
+    requests_kept_from: float | None = None,
 ) -> pd.DataFrame:
     """Per engine of ``knees`` (engine_id, knee: the load past which a second counts as
     saturated, null for none) and UTC day: the ``kvscope.advisor.usage.DAY_COLUMNS`` sums of the
-    1-second windows in ``[since, until)`` and the requests finished then, in one scan."""
+    1-second windows in ``[since, until)`` and the requests finished then, in one scan.
+
+    ``minutes``: the 1-minute windows of minutes without a 1-second window (deleted by
+    the window retention) count too, as in :func:`kvscope.advisor.usage.minute_days`;
+    ``requests_kept_from``: the request tier's minutes before it (where request rows were
+    deleted) count their requests."""
     _knees = knees[["engine_id", "knee"]].astype({"knee": "float64"})
     cur.register("_knees", _knees)
+    sum_cols = (
+        "generation_tokens",
+        "prompt_tokens",
+        "preemptions",
+        "prefix_queries",
+        "prefix_hits",
+    )
     try:
         load = (
             "(coalesce(w.batch_mean, 0.0) + coalesce(w.waiting_mean, 0.0) "
             "+ coalesce(w.deferred_mean, 0.0))"
         )
-        sums = ", ".join(
-            f"CAST(coalesce(sum(w.{c}), 0) AS DOUBLE) AS {c}"
-            for c in (
-                "generation_tokens",
-                "prompt_tokens",
-                "preemptions",
-                "prefix_queries",
-                "prefix_hits",
-            )
-        )
+        sums = ", ".join(f"CAST(coalesce(sum(w.{c}), 0) AS DOUBLE) AS {c}" for c in sum_cols)
         day = f"floor(w.ts_s / {float(day_s)}) * {float(day_s)}"
-        rday = f"floor(r.finished_unix_s / {float(day_s)}) * {float(day_s)}"
-        sql = (
-            "WITH wd AS (SELECT w.engine_id, "
-            f"{day} AS day_start_unix_s, CAST(count(*) AS DOUBLE) AS active_s, "
+        rday = f"floor(r.t / {float(day_s)}) * {float(day_s)}"
+        args: list[Any] = [math.floor(since), until]
+        per_second = (
+            f"SELECT w.engine_id, {day} AS day_start_unix_s, CAST(count(*) AS DOUBLE) AS active_s, "
             f"CAST(count(*) FILTER (WHERE {load} > k.knee) AS DOUBLE) AS saturated_s, {sums}, "
             "CAST(max(coalesce(w.generation_tokens, 0)) AS DOUBLE) AS gen_tokens_per_s_peak, "
             f"max({load}) AS load_max, CAST(min(w.ts_s) AS DOUBLE) AS first_window_s, "
             "CAST(max(w.ts_s) AS DOUBLE) AS last_window_s "
             "FROM windows_1s w JOIN _knees k ON k.engine_id = w.engine_id "
-            "WHERE w.ts_s >= ? AND w.ts_s < ? GROUP BY 1, 2), "
+            "WHERE w.ts_s >= ? AND w.ts_s < ? GROUP BY 1, 2"
+        )
+        if minutes:
+            per_minute = (
+                f"SELECT w.engine_id, {day} AS day_start_unix_s, "
+                "CAST(sum(w.n_seconds) AS DOUBLE) AS active_s, "
+                "CAST(coalesce(sum(w.n_seconds) FILTER (WHERE w.load_p50 > k.knee), 0) "
+                f"AS DOUBLE) AS saturated_s, {sums}, "
+                "CAST(max(w.generation_tokens_max) AS DOUBLE) AS gen_tokens_per_s_peak, "
+                "max(w.load_max) AS load_max, CAST(min(w.ts_s) AS DOUBLE) AS first_window_s, "
+                "CAST(max(w.ts_s) + 59 AS DOUBLE) AS last_window_s "
+                "FROM windows_1m w JOIN _knees k ON k.engine_id = w.engine_id "
+                "WHERE w.ts_s >= ? AND w.ts_s < ? AND NOT EXISTS (SELECT 1 FROM windows_1s s "
+                "WHERE s.engine_id = w.engine_id AND s.ts_s >= w.ts_s AND s.ts_s < w.ts_s + 60) "
+                "GROUP BY 1, 2"
+            )
+            args += [math.floor(since / 60.0) * 60, until]
+            both = f"{per_second} UNION ALL {per_minute}"
+            per_second = (
+                "SELECT engine_id, day_start_unix_s, "
+                + ", ".join(f"sum({c}) AS {c}" for c in ("active_s", "saturated_s", *sum_cols))
+                + ", max(gen_tokens_per_s_peak) AS gen_tokens_per_s_peak, "
+                "max(load_max) AS load_max, min(first_window_s) AS first_window_s, "
+                f"max(last_window_s) AS last_window_s FROM ({both}) GROUP BY 1, 2"
+            )
+        finished = "SELECT engine_id, finished_unix_s AS t, 1 AS n FROM requests"
+        if requests_kept_from is not None:
+            finished += (
+                " UNION ALL SELECT engine_id, ts_s AS t, n_requests AS n FROM requests_1m "
+                "WHERE ts_s < ?"
+            )
+            args.append(requests_kept_from)
+        args += [since, until]
+        sql = (
+            f"WITH wd AS ({per_second}), "
             f"rd AS (SELECT r.engine_id, {rday} AS day_start_unix_s, "
-            "CAST(count(*) AS DOUBLE) AS requests FROM requests r "
+            f"CAST(sum(r.n) AS DOUBLE) AS requests FROM ({finished}) r "
             "JOIN _knees k ON k.engine_id = r.engine_id "
-            "WHERE r.finished_unix_s >= ? AND r.finished_unix_s < ? GROUP BY 1, 2) "
+            "WHERE r.t >= ? AND r.t < ? GROUP BY 1, 2) "
             "SELECT engine_id, day_start_unix_s, coalesce(active_s, 0) AS active_s, "
             "coalesce(saturated_s, 0) AS saturated_s, "
-            + ", ".join(
-                f"coalesce({c}, 0) AS {c}"
-                for c in (
-                    "generation_tokens",
-                    "prompt_tokens",
-                    "preemptions",
-                    "prefix_queries",
-                    "prefix_hits",
-                )
-            )
+            + ", ".join(f"coalesce({c}, 0) AS {c}" for c in sum_cols)
             + ", coalesce(rd.requests, 0) AS requests, gen_tokens_per_s_peak, load_max, "
             "first_window_s, last_window_s "
             "FROM wd FULL OUTER JOIN rd USING (engine_id, day_start_unix_s) "
             "ORDER BY engine_id, day_start_unix_s"
         )
-        return _df(cur, sql, [math.floor(since), until, since, until])
+        return _df(cur, sql, args)
     finally:
         cur.unregister("_knees")
 

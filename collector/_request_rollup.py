@@ -178,9 +178,16 @@ REQUESTS_1M = Tier(
 
 def select_sql(step_s: int) -> str:
     """The tier summed over ``step_s`` (a multiple of 60) per engine, bucket columns
-    named by :func:`bucket_names`; ``WHERE`` and ``ORDER`` are the caller's."""
+    named by :func:`bucket_names`; ``first_minute_s`` and ``end_minute_s`` bound the
+    minutes a row sums (inside the caller's range); ``WHERE`` and ``ORDER`` are the
+    caller's."""
     step = max(MINUTE_S, int(step_s) // MINUTE_S * MINUTE_S)
-    parts = [f"(r.ts_s // {step}) * {step} AS ts_s", f"{step} AS step_s"]
+    parts = [
+        f"(r.ts_s // {step}) * {step} AS ts_s",
+        f"{step} AS step_s",
+        "min(r.ts_s) AS first_minute_s",
+        f"max(r.ts_s) + {MINUTE_S} AS end_minute_s",
+    ]
     for c, t, _, name in REQUEST_MINUTE_AGGREGATES:
         parts.append(f'CAST(sum(r.{c}) AS {t}) AS "{name}"')
     return ", ".join(parts)

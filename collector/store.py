@@ -320,14 +320,14 @@ class Store:
     def requests_kept_from(self) -> float | None:
         """Requests finished before this (unix seconds) were deleted by the retention and
         are only in ``requests_1m`` (None: none deleted yet)."""
-        row = (
+        rows = (
             self._cursor()
             .execute(
                 "SELECT value FROM meta WHERE key = ?", [_request_rollup.REQUESTS_KEPT_FROM_KEY]
             )
-            .fetchone()
+            .fetchall()  # the whole result: the cursor is free for the next statement
         )
-        return float(row[0]) if row else None
+        return float(rows[0][0]) if rows else None
 
     def write_kv_event_windows(self, rows: pd.DataFrame) -> int:
         """Merge per-(engine_id, ts_s) KV-event counters (columns ``KV_EVENT_COLUMNS``,
@@ -525,8 +525,19 @@ class Store:
         self, knees: pd.DataFrame, since_unix_s: float, until_unix_s: float
     ) -> pd.DataFrame:
         """Per engine (``knees``: engine_id, knee) and UTC day: window sums, seconds past
-        the knee and requests finished (``kvscope.advisor.usage.DAY_COLUMNS``), in SQL."""
-        return _reads.usage_days(self._cursor(), knees, since_unix_s, until_unix_s)
+        the knee and requests finished (``kvscope.advisor.usage.DAY_COLUMNS``), in SQL;
+        minutes whose 1-second windows or request rows were deleted are counted from the
+        1-minute tiers."""
+        tables = getattr(self, "tables", None)  # a read-only store of an older schema
+        kept_from = self.requests_kept_from() if tables is None or "requests_1m" in tables else None
+        return _reads.usage_days(
+            self._cursor(),
+            knees,
+            since_unix_s,
+            until_unix_s,
+            minutes=tables is None or "windows_1m" in tables,
+            requests_kept_from=kept_from,
+        )
 
     def request_minutes(
         self,

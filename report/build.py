@@ -32,7 +32,7 @@ from kvscope.advisor.analyze import MAX_WINDOWS_PER_ENGINE, analyze_sample
 from kvscope.advisor.forecast import capacity_forecast
 from kvscope.advisor.frames import frame_of
 from kvscope.advisor.gpu_hours import gpu_hours
-from kvscope.advisor.sources import Source
+from kvscope.advisor.sources import Source, SourceError
 from kvscope.advisor.usage import Usage, usage_from_days, weekly_usage
 from kvscope.advisor.weekly import CONFIG_FIELDS, compare_weeks, config_as_of
 from kvscope.report.model import WeeklyReport
@@ -122,11 +122,17 @@ def build_weekly_report(
         windows = source.windows(prev_since, until, pool=pool)
         bar.update(1)
         step("reading finished requests")
-        requests = source.requests(prev_since, until, pool=pool)
+        # week by week: rows standing for deleted requests lie inside their own week
+        parts = [source.requests(a, b, pool=pool) for a, b in ((prev_since, since), (since, until))]
+        kept = [p for p in parts if len(p)]
+        requests = pd.concat(kept, ignore_index=True) if len(kept) > 1 else (kept or parts)[0]
         bar.update(1)
         step("reading KV-cache events")
         kv_events = source.kv_events(prev_since, until, pool=pool)
         bar.update(1)
+    minutes = (
+        None if samples else _minutes_without_seconds(source, windows, prev_since, until, pool)
+    )
 
     week_configs: dict[str, dict[str, dict[str, Any]]] = {}
 
@@ -146,7 +152,7 @@ def build_weekly_report(
     def week_usage(report: Report, start: float, end: float) -> Usage:
         sums = getattr(source, "usage_days", None)
         if sums is None or not samples:
-            return weekly_usage(windows, requests, report, start, end)
+            return weekly_usage(windows, requests, report, start, end, minutes=minutes)
         knees = pd.DataFrame(
             {
                 "engine_id": [v.engine_id for v in report.engines],
@@ -262,3 +268,28 @@ def out_dir_problem(out_dir: str | Path) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"cannot create {p}: the folder {parent} is not writable"
     return None
+
+
+def _minutes_without_seconds(
+    source: Any, windows: pd.DataFrame, since: float, until: float, pool: str | None
+) -> pd.DataFrame | None:
+    """The collector's 1-minute windows of ``[since, until)`` before the first 1-second
+    window read (``windows``): where the window retention deleted the seconds, the
+    weeks' usage is summed from the minutes. ``None`` from a source without them or
+    when the seconds cover the range."""
+    read = getattr(source, "minute_windows", None)
+    if read is None:
+        return None
+    first = (
+        float(pd.to_numeric(windows["ts_s"], errors="coerce").min())
+        if len(windows) and "ts_s" in windows
+        else until
+    )
+    if not first > since + 60:
+        return None
+    try:
+        return read(since, min(first, until), pool=pool)
+    except SourceError as exc:
+        if exc.status == 404:  # a collector from before the minute tier
+            return None
+        raise

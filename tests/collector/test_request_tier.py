@@ -8,6 +8,7 @@ rollup's SQL or the advisor's code."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -329,36 +330,33 @@ def test_a_range_older_than_the_window_retention_gets_its_latency_from_the_tier(
     )
     assert out.returncode == 0, out.stderr
     assert "request latency only" in out.stdout and "SLO attainment" in out.stdout
+    # the weekly report of that week, over HTTP and from the store file: its usage from
+    # the minute tiers (the seconds and request rows are gone), its latency from the tier
+    want_gen = float(sum(b["steps"]["generation_tokens"]))
+    want_active = len({math.floor(t) for t in old_steps})
+
+    args = ["--since", "26d", "--until", "18d", "--slo-e2e", "5", "--no-progress"]
+
+    def weekly(where: list[str], out_dir: Path) -> None:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvscope", "report", *where, *args, "--out", str(out_dir)],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert done.returncode == 0, done.stderr
+        usage = json.loads((out_dir / "report.json").read_text())["usage"]["engines"]
+        assert usage["requests"] == [2000.0]
+        assert usage["generation_tokens"] == [want_gen]
+        assert usage["active_s"] == [want_active]
+        md = (out_dir / "report.md").read_text()
+        assert "request latency only" in md and "| requests finished | 2k |" in md
+
+    weekly(["--collector", lc.url], Path(store_path).parent / "report-http")
     lc.stop()
     offline = StoreSource(open_store(store_path))
     try:
         check(analyze(offline, old_lo - 60, old_hi + 60, slo_ttft_s=0.5, slo_e2e_s=5.0))
     finally:
         offline.close()
-    # the weekly report of that week, from the store file: written, with the latency
-    out_dir = Path(store_path).parent / "report"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvscope",
-            "report",
-            "--store",
-            store_path,
-            "--since",
-            "26d",
-            "--until",
-            "18d",
-            "--slo-e2e",
-            "5",
-            "--out",
-            str(out_dir),
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stderr
-    md = (out_dir / "report.md").read_text()
-    assert "request latency only" in md and "2,000" in md
+    weekly(["--store", store_path], Path(store_path).parent / "report-store")
