@@ -159,39 +159,35 @@ def minute_days(
     knee = m["engine_id"].map(lambda e: _saturation_knee(verdicts[e])).astype(float)
     seconds = num("n_seconds")
     t = pd.to_numeric(m["ts_s"], errors="coerce").astype(float)
-    f = pd.DataFrame(
+    per_minute = pd.DataFrame(
         {
             "engine_id": m["engine_id"].astype(str),
-            "day": _day(t, day_s),
+            "day_start_unix_s": _day(t, day_s),
             "active_s": seconds,
             "saturated_s": seconds.where(num("load_p50") > knee, 0.0),
             **{c: num(c) for c in USAGE_SUMS if c not in ("active_s", "saturated_s", "requests")},
-            "peak": num("generation_tokens_max"),
+            "requests": 0.0,
+            "gen_tokens_per_s_peak": num("generation_tokens_max"),
             "load_max": num("load_max"),
-            "first": t,
-            "last": t + 59.0,
+            "first_window_s": t,
+            "last_window_s": t + 59.0,
         }
     )
-    g = f.groupby(["engine_id", "day"], sort=True)
-    out = g.sum(numeric_only=True)
-    out["gen_tokens_per_s_peak"] = g["peak"].max()
-    out["load_max"] = g["load_max"].max()
-    out["first_window_s"] = g["first"].min()
-    out["last_window_s"] = g["last"].max()
-    out["requests"] = 0.0
-    out = out.reset_index().rename(columns={"day": "day_start_unix_s"})
-    return out[list(DAY_COLUMNS)]
+    return _by_day(per_minute)
 
 
 def merge_days(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
-    """Two :data:`DAY_COLUMNS` frames of the same days summed per (engine, day): sums
-    added, peaks and loads their maximum, first and last windows the outer ones."""
+    """Two :data:`DAY_COLUMNS` frames of the same days summed per (engine, day)."""
     both = [x for x in (a, b) if len(x)]
     if len(both) < 2:
         return both[0] if both else a
-    f = pd.concat(both, ignore_index=True)
-    for c in DAY_COLUMNS[2:]:
-        f[c] = pd.to_numeric(f[c], errors="coerce").astype(float)
+    return _by_day(pd.concat(both, ignore_index=True))
+
+
+def _by_day(f: pd.DataFrame) -> pd.DataFrame:
+    """:data:`DAY_COLUMNS` rows summed per (engine, day): sums added, peaks and loads
+    their maximum, first and last windows the outer ones."""
+    f = f.assign(**{c: pd.to_numeric(f[c], errors="coerce").astype(float) for c in DAY_COLUMNS[2:]})
     g = f.groupby(["engine_id", "day_start_unix_s"], sort=True)
     out = g[[*USAGE_SUMS]].sum()
     out["gen_tokens_per_s_peak"] = g["gen_tokens_per_s_peak"].max()
