@@ -269,11 +269,16 @@ def _coverage(
 ) -> dict[str, Any]:
     ids = set(analyzed["engine_id"]) if "engine_id" in analyzed else set()
     lat_ids = set(latency_only["engine_id"]) if "engine_id" in latency_only else set()
-    n_req = (
-        int(requests["engine_id"].isin(ids | lat_ids).sum())
-        if len(requests) and "engine_id" in requests
-        else 0
-    )
+    n_req = 0
+    if len(requests) and "engine_id" in requests:
+        # a row may stand for several requests (``weight``: Prometheus's pseudo-requests,
+        # the request tier's rows)
+        weight = (
+            pd.to_numeric(requests["weight"], errors="coerce").fillna(1.0)
+            if "weight" in requests
+            else pd.Series(1.0, index=requests.index)
+        )
+        n_req = round(float(weight[requests["engine_id"].isin(ids | lat_ids)].sum()))
     ts = pd.to_numeric(windows["ts_s"], errors="coerce") if "ts_s" in windows else pd.Series([])
     last_step = (
         pd.to_numeric(engines["last_step_unix_s"], errors="coerce").max()
