@@ -136,11 +136,13 @@ def minute_days(
         return pd.DataFrame(columns=list(DAY_COLUMNS))
     ts = pd.to_numeric(m["ts_s"], errors="coerce").astype(float)
     m = m[(ts >= math.floor(since / 60.0) * 60) & (ts < until)]
-    if len(windows) and "engine_id" in windows:
-        held = set(
+    if len(windows) and "engine_id" in windows and len(m):
+        w_ts = pd.to_numeric(windows["ts_s"], errors="coerce")
+        near = w_ts < float(pd.to_numeric(m["ts_s"], errors="coerce").max()) + 60.0
+        held = set(  # only the windows of the minutes read (a week of seconds is large)
             zip(
-                windows["engine_id"].astype(str),
-                np.floor(pd.to_numeric(windows["ts_s"], errors="coerce") / 60.0) * 60,
+                windows.loc[near, "engine_id"].astype(str),
+                np.floor(w_ts[near] / 60.0) * 60,
                 strict=True,
             )
         )

@@ -163,16 +163,11 @@ REQUEST_ROLLUP_SQL = (
     "GROUP BY engine_id, minute ON CONFLICT (engine_id, ts_s) DO UPDATE SET "
     + ", ".join(f"{c} = excluded.{c}" for c, _ in REQUEST_MINUTE_FIELDS)
 )
-REQUEST_FILL_SQL = REQUEST_ROLLUP_SQL.split(" ON CONFLICT ")[0] + " ON CONFLICT DO NOTHING"
-"""The rollup of minutes the tier has no row for, leaving the rows it has: for late
-requests of a minute past the request retention (an import, a replay), whose row, if
-any, counts requests deleted since."""
 REQUESTS_1M = Tier(
     REQUEST_ROLLUP_SQL,
     "requests",
     "finished_unix_s",
     REQUESTS_ROLLED_UNTIL_KEY,
-    fill_sql=REQUEST_FILL_SQL,
 )
 
 

@@ -106,20 +106,17 @@ class Tier:
     source: str
     ts_col: str
     until_key: str
-    fill_sql: str | None = None
-    """The rollup of the rows the tier lacks only (``ON CONFLICT DO NOTHING``), run for
-    late data behind the source's retention (an import, a replay of old traffic): its
-    minutes are added where the tier has none, never replacing a row whose rows were
-    deleted since; ``None``: such data is dropped."""
+
+    @property
+    def fill_sql(self) -> str:
+        """The rollup of the rows the tier lacks only (``ON CONFLICT DO NOTHING``), run for
+        late data behind the source's retention (an import, a replay of old traffic): its
+        minutes are added where the tier has none, never replacing a row whose rows were
+        deleted since."""
+        return self.sql.split(" ON CONFLICT ")[0] + " ON CONFLICT DO NOTHING"
 
 
-WINDOWS_1M = Tier(
-    ROLLUP_SQL,
-    "windows_1s",
-    "ts_s",
-    ROLLED_UNTIL_KEY,
-    fill_sql=ROLLUP_SQL.split(" ON CONFLICT ")[0] + " ON CONFLICT DO NOTHING",
-)
+WINDOWS_1M = Tier(ROLLUP_SQL, "windows_1s", "ts_s", ROLLED_UNTIL_KEY)
 
 
 def minute_floor(t: float) -> int:
@@ -165,7 +162,7 @@ def _run(con: Any, sql: str, a: int, b: int, chunk_s: int = ROLLUP_CHUNK_S) -> i
 def fill(con: Any, minutes: set[int], tier: Tier) -> int:
     """Roll up ``minutes`` (starts) with ``tier.fill_sql``: rows only where the tier has
     none. Returns the rows written."""
-    if tier.fill_sql is None or not minutes:
+    if not minutes:
         return 0
     return sum(_run(con, tier.fill_sql, lo, hi, LATE_CHUNK_S) for lo, hi in _runs(sorted(minutes)))
 
