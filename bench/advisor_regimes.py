@@ -92,11 +92,12 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.advisor_scenarios import ROUNDS, AdvisorLab, LevelMeasure
+from bench.advisor_scenarios import MAX_ATTEMPTS, ROUNDS, AdvisorLab, LevelMeasure
 from bench.noise import FAILS, HOLDS, Ratio, ratio
 from kvscope.advisor import CollectorSource, analyze
 from kvscope.lab.engine import VllmServer, build_model, default_model_dir
 from kvscope.lab.openloop import run_rates
+from kvscope.lab.sweep import SweepResult
 
 CONTROL_RUNS = 3
 """Runs of the control at the regime's highest load, and at least as many of the regime
@@ -110,6 +111,9 @@ FRONT_END_CPUS = 0.05
 """The front-end regime's API server CPU limit (a twentieth of a core). A quarter did not
 bind: the tiny model's API server, serving whole (not streamed) completions, delivered
 8,292 tok/s at 32 clients under it and 7,952-8,340 without it."""
+MAX_CYCLE_S = 90.0
+"""The longest warm-up (and measurement window) a closed-loop level is stretched to
+(:meth:`RegimeLab._cycle_s`)."""
 ADVICE_TOLERANCE = 0.10
 """A recommended flag's measured throughput ratio must lie within this share of its
 predicted one (the twin's target for a plateau, docs/twin.md)."""
@@ -422,7 +426,69 @@ class RegimeResult:
 
 
 class RegimeLab(AdvisorLab):
-    """An :class:`AdvisorLab` whose sweeps carry a regime's workload."""
+    """An :class:`AdvisorLab` whose sweeps carry a regime's workload.
+
+    Every closed-loop level (the sweep's, the cap check's, the control's, the advice
+    check's) is measured in the loop's steady state: its warm-up and its measurement
+    window each last at least one **cycle**, the time a request spends in the system at
+    that load by Little's law (clients over the requests/s the regime's engine finished at
+    that load or the nearest below it, :meth:`_cycle_s`). A closed loop starts with every
+    client's request at once; until each has come back once, the requests finished are
+    the first ones served, and a window shorter than a cycle counts only those: the
+    long-output regime's 32 clients (0.7 requests/s, ~45 s in the system) measured an e2e
+    P99 of 12.4 s in 13-second runs, the run's length rather than the overload's tail."""
+
+    _request_rates: dict[str, dict[int, float]]
+    """Requests/s per engine (the first one: the regime's) and per load level."""
+
+    def _cycle_s(self, engine_id: str, concurrency: int) -> float:
+        """Seconds a request spends in the system at ``concurrency`` clients (Little's
+        law), from the slowest request rate engine ``engine_id`` finished at that load or
+        the nearest below it; an engine with none there (a control's or a flag's first run)
+        takes the regime's engine's, which has the limit they lift. 0 before any level was
+        measured. At most :data:`MAX_CYCLE_S`."""
+        engines = getattr(self, "_request_rates", {})
+        for rates in (engines.get(engine_id, {}), next(iter(engines.values()), {})):
+            below = [c for c in rates if c <= concurrency]
+            if below:
+                return min(MAX_CYCLE_S, concurrency / rates[max(below)])
+        return 0.0
+
+    def _level(
+        self,
+        server: VllmServer,
+        engine_id: str,
+        concurrency: int,
+        duration_s: float,
+        warmup_s: float,
+        seed: int,
+        attempts: int = MAX_ATTEMPTS,
+        admit_limit: int | None = None,
+    ) -> tuple[LevelMeasure, SweepResult]:
+        """:meth:`AdvisorLab._level` with its warm-up and window stretched to a cycle."""
+        cycle = self._cycle_s(engine_id, concurrency)
+        if cycle > max(duration_s, warmup_s):
+            self._say(
+                f"{concurrency} clients: {cycle:.0f} s of warm-up and of measurement "
+                "(a request's time in the system there)"
+            )
+        level, sweep = super()._level(
+            server,
+            engine_id,
+            concurrency,
+            max(duration_s, cycle),
+            max(warmup_s, cycle),
+            seed,
+            attempts,
+            admit_limit,
+        )
+        if level.delivered and level.client_tokens_per_s > 0 and self.output_tokens:
+            rate = level.client_tokens_per_s / self.output_tokens
+            rates = self._request_rates.setdefault(engine_id, {})
+            # The slowest seen: the machine's speed drifts, and a warm-up too long costs
+            # only time.
+            rates[concurrency] = min(rates.get(concurrency, rate), rate)
+        return level, sweep
 
     def _levels(
         self,
@@ -494,6 +560,7 @@ class RegimeLab(AdvisorLab):
     def _run(self, regime: Regime, run_index: int) -> RegimeResult:
         started = time.monotonic()
         self.prompt_words, self.output_tokens = regime.prompt_words, regime.output_tokens
+        self._request_rates = {}
         seed = self.seed + 1000 * run_index
         pool = f"regime-{regime.name}-{run_index}"
         with self._started(pool, regime.engine) as server:

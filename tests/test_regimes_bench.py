@@ -137,3 +137,58 @@ def test_an_open_loop_prediction_is_held_to_what_the_rate_offers() -> None:
     )
     assert within_offered((1.10, 1.05, 1.30), 1.2) == (1.10, 1.05, 1.2)
     assert within_offered((1.56, 1.50, 1.60), None) == (1.56, 1.50, 1.60)
+
+
+def test_a_closed_loop_level_is_measured_in_its_steady_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Warm-up and window last at least a request's time in the system (Little's law:
+    clients over the requests/s the engine finished at that load or below, the slowest
+    seen; the regime's engine's for another engine's first run), at most MAX_CYCLE_S."""
+    from bench import advisor_regimes as ar
+    from bench.advisor_scenarios import AdvisorLab, LevelMeasure
+
+    asked: list[tuple[int, float, float]] = []
+    tokens_per_s: dict[int, float] = {}
+
+    def level(self: Any, server: Any, engine_id: str, c: int, duration_s: float,
+              warmup_s: float, *a: Any, **kw: Any) -> tuple[LevelMeasure, None]:  # fmt: skip
+        asked.append((c, duration_s, warmup_s))
+        lv = LevelMeasure(
+            concurrency=c, client_tokens_per_s=tokens_per_s[c], e2e_p99_s=None,
+            ttft_p99_s=None, completed=1, errors=0, engine_tokens_per_s=0.0,
+            preemptions_per_s=0.0, batch_median=c, waiting_median=0.0, load_median=c,
+            load_mean=c, kv_usage_median=0.5, n_windows=5,
+        )  # fmt: skip
+        return lv, None
+
+    monkeypatch.setattr(AdvisorLab, "_level", level)
+    lab = RegimeLab.__new__(RegimeLab)
+    lab.output_tokens, lab._request_rates = 512, {}
+    lab._say = lambda *_: None  # type: ignore[method-assign]
+    # 1 client: nothing measured yet, the defaults.
+    tokens_per_s[1] = 256.0  # 0.5 requests/s
+    lab._level(None, "regime", 1, 6.0, 2.0, 0)  # type: ignore[arg-type]
+    # 8 clients at 0.5 requests/s (the rate measured at 1): 16 s in the system.
+    tokens_per_s[8] = 1024.0  # 2 requests/s measured there
+    lab._level(None, "regime", 8, 6.0, 2.0, 0)  # type: ignore[arg-type]
+    # 32 clients: 32 / 2 = 16 s; there 1 request/s, so the next run at 32 gets 32 s.
+    tokens_per_s[32] = 512.0
+    lab._level(None, "regime", 32, 6.0, 2.0, 0)  # type: ignore[arg-type]
+    lab._level(None, "regime", 32, 6.0, 2.0, 0)  # type: ignore[arg-type]
+    # A control's first run takes the regime engine's rate, the next its own (16/s).
+    tokens_per_s[32] = 8192.0
+    lab._level(None, "control", 32, 6.0, 2.0, 0)  # type: ignore[arg-type]
+    lab._level(None, "control", 32, 6.0, 2.0, 0)  # type: ignore[arg-type]
+    # 256 clients at 1 request/s: 256 s, held to MAX_CYCLE_S.
+    tokens_per_s[256] = 512.0
+    lab._level(None, "regime", 256, 6.0, 2.0, 0)  # type: ignore[arg-type]
+    assert asked == [
+        (1, 6.0, 2.0),
+        (8, 16.0, 16.0),
+        (32, 16.0, 16.0),
+        (32, 32.0, 32.0),
+        (32, 32.0, 32.0),
+        (32, 6.0, 2.0),
+        (256, ar.MAX_CYCLE_S, ar.MAX_CYCLE_S),
+    ]
