@@ -1,7 +1,7 @@
 """The advisor on more real engine regimes, each against a control that lifts the
 suspected limit, and its recommended flag applied to measure the effect it predicts
 (``bench/advisor_regimes.py``): every regime x ``KVSCOPE_REGIME_RUNS``
-runs (default 3). A long matrix (about 5 minutes per regime run), run only when asked::
+runs (default 3). A long matrix (5 to 20 minutes per regime run), run only when asked::
 
     scripts/test -m matrix tests/integration/test_advisor_regimes.py -s
 
@@ -23,6 +23,9 @@ from bench.advisor_regimes import REGIMES, RegimeLab, RegimeResult, table
 pytestmark = [pytest.mark.engine, pytest.mark.matrix]
 
 RUNS = int(os.environ.get("KVSCOPE_REGIME_RUNS", "3"))
+RUN_TIMEOUT_S = 40 * 60
+"""The longest one regime run may take (the long-output regime's, each level measured
+in its steady state: ~20 min): the suite's 900 s per test would stop a regime's runs."""
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +41,7 @@ def regime_lab(mid_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         print("\n" + table(results))
 
 
+@pytest.mark.timeout(RUNS * RUN_TIMEOUT_S)
 @pytest.mark.parametrize("name", list(REGIMES))
 def test_regime_verdict_matches_its_control(regime_lab: RegimeLab, name: str) -> None:
     runs = [regime_lab.run(REGIMES[name], i) for i in range(RUNS)]
