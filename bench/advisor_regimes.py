@@ -431,11 +431,11 @@ class RegimeLab(AdvisorLab):
     Every closed-loop level (the sweep's, the cap check's, the control's, the advice
     check's) is measured in the loop's steady state: its warm-up and its measurement
     window each last at least one **cycle**, the time a request spends in the system at
-    that load by Little's law (clients over the requests/s the regime's engine finished at
+    that load by Little's law (clients over the requests/s the same engine finished at
     that load or the nearest below it, :meth:`_cycle_s`). A closed loop starts with every
     client's request at once; until each has come back once, the requests finished are
     the first ones served, and a window shorter than a cycle counts only those: the
-    long-output regime's 32 clients (0.7 requests/s, ~45 s in the system) measured an e2e
+    long-output regime's 32 clients (~1 request/s, ~35 s in the system) measured an e2e
     P99 of 12.4 s in 13-second runs, the run's length rather than the overload's tail."""
 
     _request_rates: dict[str, dict[int, float]]
