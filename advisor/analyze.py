@@ -38,6 +38,7 @@ from kvscope.advisor.findings import (
     Report,
     Scope,
 )
+from kvscope.advisor.frames import request_weights
 from kvscope.advisor.gateways import (
     ReplicaCap,
     balance_routing,
@@ -271,13 +272,7 @@ def _coverage(
     lat_ids = set(latency_only["engine_id"]) if "engine_id" in latency_only else set()
     n_req = 0
     if len(requests) and "engine_id" in requests:
-        # a row may stand for several requests (``weight``: Prometheus's pseudo-requests,
-        # the request tier's rows)
-        weight = (
-            pd.to_numeric(requests["weight"], errors="coerce").fillna(1.0)
-            if "weight" in requests
-            else pd.Series(1.0, index=requests.index)
-        )
+        weight = request_weights(requests)
         n_req = round(float(weight[requests["engine_id"].isin(ids | lat_ids)].sum()))
     ts = pd.to_numeric(windows["ts_s"], errors="coerce") if "ts_s" in windows else pd.Series([])
     last_step = (

@@ -116,6 +116,7 @@ import pandas as pd
 
 from kvscope.advisor.curve import ThroughputCurve
 from kvscope.advisor.findings import Finding, Scope
+from kvscope.advisor.frames import request_weights
 from kvscope.advisor.steptime import StepTimeModel
 
 _TEXT = {
@@ -176,9 +177,7 @@ def _secs(x: float) -> str:
 
 def _count(requests: pd.DataFrame) -> float:
     """Requests the rows stand for (rows read from histograms carry a ``weight``)."""
-    if "weight" in requests:
-        return float(pd.to_numeric(requests["weight"], errors="coerce").fillna(1.0).sum())
-    return float(len(requests))
+    return float(request_weights(requests).sum())
 
 
 class BottleneckClassifier:

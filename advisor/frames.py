@@ -30,6 +30,14 @@ _NUMERIC = (
 )
 
 
+def request_weights(requests: pd.DataFrame) -> pd.Series:
+    """The requests each row stands for: its ``weight`` (Prometheus's pseudo-requests read
+    from histograms, the request tier's rows), 1 where there is none."""
+    if "weight" in requests:
+        return pd.to_numeric(requests["weight"], errors="coerce").fillna(1.0)
+    return pd.Series(1.0, index=requests.index)
+
+
 def prepare_windows(windows: pd.DataFrame) -> pd.DataFrame:
     """Add ``load`` (in-flight: running + waiting + deferred), ``gen_tokens_per_s``,
     ``total_tokens_per_s``, ``computed_tokens_per_s``, ``tokens_per_step``, ``steps_per_s`` and ``busy_ratio``

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from kvscope.advisor.findings import EngineVerdict, Frame, Report, _clean
-from kvscope.advisor.frames import frame_of, prepare_windows
+from kvscope.advisor.frames import frame_of, prepare_windows, request_weights
 
 DAY_S = 86400.0
 USAGE_SUMS = (
@@ -223,13 +223,7 @@ def usage_days(
         r = r[r["engine_id"].isin(verdicts)]
         t = pd.to_numeric(r["finished_unix_s"], errors="coerce")
         r = r[(t >= since) & (t < until)].assign(day=_day(t, day_s))
-        # a row of the request tier may stand for several requests (``weight``)
-        weight = (
-            pd.to_numeric(r["weight"], errors="coerce").fillna(1.0)
-            if "weight" in r
-            else pd.Series(1.0, index=r.index)
-        )
-        n_req = weight.groupby([r["engine_id"], r["day"]]).sum()
+        n_req = request_weights(r).groupby([r["engine_id"], r["day"]]).sum()
     else:
         n_req = pd.Series(dtype=float)
     rows = []
