@@ -777,6 +777,9 @@ class AdvisorLab:
                 seed=seed,
                 error_backoff_s=error_backoff_s,
                 progress=self.progress,
+                # The lab sizes its levels itself (the regimes bench from the request rates
+                # it measured: RegimeLab._level), so each lasts exactly what it asked for.
+                steady_state=False,
             )
         )
 

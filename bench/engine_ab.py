@@ -116,6 +116,7 @@ def sweep_once(url: str, args: argparse.Namespace) -> tuple[float, float, float 
         cooldown_s=0.0,
         seed=args.seed,
         progress=False,
+        steady_state=False,  # the A/B compares equal windows of the same length
     )
     lv = run_sweep(cfg).levels[0]
     return lv.output_tokens_per_s, lv.requests_per_s, lv.e2e_p99_s, lv.error_count

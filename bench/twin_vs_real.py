@@ -231,6 +231,7 @@ class TwinLab(AdvisorLab):
                     prefix_groups=cfg.prefix_groups,
                     seed=seed,
                     progress=self.progress,
+                    steady_state=False,  # the levels the twin replays: the same fixed windows
                 )
             )
             for s in servers:  # an engine id is host:port:index

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -445,10 +446,65 @@ def test_refused_clients_wait_the_error_backoff() -> None:
         SweepConfig(error_backoff_s=-1).validate()
 
 
-def test_sweep_cancels_in_flight_requests_at_the_window_end() -> None:
+def queueing_app(slots: int, service_s: list[float]) -> web.Application:
+    """An OpenAI-style server that serves ``slots`` requests at a time, first come first
+    served, the others waiting (as an engine whose KV cache holds ``slots`` requests);
+    each service time (from its slot to its last token) is appended to ``service_s``."""
+    inner = {r.resource.canonical: r.handler for r in fake_openai_app().router.routes()}
+    gate = asyncio.Semaphore(slots)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        async with gate:
+            began = time.perf_counter()
+            resp = await inner["/v1/completions"](request)
+            service_s.append(time.perf_counter() - began)
+            return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", inner["/v1/models"])
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+def test_a_steady_state_level_measures_the_queue_a_fixed_one_cuts_off() -> None:
+    """Eight clients on a server that holds two requests at a time: in steady state a
+    request waits for three rounds of service before its own, so its e2e is four
+    service times (~2 s). The clients start together, so the first wave takes those
+    2 s to serve: a fixed level of 0.2 + 1 s completes only the first wave's luckiest
+    requests, and its P99 is cut off at about half the truth (and marked so)."""
+    service_s: list[float] = []
+    load = {"concurrency": [8], "output_tokens": (50, 50)}
+    fixed = sweep_against(queueing_app(2, service_s), steady_state=False, **load)
+    steady = sweep_against(queueing_app(2, service_s), duration_s=1.2, **load)
+    truth_s = 8 / 2 * float(np.median(service_s))
+    (cut,) = fixed.levels
+    (lv,) = steady.levels
+    assert cut.warmup_s + cut.duration_s == pytest.approx(1.2)
+    assert cut.e2e_p99_s is not None and cut.e2e_p99_s < 0.65 * truth_s
+    assert cut.e2e_p99_truncated
+    assert "lower bound" in format_table(fixed) and ">" in format_table(fixed)
+    # the warm-up waited for the whole first wave; the window holds one cycle or more
+    assert lv.warmup_s >= 0.95 * truth_s and lv.duration_s >= 0.95 * truth_s
+    assert lv.e2e_p50_s == pytest.approx(truth_s, rel=0.15)
+    assert lv.e2e_p99_s == pytest.approx(truth_s, rel=0.15)
+    assert not lv.e2e_p99_truncated
+    # Little's law holds in steady state: in flight = throughput x time in the system
+    assert lv.requests_per_s * lv.e2e_p50_s == pytest.approx(8, rel=0.2)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"steady_state": False}, {"max_stretch_s": 1.5}],
+    ids=["fixed-windows", "steady-state-bounded"],
+)
+def test_sweep_cancels_in_flight_requests_at_the_window_end(overrides: dict[str, Any]) -> None:
+    """10 s requests are not awaited, nor is a steady-state level stretched past its
+    bound for them."""
     started = time.perf_counter()
-    result = sweep_against(fake_openai_app(), concurrency=[3], output_tokens=(1000, 1000))
-    assert time.perf_counter() - started < 8.0  # 10 s requests were not awaited
+    result = sweep_against(
+        fake_openai_app(), concurrency=[3], output_tokens=(1000, 1000), **overrides
+    )
+    assert time.perf_counter() - started < 8.0
     (lv,) = result.levels
     assert lv.requests_completed == 0 and lv.requests_cancelled == 3
     assert 0 < lv.output_tokens_per_s <= 310  # tokens of unfinished requests count

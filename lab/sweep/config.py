@@ -44,7 +44,18 @@ class SweepConfig:
     when they have all finished, or at the window's end if that comes first. Two runs with
     the same seed and count serve the same requests, however fast each server is."""
     warmup_s: float = 2.0
-    """Load before each window that is not measured (the ramp-up of a level)."""
+    """Load before each window that is not measured (the ramp-up of a level); with
+    ``steady_state`` the least warm-up."""
+    steady_state: bool = True
+    """Stretch each level into its steady state (not with ``max_requests``): the warm-up
+    lasts until every client's first request has returned, and the window at least one
+    cycle of the closed loop (concurrency over the request rate the warm-up measured).
+    The clients start together, so the first requests are served as one wave; a level
+    shorter than the time a request spends in the server measures only that wave, and
+    its latency percentiles are cut off at the level's length."""
+    max_stretch_s: float = 120.0
+    """With ``steady_state``, the warm-up and the window each last at most this long
+    (or ``warmup_s`` / ``duration_s`` if longer)."""
     cooldown_s: float = 1.0
     """Pause between levels, after in-flight requests are cancelled."""
     prompt_words: tuple[int, int] = (8, 40)
@@ -97,6 +108,7 @@ class SweepConfig:
             (self.duration_s > 0, "duration_s must be > 0"),
             (self.max_requests is None or self.max_requests >= 1, "max_requests must be >= 1"),
             (self.warmup_s >= 0 and self.cooldown_s >= 0, "warmup_s, cooldown_s must be >= 0"),
+            (self.max_stretch_s > 0, "max_stretch_s must be > 0"),
             (1 <= self.prompt_words[0] <= self.prompt_words[1], "prompt_words: need 1 <= lo <= hi"),
             (
                 1 <= self.output_tokens[0] <= self.output_tokens[1],
@@ -262,7 +274,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         type=float,
         default=d.duration_s,
         metavar="S",
-        help="measured seconds per level (default: %(default)s)",
+        help="measured seconds per level, the least with steady-state levels (default: %(default)s)",
     )
     load.add_argument(
         "--max-requests",
@@ -277,7 +289,23 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         type=float,
         default=d.warmup_s,
         metavar="S",
-        help="unmeasured seconds of load before each level's window (default: %(default)s)",
+        help="unmeasured seconds of load before each level's window, the least with "
+        "steady-state levels (default: %(default)s)",
+    )
+    load.add_argument(
+        "--fixed-windows",
+        action="store_true",
+        help="levels of exactly --warmup + --duration seconds; by default each level is "
+        "stretched into its steady state: the warm-up lasts until every client's first "
+        "request has returned, the window at least one closed-loop cycle (concurrency / "
+        "requests per second), each at most --max-stretch seconds",
+    )
+    load.add_argument(
+        "--max-stretch",
+        type=float,
+        default=d.max_stretch_s,
+        metavar="S",
+        help="longest steady-state warm-up, and longest window, per level (default: %(default)s)",
     )
     load.add_argument(
         "--cooldown",
@@ -395,6 +423,8 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         duration_s=args.duration,
         max_requests=args.max_requests,
         warmup_s=args.warmup,
+        steady_state=not args.fixed_windows,
+        max_stretch_s=args.max_stretch,
         cooldown_s=args.cooldown,
         prompt_words=args.prompt_words,
         output_tokens=args.output_tokens,

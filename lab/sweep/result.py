@@ -91,7 +91,8 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
     ("TTFT p50", "{:>8}"),
     ("TTFT p99", "{:>8}"),
     ("e2e p50", "{:>7}"),
-    ("e2e p99", "{:>7}"),
+    ("e2e p99", "{:>8}"),
+    ("warm+window", "{:>11}"),
 )
 
 
@@ -121,7 +122,8 @@ def format_table(result: SweepResult) -> str:
             _seconds(lv.ttft_p50_s),
             _seconds(lv.ttft_p99_s),
             _seconds(lv.e2e_p50_s),
-            _seconds(lv.e2e_p99_s),
+            (">" if lv.e2e_p99_truncated else "") + _seconds(lv.e2e_p99_s),
+            f"{lv.warmup_s:.0f}+{lv.duration_s:.0f}s",
         )
         lines.append(
             "  ".join(fmt.format(cell) for (_, fmt), cell in zip(_COLUMNS, cells, strict=True))
@@ -133,6 +135,11 @@ def format_table(result: SweepResult) -> str:
                     f"concurrency {lv.concurrency}: requests per server "
                     + ", ".join(str(n) for n in lv.requests_per_target)
                 )
+    if any(lv.e2e_p99_truncated for lv in result.levels):
+        lines.append(
+            "e2e p99 marked '>' is a lower bound: requests older than it were still in "
+            "flight at the window's end (lengthen --duration; --fixed-windows cuts levels short)"
+        )
     kinds = sorted({k for lv in result.levels for k in lv.errors})
     if kinds:
         lines.append(

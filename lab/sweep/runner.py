@@ -2,13 +2,25 @@
 
 For a level of concurrency ``c``, ``c`` client tasks start together; each sends a
 streaming completion, waits for it to finish, and sends the next, so ``c`` requests
-are in flight at all times (closed loop). A level lasts ``warmup_s + duration_s``:
-the warm-up absorbs the synchronised start, the following ``duration_s`` are the
-measurement window. At the window's end the clients stop and the requests still in
-flight are **cancelled** (their connections closed, so the server aborts them),
-rather than awaited: the next level then starts on an idle server, and a level
-takes a fixed time however long its tail latency. Their tokens streamed inside
-the window are counted, so throughput is not biased (:mod:`kvscope.lab.sweep.stats`).
+are in flight at all times (closed loop). A level is a warm-up, which absorbs the
+synchronised start, then a measurement window.
+
+The clients start together, so their first requests reach the server as one wave; a
+server that holds only a few of them at a time serves the wave over a whole cycle of
+the loop (the time a request spends in it, ``concurrency`` over the requests it
+finishes per second: half a minute for 32 clients of 512-token outputs on a
+KV-starved engine). By default (``steady_state``) a level is therefore stretched: the
+warm-up lasts at least ``warmup_s`` and until every client's first request has
+returned, and the window at least ``duration_s`` and at least one cycle, as the
+warm-up measured it (each at most ``max_stretch_s``). With ``steady_state`` off, or
+``max_requests``, a level lasts exactly ``warmup_s + duration_s``.
+
+At the window's end the clients stop and the requests still in flight are
+**cancelled** (their connections closed, so the server aborts them), rather than
+awaited: the next level then starts on an idle server, and a level takes a bounded
+time however long its tail latency. Their tokens streamed inside the window are
+counted, so throughput is not biased (:mod:`kvscope.lab.sweep.stats`); a latency
+percentile the cancelled requests would have raised is marked as a lower bound.
 A pause of ``cooldown_s`` lets the server drop the aborted requests before the
 next level.
 
@@ -19,9 +31,12 @@ next one, so a dead server does not turn into a hot loop of errors.
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -92,6 +107,19 @@ async def first_model(session: aiohttp.ClientSession, base: str) -> str:
         raise SweepError(f"cannot list models at {base}/models: {exc!r}") from exc
 
 
+@dataclass
+class _Level:
+    """A level's clock, read by its clients and moved by :func:`_pace_level`."""
+
+    concurrency: int
+    start_s: float
+    window_start_s: float
+    window_end_s: float
+    """``inf`` while a steady-state warm-up still waits for the first requests."""
+    first_back: int = 0
+    """Clients whose first request has returned (answered or failed)."""
+
+
 async def _run_level(
     session: aiohttp.ClientSession,
     config: SweepConfig,
@@ -102,15 +130,21 @@ async def _run_level(
     records: list[RequestRecord] = []
     urls = [f"{api_base(u)}/completions" for u in config.targets]
     router = config.router()
-    level_start_s = time.perf_counter()
-    unix_offset_s = time.time() - level_start_s
-    window_start_s = level_start_s + config.warmup_s
-    window_end_s = window_start_s + config.duration_s
-
+    start_s = time.perf_counter()
+    unix_offset_s = time.time() - start_s
+    window_start_s = start_s + config.warmup_s
+    stretch = config.steady_state and config.max_requests is None
+    level = _Level(
+        concurrency,
+        start_s,
+        window_start_s,
+        math.inf if stretch else window_start_s + config.duration_s,
+    )
     limit = config.max_requests
 
     async def client() -> None:
-        while time.perf_counter() < window_end_s and (limit is None or len(records) < limit):
+        first = True
+        while time.perf_counter() < level.window_end_s and (limit is None or len(records) < limit):
             spec = next(requests)
             body = completion_body(
                 model=model,
@@ -129,16 +163,19 @@ async def _run_level(
                 )
             finally:
                 router.done(target)
+            if first:
+                first = False
+                level.first_back += 1
             if record.error is not None:
                 await asyncio.sleep(config.error_backoff_s)
 
     tasks = [asyncio.create_task(client(), name=f"sweep-client-{i}") for i in range(concurrency)]
     try:
-        await _wait_with_progress(
-            config, concurrency, records, level_start_s, window_start_s, window_end_s, tasks
-        )
+        await _pace_level(config, level, records, tasks, stretch=stretch)
         # every request of a --max-requests level answered before the window's end
-        window_end_s = max(min(window_end_s, time.perf_counter()), window_start_s + 1e-3)
+        level.window_end_s = max(
+            min(level.window_end_s, time.perf_counter()), level.window_start_s + 1e-3
+        )
     finally:
         for task in tasks:
             task.cancel()
@@ -146,52 +183,99 @@ async def _run_level(
     return summarize_level(
         records,
         concurrency=concurrency,
-        level_start_s=level_start_s,
-        window_start_s=window_start_s,
-        window_end_s=window_end_s,
+        level_start_s=start_s,
+        window_start_s=level.window_start_s,
+        window_end_s=level.window_end_s,
         unix_offset_s=unix_offset_s,
         requests_per_target=list(router.sent) if len(urls) > 1 else None,
     )
 
 
-async def _wait_with_progress(
+def steady_window_s(
+    config: SweepConfig, concurrency: int, warmup_s: float, requests_back: int
+) -> float:
+    """The window of a steady-state level whose warm-up of ``warmup_s`` seconds saw
+    ``requests_back`` requests return: at least ``duration_s``, and at least one cycle
+    of the closed loop (Little's law: ``concurrency`` clients over the requests per
+    second the warm-up measured), at most ``max_stretch_s``."""
+    if requests_back <= 0:
+        return max(config.duration_s, config.max_stretch_s)
+    cycle_s = concurrency * warmup_s / requests_back
+    return max(config.duration_s, min(cycle_s, config.max_stretch_s))
+
+
+async def _pace_level(
     config: SweepConfig,
-    concurrency: int,
+    level: _Level,
     records: list[RequestRecord],
-    level_start_s: float,
-    window_start_s: float,
-    window_end_s: float,
     tasks: list[asyncio.Task[None]],
+    *,
+    stretch: bool,
 ) -> None:
-    """Sleep until ``window_end_s`` or until every client has stopped (all of a
-    ``max_requests`` level answered), updating a time-based tqdm bar if enabled."""
-    if not config.progress:
-        await asyncio.wait(tasks, timeout=max(0.0, window_end_s - time.perf_counter()))
+    """Wait out the level's warm-up and window, or until every client has stopped (all
+    of a ``max_requests`` level answered). A steady-state warm-up ends once every
+    client's first request is back (and ``warmup_s`` has passed), at the latest after
+    ``max_stretch_s``; the window is then sized by :func:`steady_window_s`. Updates a
+    time-based tqdm bar if enabled."""
+    if not stretch and not config.progress:
+        await asyncio.wait(tasks, timeout=max(0.0, level.window_end_s - time.perf_counter()))
         return
+    warmup_limit_s = level.start_s + max(config.warmup_s, config.max_stretch_s)
+    bar = _progress_bar(config, level.concurrency)
+    total_s = config.warmup_s + config.duration_s
+    try:
+        while not all(t.done() for t in tasks):
+            now = time.perf_counter()
+            warm = level.first_back >= level.concurrency or now >= warmup_limit_s
+            if level.window_end_s == math.inf and now >= level.window_start_s and warm:
+                back = sum(1 for r in records if r.end_s is not None)
+                level.window_start_s = now
+                level.window_end_s = now + steady_window_s(
+                    config, level.concurrency, now - level.start_s, back
+                )
+            if now >= level.window_end_s:
+                break
+            if bar is not None:
+                if level.window_end_s < math.inf:
+                    total_s = level.window_end_s - level.start_s
+                else:
+                    total_s = max(total_s, now - level.start_s + config.duration_s)
+                bar.total = round(total_s, 1)
+                bar.n = round(now - level.start_s, 1)
+                bar.set_postfix_str(_live_status(records, level, now), refresh=True)
+            await asyncio.wait(
+                tasks, timeout=min(PROGRESS_INTERVAL_S, max(0.0, level.window_end_s - now))
+            )
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _progress_bar(config: SweepConfig, concurrency: int) -> Any:
+    """A time-based tqdm bar for one level, or ``None`` without ``config.progress``."""
+    if not config.progress:
+        return None
     from tqdm import tqdm
 
-    total_s = window_end_s - level_start_s
-    with tqdm(
-        total=round(total_s, 1),
+    return tqdm(
+        total=round(config.warmup_s + config.duration_s, 1),
         desc=f"concurrency {concurrency:>4}",
         unit="s",
         file=sys.stderr,
         bar_format="{desc} |{bar}| {n:.0f}/{total:.0f} s {postfix}",
         leave=True,
         disable=None,  # only on a terminal: piped, the bar's redraws would garble the log
-    ) as bar:
-        while (now := time.perf_counter()) < window_end_s and not all(t.done() for t in tasks):
-            await asyncio.sleep(min(PROGRESS_INTERVAL_S, window_end_s - now))
-            now = time.perf_counter()
-            bar.n = round(min(now, window_end_s) - level_start_s, 1)
-            bar.set_postfix_str(_live_status(records, window_start_s, now), refresh=True)
+    )
 
 
-def _live_status(records: list[RequestRecord], window_start_s: float, now_s: float) -> str:
+def _live_status(records: list[RequestRecord], level: _Level, now_s: float) -> str:
     """A short status for the progress bar: warm-up, or tokens/s so far in the window."""
     errors = sum(1 for r in records if r.error is not None)
-    if now_s < window_start_s:
+    if level.window_end_s == math.inf:
+        back = min(level.first_back, level.concurrency)
+        return f"warm-up, {back}/{level.concurrency} first requests back, errors {errors}"
+    if now_s < level.window_start_s:
         return f"warm-up, errors {errors}"
-    tokens = sum(n for r in records for t, n in r.token_events if t >= window_start_s)
-    elapsed_s = max(now_s - window_start_s, 1e-9)
+    tokens = sum(n for r in records for t, n in r.token_events if t >= level.window_start_s)
+    elapsed_s = max(now_s - level.window_start_s, 1e-9)
     return f"{tokens / elapsed_s:.0f} out tok/s, errors {errors}"
