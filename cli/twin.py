@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import tempfile
 import time
@@ -44,6 +45,11 @@ examples:
       --collector http://collector:8844 --pool llama-8b
   kvscope twin replay --like gpu-7:8000:0 --source http://collector:8844 --kv-cache-dtype fp8
 """
+
+
+STRETCH_LEVELS = 4.0
+"""A steady-state level's warm-up, and its window, last at most this many
+``--seconds-per-level``."""
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -119,7 +125,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=positive,
         default=60.0,
         metavar="S",
-        help="simulated seconds per level (default: 60)",
+        help="simulated seconds per level, the least with steady-state levels (default: 60)",
+    )
+    s.add_argument(
+        "--fixed-windows",
+        action="store_true",
+        help="levels of exactly --seconds-per-level, measured after their first quarter; by "
+        "default each level is stretched into its steady state: its warm-up lasts until every "
+        "client's first request has returned, its window at least one closed-loop cycle "
+        "(each at most 4 x --seconds-per-level)",
     )
     s.set_defaults(func=run_sweep)
     r = command("replay", "replay arrivals open loop (a trace's times, or Poisson at --rate)")
@@ -402,7 +416,11 @@ def run_sweep(args: argparse.Namespace) -> int:
         shape, cost, requests = _build(args)
     except (TwinConfigError, StreamError, ValueError, OSError, SourceError) as exc:
         return _fail(str(exc))
-    start = time.time() - len(args.levels) * args.seconds_per_level - 60
+    stretch_s = STRETCH_LEVELS * args.seconds_per_level
+    # The simulated steps land in the past: each level takes at most its stretched
+    # warm-up and window, plus the drain of its last requests.
+    level_s = args.seconds_per_level if args.fixed_windows else 2 * stretch_s
+    start = time.time() - len(args.levels) * (level_s + args.seconds_per_level) - 60
     tick, bar = _progress(len(args.levels) * args.seconds_per_level, not args.no_progress)
     with _Collector(args.collector) as col:
         assert col.url is not None
@@ -414,6 +432,8 @@ def run_sweep(args: argparse.Namespace) -> int:
                 requests,
                 args.levels,
                 seconds_per_level=args.seconds_per_level,
+                steady_state=not args.fixed_windows,
+                max_stretch_s=stretch_s,
                 sink=feed,
                 start_unix_s=start,
                 progress=tick,
@@ -511,27 +531,38 @@ def _engine_line(shape: Any, cost: dict[str, Any]) -> str:
     )
 
 
+def _num(value: float, fmt: str, unit: str = "") -> str:
+    """``value`` formatted, or ``-`` when it is not a number (no request to measure)."""
+    return "-" if value is None or not math.isfinite(value) else f"{value:{fmt}}{unit}"
+
+
 def _print_sweep(result: Any, verdict: dict[str, Any] | None) -> None:
     from kvscope.advisor.textplot import throughput_plot
 
     run = result.run
     print(
-        f"twin sweep: {len(result.levels)} levels x {result.seconds_per_level:g} simulated s "
+        f"twin sweep: {len(result.levels)} levels of {result.seconds_per_level:g} simulated s or more "
         f"in {run.wall_s:,.1f} s wall ({run.sim_s / max(run.wall_s, 1e-9):,.0f}x real time)"
     )
     print(_engine_line(result.shape, result.cost))
     head = (
         f"{'conc':>6} {'out tok/s':>10} {'total tok/s':>12} {'running':>8} {'waiting':>8} "
         f"{'KV use':>7} {'preempt/req':>11} {'TTFT p50':>9} {'TTFT p99':>9} {'e2e p50':>8} "
-        f"{'e2e p99':>8}"
+        f"{'e2e p99':>8} {'warm+window':>12}"
     )
     print(head)
     for lv in result.levels:
         print(
             f"{lv.concurrency:>6} {lv.output_tokens_per_s:>10,.0f} {lv.total_tokens_per_s:>12,.0f} "
             f"{lv.mean_running:>8.1f} {lv.mean_waiting:>8.1f} {lv.kv_usage_mean:>7.0%} "
-            f"{lv.preemptions_per_request:>11.2f} {lv.ttft_p50_s:>8.2f}s {lv.ttft_p99_s:>8.2f}s "
-            f"{lv.e2e_p50_s:>7.1f}s {lv.e2e_p99_s:>7.1f}s"
+            f"{_num(lv.preemptions_per_request, '.2f'):>11} {_num(lv.ttft_p50_s, '.2f', 's'):>9} "
+            f"{_num(lv.ttft_p99_s, '.2f', 's'):>9} {_num(lv.e2e_p50_s, '.1f', 's'):>8} "
+            f"{_num(lv.e2e_p99_s, '.1f', 's'):>8} {f'{lv.warmup_s:.0f}+{lv.window_s:.0f}s':>12}"
+        )
+    if any(lv.finished == 0 for lv in result.levels):
+        print(
+            "-: no request finished inside that level's window (the window is shorter than a "
+            "request's time in the engine; drop --fixed-windows or raise --seconds-per-level)"
         )
     knee = verdict.get("knee_concurrency") if verdict else None
     cap = verdict.get("recommended_concurrency_cap") if verdict else None

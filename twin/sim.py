@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -398,6 +399,10 @@ class _Driver:
         self.wall0 = time.perf_counter()
         self.next_progress = self.t0
         self.phase_starts: list[float] = []
+        self.phase_windows: list[tuple[float, float]] = []
+        """Per phase, its measurement window: a steady-state loop's (from its warm-up's
+        end to when its clients stop sending), a timed loop's (from its start to its
+        stop), else the whole phase."""
         self.unsent = 0
         self.stopped = False
 
@@ -420,10 +425,16 @@ class _Driver:
         backlog: Any = iter(())
         think = 0.0
         stop_at = float("inf")
+        steady: ClosedLoop | None = None
+        window_start = start
+        back: set[int] = set()  # clients whose first request has returned
+        returned = 0  # requests returned in this phase
         if isinstance(stream, ClosedLoop):
             backlog = iter(stream.requests)
             think = stream.think_s
-            if stream.duration_s is not None:
+            if stream.steady_state:
+                steady = stream
+            elif stream.duration_s is not None:
                 stop_at = start + stream.duration_s
             for client0 in range(stream.concurrency):
                 nxt = next(backlog, None)
@@ -440,41 +451,73 @@ class _Driver:
                     )
                 heapq.heappush(arrivals, (start + req.arrival_s, next(self.counter), req, None))
 
+        def warmed(now: float) -> None:
+            """End a steady-state warm-up at ``now``: the window is set from it."""
+            nonlocal stop_at, window_start, steady
+            assert steady is not None and steady.duration_s is not None
+            elapsed = max(now - start, 1e-9)
+            cycle = steady.concurrency * elapsed / returned if returned else math.inf
+            window_start = now
+            stop_at = now + max(steady.duration_s, min(cycle, steady.max_stretch_s))
+            steady = None
+
         def next_for(sender: int, now: float) -> None:
+            nonlocal returned
+            returned += 1
+            back.add(sender)
+            if (
+                steady is not None
+                and now >= start + steady.warmup_s
+                and (len(back) >= steady.concurrency or now >= warm_limit)
+            ):
+                warmed(now)
             if now + think >= stop_at:
                 return
             nxt = next(backlog, None)
             if nxt is not None:
                 heapq.heappush(arrivals, (now + think, next(self.counter), nxt, sender))
 
-        while True:
-            busy = [e for e in self.engines if e.busy]
-            first = min(busy, key=lambda e: e.t) if busy else None
-            t_step = first.t if first is not None else float("inf")
-            if arrivals and arrivals[0][0] <= t_step:
-                at, n, req, client = heapq.heappop(arrivals)
-                self.now = max(self.now, at)
-                if not self._route(req).add(f"r{n}", req, at, client) and client is not None:
-                    next_for(client, at)
-                continue
-            if first is None:
-                return  # nothing in flight and nothing to arrive: the phase is over
-            self.now = max(self.now, first.t)
-            if self.deadline is not None and first.t >= self.deadline:
-                self.unsent += len(arrivals) + sum(1 for _ in backlog)
-                self.stopped = True
-                return
-            for done in first.step():
-                next_for(done, first.t)
-            progress = self.pool.progress
-            if progress is not None and first.t >= self.next_progress:
-                progress(first.t - self.t0)
-                self.next_progress = first.t + 1.0
+        warm_limit = (
+            start + max(steady.warmup_s, steady.max_stretch_s) if steady is not None else 0.0
+        )
+        try:
+            while True:
+                busy = [e for e in self.engines if e.busy]
+                first = min(busy, key=lambda e: e.t) if busy else None
+                t_step = first.t if first is not None else float("inf")
+                if steady is not None and first is not None and first.t >= warm_limit:
+                    warmed(first.t)  # the first wave not all back within the stretch limit
+                if arrivals and arrivals[0][0] <= t_step:
+                    at, n, req, client = heapq.heappop(arrivals)
+                    self.now = max(self.now, at)
+                    if not self._route(req).add(f"r{n}", req, at, client) and client is not None:
+                        next_for(client, at)
+                    continue
+                if first is None:
+                    return  # nothing in flight and nothing to arrive: the phase is over
+                self.now = max(self.now, first.t)
+                if self.deadline is not None and first.t >= self.deadline:
+                    self.unsent += len(arrivals) + sum(1 for _ in backlog)
+                    self.stopped = True
+                    return
+                for done in first.step():
+                    next_for(done, first.t)
+                progress = self.pool.progress
+                if progress is not None and first.t >= self.next_progress:
+                    progress(first.t - self.t0)
+                    self.next_progress = first.t + 1.0
+        finally:
+            end = stop_at if stop_at < float("inf") else self.now
+            self.phase_windows.append((window_start, max(end, window_start)))
 
     def finish(self) -> list[TwinResult]:
         end = max([self.now, *(e.t for e in self.engines)])
         wall = time.perf_counter() - self.wall0
-        extra = {"phase_starts": self.phase_starts, "unsent": self.unsent}
+        extra = {
+            "phase_starts": self.phase_starts,
+            "phase_windows": self.phase_windows,
+            "unsent": self.unsent,
+        }
         results = [e.result(self.t0, end, wall, extra) for e in self.engines]
         if self.unsent and results:
             results[0].unfinished += self.unsent

@@ -88,6 +88,17 @@ class ClosedLoop:
     duration_s: float | None = None
     """Clients send no new request after this many seconds (the phase then drains);
     None sends every request."""
+    steady_state: bool = False
+    """With ``duration_s``: count it from the end of a warm-up that lasts until every
+    client's first request has returned (and ``warmup_s`` has passed), and make it at
+    least one cycle of the loop as the warm-up measured it (``concurrency`` over the
+    requests per second it finished); each at most ``max_stretch_s``. The clients start
+    together, so their first requests are served as one wave; this measures the load
+    after it. The driver records each phase's window (``phase_windows``)."""
+    warmup_s: float = 0.0
+    """The least warm-up of a ``steady_state`` loop."""
+    max_stretch_s: float = 3600.0
+    """The longest warm-up, and the longest window, of a ``steady_state`` loop."""
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -96,6 +107,10 @@ class ClosedLoop:
             raise StreamError("a closed loop needs requests to send")
         if self.duration_s is not None and not self.duration_s > 0:
             raise StreamError(f"a closed loop's duration must be positive (got {self.duration_s})")
+        if self.steady_state and self.duration_s is None:
+            raise StreamError("a steady-state closed loop needs a duration (its least window)")
+        if self.warmup_s < 0 or not self.max_stretch_s > 0:
+            raise StreamError("a closed loop's warm-up must be >= 0 and its stretch limit > 0")
 
 
 def from_trace(

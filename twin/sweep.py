@@ -2,7 +2,13 @@
 
 :func:`sweep` runs closed-loop levels one after another on one twin (as a benchmark
 client raising ``--max-concurrency`` would), and summarises each level over its steady
-part (after ``warmup_share`` of the level, before its clients stop). With a
+part. By default (``steady_state``) a level's warm-up lasts at least ``warmup_share`` of
+``seconds_per_level`` and until every client's first request has returned, and its
+window at least the rest of ``seconds_per_level`` and at least one cycle of the loop
+(:class:`~kvscope.twin.streams.ClosedLoop`): the clients start together, and a level
+shorter than a request's time in the engine would measure their first wave (on a GPU,
+outputs of 1,000 tokens at 30 ms a step spend 30 s decoding alone). Without it, a level
+is exactly ``seconds_per_level``, measured after ``warmup_share`` of it. With a
 ``feed_url`` every step also goes through the real plugin into that collector, and
 :func:`advise` then reads it back with the advisor, exactly as for a real engine: the
 knee, plateau, bottleneck and cap of a configuration nobody has started.
@@ -41,6 +47,10 @@ class SweepLevel:
     e2e_p50_s: float
     e2e_p99_s: float
     finished: int
+    warmup_s: float = math.nan
+    """Simulated seconds from the level's start to its window."""
+    window_s: float = math.nan
+    """Simulated seconds of the window the level is summarised over."""
 
 
 @dataclass
@@ -89,25 +99,44 @@ def sweep(
     *,
     seconds_per_level: float = 60.0,
     warmup_share: float = 0.25,
+    steady_state: bool = True,
+    max_stretch_s: float = 3600.0,
     sink: Sink | None = None,
     start_unix_s: float | None = None,
     progress: Callable[[float], None] | None = None,
 ) -> SweepResult:
-    """Run each concurrency of ``levels`` for ``seconds_per_level`` simulated seconds."""
+    """Run each concurrency of ``levels`` for ``seconds_per_level`` simulated seconds, or
+    longer with ``steady_state`` (module docstring; warm-up and window each at most
+    ``max_stretch_s``)."""
     if not levels or min(levels) < 1:
         raise StreamError(f"levels must be positive concurrencies (got {list(levels)})")
     if not seconds_per_level > 0:
         raise StreamError(f"seconds_per_level must be positive (got {seconds_per_level})")
     twin = Twin(shape, cost, sink=sink, start_unix_s=start_unix_s, progress=progress)
     source = endless(requests)
-    phases = [ClosedLoop(source, int(c), duration_s=seconds_per_level) for c in levels]
+    warmup_s = warmup_share * seconds_per_level
+    if steady_state:
+        phases = [
+            ClosedLoop(
+                source,
+                int(c),
+                duration_s=seconds_per_level - warmup_s,
+                steady_state=True,
+                warmup_s=warmup_s,
+                max_stretch_s=max_stretch_s,
+            )
+            for c in levels
+        ]
+    else:
+        phases = [ClosedLoop(source, int(c), duration_s=seconds_per_level) for c in levels]
     run = twin.run(*phases)
     starts = run.extra["phase_starts"]
+    windows = run.extra["phase_windows"]
     out = []
-    for c, start in zip(levels, starts, strict=True):
-        a = start + warmup_share * seconds_per_level
-        b = start + seconds_per_level
-        out.append(_level(run, int(c), a, b))
+    for c, start, (a, b) in zip(levels, starts, windows, strict=True):
+        if not steady_state:
+            a, b = start + warmup_s, start + seconds_per_level
+        out.append(replace(_level(run, int(c), a, b), warmup_s=a - start, window_s=b - a))
     return SweepResult(shape, cost.describe(), out, run, seconds_per_level)
 
 

@@ -23,6 +23,7 @@ from kvscope.twin.streams import (
     synthetic,
     with_poisson_arrivals,
 )
+from kvscope.twin.sweep import sweep
 
 MODEL = model_shape("llama-3.1-8b")
 COST = LinearStepCost(0.010, 0.001, 1e-5)
@@ -142,6 +143,31 @@ def test_phases_run_on_one_engine_in_order() -> None:
     s = r.steps
     assert s.loc[s["t_end"] < second, "running"].max() == 2
     assert s.loc[s["t_end"] > second + 1, "running"].max() == 8
+
+
+def test_a_steady_state_sweep_level_measures_the_queue_a_fixed_one_cuts_off() -> None:
+    """Sixteen clients on an engine that runs four sequences at a time (max_num_seqs 4),
+    200 output tokens each. A step of four costs 10 ms + 4 x 1 ms, so a request is
+    served in 200 x 14 ms = 2.8 s, and in steady state each waits for three services
+    before its own: e2e 16 / 4 x 2.8 = 11.2 s. The clients start together, so the first
+    wave is served over those 11.2 s: a fixed 6-second level (measured after 1.5 s) sees
+    only the wave's first two rounds (2.8 and 5.6 s)."""
+    cost = LinearStepCost(0.010, 0.001, 0.0)
+    shape = _shape(max_num_seqs=4)
+    reqs = _same(64, 16, 200)
+    service_s = 200 * (0.010 + 4 * 0.001)
+    truth_s = 16 / 4 * service_s
+    (fixed,) = sweep(shape, cost, reqs, [16], seconds_per_level=6.0, steady_state=False).levels
+    (steady,) = sweep(shape, cost, reqs, [16], seconds_per_level=6.0).levels
+    assert fixed.window_s == pytest.approx(4.5) and fixed.e2e_p99_s < 0.55 * truth_s
+    # the warm-up waited for the whole first wave; the window lasts a cycle
+    assert steady.warmup_s == pytest.approx(truth_s, rel=0.05)
+    assert steady.window_s == pytest.approx(truth_s, rel=0.05)
+    assert steady.e2e_p50_s == pytest.approx(truth_s, rel=0.05)
+    assert steady.e2e_p99_s == pytest.approx(truth_s, rel=0.05)
+    assert steady.output_tokens_per_s == pytest.approx(4 / 0.014, rel=0.05)
+    with pytest.raises(StreamError, match="needs a duration"):
+        ClosedLoop(reqs, 4, steady_state=True)
 
 
 def test_bad_streams_and_shapes_say_what_to_change() -> None:
