@@ -169,10 +169,19 @@ def _closed(
 ) -> _Run:
     from kvscope.twin.sweep import endless
 
-    res = Twin(shape, cost, start_unix_s=1e9).run(
-        ClosedLoop(endless(reqs), load, duration_s=seconds)
+    # In steady state (ClosedLoop.steady_state): the clients start together, and at an
+    # engine's top load a request can spend longer in it than a fixed window.
+    loop = ClosedLoop(
+        endless(reqs),
+        load,
+        duration_s=0.75 * seconds,
+        steady_state=True,
+        warmup_s=0.25 * seconds,
+        max_stretch_s=4 * seconds,
     )
-    return _steady(res, 1e9 + 0.25 * seconds, 1e9 + seconds)
+    res = Twin(shape, cost, start_unix_s=1e9).run(loop)
+    a, b = res.extra["phase_windows"][0]
+    return _steady(res, a, b)
 
 
 def _steady(res: TwinResult, a: float, b: float) -> _Run:
