@@ -258,6 +258,30 @@ def test_summarize_level_counts_only_the_window() -> None:
     assert lv.mean_in_flight == pytest.approx(1.05)
 
 
+def test_a_p99_the_window_cut_off_is_marked_as_a_lower_bound() -> None:
+    """Window [10, 20). Completed requests took 2 s each; requests cancelled at 20 that
+    had been in flight 5 s (longer than every completed one) show the tail was longer
+    than the window saw, once there are two of them (one may be chance)."""
+    done = [record(10.0 + i, [11.0 + i], 12.0 + i) for i in range(8)]  # e2e 2 s
+
+    def level(older: int, younger: int) -> bool:
+        cancelled = [record(15.0, [16.0], None) for _ in range(older)]  # 5 s old at 20
+        cancelled += [record(19.0, [], None) for _ in range(younger)]  # 1 s old
+        lv = summarize_level(
+            done + cancelled,
+            concurrency=10,
+            level_start_s=0.0,
+            window_start_s=10.0,
+            window_end_s=20.0,
+        )
+        assert lv.e2e_p99_s == pytest.approx(2.0)
+        return lv.e2e_p99_truncated
+
+    assert level(older=2, younger=0)
+    assert not level(older=1, younger=0)
+    assert not level(older=0, younger=5)  # young requests say nothing of the tail
+
+
 def test_summarize_level_falls_back_to_estimated_prompt_tokens() -> None:
     rec = RequestRecord(start_s=0.5, max_tokens=1, est_prompt_tokens=42)
     rec.add_tokens(1.0, 1)
