@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 from _fleet import dump_json
 
@@ -84,6 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--json", default=None, metavar="FILE", help="write the rows here")
+    parser.add_argument(
+        "--log",
+        default=str(Path(tempfile.gettempdir()) / "kvscope-steady-state-vllm.log"),
+        metavar="FILE",
+        help="the vLLM server's log (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
 
     model = build_model(default_model_dir("mid"), "mid")
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         num_gpu_blocks=args.num_gpu_blocks,
         block_size=32,
         max_num_seqs=256,
-        log_path="vllm-steady-state.log",
+        log_path=args.log,
     ) as server:
         print(f"vLLM at {server.url}, {args.num_gpu_blocks} KV blocks", file=sys.stderr)
         warm = config(server.url, concurrency=[4], output_tokens=(64, 64), steady_state=False)
