@@ -281,6 +281,18 @@ def test_a_p99_the_window_cut_off_is_marked_as_a_lower_bound() -> None:
     assert not level(older=1, younger=0)
     assert not level(older=0, younger=5)  # young requests say nothing of the tail
 
+    # TTFT: the completed requests waited 1 s for their first token; two requests still
+    # waiting for theirs at 20, for 3 s, cut its P99 off; two that got theirs do not.
+    waiting = [record(17.0, [], None) for _ in range(2)]
+    served = [record(17.0, [17.5], None) for _ in range(2)]
+    for extra, cut in ((waiting, True), (served, False)):
+        lv = summarize_level(
+            done + extra, concurrency=10, level_start_s=0.0, window_start_s=10.0, window_end_s=20.0
+        )
+        assert lv.ttft_p99_s == pytest.approx(1.0)
+        assert lv.ttft_p99_truncated is cut
+        assert lv.e2e_p99_truncated  # both kinds are 3 s in flight: past the 2 s e2e P99
+
 
 def test_summarize_level_falls_back_to_estimated_prompt_tokens() -> None:
     rec = RequestRecord(start_s=0.5, max_tokens=1, est_prompt_tokens=42)

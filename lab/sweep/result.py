@@ -89,7 +89,7 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
     ("total tok/s", "{:>11}"),
     ("req/s", "{:>6}"),
     ("TTFT p50", "{:>8}"),
-    ("TTFT p99", "{:>8}"),
+    ("TTFT p99", "{:>9}"),
     ("e2e p50", "{:>7}"),
     ("e2e p99", "{:>8}"),
     ("warm+window", "{:>11}"),
@@ -120,7 +120,7 @@ def format_table(result: SweepResult) -> str:
             f"{lv.total_tokens_per_s:.0f}",
             f"{lv.requests_per_s:.2f}",
             _seconds(lv.ttft_p50_s),
-            _seconds(lv.ttft_p99_s),
+            (">" if lv.ttft_p99_truncated else "") + _seconds(lv.ttft_p99_s),
             _seconds(lv.e2e_p50_s),
             (">" if lv.e2e_p99_truncated else "") + _seconds(lv.e2e_p99_s),
             f"{lv.warmup_s:.0f}+{lv.duration_s:.0f}s",
@@ -135,10 +135,10 @@ def format_table(result: SweepResult) -> str:
                     f"concurrency {lv.concurrency}: requests per server "
                     + ", ".join(str(n) for n in lv.requests_per_target)
                 )
-    if any(lv.e2e_p99_truncated for lv in result.levels):
+    if any(lv.e2e_p99_truncated or lv.ttft_p99_truncated for lv in result.levels):
         lines.append(
-            "e2e p99 marked '>' is a lower bound: requests older than it were still in "
-            "flight at the window's end (lengthen --duration; --fixed-windows cuts levels short)"
+            "a p99 marked '>' is a lower bound: requests older than it were still waiting "
+            "at the window's end (lengthen --duration; --fixed-windows cuts levels short)"
         )
     kinds = sorted({k for lv in result.levels for k in lv.errors})
     if kinds:

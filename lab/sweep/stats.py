@@ -21,7 +21,8 @@ the load generator cancels the requests still in flight. The summary counts:
   older than it
   (the window was shorter than the tail; in steady state a request older than the
   P99 is rare: about 1% of those finishing times the P99's excess over the window).
-- **TTFT** percentiles: over requests whose first token arrived inside the window.
+- **TTFT** percentiles: over requests whose first token arrived inside the window;
+  ``ttft_p99_truncated`` likewise, for the requests cancelled before their first token.
 - **errors**: every failed request of the level (warm-up included), by kind.
 - **mean in-flight**: the time-average, over the window, of the requests the
   client had outstanding (close to the concurrency unless errors or gaps).
@@ -91,6 +92,9 @@ class LevelResult:
     window_end_unix_s: float = 0.0
     requests_per_target: list[int] | None = None
     """Requests sent to each server (in ``--url`` order) when there are several."""
+    ttft_p99_truncated: bool = False
+    """The TTFT P99 is a lower bound: as for the e2e P99, with the requests cancelled
+    before their first token."""
     e2e_p99_truncated: bool = False
     """The e2e P99 is a lower bound: more than one of the requests cancelled at the
     window's end, and more than 1% as many as completed, were already older (see the
@@ -148,6 +152,7 @@ def summarize_level(
     busy_s = 0.0
     completed = cancelled = 0
     cancelled_ages: list[float] = []
+    unserved_ages: list[float] = []  # cancelled before their first token
     for rec in records:
         output_tokens += sum(n for t, n in rec.token_events if inside(t))
         if rec.first_token_s is not None and inside(rec.first_token_s):
@@ -160,13 +165,15 @@ def summarize_level(
         elif rec.end_s is None or rec.end_s >= window_end_s:
             cancelled += 1
             cancelled_ages.append(window_end_s - rec.start_s)
+            if rec.first_token_s is None or rec.first_token_s >= window_end_s:
+                unserved_ages.append(window_end_s - rec.start_s)
         elif rec.end_s >= window_start_s:
             completed += 1
             e2es.append(rec.end_s - rec.start_s)
         end = window_end_s if rec.end_s is None else rec.end_s
         busy_s += max(0.0, min(end, window_end_s) - max(rec.start_s, window_start_s))
     e2e_p99 = percentile(e2es, 99)
-    older = sum(1 for age in cancelled_ages if e2e_p99 is not None and age > e2e_p99)
+    ttft_p99 = percentile(ttfts, 99)
     return LevelResult(
         concurrency=concurrency,
         duration_s=duration_s,
@@ -181,12 +188,23 @@ def summarize_level(
         total_tokens_per_s=(output_tokens + prompt_tokens) / duration_s,
         requests_per_s=completed / duration_s,
         ttft_p50_s=percentile(ttfts, 50),
-        ttft_p99_s=percentile(ttfts, 99),
+        ttft_p99_s=ttft_p99,
         e2e_p50_s=percentile(e2es, 50),
         e2e_p99_s=e2e_p99,
         mean_in_flight=busy_s / duration_s,
         window_start_unix_s=window_start_s + unix_offset_s,
         window_end_unix_s=window_end_s + unix_offset_s,
         requests_per_target=requests_per_target,
-        e2e_p99_truncated=older > max(1.0, 0.01 * completed),
+        ttft_p99_truncated=_cut_off(unserved_ages, ttft_p99, len(ttfts)),
+        e2e_p99_truncated=_cut_off(cancelled_ages, e2e_p99, completed),
     )
+
+
+def _cut_off(ages: Sequence[float], p99: float | None, measured: int) -> bool:
+    """Whether a P99 over ``measured`` requests is only a lower bound: more than one of
+    the requests cut off at the window's end (aged ``ages`` then), and more than 1% as
+    many as were measured, were already older than it."""
+    if p99 is None:
+        return False
+    older = sum(1 for age in ages if age > p99)
+    return older > max(1.0, 0.01 * measured)
