@@ -38,7 +38,7 @@ from pathlib import Path
 
 from _fleet import dump_json
 
-from kvscope.lab.engine import VllmServer, build_model, default_model_dir
+from kvscope.lab.engine import VllmServer, build_model, default_model_dir, parse_prometheus_text
 from kvscope.lab.sweep import SweepConfig, run_sweep
 from kvscope.lab.sweep.stats import LevelResult
 
@@ -61,12 +61,9 @@ class Row:
 
 def e2e_sum_count(metrics_text: str) -> tuple[float, float]:
     """``(sum, count)`` of vLLM's e2e latency histogram, over all its label sets."""
-    total = count = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith(f"{E2E_HISTOGRAM}_sum"):
-            total += float(line.rsplit(" ", 1)[1])
-        elif line.startswith(f"{E2E_HISTOGRAM}_count"):
-            count += float(line.rsplit(" ", 1)[1])
+    samples = parse_prometheus_text(metrics_text).items()
+    total = sum(v for (name, _), v in samples if name == f"{E2E_HISTOGRAM}_sum")
+    count = sum(v for (name, _), v in samples if name == f"{E2E_HISTOGRAM}_count")
     return total, count
 
 

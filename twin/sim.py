@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -34,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 import pandas as pd
 
+from kvscope.lab.sweep.stats import steady_window_s
 from kvscope.twin.shape import EngineShape, TwinConfigError, build_scheduler, build_vllm_config
 from kvscope.twin.steptime import StepCost, StepLoad
 from kvscope.twin.streams import ClosedLoop, StreamError, TwinRequest
@@ -455,10 +455,10 @@ class _Driver:
             """End a steady-state warm-up at ``now``: the window is set from it."""
             nonlocal stop_at, window_start, steady
             assert steady is not None and steady.duration_s is not None
-            elapsed = max(now - start, 1e-9)
-            cycle = steady.concurrency * elapsed / returned if returned else math.inf
             window_start = now
-            stop_at = now + max(steady.duration_s, min(cycle, steady.max_stretch_s))
+            stop_at = now + steady_window_s(
+                steady.concurrency, now - start, returned, steady.duration_s, steady.max_stretch_s
+            )
             steady = None
 
         def next_for(sender: int, now: float) -> None:

@@ -44,7 +44,7 @@ from kvscope.lab.sweep.client import completion_body, stream_completion
 from kvscope.lab.sweep.config import SweepConfig
 from kvscope.lab.sweep.errors import SweepError
 from kvscope.lab.sweep.result import SweepResult
-from kvscope.lab.sweep.stats import LevelResult, RequestRecord, summarize_level
+from kvscope.lab.sweep.stats import LevelResult, RequestRecord, steady_window_s, summarize_level
 from kvscope.lab.sweep.workload import RequestSpec
 
 PROGRESS_INTERVAL_S = 0.25
@@ -191,19 +191,6 @@ async def _run_level(
     )
 
 
-def steady_window_s(
-    config: SweepConfig, concurrency: int, warmup_s: float, requests_back: int
-) -> float:
-    """The window of a steady-state level whose warm-up of ``warmup_s`` seconds saw
-    ``requests_back`` requests return: at least ``duration_s``, and at least one cycle
-    of the closed loop (Little's law: ``concurrency`` clients over the requests per
-    second the warm-up measured), at most ``max_stretch_s``."""
-    if requests_back <= 0:
-        return max(config.duration_s, config.max_stretch_s)
-    cycle_s = concurrency * warmup_s / requests_back
-    return max(config.duration_s, min(cycle_s, config.max_stretch_s))
-
-
 async def _pace_level(
     config: SweepConfig,
     level: _Level,
@@ -231,7 +218,11 @@ async def _pace_level(
                 back = sum(1 for r in records if r.end_s is not None)
                 level.window_start_s = now
                 level.window_end_s = now + steady_window_s(
-                    config, level.concurrency, now - level.start_s, back
+                    level.concurrency,
+                    now - level.start_s,
+                    back,
+                    config.duration_s,
+                    config.max_stretch_s,
                 )
             if now >= level.window_end_s:
                 break

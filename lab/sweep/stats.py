@@ -106,6 +106,24 @@ class LevelResult:
         return sum(self.errors.values())
 
 
+def steady_window_s(
+    concurrency: int,
+    warmup_s: float,
+    returned: int,
+    least_s: float,
+    most_s: float,
+) -> float:
+    """The window of a steady-state closed-loop level whose warm-up of ``warmup_s``
+    seconds saw ``returned`` requests come back: at least ``least_s``, and at least one
+    cycle of the loop (Little's law: ``concurrency`` clients over the requests per
+    second the warm-up measured), at most ``most_s`` (or ``least_s`` if longer).
+    Shared by the load generator and the engine twin's closed loops."""
+    if returned <= 0:
+        return max(least_s, most_s)
+    cycle_s = concurrency * warmup_s / returned
+    return max(least_s, min(cycle_s, most_s))
+
+
 def percentile(values: Sequence[float], q: float) -> float | None:
     """The ``q``-th percentile (0-100) with linear interpolation, as numpy's default.
 
