@@ -558,7 +558,10 @@ class Store:
                 kept_from = -math.inf
             until_unix_s = kept_from if until_unix_s is None else min(until_unix_s, kept_from)
             if since_unix_s is not None and until_unix_s <= since_unix_s:
-                until_unix_s = since_unix_s
+                # Nothing of the range was deleted: no minute (the read takes the minutes
+                # overlapping the range, so an end at a start inside a minute would still
+                # return that minute, whose requests are kept as rows).
+                since_unix_s = until_unix_s = math.floor(since_unix_s / 60.0) * 60.0
         if until_unix_s is not None and not math.isfinite(until_unix_s):
             until_unix_s = -1.0
         return _reads.request_minutes(

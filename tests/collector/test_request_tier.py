@@ -232,6 +232,41 @@ def test_slo_attainment_over_30_days_reads_the_tier_past_the_request_retention(
         offline.close()
 
 
+def test_a_range_whose_requests_are_all_kept_reads_no_tier_rows(
+    make_collector: Any, store_path: str
+) -> None:
+    """Nothing of the range was deleted: the sources return the request rows alone, also
+    for a range starting inside a rolled-up minute (its requests once came back twice, as
+    rows and as rows standing for the tier's, and every request's latency was then read
+    as estimated from histograms)."""
+    from kvscope.report.sources import StoreSource, open_store
+
+    rng = np.random.default_rng(5)
+    start = math.floor(time.time() / 60) * 60 - 900  # minutes long rolled up
+    finished = np.sort(rng.uniform(start, start + 300, 200))
+    lc = make_collector(retention_interval_s=0.2, request_retention_s=15 * DAY)
+    src = CollectorSource(lc.url)
+    r = _random_requests(rng, finished)
+    assert post_batch(lc.url, batch(seq=0, with_hello=True, requests=r))[0] == 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if src.request_minutes(start - 60, start + 360)["n_requests"].sum() == 200:
+            break
+        time.sleep(0.2)
+    since, until = start + 90.5, start + 250.0  # inside a minute, and another
+    want = int(((finished >= since) & (finished < until)).sum())
+    got = src.requests(since, until)
+    assert len(got) == want
+    assert "weight" not in got and "estimated" not in got
+    lc.stop()
+    offline = StoreSource(open_store(store_path))
+    try:
+        got = offline.requests(since, until)
+        assert len(got) == want and "weight" not in got
+    finally:
+        offline.close()
+
+
 def test_the_tier_endpoint_checks_its_parameters(make_collector: Any) -> None:
     from _collector_helpers import get_json
 
