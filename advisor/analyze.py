@@ -293,6 +293,16 @@ def _coverage(
     }
 
 
+def _kv_tokens(cfg: dict[str, Any]) -> float | None:
+    """Tokens the engine's KV cache holds (``num_gpu_blocks x block_size``), None when
+    its hello did not say."""
+    try:
+        tokens = float(cfg.get("num_gpu_blocks")) * float(cfg.get("block_size"))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return tokens if math.isfinite(tokens) and tokens > 0 else None
+
+
 def _isnan(v: Any) -> bool:
     return isinstance(v, float) and math.isnan(v)
 
@@ -325,7 +335,7 @@ def _engine(
     report.findings.append(curve.finding(scope))
     steps: StepTimeModel | None = None
     try:
-        steps = StepTimeModel().fit(w)
+        steps = StepTimeModel().fit(w, kv_tokens=_kv_tokens(cfg))
     except NotEnoughData:
         steps = None
     bn = BottleneckClassifier().fit(curve, cfg, r if len(r) else None, steps)
@@ -440,10 +450,11 @@ def _config_recommendations(
         cur = kv.max_num_seqs_
         new = int(max(cur + 1, min(0.9 * kv.kv_batch_, math.ceil(kv.max_load_))))
         eff = min(new, kv.kv_batch_, kv.max_load_)
-        plateau = float(steps.tokens_per_s(eff, kv.prompt_ratio_))
+        f = kv.footprint_tokens_
+        plateau = float(steps.tokens_per_s(eff, kv.prompt_ratio_, f))
         gain = plateau / base - 1.0 if base > 0 else 0.0
-        step_now = float(steps.step_s(cur, kv.prompt_ratio_ * cur)) * 1e3
-        step_new = float(steps.step_s(eff, kv.prompt_ratio_ * eff)) * 1e3
+        step_now = float(steps.step_s(cur, kv.prompt_ratio_ * cur, f)) * 1e3
+        step_new = float(steps.step_s(eff, kv.prompt_ratio_ * eff, f)) * 1e3
         out.append(
             Recommendation(
                 kind="raise_max_num_seqs",

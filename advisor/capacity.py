@@ -27,7 +27,9 @@ Algorithm
   ``L`` is the highest load observed: nothing admits more sequences than are in
   flight. Predictions are therefore "at the load this engine already sees".
 * **Plateau** = the :class:`~kvscope.advisor.steptime.StepTimeModel` throughput at the
-  effective batch, with the prompt-to-generation ratio of the requests, less the
+  effective batch, with the prompt-to-generation ratio of the requests and each
+  sequence holding the footprint (so a batch twice the size reads twice the KV tokens
+  per step, at the step-time model's cost per KV token), less the
   share of time spent recomputing preempted requests at the observed preemption
   rate (only while the cache is the limit). This is set against the observed
   plateau (:class:`~kvscope.advisor.curve.ThroughputCurve`).
@@ -189,7 +191,7 @@ class KvCapacityModel:
         return float(min(kv_batch, max_num_seqs, self.max_load_))
 
     def _plateau(self, batch: float) -> float:
-        return float(self.steps_.tokens_per_s(batch, self.prompt_ratio_))
+        return float(self.steps_.tokens_per_s(batch, self.prompt_ratio_, self.footprint_tokens_))
 
     def _variant(
         self,

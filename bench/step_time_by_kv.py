@@ -17,16 +17,36 @@ x block size), and the slope of step time per 1,000 KV tokens at one batch (a li
 through the bins' medians, weighted by their steps, where they span 1,000 tokens or
 more), so whether a decode step's time
 grows with the context it reads, and where, can be read off directly.
+
+``--what-if`` checks the advisor's step-time model against it, per regime of a regimes run
+whose store also holds the engines the advice and the control ran (pools ``NAME-advice``,
+``NAME-control``: the KV regimes' twice the blocks and 4,096 blocks): the model is fitted
+on the regime engine's 1-second windows with the per-KV-token cost
+(:class:`kvscope.advisor.steptime.StepTimeModel` given the cache's size) and without it,
+and each predicts the step time the three engines measured at their top load (their own
+batch, KV tokens per sequence, prompt tokens and preemptions per step). The last column is
+an independent measurement of the per-KV-token cost: the control's 1-second windows at a
+full batch, step time against KV tokens in use. ``--export FILE`` writes those engines'
+windows, configurations and the regime engine's finished requests as a test fixture
+(``tests/fixtures/kv_thrash_more_blocks.json.gz``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import itertools
+import json
+import math
+from pathlib import Path
 
 import duckdb
 import numpy as np
 import pandas as pd
+
+from kvscope.advisor.frames import prepare_windows
+from kvscope.advisor.steptime import StepTimeModel
+from kvscope.report.sources import StoreSource, open_store
 
 MIN_STEPS = 20
 """Fewer decode steps in a cell leave it out (of the table and of the slope)."""
@@ -64,18 +84,139 @@ def slope_ms_per_1k(steps: pd.DataFrame) -> tuple[float, int]:
     return float(slope), len(g)
 
 
+def top_load(windows: pd.DataFrame, kv_tokens: float) -> dict[str, float]:
+    """What an engine measured at its top load (busy seconds within 10% of its highest
+    load): median step time, batch, KV tokens per running sequence and generated tokens/s,
+    computed prompt tokens and preemptions per step."""
+    w = prepare_windows(windows)
+    w = w[(w["busy_ratio"] >= 0.9) & (w["n_steps"] >= 5) & (w["load"] >= 0.9 * w["load"].max())]
+    n = w["n_steps"]
+    computed = (w["prompt_tokens"] - w["prefix_hits"].fillna(0)).clip(lower=0)
+    return {
+        "step_s": float((1.0 / w["steps_per_s"]).median()),
+        "batch": float(w["batch_mean"].median()),
+        "kv_per_seq": float((w["kv_usage_mean"] * kv_tokens / w["batch_mean"]).median()),
+        "prompt_per_step": float((computed / n).median()),
+        "preemptions_per_step": float((w["preemptions"].fillna(0) / n).mean()),
+        "gen_tokens_per_s": float(w["gen_tokens_per_s"].median()),
+        "n_windows": len(w),
+    }
+
+
+def full_batch_slope_ms_per_1k(windows: pd.DataFrame, kv_tokens: float) -> float:
+    """Step time against KV tokens in use over an engine's seconds at its full batch (the
+    largest batch, within half a sequence), ms per 1,000 tokens."""
+    w = prepare_windows(windows)
+    w = w[(w["busy_ratio"] >= 0.9) & (w["n_steps"] >= 5)]
+    w = w[w["batch_mean"] >= w["batch_mean"].max() - 0.5]
+    if len(w) < 10:
+        return math.nan
+    kv = w["kv_usage_mean"] * kv_tokens / 1e3
+    return float(np.polyfit(kv, 1e3 / w["steps_per_s"], 1)[0])
+
+
+def what_if(stores: list[str], pool_like: str, export: str | None) -> int:
+    runs: dict[str, dict[str, object]] = {}
+    for store in stores:
+        runs.update(
+            {f"run {len(runs) + j}": r for j, r in enumerate(_what_if(store, pool_like), 1)}
+        )
+    if export:
+        with gzip.open(Path(export), "wt") as f:
+            json.dump(
+                {"stores": [Path(s).parent.name for s in stores], "runs": runs}, f, default=_plain
+            )
+        print(f"wrote {export}: {len(runs)} run(s)")
+    return 0
+
+
+def _what_if(store: str, pool_like: str) -> list[dict[str, object]]:
+    src = StoreSource(open_store(store))
+    engines = src.engines()
+    pools = set(engines["pool"])
+    runs: list[dict[str, object]] = []
+    print(f"\n{store}\n")
+    print(
+        "| regime | engine | blocks | batch | KV tokens per sequence | step measured | "
+        "predicted with the KV term | without |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for pool in sorted(p for p in pools if pool_like in p):
+        if f"{pool}-advice" not in pools or f"{pool}-control" not in pools:
+            continue
+        cfg = engines[engines["pool"] == pool].iloc[0]
+        w = src.windows(pool=pool)
+        kv_model = StepTimeModel().fit(w, kv_tokens=float(cfg.num_gpu_blocks * cfg.block_size))
+        plain = StepTimeModel().fit(w)
+        for p in (pool, f"{pool}-advice", f"{pool}-control"):
+            e = engines[engines["pool"] == p].iloc[0]
+            t = top_load(src.windows(pool=p), float(e.num_gpu_blocks * e.block_size))
+            pred = [
+                float(m.step_s(t["batch"], t["prompt_per_step"], t["kv_per_seq"]))
+                + m.d_s_ * t["preemptions_per_step"]
+                for m in (kv_model, plain)
+            ]
+            print(
+                f"| {pool} | {p[len(pool) :].lstrip('-') or 'regime'} | {e.num_gpu_blocks:,} | "
+                f"{t['batch']:.1f} | {t['kv_per_seq']:.0f} | {t['step_s'] * 1e3:.2f} ms | "
+                f"{pred[0] * 1e3:.2f} ms ({pred[0] / t['step_s']:.2f}) | "
+                f"{pred[1] * 1e3:.2f} ms ({pred[1] / t['step_s']:.2f}) |"
+            )
+        ctl = engines[engines["pool"] == f"{pool}-control"].iloc[0]
+        slope = full_batch_slope_ms_per_1k(
+            src.windows(pool=f"{pool}-control"), float(ctl.num_gpu_blocks * ctl.block_size)
+        )
+        lo, hi = kv_model.k_interval_s_
+        print(
+            f"\n{pool}: per KV token {kv_model.k_s_ * 1e6:.2f} us (90%: {lo * 1e6:.2f}-"
+            f"{hi * 1e6:.2f}{', not separated: left out' if kv_model.k_s_ == 0 else ''}); "
+            f"the control's full batch measures {slope:.2f} ms per 1,000 KV tokens\n"
+        )
+        runs.append(
+            {
+                p[len(pool) :].lstrip("-") or "regime": {
+                    "engines": engines[engines["pool"] == p].to_dict("records"),
+                    "windows": src.windows(pool=p).to_dict("records"),
+                    **({"requests": src.requests(pool=p).to_dict("records")} if p == pool else {}),
+                }
+                for p in (pool, f"{pool}-advice", f"{pool}-control")
+            }
+        )
+    return runs
+
+
+def _plain(v: object) -> object:
+    """JSON for the values a store's frames hold (NumPy scalars, NaN as null)."""
+    if isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return str(v)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("store", help="a collector's DuckDB store")
+    parser.add_argument("store", nargs="+", help="a collector's DuckDB store (more with --what-if)")
     parser.add_argument("--pool-like", default="", help="only pools whose name contains this")
     parser.add_argument(
         "--batch",
         default="1,2,4,8,12,16,32",
         help="batches to show, comma-separated (default: %(default)s)",
     )
+    parser.add_argument(
+        "--what-if",
+        action="store_true",
+        help="check the step-time model's predictions for the advice's and the control's "
+        "engines against their measured steps (module docstring)",
+    )
+    parser.add_argument("--export", metavar="FILE", help="with --what-if: write a test fixture")
     args = parser.parse_args(argv)
+    if args.what_if:
+        return what_if(args.store, args.pool_like, args.export)
+    if len(args.store) > 1:
+        parser.error("one store at a time without --what-if")
     batches = [int(b) for b in args.batch.split(",")]
-    con = duckdb.connect(args.store, read_only=True)
+    con = duckdb.connect(args.store[0], read_only=True)
     engines = con.execute(
         "SELECT engine_id, pool, num_gpu_blocks, block_size FROM engines "
         "WHERE pool LIKE ? ORDER BY pool",

@@ -78,6 +78,7 @@ def cost_of(report: Report, engine_id: str) -> LinearStepCost | None:
                     float(sm["step_fixed_s"]),
                     float(sm["step_per_seq_s"]),
                     float(sm["step_per_prompt_token_s"]),
+                    float(sm.get("step_per_kv_token_s") or 0.0),
                     source=f"the advisor's fit on {engine_id}'s windows",
                 )
             except (KeyError, TypeError, ValueError):
