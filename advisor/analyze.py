@@ -27,7 +27,7 @@ from kvscope import __version__
 from kvscope.advisor.balance import LoadBalance, upstream
 from kvscope.advisor.bottleneck import BottleneckClassifier
 from kvscope.advisor.cap import ConcurrencyCap
-from kvscope.advisor.capacity import KvCapacityModel, replica_whatif
+from kvscope.advisor.capacity import KvCapacityModel, _f, replica_whatif
 from kvscope.advisor.curve import NotEnoughData, ThroughputCurve
 from kvscope.advisor.findings import (
     GAIN_KINDS,
@@ -296,10 +296,7 @@ def _coverage(
 def _kv_tokens(cfg: dict[str, Any]) -> float | None:
     """Tokens the engine's KV cache holds (``num_gpu_blocks x block_size``), None when
     its hello did not say."""
-    try:
-        tokens = float(cfg.get("num_gpu_blocks")) * float(cfg.get("block_size"))  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
+    tokens = _f(cfg, "num_gpu_blocks") * _f(cfg, "block_size")
     return tokens if math.isfinite(tokens) and tokens > 0 else None
 
 

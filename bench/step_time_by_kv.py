@@ -144,28 +144,32 @@ def _what_if(store: str, pool_like: str) -> list[dict[str, object]]:
     for pool in sorted(p for p in pools if pool_like in p):
         if f"{pool}-advice" not in pools or f"{pool}-control" not in pools:
             continue
-        cfg = engines[engines["pool"] == pool].iloc[0]
-        w = src.windows(pool=pool)
-        kv_model = StepTimeModel().fit(w, kv_tokens=float(cfg.num_gpu_blocks * cfg.block_size))
-        plain = StepTimeModel().fit(w)
-        for p in (pool, f"{pool}-advice", f"{pool}-control"):
+        # Each engine's rows, read once: role -> (pool, engine row, windows, KV tokens).
+        trio = {}
+        for role, p in (
+            ("regime", pool),
+            ("advice", f"{pool}-advice"),
+            ("control", f"{pool}-control"),
+        ):
             e = engines[engines["pool"] == p].iloc[0]
-            t = top_load(src.windows(pool=p), float(e.num_gpu_blocks * e.block_size))
+            trio[role] = (p, e, src.windows(pool=p), float(e.num_gpu_blocks * e.block_size))
+        _, _, w, kv_tokens = trio["regime"]
+        kv_model = StepTimeModel().fit(w, kv_tokens=kv_tokens)
+        plain = StepTimeModel().fit(w)
+        for role, (_, e, ew, ekv) in trio.items():
+            t = top_load(ew, ekv)
             pred = [
                 float(m.step_s(t["batch"], t["prompt_per_step"], t["kv_per_seq"]))
                 + m.d_s_ * t["preemptions_per_step"]
                 for m in (kv_model, plain)
             ]
             print(
-                f"| {pool} | {p[len(pool) :].lstrip('-') or 'regime'} | {e.num_gpu_blocks:,} | "
+                f"| {pool} | {role} | {e.num_gpu_blocks:,} | "
                 f"{t['batch']:.1f} | {t['kv_per_seq']:.0f} | {t['step_s'] * 1e3:.2f} ms | "
                 f"{pred[0] * 1e3:.2f} ms ({pred[0] / t['step_s']:.2f}) | "
                 f"{pred[1] * 1e3:.2f} ms ({pred[1] / t['step_s']:.2f}) |"
             )
-        ctl = engines[engines["pool"] == f"{pool}-control"].iloc[0]
-        slope = full_batch_slope_ms_per_1k(
-            src.windows(pool=f"{pool}-control"), float(ctl.num_gpu_blocks * ctl.block_size)
-        )
+        slope = full_batch_slope_ms_per_1k(trio["control"][2], trio["control"][3])
         lo, hi = kv_model.k_interval_s_
         print(
             f"\n{pool}: per KV token {kv_model.k_s_ * 1e6:.2f} us (90%: {lo * 1e6:.2f}-"
@@ -174,12 +178,16 @@ def _what_if(store: str, pool_like: str) -> list[dict[str, object]]:
         )
         runs.append(
             {
-                p[len(pool) :].lstrip("-") or "regime": {
+                role: {
                     "engines": engines[engines["pool"] == p].to_dict("records"),
-                    "windows": src.windows(pool=p).to_dict("records"),
-                    **({"requests": src.requests(pool=p).to_dict("records")} if p == pool else {}),
+                    "windows": ew.to_dict("records"),
+                    **(
+                        {"requests": src.requests(pool=p).to_dict("records")}
+                        if role == "regime"
+                        else {}
+                    ),
                 }
-                for p in (pool, f"{pool}-advice", f"{pool}-control")
+                for role, (p, _, ew, _) in trio.items()
             }
         )
     return runs

@@ -77,7 +77,7 @@ class LinearStepCost:
     @classmethod
     def from_fit(cls, model: Any, source: str = "telemetry") -> LinearStepCost:
         """From a fitted :class:`kvscope.advisor.steptime.StepTimeModel`."""
-        return cls(model.a_s_, model.b_s_, model.c_s_, getattr(model, "k_s_", 0.0), source)
+        return cls(model.a_s_, model.b_s_, model.c_s_, model.k_s_, source)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -169,6 +169,16 @@ def _truth(all_r: dict[str, list[Any]]) -> dict[str, float]:
     }
 
 
+def _wait_rolled_up(src: CollectorSource, since: float, until: float, n: int) -> None:
+    """Wait (at most 30 s) until the collector's request tier holds ``n`` requests in
+    ``[since, until)``."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if src.request_minutes(since, until)["n_requests"].sum() == n:
+            return
+        time.sleep(0.2)
+
+
 def test_slo_attainment_over_30_days_reads_the_tier_past_the_request_retention(
     make_collector: Any, store_path: str
 ) -> None:
@@ -189,11 +199,7 @@ def test_slo_attainment_over_30_days_reads_the_tier_past_the_request_retention(
     src = CollectorSource(lc.url)
     # As in service: the first half arrives (and is rolled up) before the second.
     assert post_batch(lc.url, batch(seq=0, with_hello=True, requests=r_first))[0] == 200
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if src.request_minutes(start - 60, end + 60)["n_requests"].sum() == 3000:
-            break
-        time.sleep(0.2)
+    _wait_rolled_up(src, start - 60, end + 60, 3000)
     assert post_batch(lc.url, batch(seq=1, requests=r_last))[0] == 200
     # a minute of steps, so the engine is analysed
     b = batch(seq=2, step_ts=[end - 120 + 0.5 * i for i in range(120)])
@@ -248,11 +254,7 @@ def test_a_range_whose_requests_are_all_kept_reads_no_tier_rows(
     src = CollectorSource(lc.url)
     r = _random_requests(rng, finished)
     assert post_batch(lc.url, batch(seq=0, with_hello=True, requests=r))[0] == 200
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if src.request_minutes(start - 60, start + 360)["n_requests"].sum() == 200:
-            break
-        time.sleep(0.2)
+    _wait_rolled_up(src, start - 60, start + 360, 200)
     since, until = start + 90.5, start + 250.0  # inside a minute, and another
     want = int(((finished >= since) & (finished < until)).sum())
     got = src.requests(since, until)
