@@ -7,6 +7,9 @@ load, concurrency cap, and the recommendations that follow from the bottleneck.
 Per pool: summed plateaus and caps, the one-more-replica what-if, prefix-cache reuse
 and routing (:mod:`kvscope.advisor.prefix`, with vLLM's KV-cache events when the source has
 them) and the load balance across replicas (:mod:`kvscope.advisor.balance`).
+An engine whose range holds no 1-second window but 1-minute ones (the collector's window
+retention deleted its seconds) is analysed from its minutes
+(:mod:`kvscope.advisor.minute_windows`); ``coverage.engines_from_minutes`` lists them.
 Recommendations are grouped by their ``gain_kind`` (throughput gains, then latency
 reductions, then cost: :data:`~kvscope.advisor.findings.GAIN_KINDS`) and sorted by
 expected gain within a group: a relative throughput gain, or a relative latency reduction
@@ -46,6 +49,12 @@ from kvscope.advisor.gateways import (
     prefix_routing,
 )
 from kvscope.advisor.latency import LatencyVsLoad
+from kvscope.advisor.minute_windows import (
+    append_minute_windows,
+    from_minutes,
+    knee_gap,
+    sample_with_minutes,
+)
 from kvscope.advisor.prefix import PrefixRouting
 from kvscope.advisor.request_latency import SloTargets, request_latency
 from kvscope.advisor.sources import Source, SourceError, WindowSample
@@ -103,8 +112,10 @@ def analyze(
     sampler = getattr(source, "window_sample", None)
     if sampler is not None and max_windows_per_engine:
         s = sampler(since, until, pool=pool, max_windows_per_engine=max_windows_per_engine)
+        s = sample_with_minutes(source, engines, s, since, until, pool)
         return _with_oldest_window(source, since, until, analyze_sample(engines, s, **kw))
     windows = source.windows(since, until, pool=pool)
+    windows = append_minute_windows(source, engines, windows, since, until, pool)
     requests = source.requests(since, until, pool=pool)
     read_events = getattr(source, "kv_events", None)  # sources written before kv_events
     kv_events = read_events(since, until, pool=pool) if read_events else None
@@ -115,15 +126,16 @@ def analyze(
 def _with_oldest_window(
     source: Any, since: float | None, until: float | None, report: Report
 ) -> Report:
-    """An empty report of a source that deletes old 1-second windows (a collector, a
-    store) says where they start (``coverage.oldest_window_unix_s``) when the window's
-    seconds were deleted (its 1-minute windows are kept): the engines ran then, and the
-    analyses have nothing to fit."""
+    """A report of a source that deletes old 1-second windows (a collector, a store) says
+    where they start (``coverage.oldest_window_unix_s``) when the range's seconds were
+    deleted (its 1-minute windows are kept): its engines were then read from their
+    minutes, or (without minutes to read) it analysed none."""
     aged_out = getattr(source, "seconds_aged_out", None)
-    if (
-        aged_out is not None
-        and not report.coverage.get("n_engines_analyzed")
-        and report.coverage.get("n_engines_known")
+    if aged_out is not None and (
+        report.coverage.get("engines_from_minutes")
+        or (
+            not report.coverage.get("n_engines_analyzed") and report.coverage.get("n_engines_known")
+        )
     ):
         with contextlib.suppress(SourceError):  # the message is then the usual one
             oldest = aged_out(since, until)
@@ -207,6 +219,13 @@ def analyze_frames(
         else engines.iloc[0:0]
     )
     report.coverage = _coverage(engines, analyzed, w_in, requests, known_pools, latency_only)
+    minute_rows = from_minutes(w_in)
+    if minute_rows.any():
+        report.coverage["n_windows"] = int((~minute_rows).sum())
+        report.coverage["n_minute_windows"] = int(minute_rows.sum())
+        report.coverage["engines_from_minutes"] = sorted(
+            {str(e) for e in w_in.loc[minute_rows, "engine_id"]}
+        )
     for _, row in analyzed.sort_values("engine_id").iterrows() if len(analyzed) else ():
         cfg = {k: (None if _isnan(v) else v) for k, v in row.to_dict().items()}
         eid = str(cfg["engine_id"])
@@ -354,6 +373,18 @@ def _engine(
         confidence=bn.confidence_,
     )
     report.engines.append(verdict)
+    gap = None
+    if verdict.knee_concurrency is not None and from_minutes(w).all():
+        gap = knee_gap(curve.windows_, verdict.knee_concurrency)
+    if gap is not None:
+        # No cap where the knee may lie anywhere in a gap of the minutes' load.
+        verdict.confidence = round(verdict.confidence * 0.5, 3)
+        verdict.headroom += (
+            f"; read from 1-minute windows, too few of which held their load steady "
+            f"below the knee (the nearest steady ones: {gap[0]:.1f} and {gap[1]:.1f} in "
+            f"flight; load changed within the minutes): the knee lies somewhere in that "
+            f"range, and no cap is recommended from them"
+        )
 
     kv: KvCapacityModel | None = None
     if steps is not None and len(r):
@@ -379,7 +410,7 @@ def _engine(
         lat = LatencyVsLoad().fit(r, curve)
         report.findings.append(lat.finding(scope))
         verdict.p99_e2e_s_at_max_load = lat.p99_at(curve.max_load_)
-        if curve.saturated_:
+        if curve.saturated_ and gap is None:
             cap = ConcurrencyCap(
                 cap_fraction=cap_fraction,
                 slo_ttft_p99_s=slo_ttft_p99_s,

@@ -116,7 +116,7 @@ import pandas as pd
 
 from kvscope.advisor.curve import ThroughputCurve
 from kvscope.advisor.findings import Finding, Scope
-from kvscope.advisor.frames import request_weights
+from kvscope.advisor.frames import covered_seconds, request_weights
 from kvscope.advisor.steptime import StepTimeModel
 
 _TEXT = {
@@ -235,12 +235,12 @@ class BottleneckClassifier:
     # -- evidence ---------------------------------------------------------------------------
 
     @staticmethod
-    def _finished_in(requests: pd.DataFrame | None, ts: pd.Series) -> pd.DataFrame | None:
-        """The requests that finished inside the given 1-second windows."""
+    def _finished_in(requests: pd.DataFrame | None, windows: pd.DataFrame) -> pd.DataFrame | None:
+        """The requests that finished inside the given windows (the seconds they cover)."""
         if requests is None or not len(requests) or "finished_unix_s" not in requests:
             return None
         fin = np.floor(pd.to_numeric(requests["finished_unix_s"], errors="coerce"))
-        secs = set(pd.to_numeric(ts, errors="coerce").dropna().astype(int))
+        secs = set(covered_seconds(windows)[0].tolist())
         done = requests[fin.isin(secs)]
         if "finish_reason" in done:
             done = done[done["finish_reason"] != "abort"]
@@ -313,7 +313,7 @@ class BottleneckClassifier:
         computed_per_step = (computed_prompt + region["gen_tokens_per_s"].astype(float)) / n_steps
         fill = computed_per_step / budget
         low = w[w["bin"] == w["bin"].min()]
-        done = self._finished_in(requests, region["ts_s"]) if "ts_s" in region else None
+        done = self._finished_in(requests, region) if "ts_s" in region else None
         need_tokens, need_blocks = self._admission_need(
             done if done is not None and len(done) else requests, block_size, budget
         )
@@ -431,7 +431,7 @@ class BottleneckClassifier:
         raw = curve.bins_["gen_tokens_per_s"].to_numpy(float)
         top_pre = float(curve.bins_["preemptions_per_s"].iloc[-1])
         top = w[w["bin"] == w["bin"].max()]
-        top_done = self._finished_in(requests, top["ts_s"]) if "ts_s" in top else None
+        top_done = self._finished_in(requests, top) if "ts_s" in top else None
         top_fin = _count(top_done) / len(top) if top_done is not None and len(top) else math.nan
         top_per_req = top_pre / top_fin if top_fin > 0 else math.nan
         thrashing = (

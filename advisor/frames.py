@@ -38,6 +38,28 @@ def request_weights(requests: pd.DataFrame) -> pd.Series:
     return pd.Series(1.0, index=requests.index)
 
 
+def window_spans(windows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Per window, its first second (``ts_s``) and the seconds it covers: 1, or its
+    ``resolution_s`` (a window read from the 1-minute tier covers 60,
+    :mod:`kvscope.advisor.minute_windows`)."""
+    ts = pd.to_numeric(windows["ts_s"], errors="coerce").to_numpy(float)
+    if "resolution_s" not in windows:
+        return ts, np.ones(len(ts))
+    res = pd.to_numeric(windows["resolution_s"], errors="coerce").fillna(1.0).to_numpy(float)
+    return ts, np.maximum(np.round(res), 1.0)
+
+
+def covered_seconds(windows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Every second the windows cover, and the row (position) of the window covering it."""
+    ts, span = window_spans(windows)
+    ok = np.isfinite(ts)
+    rows = np.flatnonzero(ok)
+    n = span[ok].astype("int64")
+    starts = np.repeat(ts[ok].astype("int64"), n)
+    within = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    return starts + within, np.repeat(rows, n)
+
+
 def prepare_windows(windows: pd.DataFrame) -> pd.DataFrame:
     """Add ``load`` (in-flight: running + waiting + deferred), ``gen_tokens_per_s``,
     ``total_tokens_per_s``, ``computed_tokens_per_s``, ``tokens_per_step``, ``steps_per_s`` and ``busy_ratio``

@@ -33,21 +33,23 @@ import pandas as pd
 
 from kvscope.advisor.curve import ThroughputCurve
 from kvscope.advisor.findings import Finding, Scope
-from kvscope.advisor.frames import frame_of
+from kvscope.advisor.frames import covered_seconds, frame_of
 
 _COLS = ("ttft_s", "queue_s", "e2e_s")
 
 
 def _mean_load(windows: pd.DataFrame, start_s: pd.Series, end_s: pd.Series) -> np.ndarray:
-    """Mean window load over the seconds [floor(start), floor(end)] (NaN: no window)."""
+    """Mean window load over the seconds [floor(start), floor(end)] (NaN: no window); a
+    window read from the 1-minute tier stands for each second of its minute."""
     if not len(windows) or not len(start_s):
         return np.full(len(start_s), math.nan)
-    ts = windows["ts_s"].to_numpy("int64")
+    secs, rows = covered_seconds(windows)
+    ts = secs.astype("int64")
     t0 = int(ts.min())
     n = int(ts.max()) - t0 + 2
     val = np.zeros(n)
     cnt = np.zeros(n)
-    val[ts - t0] = windows["load"].to_numpy(float)
+    val[ts - t0] = windows["load"].to_numpy(float)[rows]
     cnt[ts - t0] = 1.0
     cv = np.concatenate([[0.0], np.cumsum(val)])
     cc = np.concatenate([[0.0], np.cumsum(cnt)])

@@ -469,19 +469,29 @@ def _read_line(report: Report, source: str, window: str) -> str:
         f"{cov.get('n_engines_analyzed', 0)} engine(s), {cov.get('n_windows', 0):,} "
         f"one-second windows, {cov.get('n_requests', 0):,} finished requests"
     )
-    read += latency_only_text(cov)
+    read += tiers_text(cov)
     return f"from {source or 'the source'}, {window or 'all data'}: {read}"
 
 
-def latency_only_text(coverage: dict[str, Any]) -> str:
-    """`` (and 2 engine(s) with request latency only: ...)`` for a coverage with engines
-    whose range holds finished requests and no 1-second window; else empty."""
-    n = coverage.get("n_engines_latency_only")
-    if not n:
-        return ""
+def tiers_text(coverage: dict[str, Any]) -> str:
+    """What the read line adds for engines without 1-second windows in the range:
+    `` (1 engine(s) read from 40 one-minute windows: ...)`` for those analysed from the
+    1-minute tier, `` (and 2 engine(s) with request latency only: ...)`` for those with
+    finished requests only; empty when every engine had its seconds."""
     oldest = coverage.get("oldest_window_unix_s")
     where = f", held from {_utc(oldest)} on" if oldest is not None else ""
-    return f" (and {n} engine(s) with request latency only: no 1-second windows{where})"
+    out = ""
+    minutes = coverage.get("engines_from_minutes") or []
+    if minutes:
+        out += (
+            f" ({len(minutes)} engine(s) read from {coverage.get('n_minute_windows', 0):,} "
+            f"one-minute windows: no 1-second windows{where}; their knees are those of the "
+            "load averaged over each minute)"
+        )
+    n = coverage.get("n_engines_latency_only")
+    if n:
+        out += f" (and {n} engine(s) with request latency only: no 1-second windows{where})"
+    return out
 
 
 def window_text(
@@ -569,8 +579,9 @@ def no_data_message(
         return (
             f"{head}; 1-second windows are held from {_utc(oldest)} on (older ones are "
             "deleted after the collector's --window-retention, 15 days by default, and "
-            "kept only as 1-minute windows and request minutes, which the analyses do not "
-            f"fit): move the window after {_utc(oldest)}"
+            "kept as 1-minute windows, which the analyses read, for its --rollup-retention; "
+            f"the window holds none of these engines' minutes): move the window after "
+            f"{_utc(oldest)}"
         )
     if until is not None and latest >= until:
         return (

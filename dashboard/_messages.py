@@ -86,8 +86,9 @@ def no_data_message(
         return (
             f"{head}; the collector holds 1-second windows from {utc_text(oldest, now)} on "
             "(older ones are deleted after its window retention, 15 days by default, and "
-            "kept only as 1-minute windows and request minutes, which the analyses do not "
-            f"fit): set a range after {utc_text(oldest, now)} in the sidebar"
+            "kept as 1-minute windows, which the analyses read, for the collector's rollup "
+            "retention; the range holds none of these engines' minutes): set a range after "
+            f"{utc_text(oldest, now)} in the sidebar"
         )
     if ranged and until is not None and latest >= until:
         return f"{head}; {newest}, after the range: move its end later in the sidebar"

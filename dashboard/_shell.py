@@ -181,6 +181,13 @@ def engines_text(snap: Snapshot) -> str:
         + (f" ({down} DOWN)" if down else "")
         + f", {cov.get('n_engines_analyzed', 0)} with data in the window"
         + (
+            f" ({len(m)} of them read from {cov.get('n_minute_windows', 0):,} one-minute "
+            "windows: their 1-second windows in it were deleted after the collector's "
+            "window retention)"
+            if (m := cov.get("engines_from_minutes"))
+            else ""
+        )
+        + (
             f" ({n} more with request latency only: no 1-second windows in it)"
             if (n := cov.get("n_engines_latency_only"))
             else ""

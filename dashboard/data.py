@@ -24,6 +24,7 @@ from typing import Any
 import pandas as pd
 
 from kvscope.advisor import CollectorSource, Report, SourceError, analyze
+from kvscope.advisor.minute_windows import windows_from_minutes
 from kvscope.advisor.render import source_error_message
 from kvscope.advisor.request_latency import (
     RequestLatency,
@@ -74,6 +75,31 @@ class _KeepingSource:
     ) -> pd.DataFrame:
         self.frames["kv_events"] = self.source.kv_events(since, until, pool)
         return self.frames["kv_events"]
+
+    def minute_windows(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
+        read = getattr(self.source, "minute_windows", None)
+        self.frames["minute_windows"] = (
+            read(since, until, engine, pool) if read is not None else pd.DataFrame()
+        )
+        return self.frames["minute_windows"]
+
+    def analysed_windows(self, report: Report) -> pd.DataFrame:
+        """The windows the report was made from: the 1-second ones read, and the 1-minute
+        ones of the engines it read from them (``coverage.engines_from_minutes``), as
+        :func:`~kvscope.advisor.minute_windows.windows_from_minutes` gives them."""
+        w = self.frames.get("windows", pd.DataFrame())
+        ids = report.coverage.get("engines_from_minutes") or []
+        m = self.frames.get("minute_windows", pd.DataFrame())
+        if not ids or not len(m):
+            return w
+        extra = windows_from_minutes(m[m["engine_id"].astype(str).isin(set(ids))])
+        return pd.concat([w, extra], ignore_index=True) if len(w) else extra
 
     def seconds_aged_out(self, since: float | None, until: float | None) -> float | None:
         aged_out = getattr(self.source, "seconds_aged_out", None)
@@ -307,7 +333,7 @@ def load_snapshot(
     finally:
         snap.read_s = time.monotonic() - t0
     snap.engines = source.frames.get("engines", pd.DataFrame())
-    snap.windows = source.frames.get("windows", pd.DataFrame())
+    snap.windows = source.analysed_windows(snap.report)
     snap.requests = source.frames.get("requests", pd.DataFrame())
     return snap
 

@@ -32,6 +32,7 @@ from kvscope.advisor.analyze import MAX_WINDOWS_PER_ENGINE, analyze_sample
 from kvscope.advisor.forecast import capacity_forecast
 from kvscope.advisor.frames import frame_of
 from kvscope.advisor.gpu_hours import gpu_hours
+from kvscope.advisor.minute_windows import append_minute_windows, sample_with_minutes
 from kvscope.advisor.sources import Source, SourceError
 from kvscope.advisor.usage import Usage, usage_from_days, weekly_usage
 from kvscope.advisor.weekly import CONFIG_FIELDS, compare_weeks, config_as_of
@@ -111,9 +112,8 @@ def build_weekly_report(
                 f"reading {'this week' if name == 'current' else 'the week before'}: "
                 "windows, requests, KV-cache events"
             )
-            samples[name] = sampler(
-                start, end, pool=pool, max_windows_per_engine=max_windows_per_engine
-            )
+            s = sampler(start, end, pool=pool, max_windows_per_engine=max_windows_per_engine)
+            samples[name] = sample_with_minutes(source, engines, s, start, end, pool)
             bar.update(1)
         bar.update(1)
         windows = requests = kv_events = pd.DataFrame()
@@ -146,7 +146,12 @@ def build_weekly_report(
             return analyze_sample(
                 as_of, samples[name], since=start, until=end, pool=pool, **analyze_kw
             )
-        frames = FrameSource(as_of, windows, requests, kv_events)
+        in_week = windows
+        if "ts_s" in windows:
+            ts = pd.to_numeric(windows["ts_s"], errors="coerce")
+            in_week = windows[(ts >= start) & (ts < end)]
+        week_windows = append_minute_windows(source, engines, in_week, start, end, pool)
+        frames = FrameSource(as_of, week_windows, requests, kv_events)
         return analyze(frames, start, end, pool, **analyze_kw)
 
     def week_usage(report: Report, start: float, end: float) -> Usage:

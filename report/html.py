@@ -17,7 +17,7 @@ from html import escape
 
 from kvscope.advisor.actions import Action
 from kvscope.advisor.findings import Recommendation
-from kvscope.advisor.render import latency_only_text
+from kvscope.advisor.render import tiers_text
 from kvscope.report import _latency as latency
 from kvscope.report import _plan as plan
 from kvscope.report import _rows as tables
@@ -379,7 +379,7 @@ def _footer(wr: WeeklyReport) -> str:
     return (
         f"<footer>Read: this week {c.get('n_engines_analyzed', 0)} engine(s), "
         f"{c.get('n_windows', 0):,} one-second windows, {c.get('n_requests', 0):,} finished "
-        f"requests{_e(latency_only_text(c))}; the week before {p.get('n_engines_analyzed', 0)} engine(s), "
+        f"requests{_e(tiers_text(c))}; the week before {p.get('n_engines_analyzed', 0)} engine(s), "
         f"{p.get('n_windows', 0):,} windows, {p.get('n_requests', 0):,} requests. "
         f"Advisor parameters: {_e(params)}. Days are UTC; the first and last day of the "
         f"week can be partial. report.json (schema_version {wr.schema_version}) holds "

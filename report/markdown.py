@@ -7,7 +7,7 @@ The same sections as the HTML page, with the throughput curves as text plots
 
 from __future__ import annotations
 
-from kvscope.advisor.render import latency_only_text
+from kvscope.advisor.render import tiers_text
 from kvscope.advisor.textplot import throughput_plot
 from kvscope.report import _latency as latency
 from kvscope.report import _plan as plan
@@ -188,7 +188,7 @@ def render_markdown(wr: WeeklyReport) -> str:
         "",
         f"Read this week: {cov.get('n_engines_analyzed', 0)} engine(s), "
         f"{cov.get('n_windows', 0):,} one-second windows, {cov.get('n_requests', 0):,} finished "
-        f"requests{latency_only_text(cov)}. report.json (schema_version {wr.schema_version}) holds every number.",
+        f"requests{tiers_text(cov)}. report.json (schema_version {wr.schema_version}) holds every number.",
         "",
     ]
     return "\n".join(out)

@@ -140,6 +140,19 @@ class StoreSource:
             self.store.requests(engine, pool, since, until), self._tier(since, until, engine, pool)
         )
 
+    def minute_windows(
+        self,
+        since: float | None = None,
+        until: float | None = None,
+        engine: str | None = None,
+        pool: str | None = None,
+    ) -> pd.DataFrame:
+        """The store's downsampled tier: per engine and minute (empty for a store made
+        before it)."""
+        if "windows_1m" not in self.store.tables:
+            return pd.DataFrame()
+        return self.store.minute_windows(engine, pool, since, until)
+
     def seconds_aged_out(self, since: float | None, until: float | None) -> float | None:
         """Where the store's 1-second windows start, when ``[since, until)`` holds none of
         them but 1-minute windows (their seconds were deleted); None otherwise."""

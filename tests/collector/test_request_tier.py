@@ -289,8 +289,8 @@ def test_a_range_older_than_the_window_retention_gets_its_latency_from_the_tier(
 ) -> None:
     """A week 25 days back: its 1-second windows and its request rows are deleted (15
     days), its request minutes kept. `advise` gives the engine's latency and SLO
-    attainment over that week (those of every request sent then), says the knee needs
-    the seconds and where they start, and exits 0."""
+    attainment over that week (those of every request sent then), reads its windows
+    from the 1-minute tier, says where the seconds start, and exits 0."""
     import subprocess
     import sys
 
@@ -324,11 +324,15 @@ def test_a_range_older_than_the_window_retention_gets_its_latency_from_the_tier(
         time.sleep(0.2)
     assert not len(src.windows(old_lo - 60, old_hi + 60))
     ttft, e2e = _ttft(r_old), np.array(r_old["e2e_s"])
+    n_minutes = len({math.floor(t) // 60 for t in old_steps})
 
     def check(report: Any) -> None:
         assert report.has_data
-        assert report.coverage["n_engines_analyzed"] == 0
-        assert report.coverage["n_engines_latency_only"] == 1
+        # its minutes of steps: read from the minute tier, too few for a knee
+        assert report.coverage["n_engines_analyzed"] == 1
+        assert report.coverage["n_engines_latency_only"] == 0
+        assert report.coverage["engines_from_minutes"] == [v.engine_id for v in report.engines]
+        assert report.coverage["n_minute_windows"] == n_minutes
         assert report.coverage["n_requests"] == 2000
         assert report.coverage["oldest_window_unix_s"] == math.floor(new_steps[0])
         (v,) = report.engines
@@ -343,7 +347,7 @@ def test_a_range_older_than_the_window_retention_gets_its_latency_from_the_tier(
     report = analyze(src, old_lo - 60, old_hi + 60, slo_ttft_s=0.5, slo_e2e_s=5.0)
     check(report)
     text = text_report(report, source=lc.url, window="W")
-    assert "1 engine(s) with request latency only" in text
+    assert f"1 engine(s) read from {n_minutes} one-minute windows" in text
     assert "SLO attainment" in text
     # the command a user runs: exit 0, the attainment printed
     out = subprocess.run(
@@ -366,7 +370,7 @@ def test_a_range_older_than_the_window_retention_gets_its_latency_from_the_tier(
         timeout=120,
     )
     assert out.returncode == 0, out.stderr
-    assert "request latency only" in out.stdout and "SLO attainment" in out.stdout
+    assert "one-minute windows" in out.stdout and "SLO attainment" in out.stdout
     # the weekly report of that week, over HTTP and from the store file: its usage from
     # the minute tiers (the seconds and request rows are gone), its latency from the tier
     want_gen = float(sum(b["steps"]["generation_tokens"]))
@@ -387,7 +391,7 @@ def test_a_range_older_than_the_window_retention_gets_its_latency_from_the_tier(
         assert usage["generation_tokens"] == [want_gen]
         assert usage["active_s"] == [want_active]
         md = (out_dir / "report.md").read_text()
-        assert "request latency only" in md and "| requests finished | 2k |" in md
+        assert "one-minute windows" in md and "| requests finished | 2k |" in md
 
     weekly(["--collector", lc.url], Path(store_path).parent / "report-http")
     lc.stop()

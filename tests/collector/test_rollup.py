@@ -22,6 +22,7 @@ from kvscope.collector.store import Store
 
 T0 = 1_700_000_040.0  # a minute start
 NOW = T0 + 3600.0
+EID = "host-a:8000:0"  # the engine batch() sends for
 
 
 @pytest.fixture
@@ -219,9 +220,12 @@ def test_a_backlog_is_rolled_up_a_bounded_part_a_pass_and_deleted_only_once_roll
     assert store.windows()["ts_s"].min() >= starts[-1] and len(store.requests()) == 1
 
 
-def test_a_window_whose_seconds_aged_out_says_so(make_collector: Any, store_path: str) -> None:
+def test_a_range_whose_seconds_aged_out_is_read_from_its_minutes(
+    make_collector: Any, store_path: str
+) -> None:
     from kvscope.advisor import analyze
     from kvscope.advisor.render import no_data_message
+    from kvscope.advisor.render_text import text_report
     from kvscope.advisor.sources import CollectorSource
     from kvscope.report.sources import StoreSource, open_store
 
@@ -237,18 +241,29 @@ def test_a_window_whose_seconds_aged_out_says_so(make_collector: Any, store_path
             break
         time.sleep(0.1)
     then = (T0 + 86400 - 60, T0 + 86400 + 600)
+    assert not len(src.windows(*then))
     report = analyze(src, *then)
-    assert not report.has_data
+    # the two minutes it stepped in, each one window of per-second rates
+    assert report.coverage["engines_from_minutes"] == [EID]
+    assert report.coverage["n_minute_windows"] == 2 and report.coverage["n_windows"] == 0
     assert report.coverage["oldest_window_unix_s"] == math.floor(new[0])
-    assert "1-second windows are held from" in no_data_message(report, lc.url, "W")
-    # before the first data ever: nothing aged out, the usual message
+    assert [v.engine_id for v in report.engines] == [EID]
+    text = text_report(report, source=lc.url, window="W")
+    assert "1 engine(s) read from 2 one-minute windows" in text
+    # before the first data ever: nothing aged out, nothing read, the usual message
     before = analyze(src, T0 - 7200, T0 - 3600)
+    assert not before.has_data and "engines_from_minutes" not in before.coverage
     assert "oldest_window_unix_s" not in before.coverage
     assert "1-second windows are held" not in no_data_message(before, lc.url, "W")
+    # a range inside the seconds held: read from them alone
+    recent = analyze(src, new[0] - 1, new[-1] + 1)
+    assert "engines_from_minutes" not in recent.coverage and recent.coverage["n_windows"] == 120
     lc.stop()
     offline = StoreSource(open_store(store_path))
     try:
-        assert analyze(offline, *then).coverage["oldest_window_unix_s"] == math.floor(new[0])
+        stored = analyze(offline, *then)
+        assert stored.coverage["engines_from_minutes"] == [EID]
+        assert stored.coverage["oldest_window_unix_s"] == math.floor(new[0])
         assert "oldest_window_unix_s" not in analyze(offline, T0 - 7200, T0 - 3600).coverage
     finally:
         offline.close()

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "collector"))
 
 from _collector_helpers import batch, hello, steps
-from test_app import chart_data, run_app, texts
+from test_app import _app_with_url, chart_data, run_app, texts
 
 from kvscope.collector.batch import prepare_batch
 from kvscope.collector.process import CollectorProcess
@@ -83,3 +83,45 @@ def test_a_short_window_plots_the_seconds(
     at = run_app(monkeypatch, c.url, "--since", str(since), page="pages/engine.py")
     heads = [h.value for h in at.subheader]
     assert any(h.startswith("Time series (per second)") for h in heads), [*heads, texts(at)]
+
+
+def test_a_range_whose_seconds_were_deleted_is_analysed_from_its_minutes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The real slow-day run (tests/fixtures/minute_tier_slow_day.json.gz) with its seconds
+    deleted by the store's lifecycle, under a collector: the overview gives the engine's
+    verdict and knee from its minutes and says so."""
+    from test_minute_tier_knees import _load
+
+    run = _load("minute_tier_slow_day.json.gz", tmp_path)
+    store = Store(str(run["path"]))
+    try:
+        store.apply_lifecycle(
+            window_retention_s=1.0,
+            request_retention_s=0.0,
+            rollup_retention_s=0.0,
+            now_unix_s=run["until"] + 3600.0,
+            rollup_budget_s=None,
+        )
+    finally:
+        store.close()
+    c = CollectorProcess(run["path"], extra_args=["--advise-interval-s", "0", "--kv-events", "off"])
+    c.start()
+    utc = "%Y-%m-%dT%H:%M:%SZ"
+    query = {
+        "time": "range",
+        "from": time.strftime(utc, time.gmtime(run["since"])),
+        "to": time.strftime(utc, time.gmtime(run["until"] + 1)),
+    }
+    try:
+        at = _app_with_url(monkeypatch, c.url, query)
+        # the engine page renders from the minutes too (its series, the curve)
+        page = _app_with_url(monkeypatch, c.url, query, page="pages/engine.py")
+    finally:
+        c.stop()
+    assert "kv_cache_bound" in texts(page) + " ".join(h.value for h in page.subheader)
+    caption = at.caption[0].value
+    assert re.search(r"1 of them read from \d+ one-minute windows", caption), caption
+    engines = next(t.value for t in at.table if "verdict" in t.value.columns)
+    assert engines["verdict"].tolist() == ["kv_cache_bound, saturated"]
+    assert int(str(engines["cap"].iloc[0])) > 0  # a cap: the knee is resolved

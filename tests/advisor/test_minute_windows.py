@@ -1,0 +1,146 @@
+"""The analyses' windows from the 1-minute tier: one minute row as one window of rates per
+second stepped, and which engines of a range are read from their minutes.
+
+Expected values are worked out by hand from the rows written here."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from kvscope.advisor.minute_windows import append_minute_windows, knee_gap, windows_from_minutes
+from kvscope.advisor.sources import SourceError
+
+MINUTE = {
+    "engine_id": "e1",
+    "ts_s": 1_800_000_000,
+    "pool": "p",
+    "n_seconds": 40,  # stepped in 40 of its 60 seconds
+    "n_steps": 2_000,
+    "batch_sum": 16_000,
+    "batch_mean": 8.0,
+    "batch_min": 2,
+    "batch_max": 12,
+    "kv_usage_sum": 1_800.0,
+    "kv_usage_mean": 0.9,
+    "kv_usage_max": 1.0,
+    "waiting_sum": 6_000,
+    "waiting_mean": 3.0,
+    "deferred_sum": 0,
+    "deferred_mean": 0.0,
+    "preemptions": 8,
+    "prompt_tokens": 4_000,
+    "generation_tokens": 16_000,
+    "prefix_queries": 4_000,
+    "prefix_hits": 400,
+    "iteration_n": 2_000,
+    "iteration_s_sum": 36.0,
+    "iteration_s_max": 0.05,
+}
+
+
+def test_a_minute_reads_as_one_window_of_rates_per_second_stepped() -> None:
+    idle = dict(MINUTE, ts_s=MINUTE["ts_s"] + 60, n_seconds=0, n_steps=0)
+    w = windows_from_minutes(pd.DataFrame([MINUTE, idle]))
+    assert len(w) == 1  # a minute without a stepped second is no window
+    r = w.iloc[0]
+    # sums over the 40 seconds it stepped in, per second
+    assert r["n_steps"] == 50 and r["generation_tokens"] == 400 and r["prompt_tokens"] == 100
+    assert r["batch_sum"] == 400 and r["preemptions"] == 0.2 and r["prefix_hits"] == 10
+    assert r["iteration_s_sum"] == pytest.approx(0.9)
+    assert r["iteration_s_mean"] == pytest.approx(0.018)
+    # step-weighted means and extremes as they are
+    assert (r["batch_mean"], r["kv_usage_mean"], r["waiting_mean"]) == (8.0, 0.9, 3.0)
+    assert (r["batch_min"], r["batch_max"], r["batch_p99"]) == (2, 12, 12)
+    assert r["batch_p90"] == 8.0
+    # busy share unknown: the curve estimates it from the step count
+    assert math.isnan(r["first_step_unix_s"]) and math.isnan(r["last_step_unix_s"])
+    assert r["resolution_s"] == 60 and r["ts_s"] == MINUTE["ts_s"]
+
+
+class _Tiered:
+    """A source holding 1-second windows from ``oldest`` on and minutes of every engine."""
+
+    def __init__(self, minutes: pd.DataFrame, oldest: float | None, fail: int = 0) -> None:
+        self.minutes, self.oldest, self.fail, self.reads = minutes, oldest, fail, 0
+
+    def seconds_aged_out(self, since: float | None, until: float | None) -> float | None:
+        return self.oldest
+
+    def minute_windows(self, since: Any = None, until: Any = None, **kw: Any) -> pd.DataFrame:
+        self.reads += 1
+        if self.fail:
+            raise SourceError("no tier", status=self.fail)
+        return self.minutes
+
+
+def _seconds(engine: str, n: int, t0: float) -> pd.DataFrame:
+    return pd.DataFrame({"engine_id": engine, "ts_s": [t0 + i for i in range(n)], "n_steps": 50})
+
+
+def test_engines_whose_seconds_aged_out_are_read_from_minutes_and_the_rest_from_seconds() -> None:
+    t0 = MINUTE["ts_s"]
+    # e1 and e2 stepped 40 seconds a minute for 10 minutes; e3 has no minute in the range
+    minutes = pd.DataFrame(
+        [dict(MINUTE, engine_id=e, ts_s=t0 + 60 * k) for e in ("e1", "e2") for k in range(10)]
+    )
+    engines = pd.DataFrame({"engine_id": ["e1", "e2", "e3"], "pool": ["p", "p", "p"]})
+    # e1 kept 30 seconds (of 400 stepped): minutes; e2 kept 399: seconds; e3 kept 5: seconds
+    seconds = pd.concat(
+        [_seconds("e1", 30, t0 + 570), _seconds("e2", 399, t0), _seconds("e3", 5, t0)]
+    )
+    since, until = t0, t0 + 600
+    out = append_minute_windows(_Tiered(minutes, t0 + 570), engines, seconds, since, until, "p")
+    per = out.groupby("engine_id")["ts_s"].count().to_dict()
+    assert per == {"e1": 10, "e2": 399, "e3": 5}
+    assert set(out.loc[out["resolution_s"].eq(60), "engine_id"]) == {"e1"}
+    # counts of a sample (its true number of seconds) decide, not the rows sampled
+    held = pd.Series({"e1": 30, "e2": 150})
+    out = append_minute_windows(
+        _Tiered(minutes, t0 + 570), engines, seconds, since, until, "p", seconds_held=held
+    )
+    assert set(out.loc[out["resolution_s"].eq(60), "engine_id"]) == {"e1", "e2"}
+    # a range inside the seconds held, or a source that says none aged out: no read
+    for src, start in ((_Tiered(minutes, t0 + 570), t0 + 600), (_Tiered(minutes, None), t0)):
+        assert append_minute_windows(src, engines, seconds, start, until, "p") is seconds
+        assert src.reads == 0
+    # a collector from before the tier (404): the seconds; any other failure is raised
+    old = _Tiered(minutes, t0 + 570, fail=404)
+    assert append_minute_windows(old, engines, seconds, since, until, "p") is seconds
+    with pytest.raises(SourceError):
+        append_minute_windows(_Tiered(minutes, t0 + 570, 500), engines, seconds, since, until, "p")
+
+
+def _minutes(rows: list[tuple[float, float, float]]) -> pd.DataFrame:
+    """Windows of (mean load, median second's load, P90 second's load)."""
+    return pd.DataFrame(rows, columns=["load", "load_p50", "load_p90"])
+
+
+def test_a_knee_is_resolved_only_between_steady_minutes_near_it() -> None:
+    steady_climb = [(x, x, x + 0.5) for x in (1.0, 2.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0)]
+    assert knee_gap(_minutes(steady_climb), 10.0) is None
+    # the knee on a minute's own load counts that minute above it, not below
+    assert knee_gap(_minutes(steady_climb), 8.0) is None
+    # a minute whose P90 second held more than 1.5x its median (+1) mixed two levels:
+    # 12 is not seen steadily, so the nearest steady loads are 8 and 16 (resolved) ...
+    mixed12 = [r if r[0] != 12.0 else (12.0, 8.0, 16.0) for r in steady_climb]
+    assert knee_gap(_minutes(mixed12), 10.0) is None
+    # ... but with 6 and 8 mixed too, 4 to 12: more than 2x apart
+    mixed = [(6.0, 4.0, 9.0), (8.0, 4.0, 16.0)]
+    rows = [r for r in steady_climb if r[0] not in (6.0, 8.0)] + mixed
+    assert knee_gap(_minutes(rows), 10.0) == (4.0, 12.0)
+    # a fast sweep: one minute below the knee (its P90 4 = 1.5 x 2 + 1: steady), the next
+    # mixed, and 13.4 more than 2x above it
+    fast = [(2.3, 2.0, 4.0), (9.6, 8.0, 16.0), (13.4, 16.0, 16.0), (25.0, 32.0, 32.0)]
+    assert knee_gap(_minutes(fast), 9.6) == (2.3, 13.4)
+    # steady minutes close on both sides, but fewer than three below the knee
+    assert knee_gap(_minutes([(6.0, 6.0, 6.0), (8.0, 8.0, 8.0), (12.0, 12.0, 12.0)]), 10.0) == (
+        8.0,
+        12.0,
+    )
+    # no steady minute at or above the knee: up to the highest load seen
+    top_mixed = [(x, x, x) for x in (1.0, 2.0, 3.0)] + [(20.0, 10.0, 40.0)]
+    assert knee_gap(_minutes(top_mixed), 4.0) == (3.0, 20.0)
