@@ -7,9 +7,10 @@ load, concurrency cap, and the recommendations that follow from the bottleneck.
 Per pool: summed plateaus and caps, the one-more-replica what-if, prefix-cache reuse
 and routing (:mod:`kvscope.advisor.prefix`, with vLLM's KV-cache events when the source has
 them) and the load balance across replicas (:mod:`kvscope.advisor.balance`).
-An engine whose range holds no 1-second window but 1-minute ones (the collector's window
-retention deleted its seconds) is analysed from its minutes
-(:mod:`kvscope.advisor.minute_windows`); ``coverage.engines_from_minutes`` lists them.
+An engine whose range starts before the oldest 1-second window kept, and whose 1-minute
+windows cover it better than the seconds left (the collector's window retention deleted
+them), is analysed from its minutes (:mod:`kvscope.advisor.minute_windows`);
+``coverage.engines_from_minutes`` lists them.
 Recommendations are grouped by their ``gain_kind`` (throughput gains, then latency
 reductions, then cost: :data:`~kvscope.advisor.findings.GAIN_KINDS`) and sorted by
 expected gain within a group: a relative throughput gain, or a relative latency reduction

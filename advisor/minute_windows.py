@@ -123,6 +123,7 @@ def append_minute_windows(
     until: float | None,
     pool: str | None,
     seconds_held: pd.Series | None = None,
+    first_held: float | None = None,
 ) -> pd.DataFrame:
     """``windows`` with the engines whose range the 1-minute tier covers better read
     from it (:func:`windows_from_minutes`).
@@ -132,12 +133,16 @@ def append_minute_windows(
     alone): an engine whose 1-second windows in the range are fewer than half the
     seconds its minutes say it stepped in (``n_seconds``) is read from its minutes,
     its seconds dropped (one resolution per engine: a fit over both would weigh each
-    second like a minute). ``seconds_held``: the engines' true counts of 1-second
-    windows in the range where ``windows`` is a sample of them."""
+    second like a minute). ``seconds_held`` and ``first_held``: the engines' true
+    counts of 1-second windows in the range and the first of them, where ``windows`` is
+    a sample of them. A range whose first second kept lies at its start reads nothing
+    more (the source's oldest second is no later)."""
     read = getattr(source, "minute_windows", None)
     aged_out = getattr(source, "seconds_aged_out", None)
     if read is None or aged_out is None or since is None:
         return windows
+    if _first_second(windows, seconds_held, first_held) <= since + MINUTE_S:
+        return windows  # a second kept at the range's start: none before it aged out
     try:
         oldest = aged_out(since, until)
         if oldest is None or since >= oldest - MINUTE_S:
@@ -176,6 +181,16 @@ def append_minute_windows(
     return pd.concat([windows, extra], ignore_index=True)
 
 
+def _first_second(windows: pd.DataFrame, held: pd.Series | None, first_held: float | None) -> float:
+    """The first 1-second window of the range (``first_held`` for a sample; inf: none)."""
+    if held is not None:
+        return first_held if first_held is not None else math.inf
+    if "ts_s" not in windows or not len(windows):
+        return math.inf
+    first = float(pd.to_numeric(windows["ts_s"], errors="coerce").min())
+    return first if math.isfinite(first) else math.inf
+
+
 def sample_with_minutes(
     source: Any,
     engines: pd.DataFrame,
@@ -188,8 +203,20 @@ def sample_with_minutes(
     engines the 1-minute tier covers better read from it (:func:`append_minute_windows`),
     and those engines' requests of the whole range (the sample's blocks are of seconds:
     it holds none of their requests)."""
+    first = (
+        float(pd.to_numeric(sample.counts["first_ts_s"], errors="coerce").min())
+        if len(sample.counts) and "first_ts_s" in sample.counts
+        else math.nan
+    )
     windows = append_minute_windows(
-        source, engines, sample.windows, since, until, pool, seconds_held(sample)
+        source,
+        engines,
+        sample.windows,
+        since,
+        until,
+        pool,
+        seconds_held(sample),
+        first if math.isfinite(first) else None,
     )
     if windows is sample.windows:
         return sample

@@ -485,8 +485,8 @@ def tiers_text(coverage: dict[str, Any]) -> str:
     if minutes:
         out += (
             f" ({len(minutes)} engine(s) read from {coverage.get('n_minute_windows', 0):,} "
-            f"one-minute windows: no 1-second windows{where}; their knees are those of the "
-            "load averaged over each minute)"
+            f"one-minute windows: their 1-second windows aged out{where}; their knees are "
+            "those of the load averaged over each minute)"
         )
     n = coverage.get("n_engines_latency_only")
     if n:

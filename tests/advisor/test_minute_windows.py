@@ -83,35 +83,41 @@ def _seconds(engine: str, n: int, t0: float) -> pd.DataFrame:
 
 def test_engines_whose_seconds_aged_out_are_read_from_minutes_and_the_rest_from_seconds() -> None:
     t0 = MINUTE["ts_s"]
-    # e1 and e2 stepped 40 seconds a minute for 10 minutes; e3 has no minute in the range
+    # e1 and e2 stepped 40 seconds a minute for 20 minutes; e3 has no minute in the range;
+    # the source keeps seconds from t0 + 300 on
     minutes = pd.DataFrame(
-        [dict(MINUTE, engine_id=e, ts_s=t0 + 60 * k) for e in ("e1", "e2") for k in range(10)]
+        [dict(MINUTE, engine_id=e, ts_s=t0 + 60 * k) for e in ("e1", "e2") for k in range(20)]
     )
     engines = pd.DataFrame({"engine_id": ["e1", "e2", "e3"], "pool": ["p", "p", "p"]})
-    # e1 kept 30 seconds (of 400 stepped): minutes; e2 kept 399: seconds; e3 kept 5: seconds
+    # e1 kept 30 seconds (of 800 stepped): minutes; e2 kept 900: seconds; e3 kept 5: seconds
     seconds = pd.concat(
-        [_seconds("e1", 30, t0 + 570), _seconds("e2", 399, t0), _seconds("e3", 5, t0)]
+        [
+            _seconds("e1", 30, t0 + 1170),
+            _seconds("e2", 900, t0 + 300),
+            _seconds("e3", 5, t0 + 600),
+        ]
     )
-    since, until = t0, t0 + 600
-    out = append_minute_windows(_Tiered(minutes, t0 + 570), engines, seconds, since, until, "p")
+    since, until = t0, t0 + 1200
+    out = append_minute_windows(_Tiered(minutes, t0 + 300), engines, seconds, since, until, "p")
     per = out.groupby("engine_id")["ts_s"].count().to_dict()
-    assert per == {"e1": 10, "e2": 399, "e3": 5}
+    assert per == {"e1": 20, "e2": 900, "e3": 5}
     assert set(out.loc[out["resolution_s"].eq(60), "engine_id"]) == {"e1"}
     # counts of a sample (its true number of seconds) decide, not the rows sampled
-    held = pd.Series({"e1": 30, "e2": 150})
+    held = pd.Series({"e1": 30, "e2": 350})
     out = append_minute_windows(
-        _Tiered(minutes, t0 + 570), engines, seconds, since, until, "p", seconds_held=held
+        _Tiered(minutes, t0 + 300), engines, seconds, since, until, "p", held, t0 + 300.0
     )
     assert set(out.loc[out["resolution_s"].eq(60), "engine_id"]) == {"e1", "e2"}
-    # a range inside the seconds held, or a source that says none aged out: no read
-    for src, start in ((_Tiered(minutes, t0 + 570), t0 + 600), (_Tiered(minutes, None), t0)):
+    # a range whose first second is at its start, or a source that says none aged out:
+    # nothing more is read
+    for src, start in ((_Tiered(minutes, t0 + 300), t0 + 300), (_Tiered(minutes, None), t0)):
         assert append_minute_windows(src, engines, seconds, start, until, "p") is seconds
         assert src.reads == 0
     # a collector from before the tier (404): the seconds; any other failure is raised
-    old = _Tiered(minutes, t0 + 570, fail=404)
+    old = _Tiered(minutes, t0 + 300, fail=404)
     assert append_minute_windows(old, engines, seconds, since, until, "p") is seconds
     with pytest.raises(SourceError):
-        append_minute_windows(_Tiered(minutes, t0 + 570, 500), engines, seconds, since, until, "p")
+        append_minute_windows(_Tiered(minutes, t0 + 300, 500), engines, seconds, since, until, "p")
 
 
 def _minutes(rows: list[tuple[float, float, float]]) -> pd.DataFrame:
