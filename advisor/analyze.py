@@ -337,7 +337,9 @@ def _engine(
     eid, pool = str(cfg["engine_id"]), cfg.get("pool")
     scope = Scope(engine_id=eid, pool=pool)
     try:
-        curve = ThroughputCurve(knee_fraction=cap_fraction).fit(w)
+        # A window read from the 1-minute tier is sixty seconds of evidence: two make a bin.
+        minutes = bool(len(w)) and bool(from_minutes(w).all())
+        curve = ThroughputCurve(knee_fraction=cap_fraction, min_count=2 if minutes else 3).fit(w)
     except NotEnoughData as e:
         report.engines.append(
             EngineVerdict(
@@ -375,16 +377,16 @@ def _engine(
     )
     report.engines.append(verdict)
     gap = None
-    if verdict.knee_concurrency is not None and from_minutes(w).all():
+    if verdict.knee_concurrency is not None and minutes:
         gap = knee_gap(curve.windows_, verdict.knee_concurrency)
     if gap is not None:
-        # No cap where the knee may lie anywhere in a gap of the minutes' load.
+        # No cap where the minutes do not resolve the knee.
         verdict.confidence = round(verdict.confidence * 0.5, 3)
         verdict.headroom += (
             f"; read from 1-minute windows, too few of which held their load steady "
-            f"below the knee (the nearest steady ones: {gap[0]:.1f} and {gap[1]:.1f} in "
-            f"flight; load changed within the minutes): the knee lies somewhere in that "
-            f"range, and no cap is recommended from them"
+            f"around the knee (the steady ones nearest it: {gap[0]:.1f} and {gap[1]:.1f} "
+            f"in flight): load changed within the minutes, which moves a knee up, so it "
+            f"may lie anywhere up to {gap[1]:.1f}, and no cap is recommended from them"
         )
 
     kv: KvCapacityModel | None = None

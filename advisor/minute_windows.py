@@ -29,8 +29,9 @@ bends, and the knee moves up: a knee read from minutes is trusted only between s
 minutes (:func:`knee_gap`; otherwise no cap is recommended from it). Measured on real
 engines (``bench/minute_tier_knees.py``, docs/advise.md): under a slow day of load (each
 level held 100 s) the minutes give the seconds' verdict, a knee 1.12x and a cap of 15 for
-13; on six lab sweeps whose levels lasted 30-90 s their knee is 2.2-3.8x the seconds', and
-the steadiness rule withholds the cap on all six.
+13 (closed loop) and a knee 1.19x, a cap of 14 for 13 (open loop); on six lab sweeps whose
+levels lasted 30-90 s their knee is 2.1-3.8x the seconds', and the steadiness rule
+withholds the cap on all six.
 """
 
 from __future__ import annotations
@@ -272,7 +273,7 @@ def knee_gap(windows: pd.DataFrame, knee: float) -> tuple[float, float] | None:
     A minute that straddles a change of load (clients arriving within it) is a point
     between two loads, under the curve where it bends; a lab sweep whose levels last 30-90
     s leaves one or two such minutes below the knee, and the minutes' knee came out at
-    2.2-3.8x the seconds' on six of them (bench/minute_tier_knees.py, docs/advise.md)."""
+    2.1-3.8x the seconds' on six of them (bench/minute_tier_knees.py, docs/advise.md)."""
     load = pd.to_numeric(windows["load"], errors="coerce").to_numpy(float)
     x = load[steady(windows) & np.isfinite(load) & (load > 0)]
     # Strictly below: a knee at a merged bin's median load sits on a window's load.

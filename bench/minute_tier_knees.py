@@ -17,7 +17,9 @@ The run: the lab's KV-starved engine (48 KV blocks; on the closed-loop sweep it 
 at about 7 requests in flight), closed-loop clients climbing from 1 to 32 and back down to
 1, each level held ``--level-s`` seconds: load changes by the minute or slower, as a day's
 traffic does, and a minute that straddles two levels mixes them, as a minute of real
-traffic does. ``--store STORE --pool POOL`` compares the tiers on any kept run's engine
+traffic does. ``--open-loop``: the same engine under Poisson arrivals from vLLM's own
+benchmark client, 1 to 8 requests/s and back, each rate held ``--level-s`` seconds.
+``--store STORE --pool POOL`` compares the tiers on any kept run's engine
 (its whole range), e.g. a regimes run whose levels last 30-90 s. ``--export FILE`` writes
 the run's engine row, 1-second windows and finished requests as a fixture (gzipped JSON).
 
@@ -43,10 +45,11 @@ import duckdb
 if __package__ in (None, ""):  # run as a script: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.advisor_scenarios import AdvisorLab
+from bench.advisor_scenarios import MODEL_NAME, AdvisorLab
 from kvscope.advisor import Report, analyze
 from kvscope.collector.store import Store
 from kvscope.lab.engine import REGIMES
+from kvscope.lab.openloop import run_rates
 from kvscope.report.sources import StoreSource, open_store
 
 POOL = "slow-day"
@@ -210,6 +213,54 @@ def _range_of(store: Path, pool: str | None) -> dict[str, float]:
     return {"since": float(lo), "until": float(hi)}
 
 
+OPEN_LOOP_UP = (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)
+"""Poisson request rates (requests/s) of ``--open-loop``: up to about the engine's
+capacity (the slow day's plateau, ~960 tok/s, is ~7.5 requests/s of 128 tokens), and back
+down from the rate below the top."""
+
+
+def open_loop_rates() -> list[float]:
+    return [*OPEN_LOOP_UP, *reversed(OPEN_LOOP_UP[:-1])]
+
+
+def record_open_loop(workdir: Path, level_s: float) -> dict[str, Any]:
+    """The slow day with open-loop Poisson arrivals from vLLM's own benchmark client
+    (30-token prompts, 128 output tokens), each rate held ``level_s`` seconds."""
+    cfg = REGIMES["kv-starved"]
+    pool = f"{POOL}-open-loop"
+    with (
+        AdvisorLab(workdir, log=print) as lab,
+        lab.engine(
+            pool, num_gpu_blocks=cfg["num_gpu_blocks"], max_num_seqs=cfg["max_num_seqs"]
+        ) as server,
+    ):
+        lab._warm(server)
+        since = time.time()
+        run_rates(
+            server.url,
+            MODEL_NAME,
+            lab.model_dir or "",
+            open_loop_rates(),
+            seconds=level_s,
+            input_len=30,
+            output_len=128,
+            seed=lab.seed,
+            workdir=workdir / "openloop",
+            log=print,
+        )
+        until = time.time()
+        time.sleep(3.0)  # the plugin's last flush
+    run = {
+        "pool": pool,
+        "since": since,
+        "until": until,
+        "level_s": level_s,
+        "rates": open_loop_rates(),
+    }
+    (workdir / "run.json").write_text(json.dumps(run, indent=2))
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default=None, help="where the store and logs go")
@@ -220,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--level-s", type=float, default=100.0, help="seconds per load level")
     ap.add_argument("--json", default=None, help="write the comparison here")
     ap.add_argument("--export", default=None, help="write both tiers as a fixture here")
+    ap.add_argument(
+        "--open-loop",
+        action="store_true",
+        help="Poisson arrivals at 1 to 8 requests/s and back (vLLM's benchmark client) "
+        "instead of closed-loop clients",
+    )
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     if args.store:
@@ -230,7 +287,11 @@ def main(argv: list[str] | None = None) -> int:
             run = {"pool": args.pool, **_range_of(store, args.pool)}
     else:
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvscope-minute-tier-"))
-        run = record(workdir, args.level_s, progress=not args.no_progress)
+        run = (
+            record_open_loop(workdir, args.level_s)
+            if args.open_loop
+            else record(workdir, args.level_s, progress=not args.no_progress)
+        )
         store = workdir / "store.duckdb"
     since, until, pool = run.get("since"), run.get("until"), run.get("pool")
     with tempfile.TemporaryDirectory(prefix="kvscope-minutes-") as tmp:

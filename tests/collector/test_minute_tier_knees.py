@@ -93,19 +93,17 @@ def test_the_knee_from_minutes_is_the_knee_from_seconds_on_a_slow_day(tmp_path: 
 
 
 def test_minutes_that_mix_the_levels_of_a_fast_sweep_give_no_cap(tmp_path: Path) -> None:
-    """Levels of 30-90 s: one mixed minute below the knee, whose fit would put the knee at
-    more than twice the seconds' (4.0; 9.6 from the minutes): the knee is said to be
-    unresolved, with the range it lies in, and no cap is recommended from it."""
+    """Levels of 30-90 s: one mixed minute below the knee, whose fit puts the knee at more
+    than twice the seconds' (4.0; 13.7 from the minutes, with a cap of 14 without the
+    steadiness rule): the knee is said to be unresolved, at most the nearest steady load
+    above it, and no cap is recommended from it."""
     seconds, minutes = _seconds_then_minutes(_load("minute_tier_fast_sweep.json.gz", tmp_path))
     (s,), (m,) = seconds.engines, minutes.engines
     assert s.bottleneck == "kv_cache_bound" and s.recommended_concurrency_cap is not None
     assert m.bottleneck == s.bottleneck and m.saturated
     assert m.recommended_concurrency_cap is None
     assert not [r for r in minutes.recommendations if r.kind == "concurrency_cap"]
-    assert "too few of which held their load steady below the knee" in m.headroom
-    lo, hi = (
-        float(x)
-        for x in m.headroom.split("nearest steady ones: ")[1].split(" in")[0].split(" and ")
-    )
-    assert lo <= s.knee_concurrency <= hi
+    assert "too few of which held their load steady around the knee" in m.headroom
+    hi = float(m.headroom.split("may lie anywhere up to ")[1].split(",")[0])
+    assert s.knee_concurrency <= hi
     assert m.confidence <= 0.5
