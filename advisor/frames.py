@@ -38,20 +38,15 @@ def request_weights(requests: pd.DataFrame) -> pd.Series:
     return pd.Series(1.0, index=requests.index)
 
 
-def window_spans(windows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """Per window, its first second (``ts_s``) and the seconds it covers: 1, or its
-    ``resolution_s`` (a window read from the 1-minute tier covers 60,
-    :mod:`kvscope.advisor.minute_windows`)."""
-    ts = pd.to_numeric(windows["ts_s"], errors="coerce").to_numpy(float)
-    if "resolution_s" not in windows:
-        return ts, np.ones(len(ts))
-    res = pd.to_numeric(windows["resolution_s"], errors="coerce").fillna(1.0).to_numpy(float)
-    return ts, np.maximum(np.round(res), 1.0)
-
-
 def covered_seconds(windows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """Every second the windows cover, and the row (position) of the window covering it."""
-    ts, span = window_spans(windows)
+    """Every second the windows cover, and the row (position) of the window covering it: a
+    1-second window covers its ``ts_s``, one read from the 1-minute tier (``resolution_s``
+    60, :mod:`kvscope.advisor.minute_windows`) the 60 from it."""
+    ts = pd.to_numeric(windows["ts_s"], errors="coerce").to_numpy(float)
+    span = np.ones(len(ts))
+    if "resolution_s" in windows:
+        res = pd.to_numeric(windows["resolution_s"], errors="coerce").fillna(1.0)
+        span = np.maximum(np.round(res.to_numpy(float)), 1.0)
     ok = np.isfinite(ts)
     rows = np.flatnonzero(ok)
     n = span[ok].astype("int64")

@@ -81,16 +81,14 @@ def record(workdir: Path, level_s: float, *, progress: bool) -> dict[str, Any]:
     return run
 
 
-def minutes_only(store: Path, into: Path, until: float) -> Path:
-    """A copy of ``store`` whose 1-second windows the store's own lifecycle deleted once
-    rolled up (a window retention of one second, applied an hour after the run: every
-    minute complete), as a collector's retention leaves a range weeks later. Requests
-    are kept: the comparison is of the windows alone."""
-    copy = into / "minutes-only.duckdb"
-    shutil.copyfile(store, copy)
-    s = Store(str(copy))
+def delete_seconds(store: Path, until: float) -> dict[str, int]:
+    """Delete ``store``'s 1-second windows with the store's own lifecycle once rolled up
+    (a window retention of one second, applied an hour after ``until``: every minute
+    complete), as a collector's retention leaves a range weeks later. Requests are kept:
+    the comparison is of the windows alone. Returns the lifecycle's counts."""
+    s = Store(str(store))
     try:
-        s.apply_lifecycle(
+        return s.apply_lifecycle(
             window_retention_s=1.0,
             request_retention_s=0.0,
             rollup_retention_s=0.0,
@@ -99,6 +97,13 @@ def minutes_only(store: Path, into: Path, until: float) -> Path:
         )
     finally:
         s.close()
+
+
+def minutes_only(store: Path, into: Path, until: float) -> Path:
+    """A copy of ``store`` whose 1-second windows were deleted (:func:`delete_seconds`)."""
+    copy = into / "minutes-only.duckdb"
+    shutil.copyfile(store, copy)
+    delete_seconds(copy, until)
     return copy
 
 

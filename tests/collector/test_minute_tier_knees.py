@@ -22,6 +22,7 @@ import duckdb
 import pandas as pd
 import pytest
 
+from bench.minute_tier_knees import delete_seconds
 from kvscope.advisor import Report, analyze
 from kvscope.collector.store import Store
 from kvscope.report.sources import StoreSource, open_store
@@ -57,17 +58,7 @@ def _analyse(run: dict[str, Any]) -> Report:
 def _seconds_then_minutes(run: dict[str, Any]) -> tuple[Report, Report]:
     seconds = _analyse(run)
     assert "engines_from_minutes" not in seconds.coverage
-    store = Store(str(run["path"]))
-    try:
-        out = store.apply_lifecycle(
-            window_retention_s=1.0,
-            request_retention_s=0.0,
-            rollup_retention_s=0.0,
-            now_unix_s=run["until"] + 3600.0,
-            rollup_budget_s=None,
-        )
-    finally:
-        store.close()
+    out = delete_seconds(run["path"], run["until"])
     n = seconds.coverage["n_windows"]
     assert out["windows_1s"] >= n - 1  # every second but the newest: deleted
     minutes = _analyse(run)

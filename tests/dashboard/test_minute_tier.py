@@ -93,18 +93,10 @@ def test_a_range_whose_seconds_were_deleted_is_analysed_from_its_minutes(
     verdict and knee from its minutes and says so."""
     from test_minute_tier_knees import _load
 
+    from bench.minute_tier_knees import delete_seconds
+
     run = _load("minute_tier_slow_day.json.gz", tmp_path)
-    store = Store(str(run["path"]))
-    try:
-        store.apply_lifecycle(
-            window_retention_s=1.0,
-            request_retention_s=0.0,
-            rollup_retention_s=0.0,
-            now_unix_s=run["until"] + 3600.0,
-            rollup_budget_s=None,
-        )
-    finally:
-        store.close()
+    delete_seconds(run["path"], run["until"])
     c = CollectorProcess(run["path"], extra_args=["--advise-interval-s", "0", "--kv-events", "off"])
     c.start()
     utc = "%Y-%m-%dT%H:%M:%SZ"
