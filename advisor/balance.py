@@ -7,7 +7,8 @@ Algorithm
   engine's window loads divided by the seconds from the pool's first to its last
   window. A second without a window (the engine took no step) counts as idle, so a
   replica that sits idle half the time shows half the load, not the load of its busy
-  seconds.
+  seconds. A window read from the 1-minute tier counts for the seconds its engine
+  stepped in, and spans its minute.
 * **Request share**: the engine's share of the pool's finished requests.
 * **Imbalance** = the busiest engine's load / the mean load over the pool's engines
   (1.0 is even; ``n`` is one engine taking everything). It is flagged (a
@@ -41,7 +42,7 @@ import numpy as np
 import pandas as pd
 
 from kvscope.advisor.findings import Finding, Recommendation, Scope
-from kvscope.advisor.frames import prepare_windows
+from kvscope.advisor.frames import prepare_windows, stepped_seconds
 
 
 def upstream(engine_id: str) -> str:
@@ -66,9 +67,21 @@ class LoadBalance:
             else pd.DataFrame({"engine_id": [], "ts_s": [], "load": []})
         )
         ts = pd.to_numeric(w["ts_s"], errors="coerce")
-        self.span_s_ = float(ts.max() - ts.min() + 1) if len(ts) else 0.0
+        # A window read from the 1-minute tier holds the mean load of the seconds its
+        # engine stepped in and spans its minute.
+        seconds = stepped_seconds(w)
+        end = ts + (
+            pd.to_numeric(w["resolution_s"], errors="coerce").fillna(1.0)
+            if "resolution_s" in w
+            else 1.0
+        )
+        self.span_s_ = float(end.max() - ts.min()) if len(ts) else 0.0
         ids = sorted(engine_ids)
-        load_sum = w.groupby("engine_id")["load"].sum() if len(w) else pd.Series(dtype=float)
+        load_sum = (
+            (w["load"] * seconds).groupby(w["engine_id"]).sum()
+            if len(w)
+            else pd.Series(dtype=float)
+        )
         n_req = (
             requests["engine_id"].value_counts()
             if len(requests) and "engine_id" in requests

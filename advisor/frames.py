@@ -55,6 +55,20 @@ def covered_seconds(windows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     return starts + within, np.repeat(rows, n)
 
 
+def stepped_seconds(windows: pd.DataFrame) -> np.ndarray:
+    """Per window, the seconds of stepping it stands for: 1 for a 1-second window, the
+    seconds the engine stepped in for one read from the 1-minute tier (its ``n_parts``,
+    :func:`kvscope.advisor.minute_windows.windows_from_minutes`), whose counts are rates per
+    such second: a sum of counts over windows weighs each by this."""
+    out = np.ones(len(windows))
+    if "resolution_s" in windows and "n_parts" in windows:
+        res = pd.to_numeric(windows["resolution_s"], errors="coerce").fillna(1.0).to_numpy(float)
+        parts = pd.to_numeric(windows["n_parts"], errors="coerce").to_numpy(float)
+        coarse = (res > 1.0) & np.isfinite(parts)
+        out[coarse] = parts[coarse]
+    return out
+
+
 def prepare_windows(windows: pd.DataFrame) -> pd.DataFrame:
     """Add ``load`` (in-flight: running + waiting + deferred), ``gen_tokens_per_s``,
     ``total_tokens_per_s``, ``computed_tokens_per_s``, ``tokens_per_step``, ``steps_per_s`` and ``busy_ratio``

@@ -81,6 +81,7 @@ import numpy as np
 import pandas as pd
 
 from kvscope.advisor.findings import Finding, Recommendation, Scope
+from kvscope.advisor.frames import stepped_seconds
 from kvscope.advisor.prefill import PrefillCost, request_ttft_s
 
 KV_EVENT_COLUMNS = (
@@ -163,8 +164,9 @@ class PrefixRouting:
             if len(requests) and "engine_id" in requests
             else pd.DataFrame({"engine_id": []})
         )
-        q = _num(w, "prefix_queries").groupby(w["engine_id"]).sum()
-        x = _num(w, "prefix_hits").groupby(w["engine_id"]).sum()
+        seconds = stepped_seconds(w)  # a minute's counts are per second stepped
+        q = (_num(w, "prefix_queries") * seconds).groupby(w["engine_id"]).sum()
+        x = (_num(w, "prefix_hits") * seconds).groupby(w["engine_id"]).sum()
         cached = _num(r, "cached_tokens").groupby(r["engine_id"])
         rows = []
         for e in ids:
@@ -235,7 +237,9 @@ class PrefixRouting:
                 & (pd.to_numeric(w["ts_s"], errors="coerce") >= t0)
                 & (pd.to_numeric(w["ts_s"], errors="coerce") < t1)
             ]
-            qe, xe = float(_num(we, "prefix_queries").sum()), float(_num(we, "prefix_hits").sum())
+            n = stepped_seconds(we)
+            qe = float((_num(we, "prefix_queries") * n).sum())
+            xe = float((_num(we, "prefix_hits") * n).sum())
             de = float((_num(rows, "dup_blocks") * bs).sum())
             re_ = float((_num(rows, "reseen_blocks") * bs).sum())
             q_ev, x_ev, dup_tok, reseen_tok = q_ev + qe, x_ev + xe, dup_tok + de, reseen_tok + re_

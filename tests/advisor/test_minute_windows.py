@@ -11,7 +11,9 @@ from typing import Any
 import pandas as pd
 import pytest
 
+from kvscope.advisor.balance import LoadBalance
 from kvscope.advisor.minute_windows import append_minute_windows, knee_gap, windows_from_minutes
+from kvscope.advisor.prefix import PrefixRouting
 from kvscope.advisor.sources import SourceError
 
 MINUTE = {
@@ -150,3 +152,41 @@ def test_a_knee_is_resolved_only_between_steady_minutes_near_it() -> None:
     # no steady minute at or above the knee: up to the highest load seen
     top_mixed = [(x, x, x) for x in (1.0, 2.0, 3.0)] + [(20.0, 10.0, 40.0)]
     assert knee_gap(_minutes(top_mixed), 4.0) == (3.0, 20.0)
+
+
+def _pool_minute(engine: str, minute: int, n_seconds: int, batch: float) -> dict[str, Any]:
+    """A minute of one replica: ``batch`` in flight over the ``n_seconds`` it stepped in,
+    100 prompt tokens looked up and 25 found per second stepped."""
+    return dict(
+        MINUTE,
+        engine_id=engine,
+        ts_s=MINUTE["ts_s"] + 60 * minute,
+        n_seconds=n_seconds,
+        n_steps=50 * n_seconds,
+        batch_sum=50 * n_seconds * batch,
+        batch_mean=batch,
+        waiting_sum=0,
+        waiting_mean=0.0,
+        prefix_queries=100 * n_seconds,
+        prefix_hits=25 * n_seconds,
+    )
+
+
+def test_the_balance_and_prefix_reuse_of_a_pool_read_from_minutes_count_its_seconds() -> None:
+    # Ten minutes: replica a steps every second with 6 in flight, replica b half of each
+    # minute with 2. Over the 600 s, a carries 6 and b 1 (idle seconds count as idle): the
+    # pool mean is 3.5 and a carries 6 / 3.5 = 1.71x it. The pool looked up 100 tokens per
+    # second stepped (60 + 30 seconds a minute for ten minutes), 90,000 in all, and found
+    # a quarter.
+    rows = [_pool_minute("a", i, 60, 6.0) for i in range(10)]
+    rows += [_pool_minute("b", i, 30, 2.0) for i in range(10)]
+    w = windows_from_minutes(pd.DataFrame(rows))
+    lb = LoadBalance().fit(w, pd.DataFrame(), ["a", "b"])
+    assert lb.span_s_ == 600
+    assert lb.mean_load_ == pytest.approx({"a": 6.0, "b": 1.0})
+    assert lb.imbalance_ == pytest.approx(6 / 3.5)
+    assert lb.flagged_ and lb.busiest_ == "a"
+    configs = [{"engine_id": e, "block_size": 16, "enable_prefix_caching": True} for e in "ab"]
+    pr = PrefixRouting().fit(configs, w, pd.DataFrame())
+    assert pr.queries_ == 90_000 and pr.hits_ == 22_500
+    assert pr.hit_rate_ == pytest.approx(0.25)
