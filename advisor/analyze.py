@@ -359,14 +359,18 @@ def _engine(
         steps = None
     bn = BottleneckClassifier().fit(curve, cfg, r if len(r) else None, steps)
     report.findings.extend(bn.findings(scope))
+    # A knee is published only where load went past it: below saturation it is a
+    # fraction of the day's highest load, and moves with it. Nor where the front end
+    # limits: the engine has room, and its in-flight count is what the API server hands
+    # it, not what the clients send, so a cap read from it caps the wrong thing.
+    front_end = bn.label_ == "frontend_bound"
+    knee = curve.knee_load_ if curve.saturated_ and not front_end else None
     verdict = EngineVerdict(
         engine_id=eid,
         pool=pool,
         bottleneck=bn.verdict_,
         saturated=curve.saturated_,
-        # A knee is published only where load went past it: below saturation it is a
-        # fraction of the day's highest load, and moves with it.
-        knee_concurrency=curve.knee_load_ if curve.saturated_ else None,
+        knee_concurrency=knee,
         plateau_tokens_per_s=curve.plateau_tokens_per_s_,
         plateau_total_tokens_per_s=curve.plateau_total_tokens_per_s_,
         max_load_seen=curve.max_load_,
@@ -379,6 +383,12 @@ def _engine(
     gap = None
     if verdict.knee_concurrency is not None and minutes:
         gap = knee_gap(curve.windows_, verdict.knee_concurrency)
+    if front_end and curve.saturated_:
+        verdict.headroom += (
+            f"; the engine's in-flight count stopped at {curve.knee_load_:.1f} because the "
+            "front end hands it no more: no knee or cap is read from it (more API server "
+            "processes lift this limit; a cap would not)"
+        )
     if gap is not None:
         # No cap where the minutes do not resolve the knee.
         verdict.confidence = round(verdict.confidence * 0.5, 3)
@@ -413,7 +423,7 @@ def _engine(
         lat = LatencyVsLoad().fit(r, curve)
         report.findings.append(lat.finding(scope))
         verdict.p99_e2e_s_at_max_load = lat.p99_at(curve.max_load_)
-        if curve.saturated_ and gap is None:
+        if knee is not None and gap is None:
             cap = ConcurrencyCap(
                 cap_fraction=cap_fraction,
                 slo_ttft_p99_s=slo_ttft_p99_s,

@@ -189,6 +189,8 @@ def _engine_block(report: Report, v: EngineVerdict) -> list[Padding]:
     head.append(", saturated" if v.saturated else ", headroom")
     if v.preemption_thrash:
         head.append(", preemption thrash", style="bold red")
+    # Saturated without a knee: a front end that limits (the engine has room).
+    no_knee = "read from the engine" if v.saturated else "yet (load never went past one)"
     lines = [
         Text(
             f"knee {_num(v.knee_concurrency)} in flight; plateau "
@@ -196,7 +198,7 @@ def _engine_block(report: Report, v: EngineVerdict) -> list[Padding]:
             f"({_tok(v.plateau_total_tokens_per_s)} total); confidence "
             f"{_num(v.confidence, '.2f')}"
             if v.knee_concurrency is not None
-            else f"no knee yet (load never went past one); highest throughput "
+            else f"no knee {no_knee}; highest throughput "
             f"{_tok(v.plateau_tokens_per_s)} generated "
             f"({_tok(v.plateau_total_tokens_per_s)} total); confidence "
             f"{_num(v.confidence, '.2f')}"

@@ -247,7 +247,8 @@ class Regime:
     """Prompt words by load: ``(clients, (min, max))`` pairs, each from that load up (a
     request mix that shifts with the day's load); empty: ``prompt_words`` throughout."""
     no_cap: bool = False
-    """Right only without a knee or a cap (an engine that never saturated)."""
+    """Right only without a knee or a cap (an engine that never saturated, or one whose
+    front end limits)."""
     control_scale: int = 1
     """The control runs the regime's top loads times this (``2`` with the same engine:
     throughput that grows with load shows the engine was not saturated)."""
@@ -345,6 +346,7 @@ REGIMES: dict[str, Regime] = {
             output_tokens=128,
             concurrency=(1, 2, 4, 8, 16, 32),
             model="tiny",
+            no_cap=True,
             control=Engine(num_gpu_blocks=4096),
             why=f"a tiny model's API server held to {FRONT_END_CPUS:g} CPUs, as a container's limit",
         ),
@@ -408,7 +410,7 @@ class RegimeResult:
 
     @property
     def knee_and_cap_right(self) -> bool:
-        """For an engine that never saturated: no knee and no cap."""
+        """For an engine that never saturated or whose front end limits: no knee, no cap."""
         v = self.verdict
         return not self.no_cap or (
             v.get("knee_concurrency") is None and v.get("recommended_concurrency_cap") is None

@@ -478,6 +478,33 @@ def test_the_front_end_is_named_when_requests_spend_their_life_outside_the_engin
         assert v.bottleneck != "frontend_bound" and v.approaching != "frontend_bound", ev
 
 
+def test_a_front_end_that_flattens_the_curve_gives_no_knee_or_cap() -> None:
+    """The same engine, but from 8 in flight on its throughput stops growing (each step
+    lengthens with the batch, as when the API server, sharing the engine's host, takes its
+    cycles): the curve saturates at the engine while requests spend a third of their life
+    in the API server. The engine's in-flight count is what the front end hands it, not
+    what the clients send; a cap read from it would cap the wrong thing, and vLLM's own
+    answer is more API server processes."""
+    cfg = gpu_config()
+    levels = [
+        Level(
+            load=L,
+            batch=L,
+            kv_usage=0.003 * L,
+            step_s=0.025 * max(1.0, L / 8),
+            frontend_s=12.0 if L >= 16 else 0.05,
+        )
+        for L in (2, 4, 8, 16, 24, 32)
+    ]
+    engines, windows, requests = frames(levels, cfg, prompt=300, gen=300)
+    rep = analyze(FrameSource(engines, windows, requests))
+    v = rep.engines[0]
+    assert v.bottleneck == "frontend_bound" and v.saturated
+    assert v.knee_concurrency is None and v.recommended_concurrency_cap is None
+    assert "no knee or cap" in v.headroom
+    assert [r.kind for r in rep.recommendations] == ["scale_api_server"]
+
+
 def rep_summary(levels: list[Level], cfg: dict[str, Any]) -> str:
     engines, windows, requests = frames(levels, cfg, prompt=300, gen=300)
     return analyze(FrameSource(engines, windows, requests)).findings_of("bottleneck")[0].summary
