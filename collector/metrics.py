@@ -428,6 +428,7 @@ class _Engine:
         "finish_reasons",
         "finished_requests",
         "gauge_boot_id",
+        "gauge_boots",
         "generation_tokens",
         "hello_started",
         "info",
@@ -468,6 +469,9 @@ class _Engine:
         self.last_step_unix_s: float | None = None
         self.last_seen_unix_s: float | None = None
         self.gauge_boot_id: str | None = None
+        self.gauge_boots: set[str] = set()
+        """Boots whose steps have set the gauges (an engine served by several API server
+        processes sends one stream per process, each its own boot)."""
         self.steps = self.prompt_tokens = self.generation_tokens = self.preemptions = 0
         self.prefix_queries = self.prefix_hits = self.finished_requests = 0
         self.waiting_steps = self.deferred_steps = 0
@@ -580,14 +584,18 @@ class FleetState:
         ts = s["ts_unix_s"]
         i = int(ts.argmax())
         # The latest step by step time sets the gauges; a new boot takes over even if
-        # its clock is behind the previous boot's.
+        # its clock is behind the previous boot's. Boots seen before (the streams of an
+        # engine's API server processes, which run side by side) go by step time.
         if (
             e.last_step_unix_s is None
             or ts[i] >= e.last_step_unix_s
-            or b.boot_id != e.gauge_boot_id
+            or b.boot_id not in e.gauge_boots
         ):
             e.last_step_unix_s = float(ts[i])
             e.gauge_boot_id = b.boot_id
+            if len(e.gauge_boots) >= 64:  # restarts over a long life: keep a few
+                e.gauge_boots.clear()
+            e.gauge_boots.add(b.boot_id)
             for a in ("batch_size", "waiting", "deferred", "kv_blocks_used"):
                 setattr(e, a, int(s[a][i]))
             e.kv_usage_ratio = float(s["kv_usage_ratio"][i])

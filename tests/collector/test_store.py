@@ -71,6 +71,23 @@ def test_window_matches_hand_computation(store: Store) -> None:
     assert (w["first_step_unix_s"], w["last_step_unix_s"]) == (ts[0], ts[-1])
 
 
+def test_the_streams_of_an_engines_api_servers_merge_into_its_windows(store: Store) -> None:
+    # vllm serve --api-server-count 2: each API server process sends the steps whose
+    # stats vLLM handed it, under the engine's id, each its own boot, interleaved in time.
+    ts_a, ts_b = [T0 + 0.1 * i for i in range(0, 10, 2)], [T0 + 0.1 * i for i in range(1, 10, 2)]
+    for boot, ts, bs in (("api0", ts_a, [4, 4, 5, 5, 6]), ("api1", ts_b, [4, 5, 5, 6, 6])):
+        b = batch(engine_id="e1", boot_id=boot, seq=0, with_hello=True)
+        b["hello"]["pid"] = 100 + len(boot)
+        b["steps"] = steps(ts, batch=bs, generation_tokens=bs)
+        store.ingest_one(_prep(b))
+    w = _window(store, int(T0))
+    assert w["n_steps"] == 10 and w["n_parts"] == 2
+    assert w["batch_mean"] == pytest.approx(5.0) and w["generation_tokens"] == 50
+    assert (w["first_step_unix_s"], w["last_step_unix_s"]) == (ts_a[0], ts_b[-1])
+    assert list(store.engines()["engine_id"]) == ["e1"]
+    assert sorted(store.engine_configs()["boot_id"]) == ["api0", "api1"]
+
+
 def test_split_second_merges_exactly_except_percentiles(store: Store) -> None:
     ts_a = [T0 + 0.1 * i for i in range(6)]  # 0.0 .. 0.5
     ts_b = [T0 + 0.55 + 0.1 * i for i in range(4)] + [T0 + 1.2]  # rest of the second, next one

@@ -49,6 +49,20 @@ def test_hello_reads_the_vllm_config(installed_exporter: Exporter, light_vllm_co
     assert hello["host"] == "testhost" and hello["port"] == 8123 and hello["pool"] == "default"
 
 
+def test_every_api_server_process_sends_under_the_engines_id(
+    installed_exporter: Exporter, light_vllm_config: Any
+) -> None:
+    # vllm serve --api-server-count 2: vLLM sets these on each API server process's
+    # config; each process sees part of the engine's steps and requests.
+    par = light_vllm_config.parallel_config
+    par._api_process_count = 2
+    ids = set()
+    for rank in (0, 1):
+        par._api_process_rank = rank
+        ids.add(KvscopeStatLogger(light_vllm_config, 0).engine_id)
+    assert ids == {"testhost:8123:0"}
+
+
 def test_num_gpu_blocks_known_after_init_sends_a_fresh_hello(
     installed_exporter: Exporter, collector: RecordingServer, light_vllm_config: Any
 ) -> None:
