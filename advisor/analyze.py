@@ -384,10 +384,11 @@ def _engine(
     if verdict.knee_concurrency is not None and minutes:
         gap = knee_gap(curve.windows_, verdict.knee_concurrency)
     if front_end and curve.saturated_:
-        verdict.headroom += (
-            f"; the engine's in-flight count stopped at {curve.knee_load_:.1f} because the "
-            "front end hands it no more: no knee or cap is read from it (more API server "
-            "processes lift this limit; a cap would not)"
+        verdict.headroom = (
+            f"throughput stopped growing at {curve.knee_load_:.1f} in flight (load reached "
+            f"{curve.max_load_:.1f}) because the front end feeds the engine no faster: no "
+            "knee or cap is read from the engine (more API server processes lift this "
+            "limit; a cap would not)"
         )
     if gap is not None:
         # No cap where the minutes do not resolve the knee.
