@@ -382,6 +382,9 @@ class VllmServer:
         """Threads of the engine-core process given ``engine_core_nice`` after start-up."""
         self.api_server_cpus = api_server_cpus
         self.api_server_count = api_server_count
+        if api_server_count > 1 and api_server_cpus is not None:
+            # The limit goes to the process started, here the launcher, not its children.
+            raise LabError("api_server_cpus holds one API server process: use api_server_count 1")
         self._cpu_group: Path | None = None
         self.startup_s: float | None = None
         """Seconds from process start to the first healthy ``/health``."""
