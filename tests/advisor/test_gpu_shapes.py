@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -443,6 +444,22 @@ def test_a_queue_with_every_limit_at_room_is_unexplained_not_compute() -> None:
     assert "front end" in rep_summary(levels, cfg)
 
 
+def front_end_sweep(step_s: Callable[[float], float], frontend_s: float) -> list[Level]:
+    """2 to 32 in flight with room everywhere (KV 0.3% a sequence, no queue), steps of
+    ``step_s(load)``; from 16 in flight on each request spends ``frontend_s`` in the API
+    server (0.05 s below)."""
+    return [
+        Level(
+            load=L,
+            batch=L,
+            kv_usage=0.003 * L,
+            step_s=step_s(L),
+            frontend_s=frontend_s if L >= 16 else 0.05,
+        )
+        for L in (2, 4, 8, 16, 24, 32)
+    ]
+
+
 @pytest.mark.parametrize(("frontend_s", "expected"), ((4.0, "frontend_bound"), (2.0, None)))
 def test_the_front_end_is_named_when_requests_spend_their_life_outside_the_engine(
     frontend_s: float, expected: str | None
@@ -453,16 +470,7 @@ def test_the_front_end_is_named_when_requests_spend_their_life_outside_the_engin
     (a third of its life) the front end is what the clients wait for; with 2 s (a fifth)
     it is a slow front end, not the limit, and nothing else shows either."""
     cfg = gpu_config()
-    levels = [
-        Level(
-            load=L,
-            batch=L,
-            kv_usage=0.003 * L,
-            step_s=0.025 + 0.0001 * L,
-            frontend_s=frontend_s if L >= 16 else 0.05,
-        )
-        for L in (2, 4, 8, 16, 24, 32)
-    ]
+    levels = front_end_sweep(lambda L: 0.025 + 0.0001 * L, frontend_s)
     v, ev = verdict(levels, cfg, prompt=300, gen=300)
     assert ev["waiting_median"] < 1 and ev["kv_usage_median"] < 0.2
     share = frontend_s / (frontend_s + 300 * 0.028)
@@ -486,16 +494,7 @@ def test_a_front_end_that_flattens_the_curve_gives_no_knee_or_cap() -> None:
     what the clients send; a cap read from it would cap the wrong thing, and vLLM's own
     answer is more API server processes."""
     cfg = gpu_config()
-    levels = [
-        Level(
-            load=L,
-            batch=L,
-            kv_usage=0.003 * L,
-            step_s=0.025 * max(1.0, L / 8),
-            frontend_s=12.0 if L >= 16 else 0.05,
-        )
-        for L in (2, 4, 8, 16, 24, 32)
-    ]
+    levels = front_end_sweep(lambda L: 0.025 * max(1.0, L / 8), 12.0)
     engines, windows, requests = frames(levels, cfg, prompt=300, gen=300)
     rep = analyze(FrameSource(engines, windows, requests))
     v = rep.engines[0]
