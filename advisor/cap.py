@@ -18,16 +18,23 @@ Algorithm
    it), and the cap is the ``resample_quantile`` of those loads when that is higher
    (the median: a bin that ran fast by luck no longer sets the cap alone; a higher
    quantile moves a cap on a flat top by whole load levels towards the overload, and
-   on real engines that cost more of the tail than it saved in throughput). The cap is at
-   most the curve's batch ceiling (the load where the running batch stopped growing
-   while requests waited) and its KV ceiling (where requests waited with the cache
-   full): load past either only waits in vLLM's queue.
+   on real engines that cost more of the tail than it saved in throughput). Where the
+   curve shows a batch ceiling (the running batch stopped growing while requests
+   waited) or a KV ceiling (requests waited with the cache full), the cap is at most
+   the batch the engine held there (``ceiling_batch_``, rounded up): requests in flight
+   beyond it only wait in vLLM's queue. Not the ceiling's load, which counts the
+   requests that waited: on a real long-context engine whose cache held 2.9 requests
+   the KV ceiling lay at 3.9 in flight, and a cap of 4 kept one request waiting behind
+   every three, cutting the overload P99 only to 0.61-0.63x where a cap of 3 had cut it
+   to 0.34-0.37x keeping 0.96-1.01 of the throughput.
 2. With an SLO (``slo_ttft_p99_s``, ``slo_e2e_p99_s``), the P99 at the cap
    (:meth:`~kvscope.advisor.latency.LatencyVsLoad.p99_at`) must meet it; if not, the cap is
    lowered to the largest whole load whose interpolated P99 meets every SLO, and the
    throughput share it keeps is reported lower. No such load: the SLO is
    infeasible on this engine (``feasible_`` false), and the finding says so.
-3. Predicted effect at the cap: the fitted throughput as a share of the plateau, and
+3. Predicted effect at the cap: the fitted throughput as a share of the plateau (for
+   a cap that admits the batch held at the ceiling, the fit at the ceiling's load: the
+   engine runs that batch as there, without the queue), and
    the P99 latencies the engine showed at that load, against the P99 at the highest
    load seen (what an uncapped overload gives).
 
@@ -165,10 +172,14 @@ class ConcurrencyCap:
         )
         if math.isfinite(self.resampled_load_):
             load = max(load, self.resampled_load_)
-        for ceiling in (curve.batch_ceiling_load_, curve.kv_ceiling_load_):
-            if ceiling is not None:
-                # Past the batch or KV ceiling only the queue grows (the curve's step 5).
-                load = min(load, ceiling)
+        self.ceiling_batch_ = curve.ceiling_batch_
+        self.bounded_by_batch_ = bool(
+            self.ceiling_batch_ is not None and self.ceiling_batch_ < load
+        )
+        if self.ceiling_batch_ is not None:
+            # Past the batch the engine held at its batch or KV ceiling only vLLM's
+            # queue grows (the curve's step 5).
+            load = min(load, self.ceiling_batch_)
         cap = max(1, math.ceil(load - 1e-9))
         self.slo_limited_ = False
         self.feasible_ = True
@@ -180,8 +191,17 @@ class ConcurrencyCap:
             else:
                 self.feasible_ = False
         self.cap_ = int(cap)
+        at = float(cap)
+        if (
+            self.ceiling_batch_ is not None
+            and curve.ceiling_load_ is not None
+            and cap >= self.ceiling_batch_
+        ):
+            # The cap admits the batch the engine held at its ceiling: it runs as there,
+            # without the queue (the curve below the ceiling had fewer running).
+            at = max(at, curve.ceiling_load_)
         self.throughput_fraction_ = (
-            float(np.interp(cap, x, fit) / plateau) if plateau > 0 else math.nan
+            float(np.interp(at, x, fit) / plateau) if plateau > 0 else math.nan
         )
         self.queue_ = max(1, math.ceil(self.queue_share * self.cap_))
         self.p99_e2e_s_queued_ = latency.p99_at(cap + self.queue_, "e2e_s")
@@ -201,11 +221,16 @@ class ConcurrencyCap:
             if math.isfinite(p_cap) and math.isfinite(p_max)
             else ""
         )
-        slo = " (lowered to meet the SLO)" if self.slo_limited_ and self.feasible_ else ""
+        why = " (lowered to meet the SLO)" if self.slo_limited_ and self.feasible_ else ""
+        if self.bounded_by_batch_ and not self.slo_limited_ and self.ceiling_batch_ is not None:
+            why = (
+                f" (the engine ran {self.ceiling_batch_:.1f} requests while others waited: "
+                "more in flight only queue)"
+            )
         bad = "; the SLO cannot be met on this engine at any load" if not self.feasible_ else ""
         return (
             f"cap {self.cap_}: {self.throughput_fraction_:.0%} of peak throughput{lat}"
-            f"{slo}{bad}; requests beyond the cap are rejected (a gateway holding the cap: "
+            f"{why}{bad}; requests beyond the cap are rejected (a gateway holding the cap: "
             "at once; with only the vLLM flags: past a short queue in vLLM, which adds up to "
             "about one request's duration to the admitted requests' P99)"
         )
@@ -270,6 +295,7 @@ class ConcurrencyCap:
                 "cap_fraction": self.cap_fraction,
                 "point_load": self.point_load_,
                 "resampled_load": self.resampled_load_,
+                "ceiling_batch": self.ceiling_batch_,
                 "slo_ttft_p99_s": self.slo_ttft_p99_s,
                 "slo_e2e_p99_s": self.slo_e2e_p99_s,
                 "slo_limited": self.slo_limited_,

@@ -221,6 +221,19 @@ class ThroughputCurve:
         if kv_full.any():
             self.kv_ceiling_load_ = float(x[int(np.argmax(kv_full))])
             self.knee_load_ = min(self.knee_load_, self.kv_ceiling_load_)
+        # The batch the engine held from its lowest ceiling on (the median over those
+        # windows): past it requests only wait for a slot or for blocks, so a cap above
+        # it admits them to vLLM's queue. The ceiling's load counts the waiting requests
+        # that first showed it (3.9 in flight on a cache holding 2.9 requests).
+        self.ceiling_batch_: float | None = None
+        ceilings = [c for c in (self.batch_ceiling_load_, self.kv_ceiling_load_) if c is not None]
+        self.ceiling_load_ = min(ceilings) if ceilings else None
+        if self.ceiling_load_ is not None:
+            first = int(np.searchsorted(x, self.ceiling_load_))
+            bin_ids = np.sort(w["bin"].unique())
+            held = w.loc[w["bin"] >= bin_ids[first], "batch_mean"].astype(float)
+            if len(held) and math.isfinite(float(held.median())):
+                self.ceiling_batch_ = float(held.median())
         self.waiting_at_max_load_ = float(bins["waiting"].iloc[-1])
         self.past_knee_ = bool(
             len(x) > 1 and self.max_load_ >= self.saturation_margin * self.knee_load_
@@ -370,6 +383,7 @@ class ThroughputCurve:
                 "work_past_knee": self.work_past_knee_,
                 "knee_fraction": self.knee_fraction,
                 "batch_ceiling_load": self.batch_ceiling_load_,
+                "ceiling_batch": self.ceiling_batch_,
                 "n_windows": n,
                 "n_bins": len(self.bins_),
             },

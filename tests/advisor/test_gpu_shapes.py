@@ -504,6 +504,11 @@ def test_a_front_end_that_flattens_the_curve_gives_no_knee_or_cap() -> None:
     assert [r.kind for r in rep.recommendations] == ["scale_api_server"]
 
 
+def rep_recs(levels: list[Level], cfg: dict[str, Any], **kw: Any) -> list[Any]:
+    engines, windows, requests = frames(levels, cfg, **kw)
+    return analyze(FrameSource(engines, windows, requests)).recommendations
+
+
 def rep_summary(levels: list[Level], cfg: dict[str, Any]) -> str:
     engines, windows, requests = frames(levels, cfg, prompt=300, gen=300)
     return analyze(FrameSource(engines, windows, requests)).findings_of("bottleneck")[0].summary
@@ -624,3 +629,36 @@ def test_the_same_slow_steps_with_the_work_flat_are_a_limit() -> None:
     curve = rep.findings_of("throughput_curve")[0].evidence
     assert curve["work_past_knee"] and curve["limit_evidence"]
     assert v.saturated and v.knee_concurrency is not None
+
+
+# -- the cap where the cache holds a few long requests ---------------------------------------
+
+
+def test_the_cap_admits_no_more_than_the_cache_holds() -> None:
+    """340 blocks of 16 tokens (5,440 tokens); prompts of 1,700 tokens and 64 generated:
+    a request holds up to 111 blocks, three hold 333 and the fourth waits for blocks (7
+    free). The levels past three ran on a faster host (steps 20% shorter, as on the real
+    long-context engine: 2.9 running gave 103 tok/s at 3 clients, 125 at 4), so the
+    throughput still "grows" where only the queue did; the cap must not follow it: a
+    fourth request in flight only waits behind the three, for about a third of a request's
+    life. The first level with a queue lies at 4 in flight; the cap is the 3 the cache
+    holds."""
+    cfg = gpu_config(num_gpu_blocks=340)
+    levels = [
+        Level(
+            load=load,
+            batch=min(load, 3),
+            kv_usage=111 * min(load, 3) / 340,
+            step_s=(0.030 if load <= 3 else 0.024) + 0.002 * min(load, 3),
+        )
+        for load in (1, 2, 3, 4, 6, 8)
+    ]
+    v, ev = verdict(levels, cfg, prompt=1700, gen=64)
+    assert v.bottleneck == "kv_cache_bound" and v.saturated, ev
+    assert v.recommended_concurrency_cap == 3, v
+    recs = rep_recs(levels, cfg, prompt=1700, gen=64)
+    (rec,) = [r for r in recs if r.kind == "concurrency_cap"]
+    assert "the engine ran 3.0 requests while others waited" in rec.tradeoff
+    # The engine runs the same three there as under overload.
+    assert v.predicted_throughput_fraction_at_cap is not None
+    assert v.predicted_throughput_fraction_at_cap >= 0.9
