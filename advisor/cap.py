@@ -25,8 +25,8 @@ Algorithm
    beyond it only wait in vLLM's queue. Not the ceiling's load, which counts the
    requests that waited: on a real long-context engine whose cache held 2.9 requests
    the KV ceiling lay at 3.9 in flight, and a cap of 4 kept one request waiting behind
-   every three, cutting the overload P99 only to 0.61-0.63x where a cap of 3 had cut it
-   to 0.34-0.37x keeping 0.96-1.01 of the throughput.
+   every three, cutting the overload P99 only to 0.61-0.63x; the cap of 3 cuts it to
+   0.32-0.33x keeping 0.97-0.99 of the throughput (docs/advise.md).
 2. With an SLO (``slo_ttft_p99_s``, ``slo_e2e_p99_s``), the P99 at the cap
    (:meth:`~kvscope.advisor.latency.LatencyVsLoad.p99_at`) must meet it; if not, the cap is
    lowered to the largest whole load whose interpolated P99 meets every SLO, and the
