@@ -504,11 +504,6 @@ def test_a_front_end_that_flattens_the_curve_gives_no_knee_or_cap() -> None:
     assert [r.kind for r in rep.recommendations] == ["scale_api_server"]
 
 
-def rep_recs(levels: list[Level], cfg: dict[str, Any], **kw: Any) -> list[Any]:
-    engines, windows, requests = frames(levels, cfg, **kw)
-    return analyze(FrameSource(engines, windows, requests)).recommendations
-
-
 def rep_summary(levels: list[Level], cfg: dict[str, Any]) -> str:
     engines, windows, requests = frames(levels, cfg, prompt=300, gen=300)
     return analyze(FrameSource(engines, windows, requests)).findings_of("bottleneck")[0].summary
@@ -653,11 +648,11 @@ def test_the_cap_admits_no_more_than_the_cache_holds() -> None:
         )
         for load in (1, 2, 3, 4, 6, 8)
     ]
-    v, ev = verdict(levels, cfg, prompt=1700, gen=64)
+    rep = analyze(FrameSource(*frames(levels, cfg, prompt=1700, gen=64)))
+    v, ev = rep.engines[0], rep.findings_of("bottleneck")[0].evidence
     assert v.bottleneck == "kv_cache_bound" and v.saturated, ev
     assert v.recommended_concurrency_cap == 3, v
-    recs = rep_recs(levels, cfg, prompt=1700, gen=64)
-    (rec,) = [r for r in recs if r.kind == "concurrency_cap"]
+    (rec,) = [r for r in rep.recommendations if r.kind == "concurrency_cap"]
     assert "the engine ran 3.0 requests while others waited" in rec.tradeoff
     # The engine runs the same three there as under overload.
     assert v.predicted_throughput_fraction_at_cap is not None
