@@ -174,11 +174,22 @@ def append_minute_windows(
     use = set(stepped.index[held.to_numpy(float) < 0.5 * stepped.to_numpy(float)])
     if not use:
         return windows
+    return read_from_minutes(windows, minutes, use)
+
+
+def read_from_minutes(windows: pd.DataFrame, minutes: pd.DataFrame, use: set[str]) -> pd.DataFrame:
+    """``windows`` with the engines in ``use`` read from their ``minutes``
+    (:func:`windows_from_minutes`) and their 1-second windows dropped: one resolution per
+    engine."""
+    if not use or minutes is None or not len(minutes) or "engine_id" not in minutes:
+        return windows
     extra = windows_from_minutes(minutes[minutes["engine_id"].astype(str).isin(use)])
     if "engine_id" in windows and len(windows):
         windows = windows[~windows["engine_id"].astype(str).isin(use)]
     if not len(windows):
         return extra
+    if not len(extra):
+        return windows
     return pd.concat([windows, extra], ignore_index=True)
 
 

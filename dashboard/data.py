@@ -24,7 +24,7 @@ from typing import Any
 import pandas as pd
 
 from kvscope.advisor import CollectorSource, Report, SourceError, analyze
-from kvscope.advisor.minute_windows import windows_from_minutes
+from kvscope.advisor.minute_windows import read_from_minutes
 from kvscope.advisor.render import source_error_message
 from kvscope.advisor.request_latency import (
     RequestLatency,
@@ -90,16 +90,13 @@ class _KeepingSource:
         return self.frames["minute_windows"]
 
     def analysed_windows(self, report: Report) -> pd.DataFrame:
-        """The windows the report was made from: the 1-second ones read, and the 1-minute
-        ones of the engines it read from them (``coverage.engines_from_minutes``), as
-        :func:`~kvscope.advisor.minute_windows.windows_from_minutes` gives them."""
+        """The windows the report was made from: the 1-second ones read, with the engines
+        it read from the 1-minute tier (``coverage.engines_from_minutes``) in their minutes
+        only (:func:`~kvscope.advisor.minute_windows.read_from_minutes`, the advisor's
+        rule: one resolution per engine)."""
         w = self.frames.get("windows", pd.DataFrame())
-        ids = report.coverage.get("engines_from_minutes") or []
-        m = self.frames.get("minute_windows", pd.DataFrame())
-        if not ids or not len(m):
-            return w
-        extra = windows_from_minutes(m[m["engine_id"].astype(str).isin(set(ids))])
-        return pd.concat([w, extra], ignore_index=True) if len(w) else extra
+        ids = {str(e) for e in report.coverage.get("engines_from_minutes") or []}
+        return read_from_minutes(w, self.frames.get("minute_windows", pd.DataFrame()), ids)
 
     def seconds_aged_out(self, since: float | None, until: float | None) -> float | None:
         aged_out = getattr(self.source, "seconds_aged_out", None)

@@ -12,7 +12,12 @@ import pandas as pd
 import pytest
 
 from kvscope.advisor.balance import LoadBalance
-from kvscope.advisor.minute_windows import append_minute_windows, knee_gap, windows_from_minutes
+from kvscope.advisor.minute_windows import (
+    append_minute_windows,
+    knee_gap,
+    read_from_minutes,
+    windows_from_minutes,
+)
 from kvscope.advisor.prefix import PrefixRouting
 from kvscope.advisor.sources import SourceError
 
@@ -120,6 +125,22 @@ def test_engines_whose_seconds_aged_out_are_read_from_minutes_and_the_rest_from_
     assert append_minute_windows(old, engines, seconds, since, until, "p") is seconds
     with pytest.raises(SourceError):
         append_minute_windows(_Tiered(minutes, t0 + 300, 500), engines, seconds, since, until, "p")
+
+
+def test_an_engine_read_from_its_minutes_keeps_none_of_its_seconds() -> None:
+    t0 = MINUTE["ts_s"]
+    minutes = pd.DataFrame(
+        [dict(MINUTE, engine_id=e, ts_s=t0 + 60 * k) for e in "ab" for k in range(3)]
+    )
+    seconds = pd.concat([_seconds("a", 30, t0 + 150), _seconds("b", 90, t0 + 90)])
+    out = read_from_minutes(seconds, minutes, {"a"})
+    res = out.groupby("engine_id")["resolution_s"].agg(lambda r: set(r.fillna(1)))
+    assert res.to_dict() == {"a": {60}, "b": {1}}
+    assert out.groupby("engine_id").size().to_dict() == {"a": 3, "b": 90}
+    # only minutes: the minutes; nothing to swap: the seconds as they were
+    assert len(read_from_minutes(pd.DataFrame(), minutes, {"a", "b"})) == 6
+    assert read_from_minutes(seconds, minutes, set()) is seconds
+    assert read_from_minutes(seconds, pd.DataFrame(), {"a"}) is seconds
 
 
 def _minutes(rows: list[tuple[float, float, float]]) -> pd.DataFrame:

@@ -421,6 +421,29 @@ def test_demo_fleet_relabels_each_recording_as_its_own_engine() -> None:
         )
 
 
+def test_the_windows_plotted_are_those_analysed_one_resolution_per_engine() -> None:
+    from kvscope.dashboard.data import _KeepingSource
+
+    t0 = 1_764_600_000.0
+    minute = {"n_seconds": 40, "n_steps": 2_000, "generation_tokens": 16_000, "batch_mean": 8.0}
+    kept = _KeepingSource(None)  # type: ignore[arg-type]
+    kept.frames["windows"] = pd.DataFrame(
+        {"engine_id": ["a"] * 30 + ["b"] * 60, "ts_s": [t0 + 600 + i for i in range(90)]}
+    )
+    kept.frames["minute_windows"] = pd.DataFrame(
+        [dict(minute, engine_id=e, ts_s=t0 + 60 * k) for e in "ab" for k in range(10)]
+    )
+    read = _empty_report(t0, t0 + 700, t0 + 690)
+    read.coverage["engines_from_minutes"] = ["a"]
+    w = kept.analysed_windows(read)
+    # the advisor read engine a from its 10 minutes alone, b from its 60 seconds
+    assert w.groupby("engine_id").size().to_dict() == {"a": 10, "b": 60}
+    assert set(w.loc[w["engine_id"] == "a", "resolution_s"]) == {60.0}
+    assert w.loc[w["engine_id"] == "a", "generation_tokens"].tolist() == [400.0] * 10
+    # no engine read from minutes: the seconds read
+    assert kept.analysed_windows(_empty_report(t0, t0 + 700, t0 + 690)) is kept.frames["windows"]
+
+
 # -- messages in the page's terms ----------------------------------------------------------
 
 
