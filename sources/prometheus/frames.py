@@ -158,6 +158,50 @@ def increases(values: np.ndarray) -> np.ndarray:
     return np.where(d < 0, v[1:], d)
 
 
+def late_groups(steps: np.ndarray, max_gap: int, peers: int = 5) -> np.ndarray:
+    """Per interval of a counter's increases (``steps``, the step counter's), a group:
+    an interval that holds the steps of several, and the intervals just before it in
+    which the counter did not move, share one; every other interval is its own.
+
+    A collector's counters move when the plugin's batches reach it: after it was
+    unreachable (or the plugin's sends were delayed) the steps of those seconds arrive
+    together, and the interval that holds them also holds the ones before it, which
+    read as idle. An interval after a run of intervals without a step holds ``m`` more
+    intervals' steps when its increase is about ``m + 1`` times the median increase of
+    the ``peers`` intervals with steps after it (before the run where none follow); the
+    last ``m`` of the run, at most ``max_gap``, join it. An engine that was idle and
+    resumed holds no more than its peers: nothing joins. :func:`spread_over_groups` puts
+    each group's increase back over its intervals. An unknown increase (NaN) ends a run."""
+    d = np.asarray(steps, float)
+    out = np.arange(len(d))
+    moved = np.flatnonzero(np.isfinite(d) & (d > 0))
+    start = 0  # the first interval of the current run without a move
+    for i, v in enumerate(d):
+        if not np.isfinite(v):
+            start = i + 1
+        elif v > 0:
+            run = i - start
+            if run > 0:
+                after = moved[moved > i][:peers]
+                ref_at = after if len(after) else moved[moved < start][-peers:]
+                ref = float(np.median(d[ref_at])) if len(ref_at) else math.nan
+                m = min(run, max_gap, round(v / ref) - 1) if ref > 0 else 0
+                if m > 0:
+                    out[i - m : i + 1] = i
+            start = i + 1
+    return out
+
+
+def spread_over_groups(d: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """``d`` with each group's (:func:`late_groups`) total shared equally by its intervals;
+    NaN in a group stays where it is."""
+    d = np.asarray(d, float)
+    total = np.bincount(groups, weights=np.nan_to_num(d), minlength=len(d))
+    size = np.bincount(groups, minlength=len(d))
+    spread = total[groups] / size[groups]
+    return np.where(np.isfinite(d) & (size[groups] > 1), spread, d)
+
+
 def bucket_quantile(les: np.ndarray, cumulative: np.ndarray, q: float) -> np.ndarray:
     """``histogram_quantile(q)`` per row of cumulative bucket counts (rows x buckets)."""
     out = np.full(len(cumulative), math.nan)

@@ -21,7 +21,9 @@ from kvscope.sources.prometheus.frames import (
     footprint_tokens,
     increases,
     infer_max_num_seqs,
+    late_groups,
     pseudo_requests,
+    spread_over_groups,
 )
 from kvscope.sources.prometheus.promql import with_matchers
 from kvscope.sources.prometheus.vllm_metrics import HISTOGRAM, ROLES, wire_names
@@ -31,6 +33,9 @@ KV_PREFIX = "kvscope_engine_"
 KV_PROBE = "kvscope_engine_steps_total"
 KVSCOPE_SMOOTH_STEPS = 2
 """Windows a kvscope counter increase is averaged over at short steps (see Reader.read_kvscope)."""
+LATE_MAX_GAP_S = 60.0
+"""The longest run of windows without a step that a collector's late steps are spread back
+over (see :func:`~kvscope.sources.prometheus.frames.late_groups`); a longer one was idle."""
 _INT_CFG = (
     "num_gpu_blocks",
     "block_size",
@@ -150,10 +155,14 @@ class Reader:
         return out
 
     @staticmethod
-    def smoothed(arr: np.ndarray, intervals: int) -> np.ndarray:
+    def smoothed(arr: np.ndarray, intervals: int, groups: np.ndarray | None = None) -> np.ndarray:
         """Increases per window, averaged over the last ``intervals`` grid intervals (NaN
-        ones left out); ``arr`` has ``intervals`` leading points."""
+        ones left out); ``arr`` has ``intervals`` leading points. ``groups``: increases
+        counted late shared first over the intervals they belong to
+        (:func:`~kvscope.sources.prometheus.frames.late_groups`)."""
         d = increases(arr)
+        if groups is not None:
+            d = spread_over_groups(d, groups)
         if intervals == 1:
             return d
         stack = np.stack([d[i : len(d) - intervals + 1 + i] for i in range(intervals)])
@@ -181,29 +190,51 @@ class Reader:
         kind: str,
         ids: dict[str, dict[str, str]],
         smooth: int = 1,
+        late: dict[str, np.ndarray] | None = None,
     ) -> dict[str, dict[str, np.ndarray]]:
         """Per engine, per column, one value per window: gauges as read, counters as their
         increase over the window (reset-aware, see :func:`~kvscope.sources.prometheus.frames.increases`;
-        averaged over ``smooth`` windows)."""
-        out: dict[str, dict[str, np.ndarray]] = {}
+        averaged over ``smooth`` windows). ``late``: given, it is filled with each engine's
+        :func:`~kvscope.sources.prometheus.frames.late_groups` (from its ``n_steps`` counter,
+        up to ``LATE_MAX_GAP_S`` of grid), and every counter of the engine is spread over
+        them before the average."""
+        raw: dict[str, dict[str, np.ndarray]] = {}
         for col, expr in (*gauges.items(), *counters.items()):
             for labels, arr in self.on_grid(expr, grid, f, lead=smooth):
                 eid = self.engine_id(labels, kind)
                 ids.setdefault(eid, labels)
-                out.setdefault(eid, {})[col] = (
-                    self.smoothed(arr, smooth) if col in counters else arr[smooth:]
-                )
+                raw.setdefault(eid, {})[col] = arr
+        out: dict[str, dict[str, np.ndarray]] = {}
+        for eid, by_col in raw.items():
+            groups = None
+            if late is not None and "n_steps" in by_col:
+                gap = max(0, int(LATE_MAX_GAP_S // f.step_s))
+                groups = late[eid] = late_groups(increases(by_col["n_steps"]), gap)
+            out[eid] = {
+                col: self.smoothed(arr, smooth, groups) if col in counters else arr[smooth:]
+                for col, arr in by_col.items()
+            }
         return out
 
     def buckets(
-        self, sel: str, by: str, grid: np.ndarray, f: Fetch, kind: str = "vllm", smooth: int = 1
+        self,
+        sel: str,
+        by: str,
+        grid: np.ndarray,
+        f: Fetch,
+        kind: str = "vllm",
+        smooth: int = 1,
+        late: dict[str, np.ndarray] | None = None,
     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        """Per engine: bucket bounds and per-window cumulative counts (windows x buckets)."""
+        """Per engine: bucket bounds and per-window cumulative counts (windows x buckets);
+        ``late``: the engines' groups of late increases (see :meth:`columns`)."""
         per: dict[str, dict[float, np.ndarray]] = {}
+        late = late or {}
         for labels, arr in self.on_grid(self.raw(sel, f"{by}, le"), grid, f, lead=smooth):
             le = num(labels.get("le", "nan").replace("+Inf", "inf"))
             if not math.isnan(le):
-                per.setdefault(self.engine_id(labels, kind), {})[le] = self.smoothed(arr, smooth)
+                eid = self.engine_id(labels, kind)
+                per.setdefault(eid, {})[le] = self.smoothed(arr, smooth, late.get(eid))
         out = {}
         for eid, by_le in per.items():
             les = np.array(sorted(by_le))
@@ -446,10 +477,13 @@ class Reader:
         # A collector's counters move once per plugin batch (about a second): at steps that
         # short a window holds zero or two batches. Counting each window's increase as the
         # mean over two steps takes the jitter out (at 1 s: a 2 s moving average).
+        # Steps that reach the collector late (the plugin's batches sent together after it
+        # was unreachable) are put back over the seconds they left without a step first.
         smooth = KVSCOPE_SMOOTH_STEPS if f.step_s < 2 * KVSCOPE_SMOOTH_STEPS else 1
-        cols = self.columns(gauges, counters, grid, f, "kvscope", ids, smooth)
-        batch_b = self.buckets(s("step_batch_size_bucket"), by, grid, f, "kvscope", smooth)
-        kv_b = self.buckets(s("step_kv_usage_ratio_bucket"), by, grid, f, "kvscope", smooth)
+        late: dict[str, np.ndarray] = {}
+        cols = self.columns(gauges, counters, grid, f, "kvscope", ids, smooth, late)
+        batch_b = self.buckets(s("step_batch_size_bucket"), by, grid, f, "kvscope", smooth, late)
+        kv_b = self.buckets(s("step_kv_usage_ratio_bucket"), by, grid, f, "kvscope", smooth, late)
         infos = {
             lab.get("engine", ""): lab for lab in self.client.series(s("info"), f.since, f.until)
         }

@@ -19,14 +19,25 @@ SCRAPE_S = 1.0
 
 
 class PacedFeed:
-    """Sends a recording's batches to a collector when their last step is due."""
+    """Sends a recording's batches to a collector when their last step is due.
 
-    def __init__(self, recording: Recording, url: str, t0_wall: float) -> None:
+    ``outages``: (start, seconds) from the recording's start during which the collector
+    is taken as unreachable: the batches due then are sent together at its end, as the
+    plugin sends what it buffered once the collector answers again."""
+
+    def __init__(
+        self,
+        recording: Recording,
+        url: str,
+        t0_wall: float,
+        outages: tuple[tuple[float, float], ...] = (),
+    ) -> None:
         first, _ = recording.span_unix_s
         self.shift = t0_wall - first
         self.batches = list(
             rebased(sorted(recording.batches, key=_batch_end), shift_s=self.shift, boot_ids={})
         )
+        self.outages = [(t0_wall + a, t0_wall + a + s) for a, s in outages]
         self.url = url
         self.errors: list[str] = []
         self.thread = threading.Thread(target=self._run, name="paced-feed", daemon=True)
@@ -35,6 +46,7 @@ class PacedFeed:
     def _run(self) -> None:
         for b in self.batches:
             due = _batch_end(b)
+            due = next((end for start, end in self.outages if start <= due < end), due)
             if self._stop.wait(max(0.0, due - time.time())):
                 return
             try:

@@ -9,7 +9,10 @@ its recorded pace:
   ``vllm:gpu_prefix_cache_*``, ``vllm:time_per_output_token_seconds``), model
   ``old-model``, restarted half-way (every counter back to zero);
 * ``kvscope``: a kvscope collector process receiving the plugin's recorded batches at
-  their pace (engine ``demo-host:8000:0``, pool ``demo``), its ``/metrics`` scraped too.
+  their pace (engine ``demo-host:8000:0``, pool ``demo``), its ``/metrics`` scraped too;
+  three times (``OUTAGES``, one at a low load and two past the knee) the batches of 3 s
+  reach it together at their end, as a plugin's buffer does after the collector was
+  unreachable.
 
 The backends (Prometheus, VictoriaMetrics, and a Prometheus behind HTTPS and basic
 auth) scrape all three every second. The recording itself is the expected
@@ -35,6 +38,9 @@ from _vllm_replay import VllmReplay
 from kvscope.collector.process import CollectorProcess
 from kvscope.lab.recording import BUNDLED_RECORDING, load_recording
 from tests._resources import release_after_last_use
+
+OUTAGES = ((20.0, 3.0), (55.0, 3.0), (66.0, 3.0))
+"""(start, seconds) into the run in which the collector receives nothing."""
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +86,7 @@ def fleet(
         new.begin()
         old.t0_wall = new.t0_wall
         assert new.t0_wall is not None
-        feed = PacedFeed(recording, collector.url, new.t0_wall).start()
+        feed = PacedFeed(recording, collector.url, new.t0_wall, OUTAGES).start()
         since = new.t0_wall - 2.0
         time.sleep(new.duration_wall_s + 3 * SCRAPE_S)
         feed.thread.join(15)

@@ -16,8 +16,10 @@ from kvscope.sources.prometheus.frames import (
     footprint_tokens,
     increases,
     infer_max_num_seqs,
+    late_groups,
     pseudo_requests,
     quantiles_from_buckets,
+    spread_over_groups,
 )
 from kvscope.sources.prometheus.read import Fetch, Reader
 
@@ -196,3 +198,26 @@ def test_busy_share_from_the_step_count_drops_draining_windows() -> None:
     # Too few peers: unknown, kept.
     lone = step_count_busy_ratio(prepare_windows(_scraped_windows([50, 100], [3, 3], [1, 1])))
     assert lone.isna().all()
+
+
+def test_steps_that_reach_a_collector_late_are_put_back_over_the_seconds_they_left() -> None:
+    """A collector's counters move when the plugin's batches arrive: three seconds of
+    batches held back during an outage land in one scrape interval, the three before it
+    read no step. Spread back, every interval holds its own seconds' steps; an engine
+    that idled and resumed (its first interval no busier than the ones after) keeps its
+    idle seconds; an unknown interval ends a run."""
+    steps = np.array([100, 100, 0, 0, 0, 400, 100, 100, 0, 0, 0, 0, 60, 100, 100, np.nan, 0, 300])
+    groups = late_groups(steps, max_gap=60)
+    spread = spread_over_groups(steps, groups)
+    assert spread[:8].tolist() == [100.0] * 8  # the outage
+    assert spread[8:15].tolist() == [0, 0, 0, 0, 60, 100, 100]  # idle, then resumed
+    # after an unknown interval only the one interval without a step is known to be late
+    assert np.isnan(spread[15]) and spread[16:].tolist() == [150.0, 150.0]
+    # every counter of the engine shares its step counter's groups: totals are kept
+    tokens = steps * 8.0
+    assert np.nansum(spread_over_groups(tokens, groups)) == pytest.approx(np.nansum(tokens))
+    # at most max_gap intervals join
+    assert spread_over_groups(steps, late_groups(steps, max_gap=1))[3:6].tolist() == [0, 200, 200]
+    # the last steps of a run with none after it: compared with the ones before the run
+    tail = np.array([100, 100, 0, 0, 300.0])
+    assert spread_over_groups(tail, late_groups(tail, 60)).tolist() == [100.0] * 5
