@@ -373,9 +373,9 @@ def annotate_report(report: Report, source: PrometheusSource) -> Report:
     parts = []
     if used:
         parts.append(
-            "vLLM's own series (the batch is generated tokens per engine step; the "
-            "queue and KV usage are gauges sampled once per scrape, KV usage raised "
-            "to batch x request footprint where the snapshot reads lower)"
+            "vLLM's own series (the batch is decode tokens per engine step; the "
+            "queue and KV usage are vLLM's gauges sampled once per scrape: a cache full "
+            "between samples shows in the preemptions)"
         )
     if per_step:
         parts.append(
