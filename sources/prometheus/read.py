@@ -205,10 +205,10 @@ class Reader:
                 ids.setdefault(eid, labels)
                 raw.setdefault(eid, {})[col] = arr
         out: dict[str, dict[str, np.ndarray]] = {}
+        gap = int(LATE_MAX_GAP_S // f.step_s)
         for eid, by_col in raw.items():
             groups = None
             if late is not None and "n_steps" in by_col:
-                gap = max(0, int(LATE_MAX_GAP_S // f.step_s))
                 groups = late[eid] = late_groups(increases(by_col["n_steps"]), gap)
             out[eid] = {
                 col: self.smoothed(arr, smooth, groups) if col in counters else arr[smooth:]
