@@ -19,6 +19,8 @@ from kvscope.lab.engine import (
     LabError,
     VllmServer,
     build_model,
+    cpu_flags,
+    engine_dtype,
     free_port,
     parse_prometheus_text,
     vllm_counter_totals,
@@ -90,6 +92,31 @@ def test_build_is_deterministic_and_reused(tiny_model: Path, tmp_path: Path) -> 
         build_model(tmp_path / "x", "huge")
 
 
+AVX2_EPYC = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma f16c bmi2\n"
+AVX512_XEON = "flags\t\t: fpu avx avx2 avx512f avx512dq avx512cd avx512bw avx512vl\n"
+ARM_BF16 = "Features\t: fp asimd evtstrm aes sve bf16 i8mm\n"
+
+
+def test_the_engine_dtype_is_the_one_the_cpu_has_a_bf16_matmul_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("KVSCOPE_LAB_DTYPE", raising=False)
+    # An AVX2-only CPU has no oneDNN bf16 matmul: vLLM falls back to torch and the
+    # step time grows almost with the batch, so the lab runs float32 there.
+    assert engine_dtype(cpu_flags(AVX2_EPYC)) == "float32"
+    assert engine_dtype(cpu_flags(AVX512_XEON)) == "bfloat16"
+    assert engine_dtype(cpu_flags("flags\t: avx2 amx_bf16 amx_tile\n")) == "bfloat16"
+    assert engine_dtype(cpu_flags(ARM_BF16)) == "bfloat16"
+    assert engine_dtype(cpu_flags("flags\t: avx2 avx512f\n")) == "float32"  # no BW/VL/DQ
+    assert engine_dtype(set()) == "float32"
+    monkeypatch.setenv("KVSCOPE_LAB_DTYPE", "bfloat16")
+    assert engine_dtype(cpu_flags(AVX2_EPYC)) == "bfloat16"
+    assert VllmServer(Path("m")).dtype == "bfloat16"
+    monkeypatch.setenv("KVSCOPE_LAB_DTYPE", "fp8")
+    with pytest.raises(LabError, match="KVSCOPE_LAB_DTYPE"):
+        engine_dtype()
+
+
 def test_server_command_line_and_environment(tmp_path: Path) -> None:
     server = VllmServer(
         tmp_path,
@@ -111,7 +138,7 @@ def test_server_command_line_and_environment(tmp_path: Path) -> None:
         "--num-gpu-blocks-override 48",
         "--max-num-seqs 6",
         "--max-model-len 1504",
-        "--dtype bfloat16",
+        f"--dtype {engine_dtype()}",
         "--no-enable-prefix-caching",
         "--seed 1",
     ):
