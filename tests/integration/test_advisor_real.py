@@ -74,7 +74,10 @@ def test_kv_starved_engine_is_kv_cache_bound(kv_starved_run: RegimeRun) -> None:
     top = run.top
     assert top.kv_usage_median >= 0.9 and top.waiting_median > 1, top
     assert top.preemptions_per_s > 1 and top.batch_median < 32, top
-    assert ev["waiting_median"] > 0 and ev["preemptions_per_s"] > 1, ev
+    # Past the knee requests wait while vLLM preempts. Per second this scales with the
+    # engine's speed (3-4 past an AVX-512 machine's knee; 0.26 on an AVX2 machine's
+    # float32 engine, knee 15, 4.8 at its top level), so only its sign is asserted.
+    assert ev["waiting_median"] > 0 and ev["preemptions_per_s"] > 0, ev
     assert v.knee_concurrency is not None and 4 <= v.knee_concurrency <= 16, v
     # The overload level the caps are measured against reached the engine in full.
     assert run.top.delivered, run.top
