@@ -19,10 +19,10 @@ result is cached under ``~/.cache/vllm``); ``--dtype``, ``--block-size 32`` and 
 ``--max-model-len`` that fits the KV cache are all it needs. The dtype follows the CPU
 (:func:`engine_dtype`): bf16 where it has AVX-512 (oneDNN's bf16 matmul), float32
 where it has only AVX2 (there vLLM falls back to torch's bf16 linear, and the step
-time barely grows with the batch: 67, 90 and 98 generated tokens/s at 1, 8 and 16
-concurrent requests against float32's 63, 277 and 364 on the same 2-core AVX2 machine). vLLM pins its worker
-to core 0; its engine-core process spin-waits for that worker and shares core 1
-with the API server and any local load generator. :class:`VllmServer` therefore
+time grows almost with the batch: 67, 90 and 98 generated tokens/s at 1, 8 and 16
+concurrent requests against float32's 63, 277 and 364 on the same 2-core AVX2
+machine). vLLM pins its worker to core 0; its engine-core process spin-waits for
+that worker and shares core 1 with the API server and any local load generator. :class:`VllmServer` therefore
 lowers the engine core's priority once the server is up (``engine_core_nice``):
 otherwise the API server is starved and a closed-loop client's requests reach the
 engine late. Client-side TTFT at low load stays coarse (tens of ms).
@@ -100,7 +100,7 @@ class LabError(RuntimeError):
 
 
 DTYPE_ENV = "KVSCOPE_LAB_DTYPE"
-"""Set to ``bfloat16`` or ``float32`` to choose the lab engine's dtype by hand."""
+"""Set to ``bfloat16``, ``float16`` or ``float32`` to choose the lab engine's dtype."""
 
 _AVX512_CORE = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 
