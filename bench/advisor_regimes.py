@@ -921,4 +921,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvscope.cli._lifecycle import run_stoppable
+
+    raise SystemExit(run_stoppable(main))

@@ -294,4 +294,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvscope.cli._lifecycle import run_stoppable
+
+    raise SystemExit(run_stoppable(main))

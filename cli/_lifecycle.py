@@ -15,11 +15,12 @@ from __future__ import annotations
 import contextlib
 import signal
 import socket
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
-__all__ = ["Terminated", "port_problem", "stop_on_sigterm"]
+__all__ = ["Terminated", "port_problem", "run_stoppable", "stop_on_sigterm"]
 
 
 class Terminated(BaseException):
@@ -45,6 +46,18 @@ def stop_on_sigterm() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def run_stoppable(main: Callable[[], int]) -> int:
+    """Run a script's ``main`` with SIGTERM unwinding it (:func:`stop_on_sigterm`): the
+    engines and collectors its ``with`` blocks started stop with it, instead of keeping
+    their ports, cores and stores. Returns ``main``'s exit code, or 143 on SIGTERM."""
+    with stop_on_sigterm():
+        try:
+            return main()
+        except Terminated:
+            print("stopped by SIGTERM; what it started is stopped", file=sys.stderr)
+            return 143
 
 
 def port_problem(host: str, port: int) -> str | None:
