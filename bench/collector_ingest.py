@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -346,7 +345,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     loadgen_cores = tuple(c for c in cores if c != args.collector_core)
     warn_if_engine_running()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the collector
 
     tmp = tempfile.TemporaryDirectory(prefix="kvscope-ingest-")
     store = Path(args.store) if args.store else Path(tmp.name) / "fleet.duckdb"
@@ -517,4 +515,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvscope.cli._lifecycle import run_stoppable
+
+    # SIGTERM unwinds like Ctrl-C: the engine's process group and the collector (in
+    # sessions of their own) are stopped on the way out.
+    raise SystemExit(run_stoppable(main))

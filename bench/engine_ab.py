@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -159,9 +158,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.runs < 1 or args.duration <= 0:
         parser.error("--rounds and --runs must be >= 1, --duration > 0")
 
-    # A SIGTERM unwinds like Ctrl-C, so the engine's process group and the collector
-    # (both in sessions of their own) are stopped on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model_dir = build_model(args.model_dir or default_model_dir("mid"), "mid")
     runs: list[Run] = []
     starts: list[dict[str, object]] = []
@@ -304,4 +300,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvscope.cli._lifecycle import run_stoppable
+
+    # SIGTERM unwinds like Ctrl-C: the engine's process group and the collector (in
+    # sessions of their own) are stopped on the way out.
+    raise SystemExit(run_stoppable(main))

@@ -13,6 +13,7 @@ Streamlit process stop with the command instead of keeping the port and the stor
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -28,7 +29,14 @@ class Terminated(BaseException):
     ``except Exception`` on the way out swallows it."""
 
 
+_OWNER_PID: list[int] = []
+"""The process whose :func:`stop_on_sigterm` block is open (a forked child inherits the
+handler, not the block)."""
+
+
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    if _OWNER_PID and os.getpid() != _OWNER_PID[-1]:
+        raise SystemExit(143)  # a forked worker: exit quietly, as Python's multiprocessing does
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut the clean-up
     raise Terminated
 
@@ -41,11 +49,13 @@ def stop_on_sigterm() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _OWNER_PID.append(os.getpid())
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        _OWNER_PID.pop()
 
 
 def run_stoppable(main: Callable[[], int]) -> int:

@@ -7,6 +7,7 @@ holding its port and store after ``kill``. :func:`run_stoppable` unwinds them.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -59,4 +60,42 @@ def test_every_bench_that_starts_engines_or_a_collector_runs_stoppable() -> None
             continue
         if 'if __name__ == "__main__":' not in text:
             continue  # a module other benches import
-        assert "run_stoppable(main)" in text or "signal.SIGTERM" in text, path.name
+        assert "run_stoppable(main)" in text, path.name
+
+
+FORKING = """
+import multiprocessing, sys, time
+from kvscope.cli._lifecycle import run_stoppable
+
+def work():
+    time.sleep(60)
+
+def main():
+    p = multiprocessing.get_context("fork").Process(target=work)
+    p.start()
+    print("started", flush=True)
+    try:
+        p.join()
+    finally:
+        p.join(10)
+    return 0
+
+raise SystemExit(run_stoppable(main))
+"""
+
+
+def test_a_forked_worker_sigtermed_with_its_bench_exits_without_a_traceback() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FORKING],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGTERM)  # as `pkill -f` or a container stop reaches both
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 143
+    assert "Traceback" not in err, err
+    assert "stopped by SIGTERM" in err
