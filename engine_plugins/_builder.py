@@ -142,9 +142,7 @@ class BatchBuilder:
         eng.steps_taken += n
         folder, held = stream.folder, stream.held
         for _ in range(n):
-            row = folder.feed(steps.popleft())
-            if row is not None:
-                held.append(row)
+            held.extend(folder.feed(steps.popleft()))
         carry = folder.take_carry(now_unix_s, final=final)
         if carry is not None:
             held.append(carry)

@@ -15,12 +15,17 @@ iteration stats but no scheduler stats; its gauges (running .. kv_usage) are Non
 
 Folding (:class:`StepFolder`): a token-only row does not become a step row of its
 own. Its prompt/generation tokens and preemptions are added to the engine's next
-step row, so the step rows stay one per scheduler step and the token totals still
-equal vLLM's counters. If no step row follows within ``CARRY_MAX_S`` (an API
-server process that never receives scheduler stats), or at the final flush, the
-carried counts are emitted as one row with the last known gauges of that engine
-(zeros if none is known yet), the ``step`` and ``ts_unix_s`` of the last
-token-only row, no prefix-cache counts, and ``iteration_s`` null.
+step row of the same wall-clock second, so the step rows stay one per scheduler step
+and the token totals still equal vLLM's counters. Carried counts never leave their
+second (the collector's window): if the next step row, or the next token-only row,
+falls in a later second, or the second ends before either comes, the carried counts
+are emitted as one row of their own with the last known gauges of that engine (zeros
+if none is known yet), the ``step`` and ``ts_unix_s`` of the last token-only row, no
+prefix-cache counts, and ``iteration_s`` null. With ``--api-server-count`` > 1 the API
+server process that serves a request often goes seconds without scheduler stats (vLLM
+hands them to the process of the step's first output): carried to its next step row,
+its tokens would land in a later second, and a second of the engine would read half
+its rate and the next one twice it.
 
 Raw request row (``RAW_REQUEST_LAYOUT``)::
 
@@ -50,9 +55,6 @@ RAW_REQUEST_LAYOUT = (
 
 TS, STEP, RUNNING, WAITING, DEFERRED, KV, PQ, PH, PREEMPT, PROMPT, GEN, ELAPSED_MS = range(12)
 
-#: How long token-only counts wait for a step row before they become a row of their own.
-CARRY_MAX_S = 2.0
-
 _MAX_REASON_CHARS = 32
 
 
@@ -65,40 +67,52 @@ class StepFolder:
         self.carry_rows = 0
         """Token-only rows currently carried."""
         self._carry = [0, 0, 0]  # preemptions, prompt tokens, generation tokens
-        self._carry_first_ts = 0.0
+        self._carry_second = -1
         self._carry_last: tuple[Any, ...] | None = None
         self._gauges: tuple[Any, ...] = (0, 0, 0, 0.0)
 
-    def feed(self, raw: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        """Take one raw row; return the row to emit, or None when it was carried."""
+    def feed(self, raw: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        """Take one raw row; return the rows to emit (none when it was carried)."""
+        out: list[tuple[Any, ...]] = []
+        if self.carry_rows and _second(raw[TS]) != self._carry_second:
+            out.append(self._carry_row())
         if raw[RUNNING] is None:
             if self.carry_rows == 0:
-                self._carry_first_ts = _num(raw[TS], 0.0)
+                self._carry_second = _second(raw[TS])
             self._carry[0] += _num(raw[PREEMPT], 0)
             self._carry[1] += _num(raw[PROMPT], 0)
             self._carry[2] += _num(raw[GEN], 0)
             self._carry_last = raw
             self.carry_rows += 1
-            return None
+            return out
         self._gauges = raw[RUNNING : KV + 1]
         if self.carry_rows == 0:
-            return raw
+            out.append(raw)
+            return out
         p, t, g = self._carry
-        row = (
-            *raw[:PREEMPT],
-            _num(raw[PREEMPT], 0) + p,
-            _num(raw[PROMPT], 0) + t,
-            _num(raw[GEN], 0) + g,
-            raw[ELAPSED_MS],
+        out.append(
+            (
+                *raw[:PREEMPT],
+                _num(raw[PREEMPT], 0) + p,
+                _num(raw[PROMPT], 0) + t,
+                _num(raw[GEN], 0) + g,
+                raw[ELAPSED_MS],
+            )
         )
         self._reset_carry(merged=self.carry_rows)
-        return row
+        return out
 
     def take_carry(self, now_unix_s: float, *, final: bool) -> tuple[Any, ...] | None:
-        """Return the carried counts as a row if they waited too long (or ``final``)."""
-        last = self._carry_last
-        if last is None or not (final or now_unix_s - self._carry_first_ts >= CARRY_MAX_S):
+        """Return the carried counts as a row once their second is over (or ``final``)."""
+        if self._carry_last is None:
             return None
+        if not (final or _second(now_unix_s) > self._carry_second):
+            return None
+        return self._carry_row()
+
+    def _carry_row(self) -> tuple[Any, ...]:
+        last = self._carry_last
+        assert last is not None
         p, t, g = self._carry
         row = (last[TS], last[STEP], *self._gauges, 0, 0, p, t, g, None)
         self._reset_carry(merged=self.carry_rows - 1)
@@ -109,6 +123,12 @@ class StepFolder:
         self.carry_rows = 0
         self._carry = [0, 0, 0]
         self._carry_last = None
+
+
+def _second(ts: Any) -> int:
+    """The wall-clock second (collector window) of a timestamp; unreadable ones share -1."""
+    v = _num(ts, -1.0)
+    return math.floor(v) if v >= 0 else -1
 
 
 def _num(v: Any, default: float) -> Any:

@@ -256,13 +256,13 @@ def test_token_only_calls_are_folded_and_totals_kept(collector: RecordingServer)
     for r in rows:
         eng.steps.append(r)
         eng.steps_produced += 1
-    exp.tick(now_unix_s=T0 + 1.05)
-    steps = collector.batches()[0]["steps"]
-    assert steps["step"] == [1, 3]  # the trailing token-only row waits for a step
-    assert steps["generation_tokens"] == [3, 5]
-    exp.tick(now_unix_s=T0 + 3.0)  # no step came within CARRY_MAX_S: own row
-    steps = collector.batches()[1]["steps"]
-    assert (steps["step"], steps["generation_tokens"], steps["batch_size"]) == ([4], [6], [3])
+    exp.tick(now_unix_s=T0 + 0.9)  # the second still runs: the trailing row waits for a step
+    assert not any(b["steps"]["step"] for b in collector.batches())  # rows of this second wait
+    exp.tick(now_unix_s=T0 + 1.05)  # its second is over: a row of its own, in that second
+    steps = collector.batches()[-1]["steps"]
+    assert steps["step"] == [1, 3, 4]
+    assert (steps["generation_tokens"], steps["batch_size"]) == ([3, 5, 6], [3, 3, 3])
+    assert max(steps["ts_unix_s"]) < T0 + 1
     s = assert_accounting(exp)
     assert (s["steps_sent"], s["steps_merged"]) == (3, 1)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from kvscope.engine_plugins import schema
-from kvscope.engine_plugins._rows import CARRY_MAX_S, ColumnBuilder, StepFolder
+from kvscope.engine_plugins._rows import ColumnBuilder, StepFolder
 
 
 def step(ts: float, n: int, *, running: int = 4, gen: int = 2, prompt: int = 0) -> tuple:
@@ -18,28 +18,44 @@ def tokens(ts: float, n: int, *, gen: int = 3, prompt: int = 7, pre: int = 1) ->
 
 def test_token_only_rows_fold_into_the_next_step_row() -> None:
     f = StepFolder()
-    assert f.feed(step(10.0, 1)) == step(10.0, 1)
-    assert f.feed(tokens(10.1, 2)) is None
-    assert f.feed(tokens(10.2, 3)) is None
+    assert f.feed(step(10.0, 1)) == [step(10.0, 1)]
+    assert f.feed(tokens(10.1, 2)) == []
+    assert f.feed(tokens(10.2, 3)) == []
     assert f.carry_rows == 2
-    row = f.feed(step(10.3, 4, gen=2))
-    assert row is not None
+    (row,) = f.feed(step(10.3, 4, gen=2))
     assert (row[0], row[1], row[2]) == (10.3, 4, 4)  # the step's own ts, step, gauges
     assert (row[8], row[9], row[10]) == (2, 14, 2 + 6)  # preemptions, prompt, generation
     assert (f.merged_rows, f.carry_rows) == (2, 0)
 
 
-def test_stale_carry_becomes_a_row_with_the_last_gauges() -> None:
+def test_carry_becomes_a_row_with_the_last_gauges_when_its_second_ends() -> None:
     f = StepFolder()
     f.feed(step(10.0, 1, running=9))
     f.feed(tokens(20.0, 2, gen=5))
     f.feed(tokens(20.5, 3, gen=5))
-    assert f.take_carry(20.0 + CARRY_MAX_S - 0.1, final=False) is None
-    row = f.take_carry(20.0 + CARRY_MAX_S, final=False)
+    assert f.take_carry(20.99, final=False) is None
+    row = f.take_carry(21.0, final=False)
     assert row is not None
     assert (row[0], row[1], row[2], row[10], row[11]) == (20.5, 3, 9, 10, None)
     assert (f.merged_rows, f.carry_rows) == (1, 0)
     assert f.take_carry(99.0, final=True) is None
+
+
+def test_carried_tokens_stay_in_their_second() -> None:
+    # An API server process that gets no scheduler stats for a while: its tokens must
+    # land in the seconds they were made in, not in the second of its next step row.
+    f = StepFolder()
+    sent = f.feed(step(10.0, 1, running=9))
+    assert f.feed(tokens(10.6, 2, gen=4)) == []
+    (carried,) = f.feed(tokens(11.2, 3, gen=6))
+    assert (carried[0], carried[2], carried[10]) == (10.6, 9, 4)
+    sent.append(carried)
+    later, own = f.feed(step(12.1, 4, running=7, gen=2))
+    assert (later[0], later[10]) == (11.2, 6)
+    assert own == step(12.1, 4, running=7, gen=2)  # nothing of an earlier second in it
+    sent += [later, own]
+    assert f.take_carry(99.0, final=True) is None
+    assert sum(r[10] for r in sent) == 2 + 4 + 6 + 2  # vLLM's total, every token once
 
 
 def test_final_flush_emits_carry_even_without_gauges() -> None:

@@ -69,6 +69,9 @@ def test_an_engine_behind_two_api_servers_is_one_engine(mid_model: Path, tmp_pat
         report = analyze(src, since, time.time())
         (v,) = report.engines
         clients = max(lv.output_tokens_per_s for lv in sweep.levels)
-        # One engine at the clients' throughput (each part alone carried about half).
+        # One engine at the clients' throughput (each part alone carried about half). The
+        # process without scheduler stats sends its tokens in the seconds they were made
+        # in: carried to its next step row, seconds read 256 and 700 tok/s around 512, and
+        # the plateau 0.78-0.93 of the clients'; in their own seconds, 1.01-1.07.
         assert v.plateau_tokens_per_s is not None
-        assert v.plateau_tokens_per_s >= 0.8 * clients, (v.plateau_tokens_per_s, clients)
+        assert v.plateau_tokens_per_s >= 0.85 * clients, (v.plateau_tokens_per_s, clients)
