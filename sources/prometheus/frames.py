@@ -158,37 +158,67 @@ def increases(values: np.ndarray) -> np.ndarray:
     return np.where(d < 0, v[1:], d)
 
 
-def late_groups(steps: np.ndarray, max_gap: int, peers: int = 5) -> np.ndarray:
-    """Per interval of a counter's increases (``steps``, the step counter's), a group:
-    an interval that holds the steps of several, and the intervals just before it in
-    which the counter did not move, share one; every other interval is its own.
+def late_groups(
+    steps: np.ndarray, marks: np.ndarray, points: np.ndarray, max_gap: int, peers: int = 5
+) -> np.ndarray:
+    """Per interval of a collector's counter increases (``steps``, its step counter's,
+    between consecutive ``points``), a group: the intervals whose steps reached the
+    collector late share one; every other interval is its own.
 
     A collector's counters move when the plugin's batches reach it: after it was
     unreachable (or the plugin's sends were delayed) the steps of those seconds arrive
-    together, and the interval that holds them also holds the ones before it, which
-    read as idle. An interval after a run of intervals without a step holds ``m`` more
-    intervals' steps when its increase is about ``m + 1`` times the median increase of
-    the ``peers`` intervals with steps after it (before the run where none follow); the
-    last ``m`` of the run, at most ``max_gap``, join it. An engine that was idle and
-    resumed holds no more than its peers: nothing joins. :func:`spread_over_groups` puts
-    each group's increase back over its intervals. An unknown increase (NaN) ends a run."""
+    together, and the intervals that got them hold the steps of the ones before, which
+    read as idle. The late batches arrive one after another, and a scrape can fall
+    among them. Its ``kvscope_engine_last_step_timestamp_seconds`` (``marks``, at the
+    ``points``) tells how far behind each scrape was: an interval is *behind* when its
+    end's lag (point minus mark) exceeds the usual lag (the median over the intervals
+    with steps) by half an interval. A run of behind intervals and the one that caught
+    up after it make an episode; its last ``k`` intervals share its steps, ``k`` the
+    episode's steps over the median increase of the ``peers`` intervals with steps
+    nearest after it (before it where none follow), at most the episode and
+    ``max_gap`` long. An engine that idled (its marks stood still too) and resumed holds
+    no more than its peers: ``k`` is 1 and its idle intervals stay idle.
+    :func:`spread_over_groups` puts each group's increase back over its intervals. An
+    unknown increase or mark ends an episode."""
     d = np.asarray(steps, float)
-    out = np.arange(len(d))
-    moved = np.flatnonzero(np.isfinite(d) & (d > 0))
-    start = 0  # the first interval of the current run without a move
-    for i, v in enumerate(d):
-        if not np.isfinite(v):
-            start = i + 1
-        elif v > 0:
-            run = i - start
-            if run > 0:
-                after = moved[moved > i][:peers]
-                ref_at = after if len(after) else moved[moved < start][-peers:]
-                ref = float(np.median(d[ref_at])) if len(ref_at) else math.nan
-                m = min(run, max_gap, round(v / ref) - 1) if ref > 0 else 0
-                if m > 0:
-                    out[i - m : i + 1] = i
-            start = i + 1
+    m = np.asarray(marks, float)
+    p = np.asarray(points, float)
+    n = len(d)
+    if len(m) != n + 1 or len(p) != n + 1:
+        raise ValueError(f"{n} increases need {n + 1} marks and points")
+    out = np.arange(n)
+    lag = p[1:] - m[1:]
+    advance = np.diff(m)
+    moved = np.isfinite(d) & (d > 0)
+    usual = lag[moved & np.isfinite(lag)]
+    if not len(usual):
+        return out
+    width = float(np.median(np.diff(p)))
+    behind = np.isfinite(lag) & (lag > float(np.quantile(usual, 0.25)) + 0.5 * width)
+    known = np.isfinite(d) & np.isfinite(lag)
+    timed = np.flatnonzero(moved & np.isfinite(advance) & (advance > 0))
+    i = 0
+    while i < n:
+        if not (behind[i] and known[i]):
+            i += 1
+            continue
+        first = i
+        while i < n and behind[i] and known[i]:
+            i += 1
+        if i >= n or not known[i]:  # no catching up seen: leave it
+            continue
+        last = i  # the interval that caught up
+        after = timed[timed > last][:peers]
+        ref_at = after if len(after) else timed[timed < first][-peers:]
+        # steps per interval at the peers' pace: their steps over the step time they span
+        span = float(advance[ref_at].sum()) if len(ref_at) else 0.0
+        ref = float(d[ref_at].sum()) / span * width if span > 0 else math.nan
+        total = float(d[first : last + 1].sum())
+        if ref > 0 and total > 0:
+            k = min(last - first + 1, max_gap + 1, round(total / ref))
+            if k > 1:
+                out[last - k + 1 : last + 1] = last
+        i = last + 1
     return out
 
 
@@ -200,6 +230,63 @@ def spread_over_groups(d: np.ndarray, groups: np.ndarray) -> np.ndarray:
     size = np.bincount(groups, minlength=len(d))
     spread = total[groups] / size[groups]
     return np.where(np.isfinite(d) & (size[groups] > 1), spread, d)
+
+
+#: Window columns that count events per second (beside ``n_steps``).
+WINDOW_COUNTS = (
+    "preemptions",
+    "prompt_tokens",
+    "generation_tokens",
+    "prefix_queries",
+    "prefix_hits",
+)
+
+
+def kvscope_windows(
+    c: dict[str, np.ndarray],
+    grid: np.ndarray,
+    step: float,
+    batch_buckets: tuple[np.ndarray, np.ndarray] | None = None,
+    kv_buckets: tuple[np.ndarray, np.ndarray] | None = None,
+) -> pd.DataFrame:
+    """One engine's windows (the collector's ``windows_1s`` columns) from a collector's
+    series on the ``grid``: ``c`` holds each counter's increase per window (``batch:sum``,
+    ``batch:count``, ``n_steps``, the token counts, ...; the queue sums, else the
+    ``waiting_mean`` / ``deferred_mean`` gauges), the buckets the step histograms'
+    bounds and per-window counts. The batch, KV usage and queue are per-step means."""
+    n = len(grid)
+    nan = np.full(n, math.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        batch = c["batch:sum"] / c["batch:count"]
+        kv = c.get("kv:sum", nan) / c.get("kv:count", nan)
+        # The queue per step over the window, as the batch; the latest step's gauge from
+        # a collector that does not export the sums.
+        queue = {
+            k: np.where(
+                np.isfinite(m := c.get(f"{k}:sum", nan) / c["batch:count"]),
+                m,
+                c.get(f"{k}_mean", np.zeros(n)),
+            )
+            for k in ("waiting", "deferred")
+        }
+    w = pd.DataFrame(
+        {
+            "ts_s": (grid - step).astype("int64"),
+            "batch_mean": batch,
+            "batch_p50": batch,
+            "batch_p90": bucket_quantile(*batch_buckets, 0.9) if batch_buckets else nan,
+            "batch_max": bucket_quantile(*batch_buckets, 1.0) if batch_buckets else nan,
+            "kv_usage_mean": kv,
+            "kv_usage_max": bucket_quantile(*kv_buckets, 0.99) if kv_buckets else nan,
+            "waiting_mean": queue["waiting"],
+            "deferred_mean": queue["deferred"],
+            **{k: c.get(k, nan) / step for k in ("n_steps", *WINDOW_COUNTS)},
+            "first_step_unix_s": nan,
+            "last_step_unix_s": nan,
+        }
+    )
+    w["batch_sum"] = w["batch_mean"] * w["n_steps"]
+    return w
 
 
 def bucket_quantile(les: np.ndarray, cumulative: np.ndarray, q: float) -> np.ndarray:

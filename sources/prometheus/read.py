@@ -17,10 +17,11 @@ import pandas as pd
 from kvscope.sources.prometheus.client import PromClient
 from kvscope.sources.prometheus.frames import (
     HISTOGRAM_COLUMNS,
-    bucket_quantile,
+    WINDOW_COUNTS,
     footprint_tokens,
     increases,
     infer_max_num_seqs,
+    kvscope_windows,
     late_groups,
     pseudo_requests,
     spread_over_groups,
@@ -34,8 +35,8 @@ KV_PROBE = "kvscope_engine_steps_total"
 KVSCOPE_SMOOTH_STEPS = 2
 """Windows a kvscope counter increase is averaged over at short steps (see Reader.read_kvscope)."""
 LATE_MAX_GAP_S = 60.0
-"""The longest run of windows without a step that a collector's late steps are spread back
-over (see :func:`~kvscope.sources.prometheus.frames.late_groups`); a longer one was idle."""
+"""The longest stretch of windows that a collector's late steps are spread back over (see
+:func:`~kvscope.sources.prometheus.frames.late_groups`)."""
 _INT_CFG = (
     "num_gpu_blocks",
     "block_size",
@@ -191,13 +192,15 @@ class Reader:
         ids: dict[str, dict[str, str]],
         smooth: int = 1,
         late: dict[str, np.ndarray] | None = None,
+        marks: dict[str, np.ndarray] | None = None,
     ) -> dict[str, dict[str, np.ndarray]]:
         """Per engine, per column, one value per window: gauges as read, counters as their
         increase over the window (reset-aware, see :func:`~kvscope.sources.prometheus.frames.increases`;
         averaged over ``smooth`` windows). ``late``: given, it is filled with each engine's
-        :func:`~kvscope.sources.prometheus.frames.late_groups` (from its ``n_steps`` counter,
-        up to ``LATE_MAX_GAP_S`` of grid), and every counter of the engine is spread over
-        them before the average."""
+        :func:`~kvscope.sources.prometheus.frames.late_groups` (from its ``n_steps`` counter
+        and its latest step's time in ``marks``, both at the grid's points with the
+        ``smooth`` before it; up to ``LATE_MAX_GAP_S`` of grid), and every counter of the
+        engine is spread over them before the average."""
         raw: dict[str, dict[str, np.ndarray]] = {}
         for col, expr in (*gauges.items(), *counters.items()):
             for labels, arr in self.on_grid(expr, grid, f, lead=smooth):
@@ -206,10 +209,17 @@ class Reader:
                 raw.setdefault(eid, {})[col] = arr
         out: dict[str, dict[str, np.ndarray]] = {}
         gap = int(LATE_MAX_GAP_S // f.step_s)
+        points = (
+            np.concatenate([grid[0] - f.step_s * np.arange(smooth, 0, -1), grid])
+            if len(grid)
+            else grid
+        )
         for eid, by_col in raw.items():
             groups = None
-            if late is not None and "n_steps" in by_col:
-                groups = late[eid] = late_groups(increases(by_col["n_steps"]), gap)
+            mark = (marks or {}).get(eid)
+            if late is not None and "n_steps" in by_col and mark is not None:
+                steps = increases(by_col["n_steps"])
+                groups = late[eid] = late_groups(steps, mark, points, gap)
             out[eid] = {
                 col: self.smoothed(arr, smooth, groups) if col in counters else arr[smooth:]
                 for col, arr in by_col.items()
@@ -392,16 +402,7 @@ class Reader:
                 "kv_usage_max": np.fmax(c.get("kv_usage_max", nan), kv),
                 "kv_usage_sampled": sampled,
                 "kv_usage_estimated": est,
-                **{
-                    k: rate[k]
-                    for k in (
-                        "preemptions",
-                        "prompt_tokens",
-                        "generation_tokens",
-                        "prefix_queries",
-                        "prefix_hits",
-                    )
-                },
+                **{k: rate[k] for k in WINDOW_COUNTS},
                 "first_step_unix_s": nan,
                 "last_step_unix_s": nan,
             }
@@ -478,10 +479,17 @@ class Reader:
         # short a window holds zero or two batches. Counting each window's increase as the
         # mean over two steps takes the jitter out (at 1 s: a 2 s moving average).
         # Steps that reach the collector late (the plugin's batches sent together after it
-        # was unreachable) are put back over the seconds they left without a step first.
+        # was unreachable) are put back over the seconds they left without a step first;
+        # the collector's latest step time, scraped with its counters, tells which.
         smooth = KVSCOPE_SMOOTH_STEPS if f.step_s < 2 * KVSCOPE_SMOOTH_STEPS else 1
         late: dict[str, np.ndarray] = {}
-        cols = self.columns(gauges, counters, grid, f, "kvscope", ids, smooth, late)
+        marks = {
+            self.engine_id(labels, "kvscope"): arr
+            for labels, arr in self.on_grid(
+                self.raw(s("last_step_timestamp_seconds"), by), grid, f, lead=smooth
+            )
+        }
+        cols = self.columns(gauges, counters, grid, f, "kvscope", ids, smooth, late, marks)
         batch_b = self.buckets(s("step_batch_size_bucket"), by, grid, f, "kvscope", smooth, late)
         kv_b = self.buckets(s("step_kv_usage_ratio_bucket"), by, grid, f, "kvscope", smooth, late)
         infos = {
@@ -491,48 +499,7 @@ class Reader:
         for eid, c in cols.items():
             if not eid or "batch:sum" not in c:
                 continue
-            n, step = len(grid), f.step_s
-            nan = np.full(n, math.nan)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                batch = c["batch:sum"] / c["batch:count"]
-                kv = c.get("kv:sum", nan) / c.get("kv:count", nan)
-                # The queue per step over the window, as the batch; the latest step's
-                # gauge from a collector that does not export the sums.
-                queue = {
-                    k: np.where(
-                        np.isfinite(m := c.get(f"{k}:sum", nan) / c["batch:count"]),
-                        m,
-                        c.get(f"{k}_mean", np.zeros(n)),
-                    )
-                    for k in ("waiting", "deferred")
-                }
-            w = pd.DataFrame(
-                {
-                    "ts_s": (grid - step).astype("int64"),
-                    "batch_mean": batch,
-                    "batch_p50": batch,
-                    "batch_p90": (bucket_quantile(*batch_b[eid], 0.9) if eid in batch_b else nan),
-                    "batch_max": (bucket_quantile(*batch_b[eid], 1.0) if eid in batch_b else nan),
-                    "kv_usage_mean": kv,
-                    "kv_usage_max": (bucket_quantile(*kv_b[eid], 0.99) if eid in kv_b else nan),
-                    "waiting_mean": queue["waiting"],
-                    "deferred_mean": queue["deferred"],
-                    **{
-                        k: c.get(k, nan) / step
-                        for k in (
-                            "n_steps",
-                            "preemptions",
-                            "prompt_tokens",
-                            "generation_tokens",
-                            "prefix_queries",
-                            "prefix_hits",
-                        )
-                    },
-                    "first_step_unix_s": nan,
-                    "last_step_unix_s": nan,
-                }
-            )
-            w["batch_sum"] = w["batch_mean"] * w["n_steps"]
+            w = kvscope_windows(c, grid, f.step_s, batch_b.get(eid), kv_b.get(eid))
             w = w[np.isfinite(w["batch_mean"].to_numpy(float))].reset_index(drop=True)
             if not len(w):
                 continue

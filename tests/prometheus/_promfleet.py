@@ -18,6 +18,10 @@ from kvscope.sources.prometheus.client import PromClient
 SCRAPE_S = 1.0
 
 
+OUTAGES = ((20.0, 3.0), (55.0, 3.0), (66.0, 3.0))
+"""(start, seconds) into the replayed run in which the collector receives nothing."""
+
+
 class PacedFeed:
     """Sends a recording's batches to a collector when their last step is due.
 

@@ -32,15 +32,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _backends import Backend, PrometheusServer, SecuredPrometheusServer, VictoriaMetricsServer
-from _promfleet import SCRAPE_S, Fleet, PacedFeed, wait_scraped
+from _promfleet import OUTAGES, SCRAPE_S, Fleet, PacedFeed, wait_scraped
 from _vllm_replay import VllmReplay
 
 from kvscope.collector.process import CollectorProcess
 from kvscope.lab.recording import BUNDLED_RECORDING, load_recording
 from tests._resources import release_after_last_use
-
-OUTAGES = ((20.0, 3.0), (55.0, 3.0), (66.0, 3.0))
-"""(start, seconds) into the run in which the collector receives nothing."""
 
 
 @pytest.fixture(scope="session")

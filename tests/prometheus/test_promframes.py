@@ -200,24 +200,52 @@ def test_busy_share_from_the_step_count_drops_draining_windows() -> None:
     assert lone.isna().all()
 
 
+def _marks(covered: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """Points 0..n and the collector's latest step time at each: ``covered[k]`` at point
+    ``k + 1``, one second less at point 0."""
+    points = np.arange(len(covered) + 1, dtype=float)
+    return np.array([covered[0] - 1.0, *covered]), points
+
+
 def test_steps_that_reach_a_collector_late_are_put_back_over_the_seconds_they_left() -> None:
-    """A collector's counters move when the plugin's batches arrive: three seconds of
-    batches held back during an outage land in one scrape interval, the three before it
-    read no step. Spread back, every interval holds its own seconds' steps; an engine
-    that idled and resumed (its first interval no busier than the ones after) keeps its
-    idle seconds; an unknown interval ends a run."""
-    steps = np.array([100, 100, 0, 0, 0, 400, 100, 100, 0, 0, 0, 0, 60, 100, 100, np.nan, 0, 300])
-    groups = late_groups(steps, max_gap=60)
-    spread = spread_over_groups(steps, groups)
-    assert spread[:8].tolist() == [100.0] * 8  # the outage
-    assert spread[8:15].tolist() == [0, 0, 0, 0, 60, 100, 100]  # idle, then resumed
-    # after an unknown interval only the one interval without a step is known to be late
-    assert np.isnan(spread[15]) and spread[16:].tolist() == [150.0, 150.0]
+    """A collector's counters move when the plugin's batches arrive, its latest step time
+    with them: three seconds of batches held back during an outage land together, the
+    three intervals before read no step and their scrapes fell behind. Spread back,
+    every interval holds its own second's steps, also when a scrape fell among the late
+    batches; an engine that idled and resumed (its marks stood still too, but it holds
+    no more than its peers) keeps its idle seconds; an unknown interval ends a run."""
+    # outage: the usual lag is one second; intervals 2-4 fall behind, 5 catches up
+    steps = np.array([100, 100, 0, 0, 0, 400, 100, 100.0])
+    marks, points = _marks([0, 1, 1, 1, 1, 5, 6, 7])
+    groups = late_groups(steps, marks, points, max_gap=60)
+    assert spread_over_groups(steps, groups).tolist() == [100.0] * 8
     # every counter of the engine shares its step counter's groups: totals are kept
     tokens = steps * 8.0
-    assert np.nansum(spread_over_groups(tokens, groups)) == pytest.approx(np.nansum(tokens))
-    # at most max_gap intervals join
-    assert spread_over_groups(steps, late_groups(steps, max_gap=1))[3:6].tolist() == [0, 200, 200]
-    # the last steps of a run with none after it: compared with the ones before the run
+    assert spread_over_groups(tokens, groups).sum() == pytest.approx(tokens.sum())
+    # a scrape among the late batches: one of them in interval 4, the rest in 5
+    split = np.array([100, 100, 0, 0, 100, 300, 100, 100.0])
+    marks, points = _marks([0, 1, 1, 1, 2, 5, 6, 7])
+    spread = spread_over_groups(split, late_groups(split, marks, points, 60))
+    assert spread.tolist() == [100.0] * 8
+    # at most max_gap intervals join the one that caught up
+    marks, points = _marks([0, 1, 1, 1, 1, 5, 6, 7])
+    capped = spread_over_groups(steps, late_groups(steps, marks, points, max_gap=1))
+    assert capped[3:6].tolist() == [0, 200, 200]
+    # idle, then resumed: the marks stood still too, but 60 steps are not five seconds'
+    idle = np.array([100, 100, 0, 0, 0, 0, 60, 100, 100.0])
+    marks, points = _marks([0, 1, 1, 1, 1, 1, 6, 7, 8])
+    spread = spread_over_groups(idle, late_groups(idle, marks, points, 60))
+    assert spread.tolist() == idle.tolist()
+    # an unknown increase ends the run: what came after it is not spread over it
+    gap = np.array([100, 100, 0, np.nan, 0, 300, 100, 100.0])
+    marks, points = _marks([0, 1, 1, np.nan, 1, 5, 6, 7])
+    spread = spread_over_groups(gap, late_groups(gap, marks, points, 60))
+    assert np.isnan(spread[3]) and spread[:3].tolist() == [100, 100, 0]
+    assert spread[4:6].tolist() == [150, 150]  # only the interval after it is known late
+    # the last steps, with none after them: paced by the ones before
     tail = np.array([100, 100, 0, 0, 300.0])
-    assert spread_over_groups(tail, late_groups(tail, 60)).tolist() == [100.0] * 5
+    marks, points = _marks([0, 1, 1, 1, 4])
+    assert spread_over_groups(tail, late_groups(tail, marks, points, 60)).tolist() == [100.0] * 5
+    # without marks nothing is known to be late
+    none = np.full(len(steps) + 1, np.nan)
+    assert late_groups(steps, none, np.arange(len(steps) + 1.0), 60).tolist() == list(range(8))
