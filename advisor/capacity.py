@@ -22,6 +22,15 @@ Algorithm
   tops out below 100%: the usage the engine reached at the plateau when KV was its limit
   (``kv_fill``), else 100%. The blocks it leaves free are a fixed number (about one
   request's admission), so a larger cache fills a larger share.
+* **Footprint at the plateau**: when KV is the limit, the footprint is read where the
+  fill is, ``kv_fill x KV tokens / observed batch`` (the medians of the windows past the
+  knee), so the cache's batch today is the batch the engine held (``footprint_from`` is
+  ``plateau``). A closed loop of equal requests moves in waves (admitted together,
+  growing together, preempted together): a window at a wave's start holds twice the
+  sequences at half the tokens each, and the median of per-window footprints over the
+  highest loads (kept in the evidence as ``footprint_top_load_tokens``) then read 101
+  tokens on the lab's KV-starved engine where the plateau's usage over its batch read 112,
+  and the cache's batch 13.1 where the engine held 11.8.
 * **KV-bound batch** ``B_kv = KV tokens x fill / footprint``.
 * **Effective batch** under a configuration: ``min(B_kv, max_num_seqs, L)`` where
   ``L`` is the highest load observed: nothing admits more sequences than are in
@@ -30,8 +39,12 @@ Algorithm
   effective batch, with the prompt-to-generation ratio of the requests and each
   sequence holding the footprint (so a batch twice the size reads twice the KV tokens
   per step, at the step-time model's cost per KV token), less the
-  share of time spent recomputing preempted requests at the observed preemption
-  rate (only while the cache is the limit). This is set against the observed
+  share of time spent recomputing preempted requests at the preemption rate of the
+  highest load seen (only while the cache is the limit): the prediction is for that load,
+  and a KV-bound engine preempts more the further past its knee it is driven (the lab's
+  KV-starved engine: about 1.4 a second over the windows past its knee, 3.5 at 32
+  clients, where its throughput fell 14% below that at its knee on a machine whose prompt
+  tokens cost as much as a decode step's sequence). This is set against the observed
   plateau (:class:`~kvscope.advisor.curve.ThroughputCurve`).
 * **What-ifs**, each a new block count fed through the same model:
   ``--kv-cache-dtype fp8`` (2x blocks, when the cache is 16-bit now);
@@ -62,6 +75,13 @@ from kvscope.advisor.findings import Finding, Scope
 from kvscope.advisor.steptime import StepTimeModel
 
 _SIXTEEN_BIT = {"auto", "bfloat16", "bf16", "float16", "fp16", "half"}
+
+
+_FOOTPRINT_FROM = {
+    "plateau": "the KV usage vLLM reports at the plateau over the batch there",
+    "kv_usage": "by the KV usage vLLM reports",
+    "requests": "from its prompt and output",
+}
 
 
 @dataclass
@@ -111,7 +131,9 @@ class KvCapacityModel:
         kv_fill: float | None = None,
     ) -> KvCapacityModel:
         """``windows``: the engine's kept windows (for the measured footprint);
-        ``kv_fill``: the KV usage the engine reached when the cache was its limit."""
+        ``kv_fill``: the KV usage the engine reached when the cache was its limit (with
+        ``observed_batch``, the batch there, it gives the footprint at the plateau);
+        ``preemptions_per_s``: the rate at the highest load seen."""
         r = requests
         if len(r) < self.min_requests:
             raise NotEnoughData(f"{len(r)} finished requests; need {self.min_requests}")
@@ -132,11 +154,15 @@ class KvCapacityModel:
             np.average(held, weights=weights) + self.block_size_ / 2
         )
         measured = self._measured_footprint(windows)
+        self.footprint_top_load_tokens_ = measured
         self.footprint_from_ = "kv_usage" if math.isfinite(measured) else "requests"
         self.footprint_tokens_ = (
             measured if math.isfinite(measured) else self.footprint_formula_tokens_
         )
         fill = float(kv_fill) if kv_fill is not None and 0 < kv_fill <= 1 else 1.0
+        at_plateau = fill * self.kv_tokens_ / float(observed_batch)
+        if kv_fill is not None and fill < 1 and observed_batch >= 2 and math.isfinite(at_plateau):
+            self.footprint_from_, self.footprint_tokens_ = "plateau", at_plateau
         self.kv_fill_ = fill
         self.slack_blocks_ = (1.0 - fill) * self.num_gpu_blocks_
         self.prompt_ratio_ = float(np.maximum(p - c, 0).sum() / max(g.sum(), 1.0))
@@ -149,6 +175,7 @@ class KvCapacityModel:
         self.kv_batch_ = self._kv_batch(self.num_gpu_blocks_)
         self.effective_batch_ = self._effective(self.kv_batch_, self.max_num_seqs_)
         self.kv_limited_ = self.kv_batch_ <= min(self.max_num_seqs_, self.max_load_)
+        self.preemptions_per_s_ = float(preemptions_per_s)
         share = steps.preemption_time_share(preemptions_per_s) if self.kv_limited_ else 0.0
         self.preemption_time_share_ = share
         self.predicted_plateau_clean_ = self._plateau(self.effective_batch_)
@@ -275,7 +302,7 @@ class KvCapacityModel:
         return (
             f"KV cache {self.kv_tokens_:,.0f} tokens ({self.num_gpu_blocks_:,.0f} blocks x "
             f"{self.block_size_:.0f}); a request holds {self.footprint_tokens_:.0f} tokens on "
-            f"average ({'by the KV usage vLLM reports' if self.footprint_from_ == 'kv_usage' else 'from its prompt and output'}"
+            f"average ({_FOOTPRINT_FROM[self.footprint_from_]}"
             f"{f', the cache fills to {self.kv_fill_:.0%}' if self.kv_fill_ < 1 else ''}) -> room "
             f"for {self.kv_batch_:.1f} sequences; predicted plateau "
             f"{self.predicted_plateau_tokens_per_s_:,.0f} tok/s at batch "
@@ -292,6 +319,7 @@ class KvCapacityModel:
             "footprint_tokens": self.footprint_tokens_,
             "footprint_from": self.footprint_from_,
             "footprint_formula_tokens": self.footprint_formula_tokens_,
+            "footprint_top_load_tokens": self.footprint_top_load_tokens_,
             "kv_fill": self.kv_fill_,
             "mean_prompt_tokens": self.mean_prompt_tokens_,
             "mean_generation_tokens": self.mean_generation_tokens_,
@@ -303,6 +331,7 @@ class KvCapacityModel:
             "observed_batch": self.observed_batch_,
             "predicted_plateau_tokens_per_s": self.predicted_plateau_tokens_per_s_,
             "predicted_plateau_without_preemption_tokens_per_s": self.predicted_plateau_clean_,
+            "preemptions_per_s": self.preemptions_per_s_,
             "preemption_time_share": self.preemption_time_share_,
             "observed_plateau_tokens_per_s": self.observed_plateau_tokens_per_s_,
             "prediction_error_ratio": self.prediction_error_ratio_,

@@ -70,7 +70,7 @@ def test_kv_model_predicts_the_kv_bound_plateau() -> None:
     # The batch the simulated scheduler held at the top load, measured, not derived.
     assert kv.evidence["kv_batch"] == pytest.approx(s.truth["kv_batch"], rel=0.05)
     assert abs(kv.evidence["prediction_error_ratio"]) < 0.15
-    assert kv.evidence["footprint_from"] == "kv_usage" and kv.evidence["kv_fill"] < 1
+    assert kv.evidence["footprint_from"] == "plateau" and kv.evidence["kv_fill"] < 1
 
 
 def test_the_fp8_what_if_predicts_the_batch_twice_the_blocks_hold() -> None:
