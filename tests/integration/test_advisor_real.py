@@ -53,8 +53,12 @@ than the plateau's, 276 and 120 steps/s)."""
 
 
 def _no_errors(run: RegimeRun) -> None:
+    """Every level ran without an error and streamed tokens. Not that requests completed
+    within it: a level can be shorter than one request (the ample-KV engine on an AVX2
+    machine steps 18 times a second at 24 clients, so a 128-token output takes 7 s, and
+    the 5-second level completed none while it streamed 474 tok/s)."""
     for lv in run.levels:
-        assert lv.errors == 0 and lv.completed > 0, lv
+        assert lv.errors == 0 and lv.client_tokens_per_s > 0, lv
         assert lv.n_windows >= 3, f"the collector holds too few windows for {lv}"
 
 
