@@ -410,7 +410,7 @@ def _engine(
                 max_load=curve.max_load_,
                 observed_plateau_tokens_per_s=curve.plateau_tokens_per_s_,
                 observed_batch=bn.evidence_["batch_median"],
-                preemptions_per_s=_top_preemptions(bn.evidence_),
+                preemptions_per_s=bn.evidence_["top_bin_preemptions_per_s"],
                 windows=curve.windows_,
                 kv_fill=(
                     bn.evidence_["kv_usage_median"] if bn.label_ == "kv_cache_bound" else None
@@ -445,13 +445,6 @@ def _engine(
 
     if kv is not None:
         report.recommendations.extend(_config_recommendations(scope, bn, kv, steps, cfg))
-
-
-def _top_preemptions(ev: dict[str, Any]) -> float:
-    """Preemptions per second at the highest load seen (the capacity model predicts the
-    plateau at that load); the rate past the knee where the top bin has none recorded."""
-    top = ev.get("top_bin_preemptions_per_s", math.nan)
-    return float(top) if top is not None and math.isfinite(top) else ev["preemptions_per_s"]
 
 
 def _config_recommendations(

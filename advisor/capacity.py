@@ -155,14 +155,17 @@ class KvCapacityModel:
         )
         measured = self._measured_footprint(windows)
         self.footprint_top_load_tokens_ = measured
-        self.footprint_from_ = "kv_usage" if math.isfinite(measured) else "requests"
-        self.footprint_tokens_ = (
-            measured if math.isfinite(measured) else self.footprint_formula_tokens_
-        )
         fill = float(kv_fill) if kv_fill is not None and 0 < kv_fill <= 1 else 1.0
         at_plateau = fill * self.kv_tokens_ / float(observed_batch)
-        if kv_fill is not None and fill < 1 and observed_batch >= 2 and math.isfinite(at_plateau):
+        if fill < 1 and observed_batch >= 2 and math.isfinite(at_plateau):
             self.footprint_from_, self.footprint_tokens_ = "plateau", at_plateau
+        elif math.isfinite(measured):
+            self.footprint_from_, self.footprint_tokens_ = "kv_usage", measured
+        else:
+            self.footprint_from_, self.footprint_tokens_ = (
+                "requests",
+                self.footprint_formula_tokens_,
+            )
         self.kv_fill_ = fill
         self.slack_blocks_ = (1.0 - fill) * self.num_gpu_blocks_
         self.prompt_ratio_ = float(np.maximum(p - c, 0).sum() / max(g.sum(), 1.0))

@@ -18,13 +18,12 @@ peers, and the rest in the next one."""
 from __future__ import annotations
 
 import numpy as np
-import pandas as pd
 import pytest
 from _promfleet import OUTAGES
+from _steps import collector_plateau
 
 from kvscope.advisor import ThroughputCurve
 from kvscope.advisor.frames import prepare_windows
-from kvscope.collector._windows import aggregate
 from kvscope.lab.recording import BUNDLED_RECORDING, load_recording
 from kvscope.sources.prometheus.frames import (
     increases,
@@ -63,11 +62,7 @@ def steps() -> list[dict[str, np.ndarray]]:
 @pytest.fixture(scope="module")
 def expected(steps: list[dict[str, np.ndarray]]) -> float:
     """The plateau of the collector's own windows (steps by their time)."""
-    cols = {k: np.concatenate([s[k] for s in steps]) for k in steps[0]}
-    cols["kv_blocks_used"] = np.zeros(len(cols["ts_unix_s"]))
-    _, w = aggregate(np.zeros(len(cols["ts_unix_s"]), dtype=np.int64), cols)
-    frame = pd.DataFrame(w).assign(engine_id="e")
-    return ThroughputCurve().fit(prepare_windows(frame)).plateau_tokens_per_s_
+    return collector_plateau({k: np.concatenate([s[k] for s in steps]) for k in steps[0]})
 
 
 def scraped_plateau(

@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from _steps import collector_plateau
 
 from kvscope.advisor import ThroughputCurve
 from kvscope.advisor.frames import prepare_windows
-from kvscope.collector._windows import aggregate
 from kvscope.sources.prometheus.frames import increases
 from kvscope.sources.prometheus.read import Fetch, Reader
 
@@ -40,14 +40,8 @@ def steps() -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def expected(steps: pd.DataFrame) -> float:
-    n = len(steps)
     cols = {c: steps[c].to_numpy(float) for c in steps if c != "t_s"}
-    cols["ts_unix_s"] = steps["t_s"].to_numpy(float)
-    for c in ("deferred", "kv_blocks_used", "prefix_queries", "prefix_hits"):
-        cols[c] = np.zeros(n)
-    cols["iteration_s"] = np.full(n, math.nan)
-    _, w = aggregate(np.zeros(n, dtype=np.int64), cols)
-    return ThroughputCurve().fit(pd.DataFrame(w).assign(engine_id="e")).plateau_tokens_per_s_
+    return collector_plateau({**cols, "ts_unix_s": steps["t_s"].to_numpy(float)})
 
 
 def scraped_plateau(steps: pd.DataFrame, phase: float) -> float:
