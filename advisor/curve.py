@@ -51,7 +51,13 @@ Algorithm
    longer grows and the steps get no faster, so any further rise of the measured
    throughput is the machine's drift between load levels, not the engine (a
    ``--max-num-seqs 6`` engine measured 754 tok/s at 8 clients and 903 at 24, the
-   batch at 6 throughout; the fraction rule alone put its knee at 12.5).
+   batch at 6 throughout; the fraction rule alone put its knee at 12.5). And it is at
+   most the batch the engine held from that ceiling on (``ceiling_batch_``): the
+   ceiling's load counts the requests that waited, and the fraction rule reads the knee
+   from a plateau a few noisy seconds can lift. A KV-starved engine holding 11.5
+   requests had its plateau read 4% high from one scrape phase of vLLM's gauges, which
+   pulled its 8-client level under 90% of it, and its knee moved to the first KV-full
+   load, 14.7 in flight; the cap, already bound by the held batch, was 12.
 6. **Saturated** when the highest load bin lies at least ``saturation_margin`` times
    beyond the knee (throughput seen *not* to grow) **and** the engine shows why at that
    load: requests wait (at least ``ceiling_min_waiting``), vLLM preempts, or each step
@@ -234,6 +240,9 @@ class ThroughputCurve:
             held = w.loc[w["bin"] >= bin_ids[first], "batch_mean"].astype(float)
             if len(held) and math.isfinite(float(held.median())):
                 self.ceiling_batch_ = float(held.median())
+                # Past the batch it held, the engine only queues: throughput stops
+                # growing there at the latest (as the cap reads it, see cap.py).
+                self.knee_load_ = min(self.knee_load_, self.ceiling_batch_)
         self.waiting_at_max_load_ = float(bins["waiting"].iloc[-1])
         self.past_knee_ = bool(
             len(x) > 1 and self.max_load_ >= self.saturation_margin * self.knee_load_
