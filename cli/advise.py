@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvscope import __version__
-from kvscope.args import TIME_SYNTAX, add_slo_targets, fraction, positive, ratio
+from kvscope.args import TIME_SYNTAX, add_slo_targets, fraction, positive, positive_duration, ratio
 from kvscope.cli.checks import require
 
 __all__ = ["add_parser", "advise_fail", "advise_window", "analysis_options", "run", "write_advice"]
@@ -146,9 +146,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--timeout",
-        type=positive,
+        type=positive_duration,
         default=30.0,
-        metavar="S",
+        metavar="DURATION",
         help="seconds per HTTP request to the collector (default: 30)",
     )
     from kvscope.sources.prometheus.target import add_prometheus_arguments

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from kvscope.args import at_least_two, duration, header, positive
+from kvscope.args import at_least_two, duration, header, positive, positive_duration
 from kvscope.cli.checks import MissingExtraError, require
 
 __all__ = ["add_parser", "collector_settings", "run"]
@@ -85,24 +85,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="new engine ids accepted per minute; beyond, 429 (default: 600)",
     )
     p.add_argument(
+        "--header-timeout",
         "--header-timeout-s",
-        type=positive,
+        dest="header_timeout_s",
+        type=positive_duration,
         default=10.0,
-        metavar="S",
-        help="close connections whose request headers take longer (default: 10)",
+        metavar="DURATION",
+        help="close connections whose request headers take longer (default: 10s)",
     )
     p.add_argument(
+        "--body-timeout",
         "--body-timeout-s",
-        type=positive,
+        dest="body_timeout_s",
+        type=positive_duration,
         default=30.0,
-        metavar="S",
-        help="answer 408 to an ingest whose body takes longer (default: 30)",
+        metavar="DURATION",
+        help="answer 408 to an ingest whose body takes longer (default: 30s)",
     )
     p.add_argument(
+        "--raw-retention",
         "--raw-retention-s",
-        type=float,
+        dest="raw_retention_s",
+        type=duration,
         default=24 * 3600,
-        help="seconds of raw per-step rows to keep (default: 86400; 0 keeps them forever)",
+        metavar="DURATION",
+        help="how long to keep raw per-step rows (default: 24h; 0 keeps them forever)",
     )
     p.add_argument(
         "--window-retention",
@@ -137,18 +144,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "attainment reads past --request-retention (default: 90d; 0 keeps them)",
     )
     p.add_argument(
+        "--advise-interval",
         "--advise-interval-s",
-        type=float,
+        dest="advise_interval_s",
+        type=duration,
         default=60.0,
+        metavar="DURATION",
         help="run the advisor over the recent data this often and publish its "
         "verdicts on /metrics as kvscope_advisor_* gauges "
-        "(default: 60; 0 disables)",
+        "(default: 1m; 0 disables)",
     )
     p.add_argument(
+        "--advise-window",
         "--advise-window-s",
-        type=float,
+        dest="advise_window_s",
+        type=positive_duration,
         default=1800.0,
-        help="seconds of recent data each advisor run reads (default: 1800)",
+        metavar="DURATION",
+        help="how much recent data each advisor run reads (default: 30m)",
     )
     p.add_argument(
         "--kv-events",
@@ -188,8 +201,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--otlp-interval",
-        metavar="S",
-        type=positive,
+        metavar="DURATION",
+        type=positive_duration,
         default=None,
         help="seconds between OTLP exports (default: $OTEL_METRIC_EXPORT_INTERVAL in ms, else 60)",
     )

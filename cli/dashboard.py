@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvscope.args import add_slo_targets
+from kvscope.args import add_slo_targets, duration, positive_duration
 from kvscope.cli._lifecycle import Terminated, port_problem, stop_on_sigterm
 from kvscope.dashboard.settings import (
     DashboardSettings,
@@ -107,16 +107,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pool", default=None, help="only the engines of this pool")
     p.add_argument(
         "--refresh",
-        type=float,
+        type=duration,
         default=10.0,
-        metavar="S",
+        metavar="DURATION",
         help="seconds between automatic refreshes; 0 turns them off (default: 10)",
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=positive_duration,
         default=30.0,
-        metavar="S",
+        metavar="DURATION",
         help="seconds per HTTP request to the collector (default: 30)",
     )
     add_slo_targets(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvscope.args import positive_duration
 from kvscope.cli._lifecycle import port_problem
 from kvscope.cli.checks import require
 
@@ -125,7 +126,13 @@ def add_record(sub: argparse._SubParsersAction) -> None:
         default="1,2,4,8,16,32",
         help="comma-separated concurrency levels (default: 1,2,4,8,16,32)",
     )
-    p.add_argument("--duration", type=float, default=10.0, help="seconds per level (default: 10)")
+    p.add_argument(
+        "--duration",
+        type=positive_duration,
+        default=10.0,
+        metavar="DURATION",
+        help="seconds per level (default: 10)",
+    )
     p.add_argument(
         "--shared-prefix-words",
         type=int,

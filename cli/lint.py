@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvscope.args import TIME_SYNTAX, ParamError, parse_time
+from kvscope.args import TIME_SYNTAX, ParamError, parse_time, positive_duration
 from kvscope.sources.prometheus.promql import Expr, PromQLError, scan
 from kvscope.sources.prometheus.vllm_metrics import change_for, replacement
 
@@ -534,9 +534,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the problems as JSON")
     p.add_argument(
         "--timeout",
-        type=float,
+        type=positive_duration,
         default=10.0,
-        metavar="S",
+        metavar="DURATION",
         help="seconds per HTTP request (default 10)",
     )
     p.set_defaults(func=run)

@@ -16,6 +16,7 @@ from kvscope.args import (
     fraction,
     non_negative,
     positive,
+    positive_duration,
     ratio,
 )
 from kvscope.cli.checks import require
@@ -155,9 +156,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--timeout",
-        type=positive,
+        type=positive_duration,
         default=60.0,
-        metavar="S",
+        metavar="DURATION",
         help="seconds per HTTP request to the collector or Prometheus (default: 60)",
     )
     p.add_argument(

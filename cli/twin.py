@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvscope.args import count, fraction, positive
+from kvscope.args import count, fraction, positive, positive_duration
 from kvscope.cli.checks import require
 
 __all__ = ["add_parser"]
@@ -122,9 +122,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--seconds-per-level",
-        type=positive,
+        type=positive_duration,
         default=60.0,
-        metavar="S",
+        metavar="DURATION",
         help="simulated seconds per level, the least with steady-state levels (default: 60)",
     )
     s.add_argument(

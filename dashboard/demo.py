@@ -107,9 +107,7 @@ def demo_collector(
         for p in (store, Path(f"{store}.wal")):
             p.unlink(missing_ok=True)
         c = stack.enter_context(
-            CollectorProcess(
-                store, extra_args=["--raw-retention-s", "0", "--advise-interval-s", "0"]
-            )
+            CollectorProcess(store, extra_args=["--raw-retention", "0", "--advise-interval", "0"])
         )
         feed_demo_fleet(c.url, progress=progress)
         yield c

@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvscope.args import non_negative, positive
+from kvscope.args import duration, positive, positive_duration
 from kvscope.sources.prometheus.target import (
     PromArgError,
     PromTarget,
@@ -117,8 +117,8 @@ def parse_settings(
     p.add_argument("--collector", default=env.get("KVSCOPE_COLLECTOR_URL"))
     p.add_argument("--token", default=env.get("KVSCOPE_TOKEN") or None)
     p.add_argument("--since", default=DEFAULT_SINCE)
-    p.add_argument("--refresh", type=non_negative, default=DEFAULT_REFRESH_S)
-    p.add_argument("--timeout", type=positive, default=30.0)
+    p.add_argument("--refresh", type=duration, default=DEFAULT_REFRESH_S)
+    p.add_argument("--timeout", type=positive_duration, default=30.0)
     p.add_argument("--pool", default=None)
     for name in ("ttft", "itl", "e2e"):
         p.add_argument(f"--slo-{name}", type=positive, default=None)

@@ -38,6 +38,7 @@ __all__ = [
     "parse_header",
     "parse_time",
     "positive",
+    "positive_duration",
     "ratio",
 ]
 
@@ -209,6 +210,14 @@ def duration(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"expected {_DURATION_HINT} or seconds, got {text!r}"
         ) from None
+
+
+def positive_duration(text: str) -> float:
+    """A :func:`duration` above 0."""
+    v = duration(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be longer than 0, got {text!r}")
+    return v
 
 
 def header(text: str) -> tuple[str, str]:

@@ -162,3 +162,42 @@ def test_no_abbreviations_and_a_suggestion_for_a_typo(
     assert expect in err, err
     if argv[0] != "advice":  # the usage of the subcommand that was meant
         assert f"usage: kvscope {argv[0]}" in err
+
+
+def _actions(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):  # type: ignore[no-untyped-def]
+    """(command path, action) of every option in the ``kvscope`` tree."""
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sub in a.choices.items():
+                yield from _actions(sub, (*path, name))
+        elif a.option_strings:
+            yield path, a
+
+
+def test_every_length_of_time_takes_a_duration() -> None:
+    """Retentions, intervals, windows, timeouts, refresh and level lengths all take
+    ``90s``, ``30m``, ``1h`` as ``--since`` does (a plain number stays seconds); only the
+    latency targets (``--slo-*``, a fraction of a second) are written in seconds."""
+    checked = []
+    for path, a in _actions(build_parser()):
+        text = f"{a.help or ''} {a.metavar or ''} {a.dest}".lower()
+        timed = a.metavar in ("S", "DURATION") or "seconds" in text or a.dest.endswith("_s")
+        if not timed or a.nargs == 0 or a.dest.startswith("slo_") or a.dest in ("since", "until"):
+            continue
+        opt = a.option_strings[0]
+        assert a.metavar == "DURATION", f"kvscope {' '.join(path)} {opt}: metavar {a.metavar}"
+        assert callable(a.type) and a.type("1m30s") == 90.0, f"{' '.join(path)} {opt}"
+        assert a.type("2") == 2.0, f"{' '.join(path)} {opt}"
+        checked.append((path, opt))
+    names = {o for _, o in checked}
+    assert {"--raw-retention", "--advise-window", "--header-timeout", "--timeout"} <= names
+    assert {"--refresh", "--seconds-per-level", "--window-retention"} <= names
+
+
+def test_the_collectors_seconds_flags_are_still_taken() -> None:
+    args = build_parser().parse_args(
+        ["collector", "--raw-retention-s", "7200", "--advise-window-s", "600"]
+    )
+    assert (args.raw_retention_s, args.advise_window_s) == (7200.0, 600.0)
+    args = build_parser().parse_args(["collector", "--raw-retention", "2h", "--body-timeout", "1m"])
+    assert (args.raw_retention_s, args.body_timeout_s) == (7200.0, 60.0)

@@ -11,6 +11,7 @@ import argparse
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvscope.args import duration, positive_duration
 from kvscope.lab.sweep.errors import SweepError
 from kvscope.lab.sweep.prompts import TOKENS_PER_WORD
 from kvscope.lab.sweep.routing import POLICIES, Router
@@ -237,16 +238,16 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     target.add_argument(
         "--request-timeout",
-        type=float,
+        type=positive_duration,
         default=d.request_timeout_s,
-        metavar="S",
+        metavar="DURATION",
         help="time limit of one request in seconds (default: %(default)s)",
     )
     target.add_argument(
         "--error-backoff",
-        type=float,
+        type=duration,
         default=d.error_backoff_s,
-        metavar="S",
+        metavar="DURATION",
         help="seconds a client waits after a failed request, e.g. a 503 from admission "
         "control (default: %(default)s)",
     )
@@ -271,9 +272,9 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     load.add_argument(
         "--duration",
-        type=float,
+        type=positive_duration,
         default=d.duration_s,
-        metavar="S",
+        metavar="DURATION",
         help="measured seconds per level, the least with steady-state levels (default: %(default)s)",
     )
     load.add_argument(
@@ -286,9 +287,9 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     load.add_argument(
         "--warmup",
-        type=float,
+        type=duration,
         default=d.warmup_s,
-        metavar="S",
+        metavar="DURATION",
         help="unmeasured seconds of load before each level's window, the least with "
         "steady-state levels (default: %(default)s)",
     )
@@ -302,16 +303,16 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     load.add_argument(
         "--max-stretch",
-        type=float,
+        type=positive_duration,
         default=d.max_stretch_s,
-        metavar="S",
+        metavar="DURATION",
         help="longest steady-state warm-up, and longest window, per level (default: %(default)s)",
     )
     load.add_argument(
         "--cooldown",
-        type=float,
+        type=duration,
         default=d.cooldown_s,
-        metavar="S",
+        metavar="DURATION",
         help="pause between levels (default: %(default)s)",
     )
     load.add_argument(

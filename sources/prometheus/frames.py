@@ -23,7 +23,11 @@ __all__ = [
     "infer_max_num_seqs",
     "pseudo_requests",
     "quantiles_from_buckets",
+    "spread_reasons",
 ]
+
+REASON_ORDER = ("length", "stop")
+"""Which reasons go to the longest outputs first (see :func:`spread_reasons`)."""
 
 #: Request column <- histogram role (vLLM's per-request histograms).
 HISTOGRAM_COLUMNS: dict[str, str] = {
@@ -46,6 +50,7 @@ def pseudo_requests(
     scale: float,
     prompt_tokens: np.ndarray,
     cached_share: float,
+    reasons: tuple[list[str], np.ndarray] | None = None,
 ) -> pd.DataFrame:
     """Rows standing for the requests that finished in each window.
 
@@ -56,7 +61,10 @@ def pseudo_requests(
     ``scale`` (<= 1) thins the rows when there are too many; each row then stands for
     ``1 / scale`` requests (column ``weight``). Each marginal is spread over its
     histogram and the columns are paired by rank (comonotonic): the joint distribution
-    is not in the metrics, only each column's distribution per window is.
+    is not in the metrics, only each column's distribution per window is. ``reasons``:
+    the finish reasons' names and their per-window increases (windows x reasons, vLLM's
+    ``request_success`` by ``finished_reason``), spread over each window's rows by
+    :func:`spread_reasons`; without them every row's reason is ``unknown``.
     """
     n_rows = cumulative_round(np.asarray(counts, float) * scale)
     parts: list[pd.DataFrame] = []
@@ -76,6 +84,12 @@ def pseudo_requests(
         p = float(prompt_tokens[i]) if math.isfinite(prompt_tokens[i]) else math.nan
         row["prompt_tokens"] = np.full(n, p)
         row["cached_tokens"] = np.full(n, p * cached_share if math.isfinite(p) else math.nan)
+        gen = np.asarray(row["generation_tokens"], float)
+        row["finish_reason"] = (
+            spread_reasons(reasons[0], reasons[1][i], gen)
+            if reasons is not None
+            else np.full(n, "unknown", dtype=object)
+        )
         parts.append(pd.DataFrame(row))
     if not parts:
         return pd.DataFrame()
@@ -84,9 +98,41 @@ def pseudo_requests(
     out["prompt_tokens"] = out["prompt_tokens"].round()
     out["cached_tokens"] = out["cached_tokens"].round()
     out["preemptions"] = math.nan
-    out["finish_reason"] = "unknown"
     out["engine_id"] = engine_id
     out["weight"] = 1.0 / scale
+    return out
+
+
+def spread_reasons(
+    names: list[str], counts: np.ndarray, generation_tokens: np.ndarray
+) -> np.ndarray:
+    """One finish reason per row of a window, in the shares of that window's ``counts``.
+
+    The rows' reasons are not in the metrics, only how many requests finished for each
+    (vLLM's ``request_success`` counter by ``finished_reason``). The shares are rounded to
+    the window's rows (largest remainder); ``length`` (the output reached ``max_tokens``)
+    goes to the rows with the longest outputs, then ``stop``, then the rest by name. A
+    window with no counted reason gives ``unknown``.
+    """
+    n = len(generation_tokens)
+    c = np.nan_to_num(np.asarray(counts, float), nan=0.0).clip(min=0.0)
+    out = np.full(n, "unknown", dtype=object)
+    if n == 0 or not c.sum() > 0:
+        return out
+    order = sorted(
+        range(len(names)),
+        key=lambda k: (REASON_ORDER.index(names[k]) if names[k] in REASON_ORDER else 9, names[k]),
+    )
+    share = c[order] / c.sum() * n
+    take = np.floor(share).astype(int)
+    rest = n - int(take.sum())
+    if rest > 0:
+        take[np.argsort(-(share - take), kind="stable")[:rest]] += 1
+    rows = np.argsort(-np.nan_to_num(np.asarray(generation_tokens, float), nan=-1.0), kind="stable")
+    at = 0
+    for k, m in zip(order, take, strict=True):
+        out[rows[at : at + m]] = names[k]
+        at += m
     return out
 
 

@@ -251,6 +251,22 @@ class Reader:
             out[eid] = (les, np.stack([by_le[x] for x in les], axis=1))
         return out
 
+    def reasons(
+        self, sel: str, by: str, grid: np.ndarray, f: Fetch
+    ) -> dict[str, tuple[list[str], np.ndarray]]:
+        """Per engine: the finish reasons and their increases per window (windows x
+        reasons), from vLLM's ``request_success`` counter by ``finished_reason``."""
+        per: dict[str, dict[str, np.ndarray]] = {}
+        for labels, arr in self.on_grid(self.raw(sel, f"{by}, finished_reason"), grid, f):
+            reason = labels.get("finished_reason")
+            if reason:
+                eid = self.engine_id(labels, "vllm")
+                per.setdefault(eid, {})[reason] = self.smoothed(arr, 1)
+        return {
+            eid: (sorted(by_r), np.stack([by_r[r] for r in sorted(by_r)], axis=1))
+            for eid, by_r in per.items()
+        }
+
     def read_vllm(self, f: Fetch, grid: np.ndarray) -> None:
         roles = f.vllm
         keys = [*_VLLM_KEYS, "model_name"]
@@ -295,6 +311,9 @@ class Reader:
             for role in set(HISTOGRAM_COLUMNS.values())
             if role in roles
         }
+        reasons = (
+            self.reasons(sel("request_success"), by, grid, f) if "request_success" in roles else {}
+        )
         configs = self.vllm_configs(f.since, f.until)
         totals = {eid: np.nansum(h[1][:, -1]) for eid, h in hists.get("e2e", {}).items()}
         f.request_scale = min(1.0, self.max_requests / max(1.0, sum(totals.values())))
@@ -305,7 +324,7 @@ class Reader:
             cfg = self.identity(ids[eid], "vllm")
             cfg.update(configs.get(self.config_key(ids[eid]), {}))
             r = (
-                self.pseudo_requests_of(eid, c, hists, grid, f)
+                self.pseudo_requests_of(eid, c, hists, grid, f, reasons.get(eid))
                 if eid in hists.get("e2e", {})
                 else pd.DataFrame()
             )
@@ -426,6 +445,7 @@ class Reader:
         hists: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]],
         grid: np.ndarray,
         f: Fetch,
+        reasons: tuple[list[str], np.ndarray] | None = None,
     ) -> pd.DataFrame:
         buckets = {role: h[eid] for role, h in hists.items() if eid in h}
         counts = buckets["e2e"][1][:, -1]
@@ -452,6 +472,7 @@ class Reader:
             scale=f.request_scale,
             prompt_tokens=prompt,
             cached_share=share,
+            reasons=reasons,
         )
 
     def read_kvscope(self, f: Fetch, grid: np.ndarray) -> None:

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvscope.args import positive_duration
+
 if TYPE_CHECKING:
     from kvscope.sources.prometheus.auth import PromAuth
     from kvscope.sources.prometheus.source import PrometheusSource
@@ -77,9 +79,9 @@ def add_prometheus_arguments(
         )
         p.add_argument(
             "--step",
-            type=float,
+            type=positive_duration,
             default=None,
-            metavar="S",
+            metavar="DURATION",
             help="with --prometheus: window length in seconds (default: the scrape interval)",
         )
     a = p.add_argument_group(

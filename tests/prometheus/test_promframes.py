@@ -20,6 +20,7 @@ from kvscope.sources.prometheus.frames import (
     pseudo_requests,
     quantiles_from_buckets,
     spread_over_groups,
+    spread_reasons,
 )
 from kvscope.sources.prometheus.read import Fetch, Reader
 
@@ -92,6 +93,37 @@ def test_pseudo_requests_spread_each_window_over_its_histograms() -> None:
         cached_share=0.0,
     )
     assert len(half) in (2, 3) and (half["weight"] == 2.0).all()
+
+
+def test_finish_reasons_follow_the_counters_shares_in_each_window() -> None:
+    gen = np.array([128.0, 40.0, 128.0, 7.0, 90.0])
+    names = ["abort", "length", "stop"]
+    got = spread_reasons(names, np.array([1.0, 2.0, 2.0]), gen)
+    # Two outputs reached max_tokens: the two longest; the shortest were stopped or aborted.
+    assert sorted(got[gen == 128.0]) == ["length", "length"]
+    assert sorted(got.tolist()) == ["abort", "length", "length", "stop", "stop"]
+    # Shares rounded to the rows (8 of 10 stop, 2 length over 3 rows: 2 stop, 1 length).
+    assert sorted(spread_reasons(names, np.array([0.0, 2.0, 8.0]), gen[:3]).tolist()) == [
+        "length",
+        "stop",
+        "stop",
+    ]
+    assert set(spread_reasons(names, np.zeros(3), gen)) == {"unknown"}
+    assert set(spread_reasons(names, np.full(3, math.nan), gen)) == {"unknown"}
+    les = np.array([1.0, INF])
+    r = pseudo_requests(
+        "e",
+        np.array([100.0, 101.0]),
+        np.array([2.0, 1.0]),
+        {"e2e": (les, np.array([[2.0, 2.0], [0.0, 1.0]]))},
+        {},
+        scale=1.0,
+        prompt_tokens=np.full(2, 10.0),
+        cached_share=0.0,
+        reasons=(["length", "stop"], np.array([[1.0, 1.0], [0.0, 0.0]])),
+    )
+    assert sorted(r["finish_reason"].iloc[:2]) == ["length", "stop"]
+    assert r["finish_reason"].iloc[2] == "unknown"
 
 
 def test_footprint_matches_the_capacity_models_formula() -> None:

@@ -16,6 +16,7 @@ import json
 import math
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,14 @@ def test_requests_are_histogram_estimates(
         assert np.searchsorted(les, est) == np.searchsorted(les, true), (q, est, true)
     assert float(mine["generation_tokens"].mean()) == pytest.approx(128, rel=0.02)
     assert (mine["weight"] == 1.0).all()
+    # Finish reasons from vLLM's request_success counter: the recording's, in its counts.
+    reasons = Counter(
+        x
+        for b in fleet.recording.batches
+        if b.get("requests")
+        for x in b["requests"]["finish_reason"]
+    )
+    assert dict(Counter(mine["finish_reason"])) == dict(reasons)
 
 
 def test_selector_and_pool_label(fleet: Fleet) -> None:
