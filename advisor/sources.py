@@ -335,10 +335,13 @@ class CollectorSource:
         until: float | None = None,
         engine: str | None = None,
         pool: str | None = None,
+        every: int = 1,
     ) -> pd.DataFrame:
         """Raw engine steps (``/v1/steps``; kept for the collector's raw retention, a day
-        by default), with ``iteration_s`` where vLLM reports it."""
-        return self._ranged("/v1/steps", "ts_unix_s", since, until, engine, pool)
+        by default), with ``iteration_s`` where vLLM reports it; ``every`` > 1: every
+        ``every``-th step only, sampled by the collector."""
+        extra = {"every": every} if every > 1 else {}
+        return self._ranged("/v1/steps", "ts_unix_s", since, until, engine, pool, **extra)
 
     @staticmethod
     def _frame(answer: dict[str, Any]) -> pd.DataFrame:

@@ -218,11 +218,20 @@ def steps(
     since: float | None = None,
     until: float | None = None,
     limit: int | None = None,
+    every: int = 1,
 ) -> pd.DataFrame:
-    """Raw steps (engine_id, boot_id and the wire STEP_FIELDS), oldest first."""
+    """Raw steps (engine_id, boot_id and the wire STEP_FIELDS), oldest first; with
+    ``every`` > 1 only the 1st, (every+1)-th, ... step of the range (a sample the size of
+    a chart, read without moving the range's rows)."""
     where, args = _where(engine_id, pool, "ts_unix_s", since, until)
+    order = "ORDER BY ts_unix_s, engine_id"
+    if every <= 1:
+        return _df(cur, f"SELECT * FROM steps{where} {order}{_limit(limit)}", args)
     return _df(
-        cur, f"SELECT * FROM steps{where} ORDER BY ts_unix_s, engine_id{_limit(limit)}", args
+        cur,
+        f"SELECT * EXCLUDE (_n) FROM (SELECT *, row_number() OVER ({order}) AS _n "
+        f"FROM steps{where}) WHERE (_n - 1) % {int(every)} = 0 {order}{_limit(limit)}",
+        args,
     )
 
 

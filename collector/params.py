@@ -34,6 +34,8 @@ class Query:
     """Seconds summed per row of the request tier (a multiple of 60)."""
     deleted_only: bool = False
     """Of the request tier, only the minutes whose request rows the retention deleted."""
+    every: int = 1
+    """Of the raw steps, every ``every``-th only (a sample for a chart)."""
 
 
 def parse_query(
@@ -94,6 +96,16 @@ def parse_query(
     deleted_only = params.get("deleted_only", "false").lower()
     if deleted_only not in ("true", "false", "1", "0"):
         raise ParamError(f"deleted_only: expected true or false, got {params['deleted_only']!r}")
+    every = 1
+    if "every" in params:
+        try:
+            every = int(params["every"])
+        except ValueError:
+            raise ParamError(
+                f"every: expected a positive integer, got {params['every']!r}"
+            ) from None
+        if every < 1:
+            raise ParamError(f"every: must be 1 or more, got {every}")
     return Query(
         engine_id=params.get("engine"),
         pool=params.get("pool"),
@@ -106,4 +118,5 @@ def parse_query(
         fields=fields,
         step_s=step_s,
         deleted_only=deleted_only in ("true", "1"),
+        every=every,
     )

@@ -342,7 +342,10 @@ async def _daily_load_peaks(request: web.Request) -> web.Response:
 
 
 async def _steps(request: web.Request) -> web.Response:
-    return await _read(request, _RANGE, "1h", _range_reader("steps"))
+    def run(st: Store, q: Query) -> pd.DataFrame:
+        return st.steps(q.engine_id, q.pool, q.since_unix_s, q.until_unix_s, q.limit, q.every)
+
+    return await _read(request, (*_RANGE, "every"), "1h", run)
 
 
 async def _requests(request: web.Request) -> web.Response:

@@ -443,9 +443,13 @@ class Store:
         since_unix_s: float | None = None,
         until_unix_s: float | None = None,
         limit: int | None = None,
+        every: int = 1,
     ) -> pd.DataFrame:
-        """Columns: engine_id, boot_id and the wire's STEP_FIELDS."""
-        return _reads.steps(self._cursor(), engine_id, pool, since_unix_s, until_unix_s, limit)
+        """Columns: engine_id, boot_id and the wire's STEP_FIELDS; ``every`` > 1: every
+        ``every``-th step of the range only."""
+        return _reads.steps(
+            self._cursor(), engine_id, pool, since_unix_s, until_unix_s, limit, every
+        )
 
     def requests(
         self,

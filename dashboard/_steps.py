@@ -4,9 +4,11 @@ A busy engine makes a hundred steps a second or more: a day is millions of rows,
 than a page can read or a browser can draw. The 1-second windows count the steps of
 each second (``n_steps``), so the number of steps in a range is known before reading
 it. :func:`plan_steps` decides from that count: up to ``max_plotted`` steps are read
-and drawn one by one; up to ``max_read`` they are read and every k-th is drawn (the
-page says "every k-th step of N"); past that nothing is read and the page asks for a
-shorter range. The per-second series keep every second's mean and maximum either way.
+and drawn one by one; past that the collector sends every k-th step of the range
+(``/v1/steps?every=k``), so a page reads about ``max_plotted`` rows whatever the range,
+and says "every k-th step of N". The per-second series keep every second's mean and
+maximum either way. Raw steps are kept for the collector's raw retention (a day by
+default); older ranges have the per-second and per-minute series only.
 """
 
 from __future__ import annotations
@@ -18,29 +20,20 @@ import pandas as pd
 
 MAX_PLOTTED = 5_000
 """Steps drawn at most (each is a point of two lines and of the KV-usage line)."""
-MAX_READ = 100_000
-"""Steps read at most for one view."""
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """``n_steps`` in the range (from the windows); ``k``: every k-th is drawn;
-    ``read``: whether they are read at all (False past ``MAX_READ``)."""
+    """``n_steps`` in the range (from the windows); ``k``: every k-th is read and drawn."""
 
     since_unix_s: float
     until_unix_s: float
     n_steps: int
     k: int
-    read: bool
 
     @property
     def text(self) -> str:
-        """``all 3,412 steps``, ``every 4th step of 18,213``, or why none are shown."""
-        if not self.read:
-            return (
-                f"{self.n_steps:,} steps in this range, more than the {MAX_READ:,} read "
-                "at once: choose a shorter range"
-            )
+        """``all 3,412 steps`` or ``every 4th step of 18,213``."""
         if self.k == 1:
             return f"all {self.n_steps:,} steps"
         return f"every {ordinal(self.k)} step of {self.n_steps:,}"
@@ -69,12 +62,11 @@ def plan_steps(
     until_unix_s: float,
     *,
     max_plotted: int = MAX_PLOTTED,
-    max_read: int = MAX_READ,
 ) -> StepPlan:
     """What to read and draw of the steps in ``[since, until)``."""
     n = steps_in(windows, since_unix_s, until_unix_s)
     k = max(1, math.ceil(n / max_plotted))
-    return StepPlan(since_unix_s, until_unix_s, n, k, n <= max_read)
+    return StepPlan(since_unix_s, until_unix_s, n, k)
 
 
 def every_kth(steps: pd.DataFrame, k: int) -> pd.DataFrame:

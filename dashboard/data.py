@@ -412,8 +412,10 @@ def read_steps(
     since_unix_s: float,
     until_unix_s: float,
     page_rows: int = 50_000,
+    every: int = 1,
 ) -> pd.DataFrame:
-    """The engine's raw steps in ``[since, until)`` (``/v1/steps``, paged), oldest first.
+    """The engine's raw steps in ``[since, until)`` (``/v1/steps``, paged), oldest first;
+    ``every`` > 1: every ``every``-th, sampled by the collector.
 
     Empty when the collector no longer holds them (raw steps are kept for its raw
     retention, a day by default). Raises :class:`advisor.SourceError` on a failed read.
@@ -424,4 +426,4 @@ def read_steps(
         timeout_s=settings.timeout_s,
         page_rows=page_rows,
     )
-    return source.steps(since_unix_s, until_unix_s, engine_id)
+    return source.steps(since_unix_s, until_unix_s, engine_id, every=every)

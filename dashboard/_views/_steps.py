@@ -87,11 +87,10 @@ def steps_section(snap: Snapshot, engine_id: str, max_num_seqs: float | None) ->
     if plan.n_steps == 0:
         st.caption("No engine steps of this engine in that range.")
         return
-    if not plan.read:
-        st.warning(plan.text + ".")
-        return
     try:
-        steps = read_steps(snap.settings, engine_id, plan.since_unix_s, plan.until_unix_s)
+        steps = read_steps(
+            snap.settings, engine_id, plan.since_unix_s, plan.until_unix_s, every=plan.k
+        )
     except SourceError as exc:
         st.warning(f"Could not read the raw steps: {exc}")
         return
@@ -101,10 +100,13 @@ def steps_section(snap: Snapshot, engine_id: str, max_num_seqs: float | None) ->
             "them for its raw retention, a day by default)."
         )
         return
-    # Count what was read (the collector may have dropped steps past its retention).
-    k = max(1, math.ceil(len(steps) / MAX_PLOTTED))
-    plan = dataclasses.replace(plan, n_steps=len(steps), k=k)
-    shown = every_kth(steps, plan.k)
+    if plan.k == 1:
+        # Count what was read (the collector may have dropped steps past its retention).
+        k = max(1, math.ceil(len(steps) / MAX_PLOTTED))
+        plan = dataclasses.replace(plan, n_steps=len(steps), k=k)
+        shown = every_kth(steps, plan.k)
+    else:  # the collector sampled them
+        shown = steps.reset_index(drop=True)
     note = "" if plan.k == 1 else plan.text
     st.altair_chart(step_chart(shown, max_num_seqs, subtitle=note), width="stretch")
     if "kv_usage_ratio" in shown:

@@ -77,6 +77,19 @@ def test_steps_and_limit(fleet: Any) -> None:
     assert body["n_rows"] == 15 and body["truncated"] is False
 
 
+def test_steps_sampled_every_kth(fleet: Any) -> None:
+    _, every = get_json(fleet.url, "/v1/steps?engine=e1&since=2d&format=columns")
+    ts = every["columns"]["ts_unix_s"]
+    _, body = get_json(fleet.url, "/v1/steps?engine=e1&since=2d&every=2&format=columns")
+    assert body["columns"]["ts_unix_s"] == ts[::2]  # the 1st, 3rd, 5th of the 6
+    assert "_n" not in body["columns"]
+    _, body = get_json(fleet.url, "/v1/steps?every=4&limit=2")
+    assert body["n_rows"] == 2 and body["truncated"] is True  # 15 steps: the 1st, 5th, 9th, 13th
+    for bad in ("0", "-3", "x"):
+        status, body = get_json(fleet.url, f"/v1/steps?every={bad}")
+        assert status == 400 and "every" in body["error"]
+
+
 def test_requests_and_stats(fleet: Any) -> None:
     _, body = get_json(fleet.url, "/v1/requests?pool=pool-a")
     assert body["n_rows"] == 4

@@ -26,6 +26,7 @@ from _fleet import KV_STARVED, SEQ_CAPPED
 from kvscope.advisor import Report
 from kvscope.advisor.render_latency import p50_p90_p99
 from kvscope.collector.process import CollectorProcess, free_port
+from tests._artefacts import keep
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -215,7 +216,8 @@ def test_page_loads_in_chromium_with_its_key_numbers(
     page = browser.load(f"{served.url}/{path}", wait_for=want)
     shot = browser.screenshot(artefacts / f"{name}.png")
     (artefacts / f"{name}.html").write_text(page.html)
-    SAVED.append(shot)
+    SAVED.append(keep(shot, "dashboard"))
+    keep(artefacts / f"{name}.html", "dashboard")
     print(f"screenshot {shot} ({page.seconds:.1f} s to render)")
     assert page.exceptions == []
     for bad in ("Traceback", "Collector unreachable", "No data.", "Not authorized"):
@@ -284,7 +286,7 @@ def test_demo_mode_serves_the_replayed_recordings(
             wait_for=[KV_STARVED, SEQ_CAPPED, "kv_cache_bound, saturated", "engines analyzed"],
         )
         shot = browser.screenshot(artefacts / "demo_overview.png")
-        SAVED.append(shot)
+        SAVED.append(keep(shot, "dashboard"))
         assert page.exceptions == []
         assert re.search(r"engines analyzed\s*(help\s*)?\s*3", page.text), page.text[:2000]
         assert (tmp_path / "dashboard-demo.duckdb").exists()

@@ -25,6 +25,7 @@ from _week import generate
 from kvscope.advisor import CollectorSource, analyze
 from kvscope.collector.process import CollectorProcess
 from kvscope.report.sources import StoreSource, open_store
+from tests._artefacts import keep
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTEFACTS: list[Path] = []
@@ -129,7 +130,9 @@ def session(tmp_path_factory: pytest.TempPathFactory, artefacts: Path) -> Iterat
 @pytest.fixture(scope="session")
 def browser(session: Session, artefacts: Path) -> Browser:
     b = chromium(session.via_collector.out / "report.html", artefacts / "report.png")
-    ARTEFACTS.append(b.screenshot)
+    ARTEFACTS.append(keep(b.screenshot, "report"))
+    for name in ("report.html", "report.md", "report.json"):
+        keep(session.via_collector.out / name, "report")
     print(f"\nreport screenshot: {b.screenshot}")
     return b
 
