@@ -33,7 +33,8 @@ definitions of :mod:`kvscope.advisor.request_latency`): the histograms
 ``kvscope_request_ttft_seconds`` (``ttft_s``, else queue + prefill),
 ``kvscope_request_inter_token_latency_seconds`` (decode time over output tokens - 1, for
 requests with at least 2 output tokens), ``kvscope_request_e2e_seconds``,
-``kvscope_request_queue_seconds``, ``kvscope_request_prompt_tokens`` and
+``kvscope_request_queue_seconds``, ``kvscope_request_prefill_seconds``,
+``kvscope_request_decode_seconds``, ``kvscope_request_prompt_tokens`` and
 ``kvscope_request_generation_tokens``, and the counter
 ``kvscope_request_finished_by_reason_total`` (label ``reason``: stop, length, abort,
 error, other). Their buckets include the usual SLO targets (TTFT 0.2-10 s, ITL 10-200
@@ -171,6 +172,18 @@ REQUEST_HISTOGRAMS: tuple[RequestHistogram, ...] = (
         "queue_s",
     ),
     RequestHistogram(
+        "kvscope_request_prefill_seconds",
+        REQUEST_SECONDS_BUCKETS,
+        "Prefill time per finished request: from its first scheduling to its first token.",
+        "prefill_s",
+    ),
+    RequestHistogram(
+        "kvscope_request_decode_seconds",
+        REQUEST_SECONDS_BUCKETS,
+        "Decode time per finished request: from its first token to its last.",
+        "decode_s",
+    ),
+    RequestHistogram(
         "kvscope_request_prompt_tokens",
         REQUEST_TOKEN_BUCKETS,
         "Prompt length per finished request, in tokens.",
@@ -203,6 +216,8 @@ def request_measures(cols: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         "kvscope_request_inter_token_latency_seconds": request_itl_s(frame),
         "kvscope_request_e2e_seconds": col("e2e_s"),
         "kvscope_request_queue_seconds": col("queue_s"),
+        "kvscope_request_prefill_seconds": col("prefill_s"),
+        "kvscope_request_decode_seconds": col("decode_s"),
         "kvscope_request_prompt_tokens": col("prompt_tokens"),
         "kvscope_request_generation_tokens": col("generation_tokens"),
     }

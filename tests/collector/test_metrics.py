@@ -207,6 +207,8 @@ def test_request_latency_histograms_match_the_requests(make_collector: Any) -> N
         "kvscope_request_inter_token_latency_seconds": [0.02, 0.05, 0.1],
         "kvscope_request_e2e_seconds": [1.5, 0.3, 12.0, 2.0],
         "kvscope_request_queue_seconds": [0.0, 0.1, 4.0, 0.5],
+        "kvscope_request_prefill_seconds": [0.15, 0.05, 0.6, 0.3],
+        "kvscope_request_decode_seconds": [1.2, 0.0, 7.2, 1.0],
         "kvscope_request_prompt_tokens": [100, 20, 3000, 700],
         "kvscope_request_generation_tokens": [61, 1, 145, 11],
     }

@@ -134,6 +134,8 @@ def test_the_dashboard_covers_what_the_collector_measures(dashboard: dict[str, A
         "kvscope_request_inter_token_latency_seconds_bucket",
         "kvscope_request_e2e_seconds_bucket",
         "kvscope_request_queue_seconds_bucket",
+        "kvscope_request_prefill_seconds_bucket",
+        "kvscope_request_decode_seconds_bucket",
         "kvscope_request_prompt_tokens_bucket",
         "kvscope_request_generation_tokens_bucket",
         "kvscope_request_finished_by_reason_total",
