@@ -370,6 +370,12 @@ _CONFIG_GAUGES = (  # (metric, hello field, help)
         "block_size",
         "Tokens per KV-cache block (from its latest hello).",
     ),
+    (
+        "kvscope_engine_start_time_seconds",
+        "started_unix_s",
+        "When the engine's current process started, unix seconds (from its latest hello): "
+        "it changes when the engine restarts, also under the same id.",
+    ),
 )
 _STEP_SUMS = (
     "prompt_tokens",

@@ -104,6 +104,24 @@ def test_values_match_ingested_data(collector: Any) -> None:
     assert m[("kvscope_collector_ingest_batches_total", (("result", "stored"),))] == 1
 
 
+def test_a_restart_under_the_same_id_moves_the_start_time(collector: Any) -> None:
+    """An engine restarted under the same id keeps its info labels; its start time is the
+    mark Grafana's "Engine restarts" annotation reads."""
+    first = hello("e1", "boot-1", pool="pool-a", model="m-1", started_unix_s=T0 - 100)
+    assert post_batch(collector.url, batch(engine_id="e1", seq=0, hello=first))[0] == 200
+    _, m = _scrape(collector.url)
+    assert m[("kvscope_engine_start_time_seconds", LABELS_E1)] == T0 - 100
+    info_before = [k for k in m if k[0] == "kvscope_engine_info"]
+    again = hello("e1", "boot-2", pool="pool-a", model="m-1", started_unix_s=T0 - 10)
+    assert (
+        post_batch(collector.url, batch(engine_id="e1", boot_id="boot-2", seq=0, hello=again))[0]
+        == 200
+    )
+    _, m = _scrape(collector.url)
+    assert m[("kvscope_engine_start_time_seconds", LABELS_E1)] == T0 - 10
+    assert [k for k in m if k[0] == "kvscope_engine_info"] == info_before
+
+
 def test_rejections_and_duplicates_counted(collector: Any) -> None:
     post_batch(collector.url, batch(step_ts=[T0]))
     post_batch(collector.url, batch(step_ts=[T0]))
