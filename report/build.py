@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import pandas as pd
 
+from kvscope import __version__
 from kvscope.advisor import FrameSource, Report, WindowSample, analyze
 from kvscope.advisor.actions import action_list
 from kvscope.advisor.analyze import MAX_WINDOWS_PER_ENGINE, analyze_sample
@@ -204,9 +205,16 @@ def build_weekly_report(
         history = configs[
             pd.to_numeric(configs["started_unix_s"], errors="coerce").fillna(0.0) < until
         ]
+    generated = round(time.time(), 3)
+    kind, _, where = source_label.partition(" ")
+    for r in (current, previous):  # each week's report says what wrote it, as advise's do
+        r.generated_unix_s = generated
+        r.kvscope_version = __version__
+        if kind.lower() in ("collector", "prometheus", "store") and where:
+            r.source = {"kind": kind.lower(), "url": where}
     return WeeklyReport(
         source=source_label,
-        generated_unix_s=time.time(),
+        generated_unix_s=generated,
         current=current,
         previous=previous,
         usage=usage,

@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvscope import __version__
 from kvscope.advisor.actions import Action
 from kvscope.advisor.findings import Frame, Report, SchemaVersionError, _clean
 from kvscope.advisor.forecast import PoolForecast
@@ -111,6 +112,7 @@ class WeeklyReport:
         return {
             "kind": REPORT_KIND,
             "schema_version": self.schema_version,
+            "kvscope_version": __version__,
             "source": self.source,
             "generated_unix_s": self.generated_unix_s,
             "window": {

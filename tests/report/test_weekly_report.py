@@ -8,6 +8,7 @@ knee is gone: this week it never saturated; last week's ``max_num_seqs_bound`` i
 
 from __future__ import annotations
 
+import json
 import re
 import struct
 from typing import Any
@@ -52,6 +53,30 @@ def test_json_is_versioned_and_round_trips(session: Session) -> None:
     assert wr.to_dict()["current"] == d["current"]
     assert d["window"]["until_unix_s"] - d["window"]["since_unix_s"] == WEEK_S
     assert d["previous_window"]["until_unix_s"] == d["window"]["since_unix_s"]
+
+
+def test_json_follows_its_schema_and_says_which_kvscope_wrote_it(session: Session) -> None:
+    """report.json against the schema kvscope ships (kvscope/report/report.schema.json),
+    each week's advise report against the advisor's, for both sources."""
+    from importlib.resources import files
+
+    import jsonschema
+
+    from kvscope import __version__
+
+    schema = json.loads(files("kvscope.report").joinpath("report.schema.json").read_text())
+    advise = json.loads(files("kvscope.advisor").joinpath("advise.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    for run in (session.via_collector, session.via_store):
+        d = run.json
+        jsonschema.validate(d, schema)
+        assert d["kvscope_version"] == __version__
+        for week in ("current", "previous"):
+            jsonschema.validate(d[week], advise)
+        assert [a["recommendation_id"] for a in d["actions"]]
+    bad = {**session.via_collector.json, "kind": "something-else"}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
 
 
 def test_verdicts_are_the_advisors(session: Session) -> None:
