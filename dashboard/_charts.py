@@ -134,11 +134,6 @@ def latency_series(requests: pd.DataFrame, max_points: int = 200) -> pd.DataFram
     return out
 
 
-ZOOM = "zoom"
-"""The time charts' interval selection: dragged across the time axis, the page zooms
-every chart to it (:func:`kvscope.dashboard._window.zoom_range`)."""
-
-
 def finish(
     chart: Chart, title: str, *, subtitle: str = "", height: int = HEIGHT, title_offset: int = 0
 ) -> Chart:
@@ -235,11 +230,9 @@ def time_chart(
     y_format: str = RATE_FORMAT,
     subtitle: str = "",
     height: int = HEIGHT,
-    zoom: bool = False,
 ) -> Chart:
     """Lines of ``columns`` (column -> legend label) over ``time``, with dashed
-    horizontal ``limits`` (value, label) such as a configured limit; ``zoom``: an interval
-    across the time axis (:data:`ZOOM`) the page reads to zoom every chart to it."""
+    horizontal ``limits`` (value, label) such as a configured limit."""
     cols = [c for c in columns if c in series]
     long = with_time_text(
         series.melt(id_vars=["time"], value_vars=cols, var_name="series", value_name="y")
@@ -260,8 +253,6 @@ def time_chart(
             ],
         )
     )
-    if zoom:
-        lines = lines.add_params(alt.selection_interval(name=ZOOM, encodings=["x"]))
     note = "; ".join([*([subtitle] if subtitle else []), *above])
     return finish(alt.layer(lines, *rules(keep)), title, subtitle=note, height=height)
 

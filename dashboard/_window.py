@@ -10,11 +10,7 @@ entry point, so the parameters survive a change of page.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any
 
 import streamlit as st
 
@@ -22,10 +18,6 @@ from kvscope.dashboard.settings import WINDOW_CHOICES, DashboardSettings
 
 TIME_KEY, WINDOW_KEY, FROM_KEY, TO_KEY = "time", "window", "from", "to"
 """Session-state keys, and the URL's query parameters."""
-ZOOM_KEY = "kvscope_zoom_to"
-"""A zoom dragged on a chart, applied to the range before the sidebar's widgets exist."""
-MIN_ZOOM_S = 2.0
-"""A shorter drag is a click, not a zoom."""
 MODES = ("window", "range")
 
 
@@ -78,61 +70,8 @@ def selected(settings: DashboardSettings, now_unix_s: float) -> TimeRange:
     return TimeRange(since, until)
 
 
-def _unix_s(v: Any) -> float | None:
-    """A selection bound: epoch milliseconds (Vega's number) or an ISO time (a Date)."""
-    if isinstance(v, int | float) and math.isfinite(v):
-        return float(v) / 1000.0
-    if isinstance(v, str):
-        try:
-            when = datetime.fromisoformat(v.replace("Z", "+00:00"))
-        except ValueError:
-            return None
-        return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
-    return None
-
-
-def zoom_range(
-    selection: Mapping[str, Any] | None, param: str = "zoom"
-) -> tuple[float, float] | None:
-    """(since, until) unix seconds of an interval dragged across a time chart's axis
-    (the chart's ``on_select`` event's ``selection``), or None (nothing dragged, or a
-    drag shorter than :data:`MIN_ZOOM_S`)."""
-    brush = (selection or {}).get(param) or {}
-    bounds = brush.get("time") if isinstance(brush, Mapping) else None
-    if not isinstance(bounds, list | tuple) or len(bounds) != 2:
-        return None
-    a, b = (_unix_s(x) for x in bounds)
-    if a is None or b is None:
-        return None
-    a, b = min(a, b), max(a, b)
-    return (a, b) if b - a >= MIN_ZOOM_S else None
-
-
-def utc_iso(unix_s: float) -> str:
-    """``2026-11-30T08:00:05Z``: the range's times as the sidebar shows them."""
-    return datetime.fromtimestamp(unix_s, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def zoom_to(since_unix_s: float, until_unix_s: float) -> None:
-    """Show every chart over ``[since, until]``: the sidebar's range, in the URL (set
-    on the rerun this starts, before the sidebar's widgets are made)."""
-    st.session_state[ZOOM_KEY] = (since_unix_s, until_unix_s)
-    st.rerun()
-
-
-def _apply_zoom() -> None:
-    pending = st.session_state.pop(ZOOM_KEY, None)
-    if pending is None:
-        return
-    since, until = pending
-    st.session_state[TIME_KEY] = "range"
-    st.session_state[FROM_KEY] = utc_iso(math.floor(since))
-    st.session_state[TO_KEY] = utc_iso(math.ceil(until))
-
-
 def time_controls(settings: DashboardSettings, now_unix_s: float) -> None:
     """The sidebar's window selector, or the range's two times."""
-    _apply_zoom()
     mode = st.radio(
         "Time",
         MODES,
