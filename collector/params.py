@@ -38,6 +38,16 @@ class Query:
     """Of the raw steps, every ``every``-th only (a sample for a chart)."""
 
 
+def _integer(params: Mapping[str, str], name: str, default: int) -> int:
+    """``params[name]`` as an integer (``default`` when absent); the caller checks its range."""
+    if name not in params:
+        return default
+    try:
+        return int(params[name])
+    except ValueError:
+        raise ParamError(f"{name}: expected a positive integer, got {params[name]!r}") from None
+
+
 def parse_query(
     params: Mapping[str, str],
     allowed: Iterable[str],
@@ -60,16 +70,9 @@ def parse_query(
     until = parse_time("until", params["until"], now) if params.get("until") else None
     if since is not None and until is not None and until < since:
         raise ParamError(f"until ({until}) is before since ({since})")
-    limit = max_limit
-    if "limit" in params:
-        try:
-            limit = int(params["limit"])
-        except ValueError:
-            raise ParamError(
-                f"limit: expected a positive integer, got {params['limit']!r}"
-            ) from None
-        if not 0 < limit <= max_limit:
-            raise ParamError(f"limit: must be in 1..{max_limit}, got {limit}")
+    limit = _integer(params, "limit", max_limit)
+    if not 0 < limit <= max_limit:
+        raise ParamError(f"limit: must be in 1..{max_limit}, got {limit}")
     fmt = params.get("format", "records")
     if fmt not in FORMATS:
         raise ParamError(f"format: expected one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -96,16 +99,9 @@ def parse_query(
     deleted_only = params.get("deleted_only", "false").lower()
     if deleted_only not in ("true", "false", "1", "0"):
         raise ParamError(f"deleted_only: expected true or false, got {params['deleted_only']!r}")
-    every = 1
-    if "every" in params:
-        try:
-            every = int(params["every"])
-        except ValueError:
-            raise ParamError(
-                f"every: expected a positive integer, got {params['every']!r}"
-            ) from None
-        if every < 1:
-            raise ParamError(f"every: must be 1 or more, got {every}")
+    every = _integer(params, "every", 1)
+    if every < 1:
+        raise ParamError(f"every: must be 1 or more, got {every}")
     return Query(
         engine_id=params.get("engine"),
         pool=params.get("pool"),
