@@ -134,6 +134,11 @@ def latency_series(requests: pd.DataFrame, max_points: int = 200) -> pd.DataFram
     return out
 
 
+ZOOM = "zoom"
+"""The time charts' interval selection: dragged across the time axis, the page zooms
+every chart to it (:func:`kvscope.dashboard._window.zoom_range`)."""
+
+
 def finish(
     chart: Chart, title: str, *, subtitle: str = "", height: int = HEIGHT, title_offset: int = 0
 ) -> Chart:
@@ -230,9 +235,11 @@ def time_chart(
     y_format: str = RATE_FORMAT,
     subtitle: str = "",
     height: int = HEIGHT,
+    zoom: bool = False,
 ) -> Chart:
     """Lines of ``columns`` (column -> legend label) over ``time``, with dashed
-    horizontal ``limits`` (value, label) such as a configured limit."""
+    horizontal ``limits`` (value, label) such as a configured limit; ``zoom``: an interval
+    across the time axis (:data:`ZOOM`) the page reads to zoom every chart to it."""
     cols = [c for c in columns if c in series]
     long = with_time_text(
         series.melt(id_vars=["time"], value_vars=cols, var_name="series", value_name="y")
@@ -253,6 +260,8 @@ def time_chart(
             ],
         )
     )
+    if zoom:
+        lines = lines.add_params(alt.selection_interval(name=ZOOM, encodings=["x"]))
     note = "; ".join([*([subtitle] if subtitle else []), *above])
     return finish(alt.layer(lines, *rules(keep)), title, subtitle=note, height=height)
 

@@ -30,23 +30,23 @@ st.set_page_config(page_title="kvscope", page_icon=":material/monitoring:", layo
 settings()
 PAGES = [
     st.Page(
-        "pages/overview.py",
+        "_pages/overview.py",
         title="Fleet overview",
         icon=":material/dns:",
         url_path="overview",
         default=True,
     ),
-    st.Page("pages/engine.py", title="Engine detail", icon=":material/memory:", url_path="engine"),
-    st.Page("pages/plateau.py", title="Plateau", icon=":material/show_chart:", url_path="plateau"),
-    st.Page("pages/latency.py", title="Latency", icon=":material/timer:", url_path="latency"),
+    st.Page("_pages/engine.py", title="Engine detail", icon=":material/memory:", url_path="engine"),
+    st.Page("_pages/plateau.py", title="Plateau", icon=":material/show_chart:", url_path="plateau"),
+    st.Page("_pages/latency.py", title="Latency", icon=":material/timer:", url_path="latency"),
     st.Page(
-        "pages/recommendations.py",
+        "_pages/recommendations.py",
         title="Recommendations",
         icon=":material/build:",
         url_path="recommendations",
     ),
     st.Page(
-        "pages/prefix.py",
+        "_pages/prefix.py",
         title="Prefix and routing",
         icon=":material/alt_route:",
         url_path="prefix",

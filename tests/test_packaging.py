@@ -89,7 +89,7 @@ def test_the_wheel_holds_one_import_package(wheel: Path) -> None:
         "sources/prometheus/source.py",
         "cli/main.py",
         "dashboard/app.py",
-        "dashboard/pages/overview.py",
+        "dashboard/_pages/overview.py",
         "report/html.py",
         "lab/engine.py",
         "lab/recordings/overload_kv_starved.jsonl.gz",

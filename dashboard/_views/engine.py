@@ -10,6 +10,7 @@ import streamlit as st
 from kvscope.advisor import SourceError
 from kvscope.dashboard._charts import (
     COUNT_FORMAT,
+    ZOOM,
     engine_series,
     latency_chart,
     latency_series,
@@ -19,6 +20,7 @@ from kvscope.dashboard._format import NONE, knee, num, pct, tok
 from kvscope.dashboard._status import recent
 from kvscope.dashboard._views._common import pick_engine, verdict_headline
 from kvscope.dashboard._views._steps import steps_section
+from kvscope.dashboard._window import zoom_range, zoom_to
 from kvscope.dashboard.data import Snapshot, read_minute_windows
 from kvscope.dashboard.settings import DashboardSettings
 
@@ -47,6 +49,22 @@ def _config_line(cfg: dict) -> str:
         f"kv_cache_dtype {cfg.get('kv_cache_dtype')}, tensor parallel "
         f"{num(cfg.get('tensor_parallel_size'), '.0f')}"
     )
+
+
+def _zoomable(snap: Snapshot, col: Any, name: str, chart: Any) -> None:
+    """``chart`` in ``col``; an interval dragged across its time axis zooms every chart of
+    the dashboard to it (the sidebar's range, kept in the URL)."""
+    event = col.altair_chart(
+        chart,
+        width="stretch",
+        on_select="rerun",
+        selection_mode=ZOOM,
+        # Fresh selection state for each window or range: a drag applied is not re-read.
+        key=f"zoom {name} {snap.since_text} {snap.until_text}",
+    )
+    picked = zoom_range(getattr(event, "selection", None))
+    if picked is not None:
+        zoom_to(*picked)
 
 
 def _prefix_note(s: pd.DataFrame) -> str:
@@ -129,9 +147,17 @@ def render(snap: Snapshot) -> None:
     b = int(s["bucket_s"].iloc[0])
     per = "per second" if b == 1 else f"per {_span_text(b)}"
     st.subheader(f"Time series ({per}{tier})")
+    st.caption(
+        "Drag across a chart's time axis to zoom every chart to that stretch (the sidebar "
+        "then shows it as a range, kept in the page's link; its Time switch goes back to "
+        "the window)."
+    )
     seqs, blocks = cfg.get("max_num_seqs"), cfg.get("num_gpu_blocks")
     left, right = st.columns(2)
-    left.altair_chart(
+    _zoomable(
+        snap,
+        left,
+        "batch",
         time_chart(
             s,
             {"batch_mean": "batch (mean)", "batch_max": "batch (max)"},
@@ -139,10 +165,13 @@ def render(snap: Snapshot) -> None:
             "running requests",
             [(seqs, f"max_num_seqs {num(seqs, '.0f')}")],
             y_format=COUNT_FORMAT,
+            zoom=True,
         ),
-        width="stretch",
     )
-    right.altair_chart(
+    _zoomable(
+        snap,
+        right,
+        "kv",
         time_chart(
             s,
             {"kv_blocks_mean": "blocks in use (mean)", "kv_blocks_max": "blocks in use (max)"},
@@ -150,42 +179,55 @@ def render(snap: Snapshot) -> None:
             "KV blocks",
             [(blocks, f"num_gpu_blocks {num(blocks, ',.0f')}")],
             y_format=COUNT_FORMAT,
+            zoom=True,
         ),
-        width="stretch",
     )
-    left.altair_chart(
+    _zoomable(
+        snap,
+        left,
+        "waiting",
         time_chart(
             s,
             {"waiting_mean": "waiting (mean)", "waiting_max": "waiting (max)"},
             "Waiting queue",
             "requests",
             y_format=COUNT_FORMAT,
+            zoom=True,
         ),
-        width="stretch",
     )
-    right.altair_chart(
-        time_chart(s, {"preemptions_per_s": "preemptions/s"}, "Preemptions", "per second"),
-        width="stretch",
+    _zoomable(
+        snap,
+        right,
+        "preemptions",
+        time_chart(
+            s, {"preemptions_per_s": "preemptions/s"}, "Preemptions", "per second", zoom=True
+        ),
     )
-    left.altair_chart(
+    _zoomable(
+        snap,
+        left,
+        "prefix",
         time_chart(
             s,
             {"prefix_queries_per_s": "looked up", "prefix_hits_per_s": "hits"},
             "Prefix cache (prompt tokens/s)",
             "tokens/s",
             subtitle=_prefix_note(s),
+            zoom=True,
         ),
-        width="stretch",
     )
-    right.altair_chart(
+    _zoomable(
+        snap,
+        right,
+        "throughput",
         time_chart(
             s,
             {"gen_tokens_per_s": "generated", "prompt_tokens_per_s": "prompt (computed)"},
             "Throughput",
             "tokens/s",
             [(v.plateau_tokens_per_s, "plateau (generated)")],
+            zoom=True,
         ),
-        width="stretch",
     )
     lat = latency_series(snap.engine_requests(v.engine_id))
     if len(lat):

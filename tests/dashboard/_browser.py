@@ -209,6 +209,31 @@ class Chromium:
         html = str(self.eval("document.documentElement.outerHTML"))
         return Loaded(url, last, html, list(exceptions or []), time.monotonic() - t0)
 
+    def drag(self, x0: float, y0: float, x1: float, y1: float, moves: int = 10) -> None:
+        """Press the left button at (x0, y0), move to (x1, y1), release (viewport px)."""
+        base = {"button": "left", "clickCount": 1}
+        self._call("Input.dispatchMouseEvent", {"type": "mouseMoved", "x": x0, "y": y0})
+        self._call("Input.dispatchMouseEvent", {"type": "mousePressed", "x": x0, "y": y0, **base})
+        for i in range(1, moves + 1):
+            x, y = x0 + (x1 - x0) * i / moves, y0 + (y1 - y0) * i / moves
+            self._call(
+                "Input.dispatchMouseEvent",
+                {"type": "mouseMoved", "x": x, "y": y, "button": "left", "buttons": 1},
+            )
+            time.sleep(0.03)
+        self._call("Input.dispatchMouseEvent", {"type": "mouseReleased", "x": x1, "y": y1, **base})
+
+    def wait_for(self, predicate_js: str, timeout_s: float = 60.0) -> Any:
+        """Poll ``predicate_js`` until it is truthy; its value."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            v = self.eval(predicate_js)
+            if v:
+                return v
+            if time.monotonic() > deadline:
+                raise BrowserError(f"not true after {timeout_s:.0f} s: {predicate_js[:80]}")
+            time.sleep(0.5)
+
     def screenshot(self, path: Path) -> Path:
         """The whole page as PNG (the viewport grown to the main section's height)."""
         full = self.eval(

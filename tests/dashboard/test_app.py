@@ -185,7 +185,7 @@ def test_sidebar_window_changes_what_is_read(
 def test_engine_detail_shows_the_kv_starved_engine_against_its_limits(
     monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report
 ) -> None:
-    at = run_app(monkeypatch, demo_fleet.url, page="pages/engine.py")
+    at = run_app(monkeypatch, demo_fleet.url, page="_pages/engine.py")
     no_problem_shown(at)
     assert at.selectbox[0].value == KV_STARVED  # the engine needing attention most
     body = texts(at)
@@ -223,7 +223,7 @@ def test_engine_detail_shows_the_kv_starved_engine_against_its_limits(
 def test_engine_detail_switches_to_the_sequence_capped_engine(
     monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report
 ) -> None:
-    at = run_app(monkeypatch, demo_fleet.url, page="pages/engine.py")
+    at = run_app(monkeypatch, demo_fleet.url, page="_pages/engine.py")
     at.selectbox[0].set_value(SEQ_CAPPED).run()
     assert not at.exception
     assert "max_num_seqs 6," in texts(at)
@@ -240,7 +240,7 @@ def test_engine_detail_switches_to_the_sequence_capped_engine(
 def test_plateau_presents_the_advisors_curve_knee_and_cap(
     monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report
 ) -> None:
-    at = run_app(monkeypatch, demo_fleet.url, page="pages/plateau.py")
+    at = run_app(monkeypatch, demo_fleet.url, page="_pages/plateau.py")
     no_problem_shown(at)
     kv = expected.engine(KV_STARVED)
     m = metrics(at)
@@ -285,7 +285,7 @@ def test_plateau_presents_the_advisors_curve_knee_and_cap(
 def test_plateau_page_shows_the_cap_or_the_headroom(
     monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report, engine: str
 ) -> None:
-    at = run_app(monkeypatch, demo_fleet.url, page="pages/plateau.py")
+    at = run_app(monkeypatch, demo_fleet.url, page="_pages/plateau.py")
     at.selectbox[0].set_value(engine).run()
     assert not at.exception
     v = expected.engine(engine)
@@ -305,7 +305,7 @@ def test_plateau_page_shows_the_cap_or_the_headroom(
 def test_recommendations_are_ranked_with_the_change_to_copy(
     monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report
 ) -> None:
-    at = run_app(monkeypatch, demo_fleet.url, page="pages/recommendations.py")
+    at = run_app(monkeypatch, demo_fleet.url, page="_pages/recommendations.py")
     no_problem_shown(at)
     heads = [m.value for m in at.markdown if m.value.startswith("#### ")]
     assert heads == [
@@ -341,7 +341,7 @@ def test_recommendations_are_ranked_with_the_change_to_copy(
 def test_prefix_page_shows_hit_rates_per_replica_and_the_missing_kv_events(
     monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess, expected: Report
 ) -> None:
-    at = run_app(monkeypatch, demo_fleet.url, page="pages/prefix.py")
+    at = run_app(monkeypatch, demo_fleet.url, page="_pages/prefix.py")
     no_problem_shown(at)
     by_pool = {p.pool: p for p in expected.pools}
     assert metric_list(at, "prefix-cache hit rate") == [
@@ -451,7 +451,7 @@ def test_token_from_the_environment_reaches_an_empty_collector(
 def test_no_data_in_the_window_names_a_window_that_has_it(
     monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess
 ) -> None:
-    at = run_app(monkeypatch, demo_fleet.url, "--since", "5s", page="pages/plateau.py")
+    at = run_app(monkeypatch, demo_fleet.url, "--since", "5s", page="_pages/plateau.py")
     assert not at.error
     text = at.warning[0].value
     assert text.startswith("**No data.** no data in ")
@@ -586,7 +586,7 @@ def test_the_window_and_the_engine_come_from_the_url(
     at = _app_with_url(monkeypatch, demo_fleet.url, {"window": "1h"})
     assert at.sidebar.selectbox[0].value == "1h"
     assert "(window 1h)" in at.caption[0].value
-    at.switch_page("pages/engine.py")
+    at.switch_page("_pages/engine.py")
     at.query_params["engine"] = SEQ_CAPPED
     at.run()
     assert not at.exception, [e.value for e in at.exception]
@@ -597,7 +597,7 @@ def test_the_window_and_the_engine_come_from_the_url(
 def test_engine_steps_of_the_whole_window_are_sampled_and_say_so(
     monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess
 ) -> None:
-    at = run_app(monkeypatch, demo_fleet.url, page="pages/engine.py")
+    at = run_app(monkeypatch, demo_fleet.url, page="_pages/engine.py")
     at.radio(key="kvscope_steps_span").set_value("the whole window").run()
     assert not at.exception, [e.value for e in at.exception]
     w = pd.DataFrame(
@@ -621,7 +621,7 @@ def test_latency_page_shows_the_advisors_latency_per_pool(
 ) -> None:
     from kvscope.advisor.render_latency import ms_or_s
 
-    at = run_app(monkeypatch, demo_fleet.url, "--slo-ttft", "0.5", page="pages/latency.py")
+    at = run_app(monkeypatch, demo_fleet.url, "--slo-ttft", "0.5", page="_pages/latency.py")
     no_problem_shown(at)
     assert at.title[0].value == "Latency"
     demo = next(p for p in expected.pools if p.pool == "demo")

@@ -14,9 +14,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -225,6 +227,77 @@ def test_page_loads_in_chromium_with_its_key_numbers(
     missing = [w for w in want if w not in page.text]
     assert not missing
     assert shot.stat().st_size > 20_000  # a rendered page, not a blank one
+
+
+_PLOT_BOX_JS = """(() => {
+  const charts = Array.from(document.querySelectorAll('[data-testid="stVegaLiteChart"]'));
+  const c = charts.find(e => e.innerText.includes('Throughput'));
+  if (!c) return null;
+  c.scrollIntoView({block: 'center'});
+  const plot = c.querySelector('canvas, svg');
+  const r = plot.getBoundingClientRect();
+  return [r.left, r.top, r.width, r.height];
+})()"""
+
+
+def test_a_drag_across_a_time_chart_zooms_every_chart_and_the_link_keeps_it(
+    served: Served, browser: Chromium, artefacts: Path
+) -> None:
+    page = browser.load(f"{served.url}/engine", wait_for=["Throughput", "Drag across"])
+    assert page.exceptions == []
+    left, top, width, height = browser.wait_for(_PLOT_BOX_JS)
+    # Drag over the middle third of the throughput chart's plot, at half its height.
+    y = top + height * 0.55
+    browser.drag(left + width * 0.35, y, left + width * 0.65, y)
+    url = browser.wait_for(
+        "location.search.includes('time=range') && location.search.includes('from=') "
+        "? location.href : ''",
+        timeout_s=60,
+    )
+    q = urllib.parse.parse_qs(urllib.parse.urlsplit(url).query)
+    since, until = (
+        datetime.fromisoformat(q[k][0].replace("Z", "+00:00")).timestamp() for k in ("from", "to")
+    )
+    assert until - since >= 2
+    zoomed = browser.load(url, wait_for=["Throughput", "From (UTC)"])
+    assert zoomed.exceptions == []
+    shot = browser.screenshot(artefacts / "engine_zoomed.png")
+    SAVED.append(keep(shot, "dashboard"))
+    # The sidebar holds the dragged stretch as its range, and every chart reads it.
+    shown = browser.eval(
+        "[...document.querySelectorAll('input')].filter(i => /^(From|To) \\(UTC\\)$/"
+        ".test(i.getAttribute('aria-label') || '')).map(i => i.value)"
+    )
+    assert shown == [q["from"][0], q["to"][0]]
+    assert "Time series (per second" in zoomed.text
+    assert "No windows of this engine" not in zoomed.text
+
+
+def test_a_grafana_data_link_opens_its_page_on_grafanas_time_range(
+    served: Served, browser: Chromium
+) -> None:
+    # The form of deploy/grafana's data links once Grafana filled them in: a deep link to
+    # a page other than the first, the engine and the range in unix seconds.
+    until = int(time.time()) + 60
+    since = until - 4 * 3600
+    engine = urllib.parse.quote(SEQ_CAPPED, safe="")
+    url = f"{served.url}/plateau?engine={engine}&time=range&from={since}&to={until}"
+    page = browser.load(url, wait_for=["(range)", "From (UTC)"])
+    assert page.exceptions == []
+    stamp = "%Y-%m-%d %H:%M:%S UTC"
+    span = " to ".join(
+        datetime.fromtimestamp(t, timezone.utc).strftime(stamp) for t in (since, until)
+    )
+    assert f"{span} (range)" in page.text
+    shown = browser.eval(
+        "[...document.querySelectorAll('input')].filter(i => /^(From|To) \\(UTC\\)$/"
+        ".test(i.getAttribute('aria-label') || '')).map(i => i.value)"
+    )
+    assert shown == [str(since), str(until)]
+    # The page is the plateau page inside the app (its navigation shown), of that engine:
+    # the sequence-capped one's verdict (the page shows the KV-starved one unless told).
+    assert "Fleet overview" in page.text and "knee (in flight)" in page.text
+    assert "max_num_seqs_bound saturated" in page.text
 
 
 def test_the_page_refreshes_itself(served: Served, browser: Chromium) -> None:

@@ -55,7 +55,7 @@ def test_a_long_window_plots_the_minute_tier(
     monkeypatch: pytest.MonkeyPatch, hourly: tuple[CollectorProcess, list[int]]
 ) -> None:
     c, minutes = hourly
-    at = run_app(monkeypatch, c.url, "--since", "12h", page="pages/engine.py")
+    at = run_app(monkeypatch, c.url, "--since", "12h", page="_pages/engine.py")
     heads = [h.value for h in at.subheader]
     head = next(h for h in heads if h.startswith("Time series"))
     found = re.search(r"per (\d+) (min|h), from 1-minute windows", head)
@@ -80,7 +80,7 @@ def test_a_short_window_plots_the_seconds(
 ) -> None:
     c, minutes = hourly
     since = minutes[-1] - 30
-    at = run_app(monkeypatch, c.url, "--since", str(since), page="pages/engine.py")
+    at = run_app(monkeypatch, c.url, "--since", str(since), page="_pages/engine.py")
     heads = [h.value for h in at.subheader]
     assert any(h.startswith("Time series (per second)") for h in heads), [*heads, texts(at)]
 
@@ -108,7 +108,7 @@ def test_a_range_whose_seconds_were_deleted_is_analysed_from_its_minutes(
     try:
         at = _app_with_url(monkeypatch, c.url, query)
         # the engine page renders from the minutes too (its series, the curve)
-        page = _app_with_url(monkeypatch, c.url, query, page="pages/engine.py")
+        page = _app_with_url(monkeypatch, c.url, query, page="_pages/engine.py")
     finally:
         c.stop()
     assert "kv_cache_bound" in texts(page) + " ".join(h.value for h in page.subheader)

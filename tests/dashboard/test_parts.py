@@ -679,3 +679,30 @@ def test_a_slow_read_stretches_the_refresh_period(period: float, read: float, wa
     assert got >= 4 * read and got >= period
     # Reads of about the same length keep the period (and the cache key) still.
     assert stretched_period(period, read * 1.05) in (got, 2 * got)
+
+
+def test_a_drag_across_the_time_axis_is_a_range_to_zoom_to() -> None:
+    from kvscope.dashboard._window import utc_iso, zoom_range
+
+    t0 = 1_764_590_400.0  # 2025-12-01 12:00:00 UTC
+    ms = {"zoom": {"time": [(t0 + 90) * 1000, t0 * 1000]}}  # Vega's epoch milliseconds
+    assert zoom_range(ms) == (t0, t0 + 90)
+    iso = {"zoom": {"time": ["2025-12-01T12:00:00.000Z", "2025-12-01T12:01:30.000Z"]}}
+    assert zoom_range(iso) == (t0, t0 + 90)
+    assert zoom_range({"zoom": {"time": [t0 * 1000, t0 * 1000 + 500]}}) is None  # a click
+    for nothing in (None, {}, {"zoom": {}}, {"zoom": {"time": [1.0]}}, {"zoom": {"x": [1, 2]}}):
+        assert zoom_range(nothing) is None
+    assert utc_iso(t0 + 5.7) == "2025-12-01T12:00:05Z"
+
+
+def test_time_charts_carry_the_zoom_interval_only_when_asked() -> None:
+    s = pd.DataFrame(
+        {"time": pd.to_datetime([1_764_590_400 + i for i in range(5)], unit="s", utc=True)}
+    ).assign(a=[1.0, 2.0, 3.0, 4.0, 5.0])
+    spec = time_chart(s, {"a": "a"}, "A", "x", zoom=True).to_dict()
+    params = [p for layer in spec.get("layer", [spec]) for p in layer.get("params", [])]
+    params += spec.get("params", [])
+    zoom = [p for p in params if p.get("name") == "zoom"]
+    assert zoom and zoom[0]["select"] == {"type": "interval", "encodings": ["x"]}
+    plain = time_chart(s, {"a": "a"}, "A", "x").to_dict()
+    assert "zoom" not in str(plain.get("params", "")) + str(plain.get("layer", ""))

@@ -269,12 +269,18 @@ def _app_pages_and_params() -> tuple[set[str], set[str]]:
     params: set[str] = set()
     for path in APP.rglob("*.py"):
         params |= set(re.findall(r"st\.query_params(?:\.get\()?\[?\"(\w+)\"", path.read_text()))
-    return pages, params
+    # The sidebar's time widgets are bound to the URL under their session-state keys.
+    from kvscope.dashboard._window import FROM_KEY, TIME_KEY, TO_KEY, WINDOW_KEY
+
+    window = (APP / "_window.py").read_text()
+    assert window.count('bind="query-params"') >= 4
+    return pages, params | {TIME_KEY, WINDOW_KEY, FROM_KEY, TO_KEY}
 
 
 def test_data_links_open_pages_and_params_the_app_has(dashboard: dict[str, Any]) -> None:
     pages, params = _app_pages_and_params()
-    assert {"", "engine", "plateau"} <= pages and params == {"engine"}
+    assert {"", "engine", "plateau"} <= pages
+    assert params == {"engine", "time", "window", "from", "to"}
     assert "kvscope_url" in {v["name"] for v in dashboard["templating"]["list"]}
     links = list(dashboard["links"])
     for p in _data_panels(dashboard):
@@ -287,12 +293,17 @@ def test_data_links_open_pages_and_params_the_app_has(dashboard: dict[str, Any])
     ]
     assert len(linked_panels) >= 20
     for link in links:
-        m = re.fullmatch(r"\$\{kvscope_url\}/([a-z]*)(?:\?(\w+)=(.+))?", link["url"])
+        m = re.fullmatch(r"\$\{kvscope_url\}/([a-z]*)\?(.+)", link["url"])
         assert m, link["url"]
         assert m.group(1) in pages, link["url"]
-        if m.group(2):
-            assert m.group(2) in params, link["url"]
-            assert m.group(3).endswith(".engine:percentencode}"), link["url"]
+        query = dict(kv.split("=", 1) for kv in m.group(2).split("&"))
+        assert set(query) <= params, link["url"]
+        # Every link opens the app on Grafana's time range (unix seconds, the app's syntax).
+        assert query["time"] == "range", link["url"]
+        assert query["from"] == "${__from:date:seconds}", link["url"]
+        assert query["to"] == "${__to:date:seconds}", link["url"]
+        if "engine" in query:
+            assert query["engine"].endswith(".engine:percentencode}"), link["url"]
 
 
 # -- alerts -----------------------------------------------------------------------------

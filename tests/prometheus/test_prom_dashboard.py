@@ -21,7 +21,7 @@ from kvscope.sources.prometheus.source import PrometheusSource, analyze_promethe
 
 APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
 KVSCOPE_ENGINE = "demo-host:8000:0"
-PAGES = ["pages/engine.py", "pages/plateau.py", "pages/recommendations.py", "pages/prefix.py"]
+PAGES = ["_pages/engine.py", "_pages/plateau.py", "_pages/recommendations.py", "_pages/prefix.py"]
 
 
 def _app(
@@ -82,7 +82,7 @@ def test_every_page_renders_from_prometheus(
 ) -> None:
     at = _app(monkeypatch, fleet, "--prometheus", fleet.backends["prometheus"].url, page=page)
     assert not at.error, [e.value for e in at.error]
-    if page == "pages/engine.py":
+    if page == "_pages/engine.py":
         assert "Per-step series need kvscope's plugin and a collector" in _texts(at)
         assert at.get("vega_lite_chart")  # the per-scrape series are drawn
 
