@@ -87,7 +87,10 @@ def test_every_panel_has_queries_on_the_datasource_variable(dashboard: dict[str,
                 assert t.get("format") == "heatmap", p["title"]
             if p["type"] == "table":
                 assert t.get("format") == "table" and t.get("instant"), p["title"]
-            if "rate(" in t["expr"] or "increase(" in t["expr"]:
+            if re.search(r"\[\d+[mhd]\]", t["expr"]):
+                # A fixed window only where an alert's own window is drawn, named in the legend.
+                assert "last" in t.get("legendFormat", ""), f"{p['title']}: {t['expr']}"
+            elif "rate(" in t["expr"] or "increase(" in t["expr"]:
                 assert "[$__rate_interval]" in t["expr"], f"{p['title']}: {t['expr']}"
 
 

@@ -164,6 +164,17 @@ def test_alert_thresholds_are_drawn_with_the_rules_numbers(
     ):
         assert f"{factor} * {gauge}" in rules["KvscopeLoadPastKnee"]["expr"]
         assert any(e.startswith(f"{factor} * {gauge}{{") for e in exprs), (factor, gauge)
+    # The prefix collapse is relative: the pool's day ratio halved is a series of its own,
+    # next to the pool's 30-minute ratio the rule compares with it.
+    collapse = rules["KvscopePrefixHitRateCollapse"]["expr"]
+    assert re.search(r"<\s*0\.5 \* \(\s*sum by \(job, instance, pool\) \(rate\(\S+\[1d\]", collapse)
+    prefix = {
+        t["legendFormat"]: t["expr"]
+        for t in _panel(dashboard, "Prefix-cache hit ratio per engine")["targets"]
+    }
+    half = [e for e in prefix.values() if e.startswith("0.5 * (")]
+    assert len(half) == 1 and half[0].count("[1d]") == 2, prefix
+    assert sum(e.count("[30m]") == 2 for e in prefix.values()) == 1, prefix
     # The SLO targets: the bucket of the recording rules is the line on the quantile panel
     # and the bucket the attainment panel counts; the burn rates divide by the same budget.
     attainment = [t["expr"] for t in _panel(dashboard, SLO_ATTAINMENT)["targets"]]
