@@ -119,6 +119,10 @@ class Level:
     preemptions_per_request: float | None
     finished: int
     prefix_hit_rate: float | None = None
+    client_tokens_per_s: float | None = None
+    """Real side: the load generator's streamed tokens/s over the same window."""
+    seconds_with_steps: int | None = None
+    """Real side: the level's seconds in which a step ended (those with a 1-second window)."""
 
 
 @dataclass
@@ -165,6 +169,8 @@ def median_side(runs: list[Side]) -> Side:
                 _median([lv.preemptions_per_request for lv in per]),
                 int(statistics.median(lv.finished for lv in per)),
                 _median([lv.prefix_hit_rate for lv in per]),
+                _median([lv.client_tokens_per_s for lv in per]),
+                None,
             )
         )
     verdicts = [r.bottleneck for r in runs]
@@ -241,7 +247,14 @@ class TwinLab(AdvisorLab):
         w = src.windows(since, until, pool=pool)
         r = src.requests(since, until, pool=pool)
         levels = [
-            _level(lv.concurrency, w, r, lv.window_start_unix_s, lv.window_end_unix_s)
+            _level(
+                lv.concurrency,
+                w,
+                r,
+                lv.window_start_unix_s,
+                lv.window_end_unix_s,
+                client=lv.output_tokens_per_s,
+            )
             for lv in result.levels
         ]
         hello = next(
@@ -262,10 +275,15 @@ class TwinLab(AdvisorLab):
             time.sleep(0.5)
 
 
-def _level(c: int, w: pd.DataFrame, r: pd.DataFrame, a: float, b: float) -> Level:
+def _level(
+    c: int, w: pd.DataFrame, r: pd.DataFrame, a: float, b: float, client: float | None = None
+) -> Level:
     ts = pd.to_numeric(w["ts_s"]) if len(w) else pd.Series(dtype=float)
     ww = w[(ts >= a) & (ts + 1.0 <= b + 0.5)] if len(w) else w
-    seconds = ww["ts_s"].nunique() if len(ww) else 0
+    # Every second of the level, not only those with a window: a second in which no step
+    # ended (inside a prefill step longer than a second, common on a CPU) has no 1-second
+    # window, and the tokens of that step land in the second it ended in.
+    seconds = max(0, math.floor(b - 0.5) - math.ceil(a) + 1)
     gen = float(pd.to_numeric(ww["generation_tokens"]).sum()) if len(ww) else 0.0
     fin = pd.to_numeric(r["finished_unix_s"]) if len(r) else pd.Series(dtype=float)
     done = r[(fin >= a) & (fin < b) & (r["finish_reason"] != "abort")] if len(r) else r
@@ -274,7 +292,14 @@ def _level(c: int, w: pd.DataFrame, r: pd.DataFrame, a: float, b: float) -> Leve
     q = float(pd.to_numeric(ww["prefix_queries"]).sum()) if len(ww) else 0.0
     h = float(pd.to_numeric(ww["prefix_hits"]).sum()) if len(ww) else 0.0
     return Level(
-        c, gen / seconds if seconds else math.nan, e2e, pre, len(done), h / q if q else None
+        c,
+        gen / seconds if seconds else math.nan,
+        e2e,
+        pre,
+        len(done),
+        h / q if q else None,
+        client,
+        int(ww["ts_s"].nunique()) if len(ww) else 0,
     )
 
 
@@ -497,6 +522,16 @@ def level_table(c: Comparison) -> str:
             f"({_pct(_rel(t.tokens_per_s, r.tokens_per_s))}), e2e P99 "
             f"{_f(r.e2e_p99_s, '.2f')} / {_f(t.e2e_p99_s, '.2f')} s, preempt/req "
             f"{_f(r.preemptions_per_request, '.2f')} / {_f(t.preemptions_per_request, '.2f')}"
+            + (
+                f"; real client side {_f(r.client_tokens_per_s)} tok/s"
+                if r.client_tokens_per_s is not None
+                else ""
+            )
+            + (
+                f", steps ended in {r.seconds_with_steps} of the level's seconds"
+                if r.seconds_with_steps is not None
+                else ""
+            )
         )
     return "\n".join(lines)
 
