@@ -18,6 +18,7 @@ from typing import Any
 
 import streamlit as st
 
+from kvscope.dashboard._charts import ZOOM
 from kvscope.dashboard.settings import WINDOW_CHOICES, DashboardSettings
 
 TIME_KEY, WINDOW_KEY, FROM_KEY, TO_KEY = "time", "window", "from", "to"
@@ -92,7 +93,7 @@ def _unix_s(v: Any) -> float | None:
 
 
 def zoom_range(
-    selection: Mapping[str, Any] | None, param: str = "zoom"
+    selection: Mapping[str, Any] | None, param: str = ZOOM
 ) -> tuple[float, float] | None:
     """(since, until) unix seconds of an interval dragged across a time chart's axis
     (the chart's ``on_select`` event's ``selection``), or None (nothing dragged, or a

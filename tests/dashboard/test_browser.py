@@ -240,6 +240,16 @@ _PLOT_BOX_JS = """(() => {
 })()"""
 
 
+def _range_inputs(browser: Chromium) -> list[str]:
+    """What the sidebar's From and To fields hold."""
+    return list(
+        browser.eval(
+            "[...document.querySelectorAll('input')].filter(i => /^(From|To) \\(UTC\\)$/"
+            ".test(i.getAttribute('aria-label') || '')).map(i => i.value)"
+        )
+    )
+
+
 def test_a_drag_across_a_time_chart_zooms_every_chart_and_the_link_keeps_it(
     served: Served, browser: Chromium, artefacts: Path
 ) -> None:
@@ -264,10 +274,7 @@ def test_a_drag_across_a_time_chart_zooms_every_chart_and_the_link_keeps_it(
     shot = browser.screenshot(artefacts / "engine_zoomed.png")
     SAVED.append(keep(shot, "dashboard"))
     # The sidebar holds the dragged stretch as its range, and every chart reads it.
-    shown = browser.eval(
-        "[...document.querySelectorAll('input')].filter(i => /^(From|To) \\(UTC\\)$/"
-        ".test(i.getAttribute('aria-label') || '')).map(i => i.value)"
-    )
+    shown = _range_inputs(browser)
     assert shown == [q["from"][0], q["to"][0]]
     assert "Time series (per second" in zoomed.text
     assert "No windows of this engine" not in zoomed.text
@@ -289,10 +296,7 @@ def test_a_grafana_data_link_opens_its_page_on_grafanas_time_range(
         datetime.fromtimestamp(t, timezone.utc).strftime(stamp) for t in (since, until)
     )
     assert f"{span} (range)" in page.text
-    shown = browser.eval(
-        "[...document.querySelectorAll('input')].filter(i => /^(From|To) \\(UTC\\)$/"
-        ".test(i.getAttribute('aria-label') || '')).map(i => i.value)"
-    )
+    shown = _range_inputs(browser)
     assert shown == [str(since), str(until)]
     # The page is the plateau page inside the app (its navigation shown), of that engine:
     # the sequence-capped one's verdict (the page shows the KV-starved one unless told).
