@@ -26,7 +26,19 @@ Algorithm
    requests that waited: on a real long-context engine whose cache held 2.9 requests
    the KV ceiling lay at 3.9 in flight, and a cap of 4 kept one request waiting behind
    every three, cutting the overload P99 only to 0.61-0.63x; the cap of 3 cuts it to
-   0.32-0.33x keeping 0.97-0.99 of the throughput (docs/advise.md).
+   0.32-0.33x keeping 0.97-0.99 of the throughput (docs/advise.md). And where vLLM
+   began preempting (at least ``preempted_share_onset`` of a load bin's finished
+   requests preempted at least once, :class:`~kvscope.advisor.latency.LatencyVsLoad`)
+   below that load, the cap is at most that **preemption onset** (rounded up), as long
+   as the fitted curve there keeps ``onset_min_fraction`` of the peak. A preempted
+   request gives up its blocks, waits and recomputes: in flight beyond the onset buy
+   the few percent of throughput a flat top's noise puts there and pay for them in the
+   tail. On the real KV-starved engine of an AVX2 machine (knee 8-12, vLLM preempting
+   from about 12 in flight) the 90% crossing read from noisy overload bins put the cap
+   at 14-15 in four runs: the client cap cut the overload's e2e P99 to only
+   0.60-0.67x; caps of 11-12 in two other runs cut it to 0.43-0.45x, each cap keeping
+   1.10-1.23 of the uncapped throughput (docs/advise.md, "The cap at most the
+   preemption onset").
 2. With an SLO (``slo_ttft_p99_s``, ``slo_e2e_p99_s``), the P99 at the cap
    (:meth:`~kvscope.advisor.latency.LatencyVsLoad.p99_at`) must meet it; if not, the cap is
    lowered to the largest whole load whose interpolated P99 meets every SLO, and the
@@ -61,6 +73,12 @@ slo_ttft_p99_s, slo_e2e_p99_s : optional P99 targets in seconds.
 queue_share : the engine-side queue allowed, as a share of the cap (default 0.25).
 resamples, resample_quantile : bootstrap refits of the crossing and the quantile of
     their loads the cap is at least (default 200, 0.5).
+preempted_share_onset : share of a load bin's finished requests preempted at least once
+    that marks the preemption onset (default 0.1: a stray preemption in a quiet bin is
+    not an onset; 0.22-0.29 in the first preempting bin of the AVX2 engine above).
+onset_min_fraction : share of the peak the fitted curve must keep at the onset for the
+    onset to bound the cap (default 0.8: below it the preemptions come with throughput
+    the operator would lose, and the crossing stands).
 """
 
 from __future__ import annotations
@@ -107,6 +125,8 @@ class ConcurrencyCap:
         queue_share: float = 0.25,
         resamples: int = 200,
         resample_quantile: float = 0.5,
+        preempted_share_onset: float = 0.1,
+        onset_min_fraction: float = 0.8,
     ) -> None:
         self.cap_fraction = cap_fraction
         self.slo_ttft_p99_s = slo_ttft_p99_s
@@ -114,6 +134,8 @@ class ConcurrencyCap:
         self.queue_share = queue_share
         self.resamples = resamples
         self.resample_quantile = resample_quantile
+        self.preempted_share_onset = preempted_share_onset
+        self.onset_min_fraction = onset_min_fraction
 
     def parameters(self) -> dict[str, float]:
         """The thresholds the cap uses (the report carries them)."""
@@ -122,6 +144,8 @@ class ConcurrencyCap:
             "queue_share": self.queue_share,
             "resamples": self.resamples,
             "resample_quantile": self.resample_quantile,
+            "preempted_share_onset": self.preempted_share_onset,
+            "onset_min_fraction": self.onset_min_fraction,
         }
 
     def _crossing(self, x: np.ndarray, means: np.ndarray, weights: np.ndarray) -> float:
@@ -149,6 +173,16 @@ class ConcurrencyCap:
             out[i] = self._crossing(x, med, n)
         return out
 
+    def _preemption_onset(self, lat: LatencyVsLoad) -> float | None:
+        """The lowest load bin in which at least ``preempted_share_onset`` of the finished
+        requests were preempted (None: none, or the source has no preemption counts)."""
+        b = lat.bins_
+        if not len(b) or "preempted_share" not in b:
+            return None
+        share = pd.to_numeric(b["preempted_share"], errors="coerce").to_numpy(float)
+        hit = np.isfinite(share) & (share >= self.preempted_share_onset)
+        return float(b["load"].to_numpy(float)[int(np.argmax(hit))]) if hit.any() else None
+
     def _meets(self, lat: LatencyVsLoad, load: float) -> bool:
         for col, slo in (("ttft_s", self.slo_ttft_p99_s), ("e2e_s", self.slo_e2e_p99_s)):
             if slo is not None:
@@ -172,10 +206,22 @@ class ConcurrencyCap:
         )
         if math.isfinite(self.resampled_load_):
             load = max(load, self.resampled_load_)
+        self.preemption_onset_load_ = self._preemption_onset(latency)
+        self.bounded_by_preemption_ = False
+        onset = self.preemption_onset_load_
+        if (
+            onset is not None
+            and onset < load
+            and np.interp(onset, x, fit) >= self.onset_min_fraction * plateau
+        ):
+            load = onset
+            self.bounded_by_preemption_ = True
         self.ceiling_batch_ = curve.ceiling_batch_
         self.bounded_by_batch_ = bool(
             self.ceiling_batch_ is not None and self.ceiling_batch_ < load
         )
+        if self.bounded_by_batch_:
+            self.bounded_by_preemption_ = False
         if self.ceiling_batch_ is not None:
             # Past the batch the engine held at its batch or KV ceiling only vLLM's
             # queue grows (the curve's step 5).
@@ -226,6 +272,15 @@ class ConcurrencyCap:
             why = (
                 f" (the engine ran {self.ceiling_batch_:.1f} requests while others waited: "
                 "more in flight only queue)"
+            )
+        if (
+            self.bounded_by_preemption_
+            and not self.slo_limited_
+            and self.preemption_onset_load_ is not None
+        ):
+            why = (
+                f" (vLLM began preempting requests at {self.preemption_onset_load_:.1f} in "
+                "flight: more in flight add recomputation and tail, not throughput)"
             )
         bad = "; the SLO cannot be met on this engine at any load" if not self.feasible_ else ""
         return (
@@ -296,6 +351,7 @@ class ConcurrencyCap:
                 "point_load": self.point_load_,
                 "resampled_load": self.resampled_load_,
                 "ceiling_batch": self.ceiling_batch_,
+                "preemption_onset_load": self.preemption_onset_load_,
                 "slo_ttft_p99_s": self.slo_ttft_p99_s,
                 "slo_e2e_p99_s": self.slo_e2e_p99_s,
                 "slo_limited": self.slo_limited_,

@@ -10,7 +10,11 @@ through three seconds of overload would be filed under the lull.) The load comes
 from the windows a fitted :class:`~kvscope.advisor.curve.ThroughputCurve` kept; seconds
 without such a window do not count, and requests with none are left out. Requests are grouped by the curve's load bins (nearest
 bin in log-load), and per bin the P50 and P99 of ``ttft_s``, ``queue_s`` and
-``e2e_s`` are taken (bins with fewer than ``min_requests`` requests are dropped).
+``e2e_s`` are taken (bins with fewer than ``min_requests`` requests are dropped), with
+the share of the bin's requests vLLM preempted at least once (``preempted_share``, from
+the requests' ``preemptions``; NaN where the source has no such column). A preempted
+request gives up its blocks, waits, and recomputes its prompt and output: it is where a
+KV-starved engine's tail comes from (:mod:`kvscope.advisor.cap` bounds the cap by it).
 
 The **tail starts climbing** at the smallest bin load whose e2e P99 is at least
 ``tail_factor`` times the e2e P99 of the lowest bin. :meth:`LatencyVsLoad.p99_at`
@@ -73,6 +77,12 @@ class LatencyVsLoad:
         for c in (*_COLS, "finished_unix_s"):
             r[c] = pd.to_numeric(r[c], errors="coerce") if c in r else np.nan
         r = r[r["e2e_s"].notna() & r["finished_unix_s"].notna()]
+        preempted = (
+            pd.to_numeric(r["preemptions"], errors="coerce")
+            if "preemptions" in r
+            else pd.Series(math.nan, index=r.index)
+        )
+        r = r.assign(preempted=preempted.gt(0).where(preempted.notna()))
         r = r.assign(
             load=_mean_load(curve.windows_, r["finished_unix_s"] - r["e2e_s"], r["finished_unix_s"])
         )
@@ -95,6 +105,8 @@ class LatencyVsLoad:
                 v = grp[c].dropna()
                 row[f"{c}_p50"] = float(v.quantile(0.5)) if len(v) else math.nan
                 row[f"{c}_p99"] = float(v.quantile(0.99)) if len(v) else math.nan
+            pre = grp["preempted"].dropna()
+            row["preempted_share"] = float(pre.astype(float).mean()) if len(pre) else math.nan
             rows.append(row)
         self.bins_ = pd.DataFrame(rows)
         self.n_requests_ = len(r)

@@ -148,7 +148,10 @@ MAX_P99_RATIO = 0.6
 """vLLM's e2e P99 at the cap (client concurrency = cap) over the uncapped overload
 level's, at most. vLLM's own latency (arrival at the engine to finish, queueing
 included) rather than the load generator's: on these machines the API server now and
-then delivers a whole response a second or more late, which is no effect of the cap."""
+then delivers a whole response a second or more late, which is no effect of the cap.
+Measured 0.24-0.36 on AVX-512 machines (caps 8-11) and 0.43-0.45 on AVX2 machines at
+caps 11-12; caps of 14-15 there, above the load where vLLM began preempting, read
+0.60-0.67, which is why the cap stops at the preemption onset (:mod:`kvscope.advisor.cap`)."""
 MAX_P99_RATIO_FLAGS = 0.8
 """The same for the admitted requests under the recommendation's vLLM flags, at most:
 the tail falls by a fifth or more. Every admitted request passes through vLLM's queue
