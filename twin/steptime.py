@@ -91,7 +91,7 @@ class LinearStepCost:
 
 
 def fit_steps(
-    steps: Any, *, cycle: bool = False, trim: float = 0.05, min_steps: int = 200
+    steps: Any, *, cycle: bool = False, trim: float | None = None, min_steps: int = 200
 ) -> LinearStepCost:
     """``a + b*batch + c*computed prompt tokens`` fitted on single engine steps.
 
@@ -103,13 +103,22 @@ def fit_steps(
     step's prompt tokens less its prefix-cache hits (vLLM counts a prompt at the step
     that completes it, which is the step that computes it unless it was chunked). A
     non-negative least-squares fit, refitted once without the ``trim`` share of steps
-    with the largest residuals (steps that waited on something else).
+    with the largest residuals (steps that waited on something else; default 0.05).
 
     ``cycle`` fits the step cycle instead: the time from one step's stats to the next's
     (``ts_unix_s``), which holds what vLLM does around the execution it reports
     (scheduling, output processing, the hand-over to the API server: 1.5-3 ms per step
-    on the lab's CPU engine), against the requests running when the step began; steps
-    after a gap of 0.5 s or more (idle) are left out.
+    on the lab's CPU engine), against the requests running when the step began. A step
+    that began with no request running may have waited for one (idle) and is left out;
+    every other cycle counts, however long: with requests running vLLM steps back to
+    back. Nothing is trimmed by default (``trim`` 0): the fit, least squares with a
+    fixed term, then sums to the engine's busy time, which is what a replay must
+    reproduce. The cycles are read where the API server hands the stats over, so they
+    come in bunches (a long gap, then steps a millisecond apart) and the largest
+    residuals are mostly the long cycles of long prefills: on the lab's AVX2 engine 22
+    cycles of 0.5 s or more held 40% of the baseline's busy time. Leaving them out, or
+    trimming the largest residuals, explained only 0.78-0.90 of every run's busy time
+    and the twin ran 13-22% fast (docs/twin.md, run 8); counted, 0.93-1.08.
     """
     import numpy as np
     from scipy import optimize
@@ -124,8 +133,7 @@ def fit_steps(
         ts = np.asarray(steps["ts_unix_s"], dtype=float)
         order = np.argsort(ts, kind="stable")
         steps = steps.iloc[order]
-        gap = np.insert(np.diff(ts[order]), 0, np.nan)
-        t = np.where(gap < 0.5, gap, np.nan)
+        t = np.insert(np.diff(ts[order]), 0, np.nan)
         batch = np.insert(np.asarray(steps["batch_size"], dtype=float)[:-1], 0, np.nan)
     else:
         t = np.asarray(steps["iteration_s"], dtype=float)
@@ -141,9 +149,12 @@ def fit_steps(
     X = np.c_[np.ones(int(ok.sum())), batch[ok], np.clip(prompt[ok] - hits[ok], 0.0, None)]
     y = t[ok]
     coef, _ = optimize.nnls(X, y)
-    resid = np.abs(y - X @ coef)
-    keep = resid <= np.quantile(resid, 1.0 - trim)
-    coef, _ = optimize.nnls(X[keep], y[keep])
+    keep = np.ones(len(y), dtype=bool)
+    trim = (0.0 if cycle else 0.05) if trim is None else trim
+    if trim > 0:
+        resid = np.abs(y - X @ coef)
+        keep = resid <= np.quantile(resid, 1.0 - trim)
+        coef, _ = optimize.nnls(X[keep], y[keep])
     return LinearStepCost(
         float(coef[0]), float(coef[1]), float(coef[2]), 0.0, f"{int(keep.sum())} engine steps"
     )
