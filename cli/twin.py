@@ -256,7 +256,7 @@ def _like(args: argparse.Namespace) -> tuple[Any, Any, list[Any]]:
     from kvscope.advisor import CollectorSource, analyze
     from kvscope.args import parse_time
     from kvscope.twin.shape import TwinConfigError
-    from kvscope.twin.whatif import cost_of, shape_of, stream_of
+    from kvscope.twin.whatif import engine_cost, shape_of, stream_of
 
     if not args.source:
         raise TwinConfigError("--like needs --source URL, the collector that knows the engine")
@@ -270,7 +270,7 @@ def _like(args: argparse.Namespace) -> tuple[Any, Any, list[Any]]:
         raise TwinConfigError(f"the collector has no engine {args.like!r} (it has: {known})")
     hello = rows.iloc[-1]
     report = analyze(src, since, now, hello.get("pool"))
-    cost = cost_of(report, args.like)
+    cost = engine_cost(report, src, args.like, since, now)
     if cost is None:
         raise TwinConfigError(
             f"the advisor could not fit {args.like}'s step time from its data since "

@@ -115,11 +115,11 @@ def fit_steps(
     fixed term, then sums to the engine's busy time, which is what a replay must
     reproduce. The cycles are read where the API server hands the stats over, so they
     come in bunches (a long gap, then steps a millisecond apart) and the largest
-    residuals are mostly the long cycles of long prefills: on the lab's AVX2 engine 22
-    cycles of 0.5 s or more held 40% of the baseline's busy time. Leaving them out, or
-    trimming the largest residuals, explained only 0.78-0.90 of every run's busy time
-    and the twin ran 13-22% fast (docs/twin.md, run 8); counted, 0.93-1.08.
-    """
+    residuals are mostly the long cycles of long prefills: on the lab's AVX2 engine 22-25
+    cycles of 0.5 s or more held 40-45% of the baseline's busy time. Leaving them out and
+    trimming the largest residuals explained only 0.78-0.97 of the runs' busy time and
+    the twin ran 13-22% fast (docs/twin.md, run 8); counted, 0.93-1.08, and the twin's
+    plateaus came within 9% (run 9)."""
     import numpy as np
     from scipy import optimize
 

@@ -7,8 +7,10 @@ collector knows of the engine:
 
 * its configuration from the engine's hello (blocks, block size, ``max_num_seqs``,
   token budget, context length, prefix caching);
-* its step time from the advisor's fit on the engine's own windows (the
-  ``step_model`` evidence of the ``kv_capacity`` finding);
+* its step time from the engine's own step cycle (:func:`engine_cost`: the time from
+  one step's stats to the next's, fitted on the raw steps the collector keeps for a
+  day), else from the advisor's fit on its 1-second windows (the ``step_model``
+  evidence of the ``kv_capacity`` finding);
 * its traffic from the requests it served in the window: prompt and output lengths,
   and arrival times (finish time less vLLM's e2e latency); a request's cached prompt
   tokens become a prefix it shares with the others (the first ``cached`` tokens of one
@@ -84,6 +86,62 @@ def cost_of(report: Report, engine_id: str) -> LinearStepCost | None:
             except (KeyError, TypeError, ValueError):
                 return None
     return None
+
+
+MIN_CYCLE_STEPS = 200
+"""Steps the step-cycle fit needs (:func:`~kvscope.twin.steptime.fit_steps`)."""
+
+
+def engine_cost(
+    report: Report, source: Any, engine_id: str, since: float | None, until: float | None
+) -> LinearStepCost | None:
+    """``engine_id``'s step time: fitted on its step cycle where the source holds its raw
+    steps, else the advisor's fit on its windows (:func:`cost_of`; None: neither).
+
+    The step cycle first: a 1-second window holds the steps that ended in it, so a step
+    longer than the gap to the previous window (a long prefill on a slow device) is
+    priced as if it fitted in its second. On the lab's AVX2 engine the windows' fit put a
+    prompt token at 0.05 ms where the step cycle measured 1.2 ms (docs/twin.md, run 9).
+    The cycle is used only where one stat logger saw every step of the engine (its step
+    numbers run on by one): the cycles of an engine whose steps reach several API server
+    processes interleave."""
+    steps_of = getattr(source, "steps", None)
+    if steps_of is not None:
+        try:
+            steps = steps_of(since, until, engine=engine_id)
+        except Exception:  # a source without raw steps, or they expired
+            steps = None
+        if steps is not None and len(steps) >= MIN_CYCLE_STEPS and _one_logger(steps):
+            from kvscope.twin.steptime import fit_steps
+
+            try:
+                fit = fit_steps(steps, cycle=True, min_steps=MIN_CYCLE_STEPS)
+            except ValueError:
+                fit = None
+            if fit is not None:
+                return LinearStepCost(
+                    fit.a_s,
+                    fit.b_s,
+                    fit.c_s,
+                    0.0,
+                    source=f"the step cycle of {engine_id} ({fit.source})",
+                )
+    return cost_of(report, engine_id)
+
+
+def _one_logger(steps: pd.DataFrame) -> bool:
+    """Whether one stat logger recorded these steps: within each boot, in time order,
+    nearly every step number is the previous one's plus one."""
+    if "step" not in steps or "ts_unix_s" not in steps:
+        return False
+    keys = [c for c in ("boot_id",) if c in steps]
+    ok = total = 0
+    for _, g in steps.groupby(keys) if keys else [(None, steps)]:
+        n = pd.to_numeric(g.sort_values("ts_unix_s")["step"], errors="coerce").to_numpy(float)
+        d = np.diff(n)
+        ok += int(np.sum(d == 1))
+        total += len(d)
+    return total > 0 and ok >= 0.95 * total
 
 
 def stream_of(requests: pd.DataFrame) -> list[TwinRequest]:
@@ -220,7 +278,7 @@ def replay_whatifs(
             continue
         scope = Scope(v.engine_id, v.pool)
         hello_rows = engines[engines["engine_id"] == v.engine_id]
-        cost = cost_of(report, v.engine_id)
+        cost = engine_cost(report, source, v.engine_id, since, until)
         reqs = stream_of(source.requests(since, until, engine=v.engine_id).tail(max_requests))
         load = round(v.max_load_seen or 0)
         why = None

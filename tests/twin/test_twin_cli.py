@@ -99,3 +99,33 @@ def test_a_twin_of_a_running_engine_replays_its_own_requests(
     assert "96 KV blocks of 32" in capsys.readouterr().out
     assert main(["twin", "replay", "--like", "nope:1:0", "--source", url, "--no-progress"]) == 2
     assert "has no engine 'nope:1:0' (it has: demo-host:8000:0" in capsys.readouterr().err
+
+
+def test_a_twin_of_an_engine_whose_steps_are_kept_takes_its_step_cycle(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With the raw steps kept (the collector's default day), the twin's step time is the
+    engine's own step cycle, not the advisor's fit on 1-second windows."""
+    import time
+
+    from kvscope.collector.process import CollectorProcess
+    from kvscope.lab.recording import load_recording, replay
+    from tests.conftest import KV_STARVED_ENDED_AGO_S, RECORDINGS
+
+    c = CollectorProcess(tmp_path / "kvscope.duckdb").start()
+    try:
+        replay(
+            load_recording(RECORDINGS / "overload_kv_starved.jsonl.gz"),
+            c.url,
+            end_at_unix_s=time.time() - KV_STARVED_ENDED_AGO_S,
+            progress=False,
+        )
+        out = tmp_path / "replay.json"
+        args = ["twin", "replay", "--like", "demo-host:8000:0", "--source", c.url]
+        code = main([*args, "--since", "30m", "--no-progress", "--json", str(out)])
+        assert code == 0, capsys.readouterr().err
+    finally:
+        c.stop()
+    step = json.loads(out.read_text())["step_time"]
+    assert "step cycle of demo-host:8000:0" in step["source"], step
+    assert step["per_prompt_token_s"] > 0 and step["fixed_s"] > 0, step
