@@ -280,7 +280,8 @@ class ConcurrencyCap:
         ):
             why = (
                 f" (vLLM began preempting requests at {self.preemption_onset_load_:.1f} in "
-                "flight: more in flight add recomputation and tail, not throughput)"
+                "flight: past it admitted requests are evicted and recomputed, which "
+                "lengthens the tail)"
             )
         bad = "; the SLO cannot be met on this engine at any load" if not self.feasible_ else ""
         return (
