@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -119,13 +119,7 @@ def engine_cost(
             except ValueError:
                 fit = None
             if fit is not None:
-                return LinearStepCost(
-                    fit.a_s,
-                    fit.b_s,
-                    fit.c_s,
-                    0.0,
-                    source=f"the step cycle of {engine_id} ({fit.source})",
-                )
+                return replace(fit, source=f"the step cycle of {engine_id} ({fit.source})")
     return cost_of(report, engine_id)
 
 
@@ -134,9 +128,8 @@ def _one_logger(steps: pd.DataFrame) -> bool:
     nearly every step number is the previous one's plus one."""
     if "step" not in steps or "ts_unix_s" not in steps:
         return False
-    keys = [c for c in ("boot_id",) if c in steps]
     ok = total = 0
-    for _, g in steps.groupby(keys) if keys else [(None, steps)]:
+    for _, g in steps.groupby("boot_id") if "boot_id" in steps else [(None, steps)]:
         n = pd.to_numeric(g.sort_values("ts_unix_s")["step"], errors="coerce").to_numpy(float)
         d = np.diff(n)
         ok += int(np.sum(d == 1))

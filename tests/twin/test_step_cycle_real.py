@@ -41,13 +41,18 @@ def _busy(run: pd.DataFrame) -> tuple[float, np.ndarray]:
     return float(gap[ran].sum()), np.c_[batch[ran], prompt[ran]]
 
 
+def _predicted(cost, work: np.ndarray) -> float:
+    """The fitted step time summed over the cycles in ``work``."""
+    return float((cost.a_s + cost.b_s * work[:, 0] + cost.c_s * work[:, 1]).sum())
+
+
 @pytest.mark.parametrize("run", ["baseline-r1", "blocks-x2", "cap", "small-budget"])
 def test_the_baseline_cycle_fit_accounts_for_another_runs_busy_time(
     steps: pd.DataFrame, run: str
 ) -> None:
     cost = fit_steps(steps[steps["run"] == "baseline"], cycle=True)
     busy, work = _busy(steps[steps["run"] == run])
-    predicted = float((cost.a_s + cost.b_s * work[:, 0] + cost.c_s * work[:, 1]).sum())
+    predicted = _predicted(cost, work)
     assert predicted / busy == pytest.approx(1.0, abs=TOLERANCE), (run, predicted, busy, cost)
 
 
@@ -60,7 +65,7 @@ def test_the_long_prefill_cycles_are_in_the_fit(steps: pd.DataFrame) -> None:
     assert gap[ran & (gap >= 0.5)].sum() >= 0.2 * gap[ran].sum()
     busy, work = _busy(base)
     cost = fit_steps(base, cycle=True)
-    predicted = float((cost.a_s + cost.b_s * work[:, 0] + cost.c_s * work[:, 1]).sum())
+    predicted = _predicted(cost, work)
     assert predicted / busy == pytest.approx(1.0, abs=0.02), (predicted, busy, cost)
 
 
