@@ -410,7 +410,7 @@ def _engine(
                 max_load=curve.max_load_,
                 observed_plateau_tokens_per_s=curve.plateau_tokens_per_s_,
                 observed_batch=bn.evidence_["batch_median"],
-                preemptions_per_s=bn.evidence_["top_bin_preemptions_per_s"],
+                preemptions_per_s=curve.preemptions_at_max_load_,
                 windows=curve.windows_,
                 kv_fill=(
                     bn.evidence_["kv_usage_median"] if bn.label_ == "kv_cache_bound" else None

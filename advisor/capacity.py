@@ -40,12 +40,13 @@ Algorithm
   sequence holding the footprint (so a batch twice the size reads twice the KV tokens
   per step, at the step-time model's cost per KV token), less the
   share of time spent recomputing preempted requests at the preemption rate of the
-  highest load seen (only while the cache is the limit): the prediction is for that load,
-  and a KV-bound engine preempts more the further past its knee it is driven (the lab's
-  KV-starved engine: about 1.4 a second over the windows past its knee, 3.5 at 32
-  clients, where its throughput fell 14% below that at its knee on a machine whose prompt
-  tokens cost as much as a decode step's sequence). This is set against the observed
-  plateau (:class:`~kvscope.advisor.curve.ThroughputCurve`).
+  highest load seen (only while the cache is the limit; the windows within half a load bin
+  of the highest load, ``ThroughputCurve.preemptions_at_max_load_``): the prediction is for
+  that load, and a KV-bound engine preempts more the further past its knee it is driven
+  (the lab's KV-starved engine: about 1.4 a second over the windows past its knee, 0.3 at
+  24 clients, 3.1-3.5 at 32, where its throughput fell 14% below that at its knee on a
+  machine whose prompt tokens cost as much as a decode step's sequence). This is set
+  against the observed plateau (:class:`~kvscope.advisor.curve.ThroughputCurve`).
 * **What-ifs**, each a new block count fed through the same model:
   ``--kv-cache-dtype fp8`` (2x blocks, when the cache is 16-bit now);
   ``--gpu-memory-utilization`` raised to ``target_gpu_memory_utilization``
@@ -179,7 +180,9 @@ class KvCapacityModel:
         self.effective_batch_ = self._effective(self.kv_batch_, self.max_num_seqs_)
         self.kv_limited_ = self.kv_batch_ <= min(self.max_num_seqs_, self.max_load_)
         self.preemptions_per_s_ = float(preemptions_per_s)
-        share = steps.preemption_time_share(preemptions_per_s) if self.kv_limited_ else 0.0
+        if not math.isfinite(self.preemptions_per_s_):  # the source counts none
+            self.preemptions_per_s_ = 0.0
+        share = steps.preemption_time_share(self.preemptions_per_s_) if self.kv_limited_ else 0.0
         self.preemption_time_share_ = share
         self.predicted_plateau_clean_ = self._plateau(self.effective_batch_)
         self.predicted_plateau_tokens_per_s_ = self.predicted_plateau_clean_ * (1.0 - share)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import statistics
 from pathlib import Path
 
 import pandas as pd
@@ -76,3 +77,27 @@ def test_the_plateau_predicted_is_the_clients_on_another_engine(name: str) -> No
     assert abs(ratio - 1.0) <= TOLERANCE, (ratio, kv)
     # The cache's batch is the one the engine held at the plateau.
     assert kv["kv_batch"] == pytest.approx(kv["observed_batch"], rel=0.02)
+
+
+def test_the_preemptions_priced_are_those_of_the_highest_load_when_its_bin_spans_levels() -> None:
+    """``kv_starved_avx2_merged_top.json.gz``: another run of the same engine whose sweep
+    went up to 32 clients once and came back down through 24: the top load bin holds the
+    seconds of both 24-client levels (vLLM preempting 0.3 times a second) with the one
+    32-client level's. Priced at the bin's mean (1.6 a second) the plateau read 326 tok/s;
+    the three uncapped closed-loop runs at 32 clients that followed, which the model never
+    sees, measured 273-297 tok/s at the clients and 4.4-4.7 preemptions a second."""
+    with gzip.open(FIXTURES / "kv_starved_avx2_merged_top.json.gz", "rt") as f:
+        d = json.load(f)
+    windows = pd.DataFrame(d["windows"])
+    sweep = windows[windows["ts_s"].between(d["sweep"]["since"], d["sweep"]["until"])]
+    requests = pd.DataFrame(d["requests"])
+    done = requests["finished_unix_s"].between(d["sweep"]["since"], d["sweep"]["until"])
+    kv = _kv_capacity(pd.DataFrame(d["engines"]), sweep, requests[done])
+    assert kv["kv_limited"], kv
+    measured = statistics.median(d["closed_loop_client_tokens_per_s"])
+    ratio = measured / kv["predicted_plateau_tokens_per_s"]
+    assert abs(ratio - 1.0) <= TOLERANCE, (ratio, kv)
+    # The rate priced is the 32-client level's, not the bin's: at least half the closed
+    # loop's at that load (the sweep's level is short, and a preemption is counted when
+    # the request resumes).
+    assert kv["preemptions_per_s"] >= 0.5 * min(d["closed_loop_preemptions_per_s"]), kv
