@@ -43,14 +43,25 @@ def _kv_capacity(engines: pd.DataFrame, windows: pd.DataFrame, requests: pd.Data
     return dict(found.evidence)
 
 
-def test_the_plateau_predicted_from_the_sweep_is_what_the_closed_loop_then_ran() -> None:
-    with gzip.open(FIXTURES / "kv_starved_avx2_closed_loop.json.gz", "rt") as f:
+def _from_the_sweep(name: str) -> tuple[dict, dict]:
+    """A recording of the engine tier's KV-starved engine, and the capacity model's
+    evidence from its sweep alone (the windows and the requests finished in its range)."""
+    with gzip.open(FIXTURES / name, "rt") as f:
         d = json.load(f)
+    since, until = d["sweep"]["since"], d["sweep"]["until"]
     windows = pd.DataFrame(d["windows"])
-    sweep = windows[windows["ts_s"].between(d["sweep"]["since"], d["sweep"]["until"])]
     requests = pd.DataFrame(d["requests"])
-    done = requests["finished_unix_s"].between(d["sweep"]["since"], d["sweep"]["until"])
-    kv = _kv_capacity(pd.DataFrame(d["engines"]), sweep, requests[done])
+    kv = _kv_capacity(
+        pd.DataFrame(d["engines"]),
+        windows[windows["ts_s"].between(since, until)],
+        requests[requests["finished_unix_s"].between(since, until)],
+    )
+    return d, kv
+
+
+def test_the_plateau_predicted_from_the_sweep_is_what_the_closed_loop_then_ran() -> None:
+    d, kv = _from_the_sweep("kv_starved_avx2_closed_loop.json.gz")
+    windows = pd.DataFrame(d["windows"])
     assert kv["kv_limited"] and kv["footprint_from"] == "plateau", kv
     # The five uncapped runs after the sweep: each a stretch of seconds with 32 in flight.
     later = prepare_windows(windows[windows["ts_s"] > d["sweep"]["until"]])
@@ -86,13 +97,7 @@ def test_the_preemptions_priced_are_those_of_the_highest_load_when_its_bin_spans
     32-client level's. Priced at the bin's mean (1.6 a second) the plateau read 326 tok/s;
     the three uncapped closed-loop runs at 32 clients that followed, which the model never
     sees, measured 273-297 tok/s at the clients and 4.4-4.7 preemptions a second."""
-    with gzip.open(FIXTURES / "kv_starved_avx2_merged_top.json.gz", "rt") as f:
-        d = json.load(f)
-    windows = pd.DataFrame(d["windows"])
-    sweep = windows[windows["ts_s"].between(d["sweep"]["since"], d["sweep"]["until"])]
-    requests = pd.DataFrame(d["requests"])
-    done = requests["finished_unix_s"].between(d["sweep"]["since"], d["sweep"]["until"])
-    kv = _kv_capacity(pd.DataFrame(d["engines"]), sweep, requests[done])
+    d, kv = _from_the_sweep("kv_starved_avx2_merged_top.json.gz")
     assert kv["kv_limited"], kv
     measured = statistics.median(d["closed_loop_client_tokens_per_s"])
     ratio = measured / kv["predicted_plateau_tokens_per_s"]
