@@ -207,10 +207,21 @@ server {{
 class GatewayLab(AdvisorLab):
     """The collector, the engines and the gateways of the loops."""
 
-    def __init__(self, workdir: str | Path, *, top: int = 32, **kw: Any) -> None:
+    def __init__(
+        self, workdir: str | Path, *, top: int = 32, pool_duration_s: float = 12.0, **kw: Any
+    ) -> None:
+        """``pool_duration_s``: the seconds of each sweep level on a pool (``duration_s``,
+        the lab's, on one engine). Two engines on one machine's cores each run at about
+        half the speed of one alone, so a request lives about twice as long, and a level
+        must outlast a request's life at the knee for the sweep to see the batch the cache
+        holds. On an AVX2 machine with 5-second levels (a 128-token request there takes
+        about 8 s at the knee) the pool's sweep read knees of 17.8 and caps of 18 where the
+        cache holds 12-13 requests, and the caps cut the tail only to 0.76x; with
+        12-second levels, caps of 12 and 13 and 0.56x (docs/gateways.md)."""
         kw.setdefault("cap_duration_s", 20.0)
         super().__init__(workdir, **kw)
         self.top = top
+        self.pool_duration_s = pool_duration_s
 
     # -- engines ----------------------------------------------------------------------------
 
@@ -307,7 +318,8 @@ class GatewayLab(AdvisorLab):
         self._say(f"{pool}: sweeping {','.join(map(str, up + down))} clients")
         self._load(urls, [4 * n], 1.0, 1.0, self.seed + 100)  # warm: first requests run slow
         since = time.time()
-        self._load(urls, up + down, self.duration_s, self.warmup_s, self.seed)
+        duration = self.duration_s if n == 1 else self.pool_duration_s
+        self._load(urls, up + down, duration, self.warmup_s, self.seed)
         time.sleep(2.0)  # the plugin's last flush
         report = analyze(CollectorSource(self._collector.url), since, time.time(), pool=pool)
         for v in report.engines:
@@ -764,7 +776,16 @@ def main(argv: list[str] | None = None) -> int:
         help="behind vllm-router, start the replicas with --max-num-queued-reqs C+Q "
         "(default: the advisor's Q)",
     )
-    ap.add_argument("--duration", type=float, default=5.0, help="seconds per sweep level")
+    ap.add_argument(
+        "--duration", type=float, default=5.0, help="seconds per sweep level on one engine"
+    )
+    ap.add_argument(
+        "--pool-duration",
+        type=float,
+        default=12.0,
+        help="seconds per sweep level on a pool of engines sharing the machine (default: "
+        "%(default)s; each engine runs slower, its requests live longer)",
+    )
     ap.add_argument(
         "--workdir",
         default="/tmp/kvscope-gateway-loops",
@@ -784,7 +805,12 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with ExitStack() as stack:
         lab = GatewayLab(
-            args.workdir, model_dir=model, top=args.top, duration_s=args.duration, log=log
+            args.workdir,
+            model_dir=model,
+            top=args.top,
+            duration_s=args.duration,
+            pool_duration_s=args.pool_duration,
+            log=log,
         )
         stack.enter_context(lab)
         if "nginx-one" in loops:
