@@ -305,8 +305,7 @@ class ThroughputCurve:
         top = w[w["bin"] == w["bin"].max()]
         highest = float(top["load"].max())
         near = top[top["load"] >= highest * 2.0 ** (-0.5 / self.bins_per_doubling)]
-        chosen = near if len(near) >= self.min_count else top
-        v = pd.to_numeric(chosen[col], errors="coerce").astype(float)
+        v = (near if len(near) >= self.min_count else top)[col]  # numeric: prepare_windows
         return float(v.mean()) if v.notna().any() else math.nan
 
     @staticmethod
