@@ -429,7 +429,15 @@ def _engine(
                 cap_fraction=cap_fraction,
                 slo_ttft_p99_s=slo_ttft_p99_s,
                 slo_e2e_p99_s=slo_e2e_p99_s,
-            ).fit(curve, lat)
+            ).fit(
+                curve,
+                lat,
+                kv_sequences=(
+                    kv.kv_sequences_held_
+                    if kv is not None and bn.label_ == "kv_cache_bound"
+                    else None
+                ),
+            )
             verdict.recommended_concurrency_cap = cap.cap_
             verdict.predicted_throughput_fraction_at_cap = cap.throughput_fraction_
             verdict.predicted_p99_e2e_s_at_cap = cap.p99_e2e_s_at_cap_

@@ -38,7 +38,16 @@ Algorithm
    at 14-15 in four runs: the client cap cut the overload's e2e P99 to only
    0.60-0.67x; caps of 11-12 in two other runs cut it to 0.43-0.45x, each cap keeping
    1.10-1.23 of the uncapped throughput (docs/advise.md, "The cap at most the
-   preemption onset").
+   preemption onset"). Last, on a KV-bound engine the cap is at most the **sequences its
+   KV cache holds through their lives** (``kv_sequences``,
+   :attr:`~kvscope.advisor.capacity.KvCapacityModel.kv_sequences_held_`: from the
+   requests' lengths and the cache's blocks, with a standard deviation of headroom for
+   the growth of their outputs). The onset and the batch held are read from the sweep's
+   seconds and move with its noise; the lengths do not. On the same engine the cap read
+   from the sweep alone was 11 to 15 over the engine tier's runs, and the overload's e2e
+   P99 under it went from 0.43x (cap 11) to 0.86x (cap 15); the cache holds 12 of its
+   requests, where the caps cut the P99 to 0.45-0.54x. As for the onset, the fitted curve
+   must keep ``onset_min_fraction`` of the peak there.
 2. With an SLO (``slo_ttft_p99_s``, ``slo_e2e_p99_s``), the P99 at the cap
    (:meth:`~kvscope.advisor.latency.LatencyVsLoad.p99_at`) must meet it; if not, the cap is
    lowered to the largest whole load whose interpolated P99 meets every SLO, and the
@@ -76,9 +85,9 @@ resamples, resample_quantile : bootstrap refits of the crossing and the quantile
 preempted_share_onset : share of a load bin's finished requests preempted at least once
     that marks the preemption onset (default 0.1: a stray preemption in a quiet bin is
     not an onset; 0.22-0.29 in the first preempting bin of the AVX2 engine above).
-onset_min_fraction : share of the peak the fitted curve must keep at the onset for the
-    onset to bound the cap (default 0.8: below it the preemptions come with throughput
-    the operator would lose, and the crossing stands).
+onset_min_fraction : share of the peak the fitted curve must keep at the onset (or at the
+    sequences the KV cache holds) for it to bound the cap (default 0.8: below it the
+    preemptions come with throughput the operator would lose, and the crossing stands).
 """
 
 from __future__ import annotations
@@ -191,7 +200,15 @@ class ConcurrencyCap:
                     return False
         return True
 
-    def fit(self, curve: ThroughputCurve, latency: LatencyVsLoad) -> ConcurrencyCap:
+    def fit(
+        self,
+        curve: ThroughputCurve,
+        latency: LatencyVsLoad,
+        *,
+        kv_sequences: int | None = None,
+    ) -> ConcurrencyCap:
+        """``kv_sequences``: on a KV-bound engine, the sequences its cache holds through
+        their lives (the cap is at most that, see step 1)."""
         raw = curve.bins_["gen_tokens_per_s"].to_numpy(float)
         weights = curve.bins_["n_windows"].to_numpy(float)
         upto, fit = _fit_to_peak(raw, weights)  # bins up to the peak (see step 1)
@@ -227,6 +244,15 @@ class ConcurrencyCap:
             # queue grows (the curve's step 5).
             load = min(load, self.ceiling_batch_)
         cap = max(1, math.ceil(load - 1e-9))
+        self.kv_sequences_ = kv_sequences
+        self.bounded_by_kv_ = bool(
+            kv_sequences is not None
+            and kv_sequences < cap
+            and np.interp(kv_sequences, x, fit) >= self.onset_min_fraction * plateau
+        )
+        if self.bounded_by_kv_ and kv_sequences is not None:
+            cap = max(1, int(kv_sequences))
+            self.bounded_by_batch_ = self.bounded_by_preemption_ = False
         self.slo_limited_ = False
         self.feasible_ = True
         if not self._meets(latency, cap):
@@ -282,6 +308,11 @@ class ConcurrencyCap:
                 f" (vLLM began preempting requests at {self.preemption_onset_load_:.1f} in "
                 "flight: past it admitted requests are evicted and recomputed, which "
                 "lengthens the tail)"
+            )
+        if self.bounded_by_kv_ and not self.slo_limited_ and self.kv_sequences_ is not None:
+            why = (
+                f" (the KV cache holds about {self.kv_sequences_} of these requests through "
+                "their lives: with more in flight vLLM preempts as their outputs grow)"
             )
         bad = "; the SLO cannot be met on this engine at any load" if not self.feasible_ else ""
         return (
@@ -353,6 +384,7 @@ class ConcurrencyCap:
                 "resampled_load": self.resampled_load_,
                 "ceiling_batch": self.ceiling_batch_,
                 "preemption_onset_load": self.preemption_onset_load_,
+                "kv_sequences_held": self.kv_sequences_,
                 "slo_ttft_p99_s": self.slo_ttft_p99_s,
                 "slo_e2e_p99_s": self.slo_e2e_p99_s,
                 "slo_limited": self.slo_limited_,

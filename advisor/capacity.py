@@ -32,6 +32,19 @@ Algorithm
   tokens on the lab's KV-starved engine where the plateau's usage over its batch read 112,
   and the cache's batch 13.1 where the engine held 11.8.
 * **KV-bound batch** ``B_kv = KV tokens x fill / footprint``.
+* **Sequences held through their lives** (``kv_sequences_held_``, the concurrency cap's
+  bound on a KV-bound engine): ``B_kv`` is a mean, and at a batch of ``B_kv`` the
+  cache overflows about every other step, since the blocks a request holds grow with
+  its output and the batch's requests are at different points of their lives. vLLM
+  preempts a request whenever a running one needs a block the cache lacks. A running
+  request holds ``ceil((p - c + t) / block_size)`` blocks after ``t`` decode steps; over
+  the requests (weighted by ``g``, the steps each stays in the batch) and their steps
+  this has a mean ``m`` and a standard deviation ``s`` (``lifetime_blocks_*``). ``C``
+  requests in flight then hold ``C x m`` blocks on average, with a standard deviation of
+  ``sqrt(C) x s``; the sequences held are the largest ``C`` with ``C x m +
+  kv_headroom_sigmas x sqrt(C) x s`` at most the cache's blocks (all of them: vLLM
+  preempts only when no block is free; the fill above is a mean over seconds, and read
+  from the sweep it moves with its noise, which this bound is there to avoid).
 * **Effective batch** under a configuration: ``min(B_kv, max_num_seqs, L)`` where
   ``L`` is the highest load observed: nothing admits more sequences than are in
   flight. Predictions are therefore "at the load this engine already sees".
@@ -60,6 +73,14 @@ Parameters
 ----------
 target_gpu_memory_utilization : the setting the what-if raises to (default 0.95).
 min_requests : fewer finished requests than this raise ``NotEnoughData`` (default 10).
+kv_headroom_sigmas : the standard deviations of headroom the sequences held keep
+    (default 1.5). Measured on the lab's KV-starved engine of an AVX2 machine (48 blocks
+    of 32 tokens, ~26-token prompts, 128-token outputs: ``m`` 3.3 blocks, ``s`` 1.2,
+    ``B_kv`` 13-14): client caps of 11-12 cut the overload's e2e P99 to 0.43-0.54x and
+    kept 1.10-1.16 of its throughput, caps of 14-15 only to 0.60-0.86x (the engine tier's
+    runs in docs/testing.md). 1.5 holds 12 there (the cache overflowing in about one step
+    in fifteen were the requests' points in their lives independent), 1.0 would hold 13,
+    2.0 11.
 """
 
 from __future__ import annotations
@@ -113,10 +134,15 @@ class KvCapacityModel:
     """Predicts the KV-bound batch and plateau, and what-ifs (see module docstring)."""
 
     def __init__(
-        self, *, target_gpu_memory_utilization: float = 0.95, min_requests: int = 10
+        self,
+        *,
+        target_gpu_memory_utilization: float = 0.95,
+        min_requests: int = 10,
+        kv_headroom_sigmas: float = 1.5,
     ) -> None:
         self.target_gpu_memory_utilization = target_gpu_memory_utilization
         self.min_requests = min_requests
+        self.kv_headroom_sigmas = kv_headroom_sigmas
 
     def fit(
         self,
@@ -177,6 +203,10 @@ class KvCapacityModel:
         self.steps_ = steps
         self.max_load_ = float(max_load)
         self.kv_batch_ = self._kv_batch(self.num_gpu_blocks_)
+        self.lifetime_blocks_mean_, self.lifetime_blocks_sd_ = self._lifetime_blocks(
+            np.maximum(p - c, 0.0), g
+        )
+        self.kv_sequences_held_ = self._sequences_held(self.num_gpu_blocks_)
         self.effective_batch_ = self._effective(self.kv_batch_, self.max_num_seqs_)
         self.kv_limited_ = self.kv_batch_ <= min(self.max_num_seqs_, self.max_load_)
         self.preemptions_per_s_ = float(preemptions_per_s)
@@ -219,6 +249,34 @@ class KvCapacityModel:
         cache is full (a fixed number), over the footprint."""
         usable = max(blocks - self.slack_blocks_, 0.0)
         return usable * self.block_size_ / self.footprint_tokens_
+
+    def _lifetime_blocks(
+        self, uncached: np.ndarray, generated: np.ndarray, samples: int = 20_000
+    ) -> tuple[float, float]:
+        """Mean and standard deviation of the blocks a running request holds, over the
+        requests (weighted by the steps each stays in the batch) and the steps of their
+        lives (a fixed-seed sample of request-steps: the same data give the same answer)."""
+        bs = self.block_size_
+        g = np.maximum(generated, 1.0)
+        if not len(g) or not math.isfinite(bs) or bs <= 0:
+            return math.nan, math.nan
+        rng = np.random.default_rng(0)
+        i = rng.choice(len(g), samples, p=g / g.sum())
+        t = np.floor(rng.random(samples) * g[i]) + 1.0
+        blocks = np.ceil((uncached[i] + t) / bs)
+        return float(blocks.mean()), float(blocks.std())
+
+    def _sequences_held(self, blocks: float) -> int | None:
+        """The most requests in flight whose blocks stay within ``blocks`` with
+        ``kv_headroom_sigmas`` of headroom (at least 1; None without a block count)."""
+        m, s = self.lifetime_blocks_mean_, self.lifetime_blocks_sd_
+        if not (math.isfinite(blocks) and blocks > 0 and math.isfinite(m) and m > 0):
+            return None
+        z = self.kv_headroom_sigmas
+        c = max(1, math.floor(blocks / m))
+        while c > 1 and c * m + z * math.sqrt(c) * s > blocks:
+            c -= 1
+        return c
 
     def _effective(self, kv_batch: float, max_num_seqs: float) -> float:
         return float(min(kv_batch, max_num_seqs, self.max_load_))
@@ -332,6 +390,10 @@ class KvCapacityModel:
             "mean_cached_tokens": self.mean_cached_tokens_,
             "prompt_ratio": self.prompt_ratio_,
             "kv_batch": self.kv_batch_,
+            "kv_sequences_held": self.kv_sequences_held_,
+            "lifetime_blocks_mean": self.lifetime_blocks_mean_,
+            "lifetime_blocks_sd": self.lifetime_blocks_sd_,
+            "kv_headroom_sigmas": self.kv_headroom_sigmas,
             "effective_batch": self.effective_batch_,
             "kv_limited": self.kv_limited_,
             "observed_batch": self.observed_batch_,

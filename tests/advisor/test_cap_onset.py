@@ -1,16 +1,21 @@
-"""The concurrency cap at vLLM's preemption onset, on a real KV-starved engine's recording.
+"""The concurrency cap at vLLM's preemption onset and at the sequences the KV cache holds,
+on two real KV-starved engines' recordings.
 
 ``tests/fixtures/kv_starved_avx2_closed_loop.json.gz`` (see its README): the sweep of 1 to
 32 clients the advisor reads, then a closed loop the advisor never sees, rounds of 14
 clients between rounds of 32. Those rounds are the expected answer: at 14 in flight a
 quarter to a third of the finished requests had been preempted and the e2e P99 stayed at
 0.54-0.73 of the uncapped one, while the sweep's 8-client level preempted none.
+``kv_starved_avx2_merged_top.json.gz``: the same engine in a later run, whose closed loop
+ran rounds of 13 clients (the cap the sweep alone gave) between rounds of 32: a quarter of
+the requests at 13 were preempted and the P99 fell only to 0.57-0.64 of the uncapped one.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +33,11 @@ CLOSED_LOOP_CAP = 14
 
 @pytest.fixture(scope="module")
 def recording() -> dict[str, Any]:
-    with gzip.open(FIXTURES / "kv_starved_avx2_closed_loop.json.gz", "rt") as f:
+    return _recording("kv_starved_avx2_closed_loop.json.gz")
+
+
+def _recording(name: str) -> dict[str, Any]:
+    with gzip.open(FIXTURES / name, "rt") as f:
         d = json.load(f)
     windows = pd.DataFrame(d["windows"])
     requests = pd.DataFrame(d["requests"])
@@ -48,10 +57,11 @@ def _cap(rec: dict[str, Any], requests: pd.DataFrame) -> dict[str, Any]:
     return {"cap": found.change["concurrency_cap"], **found.evidence, "tradeoff": found.tradeoff}
 
 
-def _rounds(rec: dict[str, Any]) -> list[dict[str, float]]:
-    """The closed loop's rounds: in flight, share of requests preempted, e2e P99."""
+def _rounds(rec: dict[str, Any], capped: int = CLOSED_LOOP_CAP) -> list[dict[str, float]]:
+    """The closed loop's rounds (``capped`` clients and 32): in flight, share of requests
+    preempted, e2e P99."""
     later = rec["later"]
-    level = np.where(later["load"] >= 20, 32, np.where(later["load"] >= 9, CLOSED_LOOP_CAP, 0))
+    level = np.where(later["load"] >= 20, 32, np.where(later["load"] >= 9, capped, 0))
     run_id = (pd.Series(level) != pd.Series(level).shift()).cumsum().to_numpy()
     out = []
     for rid in np.unique(run_id):
@@ -92,14 +102,39 @@ def test_the_cap_stops_below_the_load_the_closed_loop_then_saw_preempting(record
     assert "began preempting" in got["tradeoff"], got["tradeoff"]
 
 
-def test_without_preemption_counts_the_cap_is_the_crossing_bound_by_the_held_batch(
+def test_without_preemption_counts_the_cache_still_holds_the_cap_below_the_preempting_load(
     recording,
 ) -> None:
-    """The same sweep from a source that has no per-request preemption counts: the cap is
-    what the throughput curve alone gives (the held batch, 13.7, rounded up)."""
+    """The same sweep from a source that has no per-request preemption counts: the curve
+    alone gives the held batch, 13.7, rounded up to the closed loop's 14; the requests'
+    lengths and the cache's blocks hold the cap below it."""
     got = _cap(recording, recording["sweep_requests"].drop(columns=["preemptions"]))
     assert got["preemption_onset_load"] is None, got
-    assert got["cap"] == CLOSED_LOOP_CAP, got
+    assert math.ceil(got["ceiling_batch"]) == CLOSED_LOOP_CAP, got
+    assert got["kv_sequences_held"] is not None, got
+    assert 8 <= got["cap"] == got["kv_sequences_held"] < CLOSED_LOOP_CAP, got
+    assert "KV cache holds about" in got["tradeoff"], got["tradeoff"]
+
+
+def test_the_cap_stops_below_the_load_a_later_closed_loop_saw_preempting() -> None:
+    """The later run: its sweep's onset (8 in flight) sat where the fitted curve kept under
+    0.8 of a peak a noisy 16-client level set, so the onset did not bound the cap, and the
+    curve gave 13. The closed loop then measured 13 in flight preempting a quarter of its
+    requests and cutting the tail only to about 0.6 of the uncapped one; the cap from the
+    cache's blocks stops below it."""
+    rec = _recording("kv_starved_avx2_merged_top.json.gz")
+    rounds = _rounds(rec, 13)
+    capped = [r for r in rounds if r["clients"] == 13]
+    uncapped = [r for r in rounds if r["clients"] == 32]
+    assert len(capped) == 3 and len(uncapped) == 3, rounds
+    assert all(r["preempted"] >= 0.2 for r in capped), capped
+    p99_ratio = np.median([r["e2e_p99_s"] for r in capped]) / np.median(
+        [r["e2e_p99_s"] for r in uncapped]
+    )
+    assert p99_ratio > 0.55, (p99_ratio, rounds)
+    got = _cap(rec, rec["sweep_requests"])
+    assert 8 <= got["cap"] < 13, got
+    assert got["cap"] == got["kv_sequences_held"], got
 
 
 def test_a_stray_preemption_is_no_onset(recording) -> None:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 
 from kvscope.advisor import FrameSource, ThroughputCurve, analyze
+from kvscope.advisor.cap import ConcurrencyCap
 from kvscope.advisor.datasets import REGIMES, _steady, make_engine
+from kvscope.advisor.findings import Scope
+from kvscope.advisor.frames import prepare_windows
+from kvscope.advisor.latency import LatencyVsLoad
 
 SEEDS = (0, 1, 2)
 
@@ -87,23 +91,28 @@ def test_the_fp8_what_if_predicts_the_batch_twice_the_blocks_hold() -> None:
 
 
 def test_cap_keeps_the_fraction_and_cuts_the_tail() -> None:
+    """KV-bound: the 90% crossing (11.4 in flight) lies above the sequences the cache holds
+    through their lives (requests of 40-60 + 120-136 tokens in 48 blocks of 32), so the cap
+    is that, keeping at least ``onset_min_fraction`` of the peak."""
     s = make_engine("kv_cache_bound", seed=5)
     rep = analyze(FrameSource(s.engines, s.windows, s.requests))
     v = rep.engines[0]
     assert v.recommended_concurrency_cap is not None
     assert v.predicted_throughput_fraction_at_cap is not None
-    assert v.predicted_throughput_fraction_at_cap >= 0.9
-    # Latency ~ load / throughput (Little's law): the cap at ~12 of 32 in flight.
-    assert v.predicted_p99_e2e_s_at_cap < 0.8 * v.p99_e2e_s_at_max_load
     rec = next(r for r in rep.recommendations if r.kind == "concurrency_cap")
     cap = v.recommended_concurrency_cap
-    # KV-bound: vLLM runs at most the sequences the KV cache holds; the admission limit
-    # and the gateway take the cap.
     kv = rep.findings_of("kv_capacity")[0].evidence
-    seqs = min(cap, int(kv["kv_batch"]))
-    assert seqs < cap
+    assert cap == kv["kv_sequences_held"] == rec.evidence["kv_sequences_held"]
+    assert cap < rec.evidence["point_load"] < cap + 2, rec.evidence
+    # The requests end at 5-7 blocks: a dozen at their ends would overflow the 48.
+    assert 8 <= cap < 12
+    assert 0.8 <= v.predicted_throughput_fraction_at_cap < 0.9
+    assert "KV cache holds about" in rec.tradeoff, rec.tradeoff
+    # Latency ~ load / throughput (Little's law): the cap at ~10 of 32 in flight.
+    assert v.predicted_p99_e2e_s_at_cap < 0.8 * v.p99_e2e_s_at_max_load
+    # vLLM runs at most the cap's sequences; the admission limit and the gateway take it.
     assert rec.change["vllm_flags"] == [
-        f"--max-num-seqs {seqs}",
+        f"--max-num-seqs {cap}",
         f"--max-num-queued-reqs {cap + -(-cap // 4)}",
     ]
     # A pool of one: the replica's cap is the pool's, per server and for the whole upstream.
@@ -127,3 +136,22 @@ def test_deterministic() -> None:
     s = make_engine("compute_bound", seed=7)
     src = FrameSource(s.engines, s.windows, s.requests)
     assert analyze(src).to_json() == analyze(src).to_json()
+
+
+def test_the_flags_run_at_most_the_sequences_the_cache_holds_under_a_higher_cap() -> None:
+    """A cap not bound by the cache (a caller that gives no sequences held, or a bound that
+    would cost more than a fifth of the peak): vLLM's ``--max-num-seqs`` is still at most
+    the cache's batch, and the admission limit and the gateway take the cap."""
+    s = make_engine("kv_cache_bound", seed=5)
+    cfg = s.engines.iloc[0].to_dict()
+    curve = ThroughputCurve().fit(prepare_windows(s.windows))
+    cap = ConcurrencyCap().fit(curve, LatencyVsLoad().fit(s.requests, curve))
+    assert not cap.bounded_by_kv_
+    c = cap.cap_
+    rec = cap.recommendation(Scope(engine_id="synth:8000:0"), cfg, kv_fit_sequences=c - 1.5)
+    assert rec.change["vllm_flags"] == [
+        f"--max-num-seqs {c - 2}",
+        f"--max-num-queued-reqs {c + -(-c // 4)}",
+    ]
+    nginx = rec.change["gateway"]["nginx"]["config"]
+    assert f"max_conns={c};" in nginx
