@@ -466,8 +466,11 @@ class RegimeLab(AdvisorLab):
         seed: int,
         attempts: int = MAX_ATTEMPTS,
         admit_limit: int | None = None,
+        steady_state: bool = False,
     ) -> tuple[LevelMeasure, SweepResult]:
-        """:meth:`AdvisorLab._level` with its warm-up and window stretched to a cycle."""
+        """:meth:`AdvisorLab._level` with its warm-up and window stretched to a cycle, the
+        one this bench measured at that load (``steady_state`` is not used: it would
+        measure the cycle again within the level)."""
         cycle = self._cycle_s(engine_id, concurrency)
         if cycle > max(duration_s, warmup_s):
             self._say(

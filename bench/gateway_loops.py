@@ -303,9 +303,17 @@ class GatewayLab(AdvisorLab):
         warmup_s: float,
         seed: int,
         error_backoff_s: float = 0.1,
+        steady_state: bool = False,
     ) -> list[LevelResult]:
         return self._sweep_urls(
-            urls, concurrency, duration_s, warmup_s, seed, error_backoff_s, MODEL_NAME
+            urls,
+            concurrency,
+            duration_s,
+            warmup_s,
+            seed,
+            error_backoff_s,
+            MODEL_NAME,
+            steady_state=steady_state,
         ).levels
 
     def sweep_and_advise(self, pool: str, urls: list[str]) -> Report:
@@ -343,6 +351,7 @@ class GatewayLab(AdvisorLab):
             self.cap_warmup_s,
             seed,
             error_backoff_s=REFUSED_BACKOFF_S if gateway else 0.1,
+            steady_state=self.steady_runs,
         )
         time.sleep(1.5)  # the plugin's last flush of the run
         src = CollectorSource(self._collector.url)
