@@ -46,8 +46,13 @@ Algorithm
    seconds and move with its noise; the lengths do not. On the same engine the cap read
    from the sweep alone was 11 to 15 over the engine tier's runs, and the overload's e2e
    P99 under it went from 0.43x (cap 11) to 0.86x (cap 15); the cache holds 12 of its
-   requests, where the caps cut the P99 to 0.45-0.54x. As for the onset, the fitted curve
-   must keep ``onset_min_fraction`` of the peak there.
+   requests, where the caps cut the P99 to 0.45-0.54x. Unlike the onset, this bound does
+   not ask the fitted curve for a share of the peak there: a sweep whose levels are
+   shorter than a request's life measures requests that have not grown yet, and its curve
+   keeps rising past the load the cache holds (a slow AVX2 machine, 5-s levels, 10 s per
+   request: a batch of 18 at 24 clients and no preemption at all, where the cache holds
+   12-13 in steady state), so a share of that peak would drop the bound exactly where the
+   sweep saw least. The share the curve gives at the cap is reported with it.
 2. With an SLO (``slo_ttft_p99_s``, ``slo_e2e_p99_s``), the P99 at the cap
    (:meth:`~kvscope.advisor.latency.LatencyVsLoad.p99_at`) must meet it; if not, the cap is
    lowered to the largest whole load whose interpolated P99 meets every SLO, and the
@@ -85,9 +90,9 @@ resamples, resample_quantile : bootstrap refits of the crossing and the quantile
 preempted_share_onset : share of a load bin's finished requests preempted at least once
     that marks the preemption onset (default 0.1: a stray preemption in a quiet bin is
     not an onset; 0.22-0.29 in the first preempting bin of the AVX2 engine above).
-onset_min_fraction : share of the peak the fitted curve must keep at the onset (or at the
-    sequences the KV cache holds) for it to bound the cap (default 0.8: below it the
-    preemptions come with throughput the operator would lose, and the crossing stands).
+onset_min_fraction : share of the peak the fitted curve must keep at the onset for the
+    onset to bound the cap (default 0.8: below it the preemptions come with throughput
+    the operator would lose, and the crossing stands).
 """
 
 from __future__ import annotations
@@ -245,11 +250,7 @@ class ConcurrencyCap:
             load = min(load, self.ceiling_batch_)
         cap = max(1, math.ceil(load - 1e-9))
         self.kv_sequences_ = kv_sequences
-        self.bounded_by_kv_ = bool(
-            kv_sequences is not None
-            and kv_sequences < cap
-            and np.interp(kv_sequences, x, fit) >= self.onset_min_fraction * plateau
-        )
+        self.bounded_by_kv_ = bool(kv_sequences is not None and kv_sequences < cap)
         if self.bounded_by_kv_ and kv_sequences is not None:
             cap = max(1, int(kv_sequences))
             self.bounded_by_batch_ = self.bounded_by_preemption_ = False

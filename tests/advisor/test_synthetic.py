@@ -93,7 +93,7 @@ def test_the_fp8_what_if_predicts_the_batch_twice_the_blocks_hold() -> None:
 def test_cap_keeps_the_fraction_and_cuts_the_tail() -> None:
     """KV-bound: the 90% crossing (11.4 in flight) lies above the sequences the cache holds
     through their lives (requests of 40-60 + 120-136 tokens in 48 blocks of 32), so the cap
-    is that, keeping at least ``onset_min_fraction`` of the peak."""
+    is that."""
     s = make_engine("kv_cache_bound", seed=5)
     rep = analyze(FrameSource(s.engines, s.windows, s.requests))
     v = rep.engines[0]
@@ -139,8 +139,8 @@ def test_deterministic() -> None:
 
 
 def test_the_flags_run_at_most_the_sequences_the_cache_holds_under_a_higher_cap() -> None:
-    """A cap not bound by the cache (a caller that gives no sequences held, or a bound that
-    would cost more than a fifth of the peak): vLLM's ``--max-num-seqs`` is still at most
+    """A cap not bound by the cache (a caller that gives no sequences held, or an engine
+    not KV-bound): vLLM's ``--max-num-seqs`` is still at most
     the cache's batch, and the admission limit and the gateway take the cap."""
     s = make_engine("kv_cache_bound", seed=5)
     cfg = s.engines.iloc[0].to_dict()
