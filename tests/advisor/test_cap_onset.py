@@ -82,17 +82,26 @@ def _rounds(rec: dict[str, Any], capped: int = CLOSED_LOOP_CAP) -> list[dict[str
     return out
 
 
+def _capped_and_ratio(
+    rounds: list[dict[str, float]], capped_clients: int
+) -> tuple[list[dict[str, float]], list[dict[str, float]], float]:
+    """The capped rounds, the uncapped (32-client) ones, and the capped rounds' median e2e
+    P99 over the uncapped ones'."""
+    capped = [r for r in rounds if r["clients"] == capped_clients]
+    uncapped = [r for r in rounds if r["clients"] == 32]
+    ratio = np.median([r["e2e_p99_s"] for r in capped]) / np.median(
+        [r["e2e_p99_s"] for r in uncapped]
+    )
+    return capped, uncapped, float(ratio)
+
+
 def test_the_cap_stops_below_the_load_the_closed_loop_then_saw_preempting(recording) -> None:
     rounds = _rounds(recording)
-    capped = [r for r in rounds if r["clients"] == CLOSED_LOOP_CAP]
-    uncapped = [r for r in rounds if r["clients"] == 32]
+    capped, uncapped, p99_ratio = _capped_and_ratio(rounds, CLOSED_LOOP_CAP)
     assert len(capped) == 5 and len(uncapped) == 5, rounds
     # What the closed loop measured at 14 in flight: vLLM preempting a fifth or more of
     # the requests, and the tail cut by only about 40% (0.54-0.73 of the uncapped P99).
     assert all(r["preempted"] >= 0.2 for r in capped), capped
-    p99_ratio = np.median([r["e2e_p99_s"] for r in capped]) / np.median(
-        [r["e2e_p99_s"] for r in uncapped]
-    )
     assert p99_ratio > 0.5, (p99_ratio, rounds)
     # The advisor, from the sweep alone, caps below that load, and not below the
     # sweep's 8-client level, which preempted no request and ran at the plateau.
@@ -124,13 +133,9 @@ def test_the_cap_stops_below_the_load_a_later_closed_loop_saw_preempting() -> No
     cache's blocks stops below it."""
     rec = _recording("kv_starved_avx2_merged_top.json.gz")
     rounds = _rounds(rec, 13)
-    capped = [r for r in rounds if r["clients"] == 13]
-    uncapped = [r for r in rounds if r["clients"] == 32]
+    capped, uncapped, p99_ratio = _capped_and_ratio(rounds, 13)
     assert len(capped) == 3 and len(uncapped) == 3, rounds
     assert all(r["preempted"] >= 0.2 for r in capped), capped
-    p99_ratio = np.median([r["e2e_p99_s"] for r in capped]) / np.median(
-        [r["e2e_p99_s"] for r in uncapped]
-    )
     assert p99_ratio > 0.55, (p99_ratio, rounds)
     got = _cap(rec, rec["sweep_requests"])
     assert 8 <= got["cap"] < 13, got
