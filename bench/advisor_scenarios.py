@@ -260,6 +260,8 @@ class LevelMeasure:
     when admission control is on; the rest are rejected with 503."""
     error_kinds: dict[str, int] = field(default_factory=dict)
     """The client's failed requests by kind (``http_503``, ``connection``, ``timeout``...)."""
+    error_examples: dict[str, str] = field(default_factory=dict)
+    """Each kind's first failure: when and what the client saw."""
 
     @property
     def offered(self) -> int:
@@ -289,6 +291,7 @@ class LevelMeasure:
         if not self.clean:
             kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.error_kinds.items()))
             out.append(f"{self.errors} requests failed ({kinds or 'kind unknown'})")
+            out.extend(f"first {k} {e}" for k, e in sorted(self.error_examples.items()))
         return "; ".join(out)
 
 
@@ -1299,6 +1302,7 @@ def measure_level(
         completed=lv.requests_completed,
         errors=lv.error_count,
         error_kinds=dict(lv.errors),
+        error_examples=dict(lv.error_examples),
         engine_tokens_per_s=float(col("generation_tokens").sum()) / n if n else math.nan,
         preemptions_per_s=float(col("preemptions").sum()) / n if n else math.nan,
         batch_median=med("batch_mean"),

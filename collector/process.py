@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import ssl
@@ -47,9 +48,35 @@ def _claim_port(port: int, now: float) -> bool:
         return True
 
 
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORT_FLOOR = 20000
+"""The lowest port `free_port` hands out."""
+
+
+def ephemeral_ports(path: Path | None = None) -> tuple[int, int]:
+    """The kernel's range of ephemeral ports (Linux's default if it cannot be read)."""
+    try:
+        low, high = (int(v) for v in (path or EPHEMERAL_RANGE_FILE).read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now and that no other kvscope process
-    was handed in the last `PORT_HOLD_S`."""
+    """A TCP port that is free on ``host`` right now, that no other kvscope process was
+    handed in the last `PORT_HOLD_S`, and that lies below the kernel's ephemeral range
+    when there is room there. A port the kernel would pick for ``bind(0)`` or as an
+    outgoing connection's source may be taken by anyone before a child process binds
+    it (a vLLM engine binds its KV-events socket a minute or more after its launch,
+    while the engine beside it opens its own sockets); below the range only an
+    explicit bind takes it."""
+    low, _ = ephemeral_ports()
+    rng = random.Random()
+    if low - PORT_FLOOR >= 1000:
+        for _ in range(64):
+            port = rng.randrange(PORT_FLOOR, low)
+            if _bindable(host, port) and _claim_port(port, time.time()):
+                return port
     port = 0
     for _ in range(64):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -58,6 +85,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         if _claim_port(port, time.time()):
             return port
     return port
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 class CollectorError(RuntimeError):

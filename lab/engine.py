@@ -268,6 +268,20 @@ ENGINE_CORE_COMM = "VLLM::EngineCor"
 """The engine-core process's name as ``/proc/PID/comm`` shows it (15 characters)."""
 
 
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> str:
+    """``"memory available: 21.3 of 23.4 GiB"`` from ``/proc/meminfo`` (or why not)."""
+    try:
+        fields = {
+            k: int(v.split()[0]) for k, _, v in (ln.partition(":") for ln in meminfo.open()) if v
+        }
+        return (
+            f"memory available: {fields['MemAvailable'] / 2**20:.1f} of "
+            f"{fields['MemTotal'] / 2**20:.1f} GiB"
+        )
+    except (OSError, KeyError, ValueError) as exc:
+        return f"memory available: unknown ({exc})"
+
+
 def renice_process_group(pgid: int, comm_prefix: str, nice: int) -> int:
     """Set ``nice`` on every thread of the processes in group ``pgid`` whose name starts
     with ``comm_prefix``; returns the number of threads changed (Linux ``/proc``)."""
@@ -550,16 +564,26 @@ class VllmServer:
             if self._proc.poll() is not None:
                 raise LabError(
                     f"vLLM exited with code {self._proc.returncode} during start-up; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
+                    + self._start_failure()
                 )
             if self.healthy():
                 return
             if time.monotonic() - started > self.startup_timeout_s:
                 raise LabError(
                     f"vLLM not healthy after {self.startup_timeout_s:.0f} s; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
+                    + self._start_failure()
                 )
             time.sleep(0.5)
+
+    def _start_failure(self) -> str:
+        """Why a start failed, for its error: the log's error lines first (vLLM's last
+        lines only say "see root cause above"), the machine's free memory (an engine
+        core the kernel killed logs nothing), then the log's tail."""
+        errors = "\n".join(self.log_errors(12)) or "(none)"
+        return (
+            f"{available_memory()}; the log's error lines:\n{errors}\n"
+            f"the end of {self.log_path}:\n{self.log_tail(25)}"
+        )
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
         """Whether ``GET /health`` answers 200 now."""

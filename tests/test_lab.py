@@ -159,6 +159,30 @@ def test_server_start_failure_reports_the_log(tmp_path: Path) -> None:
     assert server.pid is None  # stopped
 
 
+def test_server_start_failure_names_the_root_cause_above_the_tail(tmp_path: Path) -> None:
+    """vLLM's last lines say only "see root cause above": the error leads with the log's
+    error lines, however far up, and the memory the machine had left."""
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "echo 'ERROR 12-07 [core.py:1] EngineCore failed to start.'\n"
+        "echo 'OSError: [Errno 98] Address already in use'\n"
+        'for i in $(seq 60); do echo "  File traceback line $i"; done\n'
+        "echo 'RuntimeError: Engine core initialization failed. See root cause above.'\n"
+        "exit 1\n"
+    )
+    fake.chmod(0o755)
+    server = VllmServer(
+        tmp_path, python=str(fake), log_path=tmp_path / "log.txt", startup_timeout_s=10
+    )
+    with pytest.raises(LabError) as caught, server:
+        pass
+    text = str(caught.value)
+    assert "exited with code 1" in text and "memory available: " in text
+    assert text.index("Address already in use") < text.index("traceback line 60")
+    assert "EngineCore failed to start" in text
+
+
 def test_free_port_is_bindable() -> None:
     port = free_port()
     with socket.socket() as sock:

@@ -463,6 +463,10 @@ def test_sweep_counts_chunks_without_usage_and_errors_by_kind() -> None:
     assert lv.requests_completed > 5
     assert 50 < lv.output_tokens_per_s < 210
     assert "errors by kind: http_503=" in format_table(result)
+    # the first refusal, when it came and the server's own words
+    assert lv.error_examples["http_503"].startswith("at 0.")
+    assert "HTTP 503" in lv.error_examples["http_503"]
+    assert "first http_503 at 0." in format_table(result)
 
 
 def test_refused_clients_wait_the_error_backoff() -> None:
@@ -559,6 +563,8 @@ def test_connection_errors_are_counted_not_raised() -> None:
     (lv,) = result.levels
     assert lv.output_tokens == 0 and lv.errors == {"connection": lv.error_count}
     assert 2 <= lv.error_count <= 30  # backoff keeps a dead server from a hot loop
+    # what aiohttp said, so a user can tell a refused connection from a dropped stream
+    assert "ClientConnectorError" in lv.error_examples["connection"], lv.error_examples
 
 
 async def _sweep_dead_server() -> SweepResult:

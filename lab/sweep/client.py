@@ -62,13 +62,23 @@ async def stream_completion(
         record.error = await _read_stream(session, url, body, record, timeout_s)
     except asyncio.TimeoutError:
         record.error = "timeout"
+        record.error_detail = f"no answer within {timeout_s:g} s"
     except aiohttp.ClientResponseError as exc:
         record.error = f"http_{exc.status}"
-    except aiohttp.ClientError:
+        record.error_detail = _describe(exc)
+    except aiohttp.ClientError as exc:
         record.error = "connection"
-    except (ValueError, TypeError, AttributeError):
+        record.error_detail = _describe(exc)
+    except (ValueError, TypeError, AttributeError) as exc:
         record.error = "protocol"
+        record.error_detail = _describe(exc)
     record.end_s = time.perf_counter()  # not reached when cancelled
+
+
+def _describe(exc: BaseException, max_chars: int = 200) -> str:
+    """``ExceptionType: message``, short enough for a summary line."""
+    text = f"{type(exc).__name__}: {exc}".strip().rstrip(":")
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
 async def _read_stream(
@@ -83,7 +93,8 @@ async def _read_stream(
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with session.post(url, json=body, timeout=timeout) as resp:
         if resp.status != 200:
-            await resp.read()
+            text = (await resp.read()).decode("utf-8", errors="replace").strip()
+            record.error_detail = f"HTTP {resp.status}: {text[:160]}" if text else None
             return f"http_{resp.status}"
         async for raw in resp.content:
             line = raw.strip()
@@ -94,6 +105,7 @@ async def _read_stream(
                 return None
             chunk = json.loads(data)
             if "error" in chunk:
+                record.error_detail = str(chunk["error"])[:200]
                 return "server_error"
             now = time.perf_counter()
             choices = chunk.get("choices") or []
@@ -108,4 +120,5 @@ async def _read_stream(
             elif choices:
                 counted_chunks += 1
                 record.add_tokens(now, counted_chunks - record.output_tokens)
+    record.error_detail = f"the stream ended without [DONE] after {record.output_tokens} tokens"
     return "incomplete"

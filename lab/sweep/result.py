@@ -146,6 +146,9 @@ def format_table(result: SweepResult) -> str:
             "errors by kind: "
             + ", ".join(f"{k}={sum(lv.errors.get(k, 0) for lv in result.levels)}" for k in kinds)
         )
+        for lv in result.levels:
+            for kind, example in lv.error_examples.items():
+                lines.append(f"  concurrency {lv.concurrency}, first {kind} {example}")
     return "\n".join(lines)
 
 

@@ -53,6 +53,8 @@ class RequestRecord:
     """``(arrival_s, new_tokens)`` for every chunk that brought output tokens."""
     error: str | None = None
     """Error kind: ``http_<status>``, ``timeout``, ``connection``, ``protocol``, ``server_error``, ``incomplete``."""
+    error_detail: str | None = None
+    """What went wrong, as the client saw it (the exception, the server's message)."""
     finish_reason: str | None = None
 
     def add_tokens(self, now_s: float, n_tokens: int) -> None:
@@ -99,6 +101,9 @@ class LevelResult:
     """The e2e P99 is a lower bound: more than one of the requests cancelled at the
     window's end, and more than 1% as many as completed, were already older (see the
     module)."""
+    error_examples: dict[str, str] = field(default_factory=dict)
+    """For each error kind, its first occurrence: when (seconds into the level) and what
+    the client saw, e.g. ``"at 23.4 s: ServerDisconnectedError: Server disconnected"``."""
 
     @property
     def error_count(self) -> int:
@@ -167,6 +172,7 @@ def summarize_level(
     ttfts: list[float] = []
     e2es: list[float] = []
     errors: Counter[str] = Counter()
+    examples: dict[str, tuple[float, str]] = {}  # kind: (seconds into the level, detail)
     busy_s = 0.0
     completed = cancelled = 0
     cancelled_ages: list[float] = []
@@ -180,6 +186,9 @@ def summarize_level(
             )
         if rec.error is not None:
             errors[rec.error] += 1
+            at = (rec.end_s if rec.end_s is not None else rec.start_s) - level_start_s
+            if rec.error not in examples or at < examples[rec.error][0]:
+                examples[rec.error] = (at, rec.error_detail or rec.error)
         elif rec.end_s is None or rec.end_s >= window_end_s:
             cancelled += 1
             cancelled_ages.append(window_end_s - rec.start_s)
@@ -213,6 +222,7 @@ def summarize_level(
         window_start_unix_s=window_start_s + unix_offset_s,
         window_end_unix_s=window_end_s + unix_offset_s,
         requests_per_target=requests_per_target,
+        error_examples={k: f"at {at:.1f} s: {what}" for k, (at, what) in sorted(examples.items())},
         ttft_p99_truncated=_cut_off(unserved_ages, ttft_p99, len(ttfts)),
         e2e_p99_truncated=_cut_off(cancelled_ages, e2e_p99, completed),
     )

@@ -56,8 +56,53 @@ def test_free_port_skips_ports_another_process_holds(
             return ("127.0.0.1", self.port)
 
     monkeypatch.setattr(process.socket, "socket", Probe)
+    # no room below the ephemeral range: the kernel's bind(0) picks
+    monkeypatch.setattr(process, "ephemeral_ports", lambda: (process.PORT_FLOOR + 10, 60999))
     assert free_port() == 41001
     assert free_port() == 41002  # the kernel offered 41001 again: held, so skipped
+
+
+def test_free_port_picks_below_the_ephemeral_range_and_skips_held_or_bound_ports(
+    ports_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    low, _ = process.ephemeral_ports()
+    if low - process.PORT_FLOOR < 1000:
+        pytest.skip(f"this machine's ephemeral range starts at {low}: no room below it")
+    held = free_port()  # handed out: another caller must not get it
+    assert process.PORT_FLOOR <= held < low
+    candidates = (p for p in range(process.PORT_FLOOR, low) if p != held)
+    with socket.socket() as busy:
+        busy_port = next(p for p in candidates if _bind(busy, p))  # a server's port
+        fresh = next(p for p in candidates if _bindable(p))
+        offered = iter([held, busy_port, held, fresh])
+
+        class Rng:
+            def randrange(self, start: int, stop: int) -> int:
+                assert (start, stop) == (process.PORT_FLOOR, low)
+                return next(offered)
+
+        monkeypatch.setattr(process.random, "Random", Rng)
+        assert free_port() == fresh
+
+
+def _bind(sock: socket.socket, port: int) -> bool:
+    try:
+        sock.bind(("127.0.0.1", port))
+    except OSError:
+        return False
+    return True
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        return _bind(s, port)
+
+
+def test_ephemeral_ports_read_the_kernel_setting(tmp_path: Path) -> None:
+    setting = tmp_path / "ip_local_port_range"
+    setting.write_text("40000\t50000\n")
+    assert process.ephemeral_ports(setting) == (40000, 50000)
+    assert process.ephemeral_ports(tmp_path / "missing") == (32768, 60999)
 
 
 def test_ports_handed_to_two_processes_differ_and_bind(ports_dir: Path) -> None:

@@ -127,7 +127,8 @@ def live(overload_run: OverloadRun, tmp_path_factory: pytest.TempPathFactory) ->
         overload_run.vllm_after = after
         (level,) = sweep.levels
         assert level.error_count == 0 and level.requests_completed > 0, (
-            f"the extra load: {level.requests_completed} completed, errors {level.errors}; "
+            f"the extra load: {level.requests_completed} completed, errors {level.errors} "
+            f"({level.error_examples}); "
             f"the engine's errors: {_log_errors(overload_run.workdir / 'vllm.log')}\n"
             + overload_run.diagnosis()
         )
