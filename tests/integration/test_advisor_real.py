@@ -4,9 +4,15 @@ Three engine regimes (``bench/advisor_scenarios.py``, "mid" lab model, a closed-
 sweep of 1 to 32 clients, 5 s per level and 10 s at 32) must each get the right
 verdict; on the KV-starved engine the recommended cap is applied and measured (as
 client concurrency, and as the recommendation's vLLM flags ``--max-num-seqs C
---max-num-queued-reqs C+Q`` on a restarted engine, 10 s each), and
-the KV capacity model's plateau is checked against the measured one. The measured figures appear in
-the terminal summary and in ``advisor_real.json`` under pytest's base temp dir.
+--max-num-queued-reqs C+Q`` on a restarted engine, each set against the uncapped overload
+in steady-state runs), and the KV capacity model's plateau is checked against the measured
+one. The KV-starved engine runs in the default engine tier; the sequence-capped and ample-KV engines (three minutes each on a slow machine) run
+with the long matrices, as the advisor's other regimes do::
+
+    scripts/test -m matrix tests/integration/test_advisor_real.py -s
+
+The measured figures appear in the terminal summary and in ``advisor_real.json`` under
+pytest's base temp dir.
 
 Each closed-loop comparison is made on repeated runs: the cap as client concurrency and
 the uncapped overload alternate on the same engine (three rounds, more while a setting's
@@ -87,6 +93,7 @@ def test_kv_starved_engine_is_kv_cache_bound(kv_starved_run: RegimeRun) -> None:
     assert run.top.delivered, run.top
 
 
+@pytest.mark.matrix
 def test_seq_capped_engine_is_max_num_seqs_bound(seq_capped_run: RegimeRun) -> None:
     run = seq_capped_run
     _no_errors(run)
@@ -97,6 +104,7 @@ def test_seq_capped_engine_is_max_num_seqs_bound(seq_capped_run: RegimeRun) -> N
     assert v.knee_concurrency is not None and 4 <= v.knee_concurrency <= 12, v
 
 
+@pytest.mark.matrix
 def test_ample_kv_engine_is_compute_limited(ample_kv_run: RegimeRun) -> None:
     """At 32 clients the ample-KV engine is near its compute ceiling but still climbing
     (by +12% to +32% over the last doubling, by the advisor's fit, in the runs seen): the advisor may call it

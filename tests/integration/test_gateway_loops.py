@@ -3,9 +3,10 @@
 router, the overload driven through it, each property measured at the client and in every
 engine step kvscope recorded.
 
-``nginx-one`` runs with the engine tier (about five minutes). The pool loops (two engines,
-one sweep, nginx, the old ``$server_name`` form and vLLM's router: about twelve minutes)
-run with the long matrices::
+Every loop runs with the long matrices, not in the default run: ``nginx-one`` (one engine
+behind nginx at the advisor's cap: 5 minutes on a fast machine, 8 on a slow one) and the
+pool loops (two engines, one sweep, nginx, the old ``$server_name`` form and vLLM's router:
+about twelve minutes)::
 
     scripts/test -m matrix tests/integration/test_gateway_loops.py -s
 
@@ -43,6 +44,7 @@ def _refuted(result: LoopResult) -> list[str]:
     return [f"{c.name}: {c.figure}" for c in result.gate if c.verdict == FAILS]
 
 
+@pytest.mark.matrix
 def test_nginx_holds_one_engine_at_the_advisors_cap(gateway_lab: GatewayLab) -> None:
     result = gateway_lab.nginx_one()
     print(table([result]))
