@@ -15,11 +15,12 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import FrameType
+
+from kvscope.collector.process import port_problem
 
 __all__ = ["Terminated", "port_problem", "run_stoppable", "stop_on_sigterm"]
 
@@ -68,17 +69,3 @@ def run_stoppable(main: Callable[[], int]) -> int:
         except Terminated:
             print("stopped by SIGTERM; what it started is stopped", file=sys.stderr)
             return 143
-
-
-def port_problem(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on right now (``Address already in use``, ...),
-    or None when it can. Binds as servers do (``SO_REUSEADDR``), so a port in TIME_WAIT
-    counts as free."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            return exc.strerror or str(exc)
-    return None

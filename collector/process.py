@@ -75,7 +75,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     if low - PORT_FLOOR >= 1000:
         for _ in range(64):
             port = rng.randrange(PORT_FLOOR, low)
-            if _bindable(host, port) and _claim_port(port, time.time()):
+            if port_problem(host, port) is None and _claim_port(port, time.time()):
                 return port
     port = 0
     for _ in range(64):
@@ -87,13 +87,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     return port
 
 
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on right now (``Address already in use``, ...),
+    or None when it can. Binds as servers do (``SO_REUSEADDR``), so a port in TIME_WAIT
+    counts as free."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
-    return True
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 class CollectorError(RuntimeError):

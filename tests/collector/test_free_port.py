@@ -73,7 +73,7 @@ def test_free_port_picks_below_the_ephemeral_range_and_skips_held_or_bound_ports
     candidates = (p for p in range(process.PORT_FLOOR, low) if p != held)
     with socket.socket() as busy:
         busy_port = next(p for p in candidates if _bind(busy, p))  # a server's port
-        fresh = next(p for p in candidates if _bindable(p))
+        fresh = next(p for p in candidates if process.port_problem("127.0.0.1", p) is None)
         offered = iter([held, busy_port, held, fresh])
 
         class Rng:
@@ -91,11 +91,6 @@ def _bind(sock: socket.socket, port: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        return _bind(s, port)
 
 
 def test_ephemeral_ports_read_the_kernel_setting(tmp_path: Path) -> None:
