@@ -6,8 +6,9 @@ verdict; on the KV-starved engine the recommended cap is applied and measured (a
 client concurrency, and as the recommendation's vLLM flags ``--max-num-seqs C
 --max-num-queued-reqs C+Q`` on a restarted engine, each set against the uncapped overload
 in steady-state runs), and the KV capacity model's plateau is checked against the measured
-one. The KV-starved engine runs in the default engine tier; the sequence-capped and ample-KV engines (three minutes each on a slow machine) run
-with the long matrices, as the advisor's other regimes do::
+one. The KV-starved engine runs in the default engine tier; the sequence-capped and
+ample-KV engines (three minutes each on a slow machine) run with the long matrices, as the
+advisor's other regimes do::
 
     scripts/test -m matrix tests/integration/test_advisor_real.py -s
 
