@@ -108,13 +108,16 @@ def rendering(
     effect: str | None = None,
     p99_e2e_s: float | None = None,
     worker_flags: list[str] | None = None,
+    replica_flags: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
     """One gateway's rendering: the text to paste (``config``, in ``fmt``: nginx, yaml or
     bash), whether it is per ``replica`` or per ``pool``, where its fields were verified
     (``source``); for a cap what happens to the requests beyond it (``excess``) and the e2e
     P99 the admitted ones can expect (``p99_e2e_s``; None: the rendering does not bound it),
     for routing what it changes (``effect``); ``worker_flags``: vLLM flags every replica behind
-    the gateway needs for the rendering to do what it says."""
+    the gateway needs for the rendering to do what it says; ``replica_flags``: the vLLM flags
+    of each replica (``host:port``) behind it, where they differ from the replica's own cap
+    rendering."""
     out: dict[str, Any] = {"config": config, "format": fmt, "scope": scope}
     if excess is not None:
         out["excess"] = excess
@@ -125,5 +128,7 @@ def rendering(
         out["effect"] = effect
     if worker_flags:
         out["worker_flags"] = list(worker_flags)
+    if replica_flags:
+        out["replica_flags"] = {a: list(f) for a, f in replica_flags.items()}
     out["source"] = source
     return out

@@ -17,14 +17,27 @@ front of two stand-in workers). What the router does with them, measured on 0.1.
   ``--queue-timeout-secs`` says (refill 4/s: 408 after 0.2 s with a 5 s timeout), and the
   queue hands requests on so fast that it hardly fills. A queue sized from the latency model
   would not be honoured, so none is rendered (``--queue-size 0``).
-* A worker's 503 (vLLM at ``--max-num-queued-reqs``) is retried on another worker
-  (``--retry-max-retries``, default 5) and then passed on. The circuit breaker counts those
-  503s as failures: after one burst on capped workers every worker's circuit was open and the
-  router answered **503** "No available workers" for ``--cb-timeout-duration-secs`` (60 s)
-  while the workers sat idle. Hence ``--disable-circuit-breaker`` (health checks still take a
-  dead worker out).
+* A worker's 503 (vLLM at ``--max-num-queued-reqs``) is retried on the next worker and then
+  passed on. ``--retry-max-retries`` counts the attempts (default 5, 50 ms apart and growing
+  1.5x): on a full pool every refused request reached the replicas five times (two stand-in
+  workers answering 503: 25 attempts for 5 requests, 0.4 s each; 10 with
+  ``--retry-max-retries 2``). Each attempt costs a replica's API server a request (and the
+  router's ``/render`` call) on the host the engines run on, so the rendering keeps one retry
+  on another worker, for the replica that is full while another has room. The circuit
+  breaker counts those 503s as failures: after one burst on capped workers every worker's
+  circuit was open and the router answered **503** "No available workers" for
+  ``--cb-timeout-duration-secs`` (60 s) while the workers sat idle. Hence
+  ``--disable-circuit-breaker`` (health checks still take a dead worker out).
 
-So each replica's vLLM flags hold its cap; the router adds a pool-level burst limit.
+So each replica's vLLM flags hold its cap; the router adds a pool-level burst limit. Behind
+the router the replicas keep no vLLM queue (``--max-num-seqs S --max-num-queued-reqs C``, in
+``replica_flags``), unlike the vLLM flags alone (``C + Q``): the queue ``Q`` is for requests
+arriving while a running one finishes, and behind the router such a request is retried once
+on the other replica instead; a queue of admitted requests waits up to a request's life in
+vLLM. Measured on two KV-starved CPU engines with caps of 12 (``bench/gateway_loops.py
+--loops router-pool``, docs/gateways.md): with ``Q = 3`` vLLM's queue P99 was 10.9 s and the
+admitted e2e P99 1.68x the rendering's prediction (0.70x the uncapped one); with ``Q = 0``,
+no queue and 1.01x (0.57x).
 
 Routing: ``--policy cache_aware`` keeps a prefix tree of request text per worker and sends a
 request to the worker matching the largest share of it when that share exceeds
@@ -55,6 +68,9 @@ SOURCE = (
     "workers; vllm-project/router src/middleware.rs, src/core/token_bucket.rs, "
     "src/policies/cache_aware.rs"
 )
+RETRY_ATTEMPTS = 2
+"""``--retry-max-retries``: the first attempt and one retry on another worker (the router's
+default, 5, sends each request a full pool refuses to the replicas five times)."""
 REFILL_PER_S = 1
 """``--rate-limit-tokens-per-second``: the smallest refill the router allows (0 counts as 1),
 so that the bucket lets the fewest extra requests through under sustained overload."""
@@ -79,6 +95,7 @@ def router_cap(replicas: list[ReplicaCap], uncapped: list[str] | None = None) ->
     the replicas' own vLLM flags."""
     caps = by_address(replicas)
     free = sorted(set(uncapped or []) - set(caps))
+    replica_flags = flags_behind_router(replicas)
     total = sum(caps.values())
     flags = []
     if not free:
@@ -87,30 +104,31 @@ def router_cap(replicas: list[ReplicaCap], uncapped: list[str] | None = None) ->
             f"--rate-limit-tokens-per-second {REFILL_PER_S}",
             "--queue-size 0",
         ]
-    flags.append("--disable-circuit-breaker")
-    limits = ", ".join(
-        f"{r.address} {r.max_num_queued_reqs}" for r in sorted(replicas, key=lambda r: r.address)
-    )
-    p99 = worst([r.p99_e2e_s_queued for r in replicas])
+    flags += [f"--retry-max-retries {RETRY_ATTEMPTS}", "--disable-circuit-breaker"]
+    p99 = worst([r.p99_e2e_s for r in replicas])
     head = (
         f"no pool limit: {', '.join(free)} has no cap. "
         if free
         else (
             f"up to {total} requests at once (the sum of the caps), then 429 at once; the "
             f"limit is a token bucket refilled at {REFILL_PER_S}/s, so under sustained "
-            f"overload about {REFILL_PER_S} more request per second gets through. No router "
+            f"overload about {REFILL_PER_S} more request a second gets through and after a "
+            "while the replicas' flags alone hold the load. No router "
             "queue: vllm-router 0.1.17 holds a queued request only about 1/refill s, "
             "whatever --queue-timeout-secs says, then answers 408. "
         )
     )
+    starts = "; ".join(f"{a}: {' '.join(f)}" for a, f in replica_flags.items())
     excess = head + (
-        "The router has no per-worker limit: each replica's vLLM flags hold its cap (past "
-        f"--max-num-queued-reqs, {limits}, it answers 503), the router retries that 503 on "
-        "another worker and then passes it on (a streaming request vLLM refuses after its "
-        "200 has gone out gets an error event in the stream, passed on as it is). The "
-        "circuit breaker is off: it counts those 503s as failures and would take every "
-        "worker out for 60 s after a burst. Admitted requests can wait in vLLM's queue: "
-        f"e2e P99 up to {seconds(p99)}"
+        "The router has no per-worker limit: start each replica with its cap and no vLLM "
+        f"queue ({starts}); past the cap it answers 503 at once, the router retries that "
+        f"503 once on another worker ({RETRY_ATTEMPTS} attempts in all, not the default 5: "
+        "each attempt is a request at a full replica's API server) and then passes it on (a "
+        "streaming request vLLM refuses after its 200 has gone out gets an error event in "
+        "the stream, passed on as it is). The circuit breaker is off: it counts those 503s "
+        "as failures and would take every worker out for 60 s after a burst. Admitted "
+        f"requests run at the cap, e2e P99 {seconds(p99)}; with a vLLM queue behind the "
+        "router (the flags alone keep one) they would also wait up to a request's life in it"
     )
     return rendering(
         _command(list(caps) + free, flags),
@@ -119,7 +137,19 @@ def router_cap(replicas: list[ReplicaCap], uncapped: list[str] | None = None) ->
         excess=excess,
         p99_e2e_s=p99,
         source=SOURCE,
+        replica_flags=replica_flags,
     )
+
+
+def flags_behind_router(replicas: list[ReplicaCap]) -> dict[str, list[str]]:
+    """Each replica's vLLM flags behind the router (by ``host:port``): its cap and no vLLM
+    queue, ``--max-num-queued-reqs C`` (engines behind one API server add their caps up and
+    each runs at most the smallest ``--max-num-seqs`` of them)."""
+    out: dict[str, list[str]] = {}
+    for address, cap in by_address(replicas).items():
+        seqs = min(r.max_num_seqs for r in replicas if r.address == address)
+        out[address] = [f"--max-num-seqs {seqs}", f"--max-num-queued-reqs {cap}"]
+    return out
 
 
 def cache_threshold(available: float | None) -> float:

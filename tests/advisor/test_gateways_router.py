@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 from vllm_router.launch_router import parse_router_args
 
-from kvscope.advisor.gateways import ReplicaCap, balance_routing, pool_renderings, prefix_routing
+from kvscope.advisor.gateways import (
+    ReplicaCap,
+    balance_routing,
+    pool_renderings,
+    prefix_routing,
+    replica_renderings,
+)
 from kvscope.advisor.gateways.vllm_router import LAUNCH, VERSION
 from kvscope.lab.gateway import VllmRouter, router_args
 from tests.advisor._upstreams import Burst, Upstream, post
@@ -77,6 +83,7 @@ def test_rendered_commands_parse_to_what_the_rendering_means() -> None:
     assert cap.max_concurrent_requests == 24  # the pool's sum, never one replica's 12
     assert cap.rate_limit_tokens_per_second == 1 and cap.queue_size == 0
     assert cap.disable_circuit_breaker is True
+    assert cap.retry_max_retries == 2  # one retry on another worker, not the default 5
     assert prefix.policy == "cache_aware" and prefix.cache_threshold == 0.2
     assert prefix.balance_abs_threshold == 3 and prefix.balance_rel_threshold == 1.25
     assert balance.policy == "power_of_two"
@@ -175,3 +182,52 @@ def test_the_worker_flag_cache_aware_needs_is_a_flag_of_the_installed_vllm() -> 
     fields = {f.replace("_", "-") for f in FrontendArgs.__dataclass_fields__}
     for flag in CACHE_AWARE_WORKER_FLAGS:
         assert flag.removeprefix("--") in fields, flag
+
+
+def test_a_request_a_full_pool_refuses_reaches_each_replica_once(tmp_path: Path) -> None:
+    """The rendered retry budget against the router's default: two workers at their admission
+    limit (every POST answered 503). With the rendering each refused request is tried on both
+    workers once and then passed on; with the router's defaults it reaches them five times,
+    each one a request the full replicas' API servers have to answer."""
+    a, b = Upstream(reject_all=True), Upstream(reject_all=True)
+    try:
+        config = pool_renderings("t", _replicas([a.address, b.address]))["vllm_router"]["config"]
+        rendered = [*_args(config), "--policy", "round_robin"]
+        i = rendered.index("--retry-max-retries")
+        assert rendered[i + 1] == "2"
+        default = rendered[:i] + rendered[i + 2 :]
+        attempts = {}
+        for name, args in (("rendered", rendered), ("default", default)):
+            before = a.rejected + b.rejected
+            with _router(args, tmp_path / name) as port:
+                statuses = [post(port)[0] for _ in range(4)]
+            assert statuses == [503] * 4, (name, statuses)
+            attempts[name] = a.rejected + b.rejected - before
+    finally:
+        a.stop()
+        b.stop()
+    assert attempts == {"rendered": 8, "default": 20}, attempts
+    assert a.rejected == b.rejected == 14  # the retry went to the other worker
+
+
+def test_behind_the_router_each_replica_is_started_at_its_cap_with_no_vllm_queue() -> None:
+    """The router has no per-worker limit, so each replica's vLLM flags hold its cap; behind
+    it they keep no queue (the router's retry finds the replica with room), and the P99 the
+    rendering promises is the one at the cap, not at the cap and a full queue."""
+    pair = [
+        ReplicaCap(address="h1:8000", cap=12, max_num_seqs=11, queue=3, p99_e2e_s=1.35,
+                   p99_e2e_s_queued=1.9),
+        ReplicaCap(address="h2:8000", cap=9, max_num_seqs=9, queue=2, p99_e2e_s=1.1,
+                   p99_e2e_s_queued=1.6),
+    ]  # fmt: skip
+    router = pool_renderings("p", pair)["vllm_router"]
+    assert router["replica_flags"] == {
+        "h1:8000": ["--max-num-seqs 11", "--max-num-queued-reqs 12"],
+        "h2:8000": ["--max-num-seqs 9", "--max-num-queued-reqs 9"],
+    }
+    assert router["p99_e2e_s"] == 1.35  # the slowest replica at its cap
+    assert "h2:8000: --max-num-seqs 9 --max-num-queued-reqs 9" in router["excess"]
+    # The flags alone, with no gateway, keep vLLM's queue.
+    assert replica_renderings(pair[0])["vllm"]["config"] == (
+        "--max-num-seqs 11 --max-num-queued-reqs 15"
+    )
