@@ -43,14 +43,15 @@ The loops:
   rendered form's, in the same rounds, is refuted only when its interval lies wholly above
   ``MIN_THROUGHPUT_FRACTION``: :func:`old_form_checks`).
 - ``router-pool``: the same pool and sweep (its uncapped runs are the reference of both
-  pool loops), then both engines restarted on the same ports with their caps' vLLM flags
-  (``--max-num-seqs C --max-num-queued-reqs C+Q``: the router has no per-worker limit, so
-  vLLM's admission limit holds each replica) and vLLM's router with the rendered command
-  (``--max-concurrent-requests`` the pool's sum, refill 1/s, no router queue, circuit
-  breaker off). A replica may then hold ``C + Q`` (the ``Q`` waiting in vLLM's queue, how
-  long they waited is reported); the excess gets 429 from the router or a replica's 503
-  passed on. The reference is the first start's (an engine start differs from the next by
-  up to 10% here).
+  pool loops), then both engines restarted on the same ports with the vLLM flags the
+  router's rendering gives each replica (``replica_flags``: its cap and no vLLM queue,
+  ``--max-num-queued-reqs C``; the router has no per-worker limit, so vLLM's admission limit
+  holds each replica; ``--router-queue Q`` starts them at ``C + Q`` instead, how long the
+  queued requests waited is reported) and vLLM's router with the rendered command
+  (``--max-concurrent-requests`` the pool's sum, refill 1/s, no router queue, one retry,
+  circuit breaker off). The excess gets 429 from the router or a replica's 503 passed on.
+  The reference is the first start's (an engine start differs from the next by up to 10%
+  here).
 
 (For ``--loops nginx-pool`` alone the pool loop's uncapped runs are interleaved with the
 nginx runs; with ``router-pool`` alone they run before the restart.)
@@ -662,8 +663,8 @@ def gateway_checks(
     against_prediction: bool = True,
 ) -> list[Check]:
     """The loop's properties (module docstring), each with its verdict. ``bound``: requests
-    in flight each engine may hold under this gateway when it is not the cap (the router
-    leaves the cap to vLLM's ``--max-num-queued-reqs``, which admits ``C + Q``)."""
+    in flight each engine may hold under this gateway (the router leaves the cap to vLLM's
+    ``--max-num-queued-reqs``, which admits ``C``, or ``C + Q`` with a vLLM queue)."""
     gw, ref = result.of(setting), result.of("uncapped")
     out: list[Check] = []
     for eid, cap in caps.items():
@@ -831,7 +832,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="Q",
         help="behind vllm-router, start the replicas with --max-num-queued-reqs C+Q "
-        "(default: the advisor's Q)",
+        "(default: the router rendering's flags, C: no vLLM queue)",
     )
     ap.add_argument(
         "--refused-backoff",

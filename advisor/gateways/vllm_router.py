@@ -35,9 +35,11 @@ the router the replicas keep no vLLM queue (``--max-num-seqs S --max-num-queued-
 arriving while a running one finishes, and behind the router such a request is retried once
 on the other replica instead; a queue of admitted requests waits up to a request's life in
 vLLM. Measured on two KV-starved CPU engines with caps of 12 (``bench/gateway_loops.py
---loops router-pool``, docs/gateways.md): with ``Q = 3`` vLLM's queue P99 was 10.9 s and the
-admitted e2e P99 1.68x the rendering's prediction (0.70x the uncapped one); with ``Q = 0``,
-no queue and 1.01x (0.57x).
+--loops router-pool``, docs/gateways.md): with ``Q = 3`` vLLM's queue P99 was 10.6-10.9 s and
+the admitted e2e P99 1.64-1.68x the prediction at ``C + Q`` (0.70-0.82x the uncapped one); with
+``Q = 0`` no request waited in vLLM's queue and the P99 was 1.01-1.53x the prediction at ``C``
+(0.57-0.75x) in three runs. The pool kept only 0.42-0.79 of the uncapped throughput behind the
+router, for reasons not established (docs/gateways.md).
 
 Routing: ``--policy cache_aware`` keeps a prefix tree of request text per worker and sends a
 request to the worker matching the largest share of it when that share exceeds
