@@ -132,4 +132,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvscope.cli._lifecycle import run_stoppable
+
+    raise SystemExit(run_stoppable(main))
