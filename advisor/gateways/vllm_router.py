@@ -124,7 +124,8 @@ def router_cap(replicas: list[ReplicaCap], uncapped: list[str] | None = None) ->
     excess = head + (
         "The router has no per-worker limit: start each replica with its cap and no vLLM "
         f"queue ({starts}); past the cap it answers 503 at once, the router retries that "
-        f"503 once on another worker ({RETRY_ATTEMPTS} attempts in all, not the default 5: "
+        f"503 once, on another worker if there is one ({RETRY_ATTEMPTS} attempts in all, not "
+        "the default 5: "
         "each attempt is a request at a full replica's API server) and then passes it on (a "
         "streaming request vLLM refuses after its 200 has gone out gets an error event in "
         "the stream, passed on as it is). The circuit breaker is off: it counts those 503s "
