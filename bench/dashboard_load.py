@@ -51,7 +51,8 @@ from kvscope.collector.process import free_port  # noqa: E402
 
 PAGES = {
     "overview": ("", ["Fleet overview", "Engines"]),
-    "engine": ("engine", ["Engine detail", "Per engine step: KV-cache usage"]),
+    "engine": ("engine", ["Engine detail", "Show each engine step", "Throughput"]),
+    "engine-steps": ("engine?steps=1", ["Engine detail", "Per engine step: KV-cache usage"]),
     "plateau": ("plateau", ["Throughput and P99 latency against load", "Why: the bottleneck"]),
     "recommendations": ("recommendations", ["1. "]),
     "prefix": ("prefix", ["Prefix-cache hit rate per replica"]),

@@ -63,8 +63,29 @@ def _caption(plan: StepPlan, shown: int) -> str:
     )
 
 
+STEPS_PARAM = "steps"
+"""``?steps=1`` in the page's link opens the per-step view."""
+
+
+def _shown() -> bool:
+    """The per-step switch, off unless the link says ``?steps=1``; written back to the link,
+    so a shared link opens the same view. Off by default: its two charts cost the engine
+    page's first load about a third of a second on a 2-core machine (docs/benchmarks.md)."""
+    show = st.toggle(
+        "Show each engine step",
+        value=st.query_params.get(STEPS_PARAM) == "1",
+        key="kvscope_steps_show",
+        help="Batch, waiting queue and KV usage of every step, from the collector's raw steps.",
+    )
+    if show and st.query_params.get(STEPS_PARAM) != "1":
+        st.query_params[STEPS_PARAM] = "1"
+    elif not show and STEPS_PARAM in st.query_params:
+        del st.query_params[STEPS_PARAM]
+    return bool(show)
+
+
 def steps_section(snap: Snapshot, engine_id: str, max_num_seqs: float | None) -> None:
-    """The per-step charts of ``engine_id``, or why there are none."""
+    """The per-step charts of ``engine_id`` (behind a switch), or why there are none."""
     st.subheader("Engine steps")
     if not snap.has_steps:
         st.info(
@@ -74,7 +95,7 @@ def steps_section(snap: Snapshot, engine_id: str, max_num_seqs: float | None) ->
         )
         return
     windows = snap.engine_windows(engine_id)
-    if not len(windows):
+    if not len(windows) or not _shown():
         return
     cfg = snap.engine_config(engine_id)
     first = float(windows["ts_s"].min())

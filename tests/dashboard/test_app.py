@@ -198,8 +198,8 @@ def test_engine_detail_shows_the_kv_starved_engine_against_its_limits(
     assert m["recommended cap"] == str(kv.recommended_concurrency_cap)
 
     charts = chart_data(at)
-    # six per-second series, latency percentiles, per-step requests and KV usage
-    assert len(charts) == 9
+    # six per-second series and latency percentiles; the per-step view is behind its switch
+    assert len(charts) == 7
     # KV blocks in use against num_gpu_blocks 48: the rule carries the total.
     rules = [d for c in charts for d in c if "label" in d]
     assert any(d["label"].iloc[0] == "num_gpu_blocks 48" and d["v"].iloc[0] == 48 for d in rules)
@@ -209,8 +209,12 @@ def test_engine_detail_shows_the_kv_starved_engine_against_its_limits(
     )
     blocks = series[series["series"] == "blocks in use (max)"]["y"]
     assert blocks.max() == 48
-    # The raw steps: the per-step charts hold the last 30 s of steps of this engine,
-    # each one (fewer than the plotting limit), its KV usage included.
+    # The raw steps, once switched on: the per-step charts hold the last 30 s of steps of
+    # this engine, each one (fewer than the plotting limit), its KV usage included.
+    at.toggle(key="kvscope_steps_show").set_value(True).run()
+    no_problem_shown(at)
+    charts = chart_data(at)
+    assert len(charts) == 9
     steps = charts[-2][0]
     assert set(steps["series"]) == {"batch (running)", "waiting"}
     assert len(steps) > 1000
@@ -598,6 +602,10 @@ def test_engine_steps_of_the_whole_window_are_sampled_and_say_so(
     monkeypatch: pytest.MonkeyPatch, demo_fleet: CollectorProcess
 ) -> None:
     at = run_app(monkeypatch, demo_fleet.url, page="_pages/engine.py")
+    # The per-step view is behind its switch, off on a first load.
+    assert "kvscope_steps_span" not in [r.key for r in at.radio]
+    at.toggle(key="kvscope_steps_show").set_value(True).run()
+    assert at.query_params["steps"] == "1"
     at.radio(key="kvscope_steps_span").set_value("the whole window").run()
     assert not at.exception, [e.value for e in at.exception]
     w = pd.DataFrame(

@@ -196,7 +196,7 @@ def _latency(r: Report) -> list[str]:
 
 PAGES: list[tuple[str, str, Callable[[Report], list[str]]]] = [
     ("overview", "", _overview),
-    ("engine", "engine", _engine),
+    ("engine", "engine?steps=1", _engine),
     ("plateau", "plateau", _plateau),
     ("recommendations", "recommendations", _recommendations),
     ("prefix", "prefix", _prefix),
