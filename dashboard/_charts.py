@@ -225,6 +225,12 @@ def fitting(
     return keep, above
 
 
+def _top_legend(entries: int) -> alt.Legend:
+    """A legend above the plot, in rows of at most three entries so that it fits a chart
+    half the page wide."""
+    return alt.Legend(orient="top", columns=3) if entries > 3 else alt.Legend(orient="top")
+
+
 def time_chart(
     series: pd.DataFrame,
     columns: dict[str, str],
@@ -252,7 +258,7 @@ def time_chart(
         .encode(
             x=time_x(long["time"]),
             y=alt.Y("y:Q", title=y_title, axis=y_axis(y_format)),
-            color=alt.Color("series:N", title=None, legend=alt.Legend(orient="top")),
+            color=alt.Color("series:N", title=None, legend=_top_legend(len(cols))),
             tooltip=[
                 alt.Tooltip("when:N", title="time"),
                 "series:N",
@@ -275,7 +281,9 @@ def latency_chart(lat: pd.DataFrame, *, height: int = HEIGHT) -> Chart:
         .encode(
             x=time_x(lat["time"]),
             y=alt.Y("seconds:Q", title="seconds", axis=y_axis(RATE_FORMAT)),
-            color=alt.Color("metric:N", title=None, legend=alt.Legend(orient="top")),
+            color=alt.Color(
+                "metric:N", title=None, legend=_top_legend(int(lat["metric"].nunique()))
+            ),
             tooltip=[
                 alt.Tooltip("when:N", title="time"),
                 "metric:N",

@@ -154,15 +154,23 @@ def render(snap: Snapshot) -> None:
     )
     seqs, blocks = cfg.get("max_num_seqs"), cfg.get("num_gpu_blocks")
     left, right = st.columns(2)
+    # Running and waiting share a chart (both are requests, as in vLLM's own "Scheduler
+    # State" panel): each chart costs the page's first load about a quarter of a second
+    # (docs/benchmarks.md, dashboard first load).
     _zoomable(
         snap,
         left,
         "batch",
         time_chart(
             s,
-            {"batch_mean": "batch (mean)", "batch_max": "batch (max)"},
-            "Batch size against max_num_seqs",
-            "running requests",
+            {
+                "batch_mean": "batch (mean)",
+                "batch_max": "batch (max)",
+                "waiting_mean": "waiting (mean)",
+                "waiting_max": "waiting (max)",
+            },
+            "Batch size and waiting queue against max_num_seqs",
+            "requests",
             [(seqs, f"max_num_seqs {num(seqs, '.0f')}")],
             y_format=COUNT_FORMAT,
             zoom=True,
@@ -185,19 +193,6 @@ def render(snap: Snapshot) -> None:
     _zoomable(
         snap,
         left,
-        "waiting",
-        time_chart(
-            s,
-            {"waiting_mean": "waiting (mean)", "waiting_max": "waiting (max)"},
-            "Waiting queue",
-            "requests",
-            y_format=COUNT_FORMAT,
-            zoom=True,
-        ),
-    )
-    _zoomable(
-        snap,
-        right,
         "preemptions",
         time_chart(
             s, {"preemptions_per_s": "preemptions/s"}, "Preemptions", "per second", zoom=True
@@ -205,7 +200,7 @@ def render(snap: Snapshot) -> None:
     )
     _zoomable(
         snap,
-        left,
+        right,
         "prefix",
         time_chart(
             s,
@@ -218,7 +213,7 @@ def render(snap: Snapshot) -> None:
     )
     _zoomable(
         snap,
-        right,
+        left,
         "throughput",
         time_chart(
             s,
@@ -231,8 +226,8 @@ def render(snap: Snapshot) -> None:
     )
     lat = latency_series(snap.engine_requests(v.engine_id))
     if len(lat):
-        st.altair_chart(latency_chart(lat), width="stretch")
+        right.altair_chart(latency_chart(lat), width="stretch")
     else:
-        st.caption("No finished requests of this engine in the window.")
+        right.caption("No finished requests of this engine in the window.")
 
     steps_section(snap, v.engine_id, seqs)

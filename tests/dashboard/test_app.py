@@ -198,8 +198,9 @@ def test_engine_detail_shows_the_kv_starved_engine_against_its_limits(
     assert m["recommended cap"] == str(kv.recommended_concurrency_cap)
 
     charts = chart_data(at)
-    # six per-second series and latency percentiles; the per-step view is behind its switch
-    assert len(charts) == 7
+    # five charts of per-second series (running and waiting share one) and the latency
+    # percentiles; the per-step view is behind its switch
+    assert len(charts) == 6
     # KV blocks in use against num_gpu_blocks 48: the rule carries the total.
     rules = [d for c in charts for d in c if "label" in d]
     assert any(d["label"].iloc[0] == "num_gpu_blocks 48" and d["v"].iloc[0] == 48 for d in rules)
@@ -214,7 +215,7 @@ def test_engine_detail_shows_the_kv_starved_engine_against_its_limits(
     at.toggle(key="kvscope_steps_show").set_value(True).run()
     no_problem_shown(at)
     charts = chart_data(at)
-    assert len(charts) == 9
+    assert len(charts) == 8
     steps = charts[-2][0]
     assert set(steps["series"]) == {"batch (running)", "waiting"}
     assert len(steps) > 1000

@@ -132,7 +132,7 @@ def _engine(r: Report) -> list[str]:
     return [
         "Engine detail",
         "KV cache 48 blocks x 32 tokens = 1,536 tokens",
-        "Batch size against max_num_seqs",
+        "Batch size and waiting queue against max_num_seqs",
         "max_num_seqs 256, far above",
         "num_gpu_blocks 48",
         "Latency percentiles of finished requests",
