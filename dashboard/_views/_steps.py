@@ -70,7 +70,7 @@ STEPS_PARAM = "steps"
 def _shown() -> bool:
     """The per-step switch, off unless the link says ``?steps=1``; written back to the link,
     so a shared link opens the same view. Off by default: its two charts cost the engine
-    page's first load about a third of a second on a 2-core machine (docs/benchmarks.md)."""
+    page's first load 0.8-1.1 s on a 2-core machine (docs/benchmarks.md)."""
     show = st.toggle(
         "Show each engine step",
         value=st.query_params.get(STEPS_PARAM) == "1",
