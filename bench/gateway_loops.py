@@ -120,7 +120,7 @@ MIN_THROUGHPUT_FRACTION_ROUTER = 0.45
 """What the pool keeps behind vllm-router on this rig, at least: the excess the router lets
 through is refused at the replicas' API servers, which share the engines' two cores, and
 that work slows the engines' steps (docs/gateways.md: 0.42-0.94 of the uncapped throughput
-over eight runs, 0.74-0.83 of nginx's on the same restarted replicas, and nginx fell from
+over nine runs, 0.74-0.83 of nginx's on the same restarted replicas, and nginx fell from
 0.86 to 0.69 with the same refusals sent at the replicas without the router). The 0.9
 target is reported beside it; a collapse below this (a rendering whose replicas refuse
 what they should run) is refuted."""
