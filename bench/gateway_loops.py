@@ -95,6 +95,7 @@ from bench.advisor_scenarios import (
 )
 from bench.advisor_scenarios import MIN_THROUGHPUT_FRACTION as MIN_THROUGHPUT_FRACTION_CLIENT
 from bench.noise import FAILS, HOLDS, ratio, ratio_to
+from bench.refusal_cost import PROMPT
 from kvscope.advisor import CollectorSource, Report, analyze
 from kvscope.advisor.gateways import ReplicaCap
 from kvscope.collector.process import free_port
@@ -214,14 +215,14 @@ class RenderStorm:
     throughput lost behind the router can be set against that work alone."""
 
     def __init__(self, ports: list[int], rate: float) -> None:
-        self.ports, self.rate = ports, rate
+        self.rate = rate
         self.statuses: dict[int, int] = {}
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(p,), daemon=True) for p in ports]
         self._lock = threading.Lock()
 
     def _run(self, port: int) -> None:
-        body = json.dumps({"model": MODEL_NAME, "prompt": " ".join(["word"] * 25)})
+        body = json.dumps({"model": MODEL_NAME, "prompt": PROMPT})
         conn: http.client.HTTPConnection | None = None
         start, i = time.monotonic(), 0
         while not self._stop.is_set():
@@ -969,6 +970,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the results to this file")
     args = ap.parse_args(argv)
     loops = [x for x in args.loops.split(",") if x]
+    if args.storm > 0 and not args.router_control:
+        ap.error("--storm runs inside the router loop's control rounds: add --router-control")
     unknown = sorted(set(loops) - set(LOOPS))
     if unknown:
         ap.error(f"unknown loop(s) {', '.join(unknown)}; choose from {', '.join(LOOPS)}")
