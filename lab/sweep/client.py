@@ -78,6 +78,9 @@ async def stream_completion(
 def _describe(exc: BaseException, max_chars: int = 200) -> str:
     """``ExceptionType: message``, short enough for a summary line."""
     text = f"{type(exc).__name__}: {exc}".strip().rstrip(":")
+    cause = exc.__cause__
+    if cause is not None:  # aiohttp wraps the OS error: say which one it was
+        text += f" ({type(cause).__name__}: {cause})".replace(": )", ")")
     return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 

