@@ -716,10 +716,14 @@ class AdvisorLab:
         extra_args: tuple[str, ...] = (),
         engine_core_nice: int = 19,
         api_server_cpus: float | None = None,
+        env: dict[str, str] | None = None,
+        replica: int | None = None,
     ) -> Iterator[VllmServer]:
         """A real engine with the plugin shipping to the collector under ``pool``
         (``engine_core_nice``, ``api_server_cpus``: see
-        :class:`~kvscope.lab.engine.VllmServer`)."""
+        :class:`~kvscope.lab.engine.VllmServer`; ``env``: more of the server's
+        environment, e.g. ``VLLM_CPU_OMP_THREADS_BIND``; ``replica``: the engine's index in
+        a pool of several, for its log's name)."""
         assert self.model_dir is not None
         self._say(
             f"{pool}: starting vLLM (--num-gpu-blocks-override {num_gpu_blocks}, "
@@ -739,8 +743,9 @@ class AdvisorLab:
                 "KVSCOPE_COLLECTOR_URL": self._collector.url,
                 "KVSCOPE_POOL": pool,
                 "KVSCOPE_FLUSH_INTERVAL_S": "0.5",
+                **(env or {}),
             },
-            log_path=self.workdir / f"vllm-{pool}.log",
+            log_path=self.workdir / f"vllm-{pool}{'' if replica is None else f'-{replica}'}.log",
         )
         try:
             server.start()

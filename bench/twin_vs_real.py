@@ -36,11 +36,13 @@ output tokens; the pool's prompts share one of four 150-word prefixes):
 - ``cap``: 128 blocks and ``--max-num-seqs`` set to the advisor's cap on the baseline.
 - ``small-budget``: 1,024 blocks, ``--max-num-batched-tokens 64`` (and ``max_num_seqs``
   64, which vLLM needs beside it): prompts prefill in chunks over several steps.
-- ``pool-rr``: two baseline engines under round robin with prefix-sharing prompts.
-  On a 2-core machine the two engine cores (each spins a core) and their API servers
-  share two cores, so the pool's throughput is not what a step time measured on one
-  engine alone predicts; on GPUs each replica has its own device. The pool's row is
-  read for its prefix-cache hit rate and preemptions.
+- ``pool-rr``: two baseline engines under round robin with prefix-sharing prompts,
+  each engine bound to a core of its own (``VLLM_CPU_OMP_THREADS_BIND``; by default
+  vLLM binds every engine to core 0), as each GPU replica has its own device. The
+  calibrated engine had core 0 to itself, its API server and the load generator on
+  core 1; here the second engine shares core 1 with both API servers and the load
+  generator (the engines run at nice 19, so those come first): the twin, which gives
+  each replica the calibrated step time, is expected high by what they take.
 
 The plateau of a side is the mean generated tokens/s of its top three levels (measured,
 whatever the advisor decides); knee, bottleneck and cap are the advisor's on each side.
@@ -214,9 +216,13 @@ class TwinLab(AdvisorLab):
                         max_num_seqs=cfg.max_num_seqs,
                         # vLLM's per-step iteration time, for the twin's step-time fit
                         extra_args=(*cfg.flags(), "--enable-logging-iteration-details"),
+                        # vLLM binds an engine to core 0 by default (the last core is kept
+                        # for other processes): a pool's engines get a core each.
+                        env=({"VLLM_CPU_OMP_THREADS_BIND": str(i)} if cfg.replicas > 1 else None),
+                        replica=i if cfg.replicas > 1 else None,
                     )
                 )
-                for _ in range(cfg.replicas)
+                for i in range(cfg.replicas)
             ]
             for s in servers:
                 self._warm(s)
