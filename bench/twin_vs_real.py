@@ -44,6 +44,14 @@ output tokens; the pool's prompts share one of four 150-word prefixes):
   generator (the engines run at nice 19, so those come first): the twin, which gives
   each replica the calibrated step time, is expected high by what they take.
 
+Levels (:data:`LEVELS` clients): by default each is stretched into its steady state on
+both sides, as ``kvscope sweep`` and ``kvscope twin sweep`` do: the warm-up lasts at least
+:data:`WARMUP_S` and until every client's first request has returned, the window at least
+:data:`DURATION_S` and one cycle of the loop, each at most :data:`MAX_STRETCH_S`; the same
+rule on the real clock and on the twin's. ``--fixed-windows``: :data:`WARMUP_S` then
+:data:`DURATION_S` on both sides, shorter than a request at the top loads (e2e 10-13 s on
+an AVX2 machine), so those levels read the first wave's transient.
+
 The plateau of a side is the mean generated tokens/s of its top three levels (measured,
 whatever the advisor decides); knee, bottleneck and cap are the advisor's on each side.
 """
@@ -74,6 +82,8 @@ from kvscope.lab.sweep.workload import Workload
 LEVELS = (2, 4, 8, 12, 16, 24, 32)
 DURATION_S = 10.0
 WARMUP_S = 3.0
+MAX_STRETCH_S = 4 * DURATION_S
+"""Steady-state levels (the default): the longest warm-up, and the longest window."""
 PROMPT_WORDS = (20, 300)
 OUTPUT_TOKENS = 64
 BLOCK_SIZE = 32
@@ -192,6 +202,8 @@ def median_side(runs: list[Side]) -> Side:
 class TwinLab(AdvisorLab):
     prompt_words = PROMPT_WORDS
     output_tokens = OUTPUT_TOKENS
+    steady = True
+    """Steady-state levels on the real engine (``--fixed-windows``: False)."""
 
     def __enter__(self) -> TwinLab:
         super().__enter__()
@@ -243,13 +255,14 @@ class TwinLab(AdvisorLab):
                     prefix_groups=cfg.prefix_groups,
                     seed=seed,
                     progress=self.progress,
-                    steady_state=False,  # the levels the twin replays: the same fixed windows
+                    steady_state=self.steady,
+                    max_stretch_s=MAX_STRETCH_S,
                 )
             )
             for s in servers:  # an engine id is host:port:index
                 self._drain(s, next(i for i in ids if f":{s.port}:" in i))
         src = CollectorSource(self._collector.url)
-        since, until = result.levels[0].window_start_unix_s - WARMUP_S, time.time()
+        since, until = result.started_unix_s, time.time()
         w = src.windows(since, until, pool=pool)
         r = src.requests(since, until, pool=pool)
         levels = [
@@ -351,7 +364,13 @@ def tokenized_stream(model_dir: Path, cfg: Config, seed: int, n: int = 4000) -> 
 
 
 def predict(
-    cfg: Config, hello: dict[str, Any], cost: Any, stream: list[Any], url: str, start: float
+    cfg: Config,
+    hello: dict[str, Any],
+    cost: Any,
+    stream: list[Any],
+    url: str,
+    start: float,
+    steady: bool = True,
 ) -> tuple[Side, float, float]:
     from kvscope.twin.feed import CollectorFeed
     from kvscope.twin.shape import EngineShape, build_vllm_config, model_shape
@@ -383,25 +402,36 @@ def predict(
     seconds = DURATION_S + WARMUP_S
     per = len(stream) // len(LEVELS)
     phases = [
-        ClosedLoop(stream[i * per : (i + 1) * per], c, duration_s=seconds)
+        ClosedLoop(
+            stream[i * per : (i + 1) * per],
+            c,
+            duration_s=DURATION_S if steady else seconds,
+            steady_state=steady,
+            warmup_s=WARMUP_S,
+            max_stretch_s=MAX_STRETCH_S,
+        )
         for i, c in enumerate(LEVELS)
     ]
     wall = time.perf_counter()
     results = TwinPool(twins, routing="round-robin", start_unix_s=start).run(*phases)
     wall = time.perf_counter() - wall
     starts = results[0].extra["phase_starts"]
+    windows = (
+        results[0].extra["phase_windows"]
+        if steady
+        else [(s0 + WARMUP_S, s0 + seconds) for s0 in starts]
+    )
     steps = pd.concat([r.steps for r in results])
     reqs = pd.concat([r.requests for r in results])
     levels = []
-    for c, s0 in zip(LEVELS, starts, strict=True):
-        a, b = s0 + WARMUP_S, s0 + seconds
+    for c, (a, b) in zip(LEVELS, windows, strict=True):
         st = steps[(steps["t_end"] > a) & (steps["t_end"] <= b)]
         done = reqs[(reqs["finish"] > a) & (reqs["finish"] <= b)]
         q = float(st["prefix_queries"].sum())
         levels.append(
             Level(
                 c,
-                float(st["generated"].sum()) / DURATION_S,
+                float(st["generated"].sum()) / (b - a),
                 float(done["e2e_s"].quantile(0.99)) if len(done) else None,
                 float(done["preemptions"].mean()) if len(done) else None,
                 len(done),
@@ -565,6 +595,13 @@ def main(argv: list[str] | None = None) -> int:
         "configurations; the twin is judged against their per-level median and each "
         "row states their spread (the baseline's first run is the calibration)",
     )
+    ap.add_argument(
+        "--fixed-windows",
+        action="store_true",
+        help=f"levels of {WARMUP_S:g} s warm-up and {DURATION_S:g} s window on both sides (runs "
+        "1-10 of docs/twin.md), not stretched into their steady state: a level whose "
+        "requests take longer than its window measures its first wave",
+    )
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
@@ -579,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     out: list[Comparison] = []
     with TwinLab(args.workdir, log=log, progress=not args.no_progress) as lab:
         assert lab.model_dir is not None
+        lab.steady = not args.fixed_windows
         base = CONFIGS["baseline"]
         log("calibration: the baseline on the real engine")
         base_real, hello, since, until = lab.real(base, args.seed)
@@ -607,8 +645,11 @@ def main(argv: list[str] | None = None) -> int:
         for cfg in cfgs:
             log(f"twin: predicting {cfg.name}")
             stream = tokenized_stream(lab.model_dir, cfg, args.seed)
-            start = time.time() - 3 * len(LEVELS) * (DURATION_S + WARMUP_S) - 600
-            predictions[cfg.name] = predict(cfg, hello, cost, stream, lab._collector.url, start)
+            # simulated time ends before the real runs begin: the twin's longest sweep
+            start = time.time() - 2 * len(LEVELS) * (MAX_STRETCH_S + WARMUP_S) - 600
+            predictions[cfg.name] = predict(
+                cfg, hello, cost, stream, lab._collector.url, start, steady=lab.steady
+            )
         runs: dict[str, list[Side]] = {cfg.name: [] for cfg in cfgs}
         if "baseline" in runs:
             runs["baseline"].append(base_real)
