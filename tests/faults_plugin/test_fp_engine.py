@@ -100,8 +100,9 @@ def sweep(
     first_wave_resets: list[str] | None = None,
 ) -> list[float]:
     """Each level's output tok/s; every request must succeed, except that with
-    ``first_wave_resets`` given, at most one connection reset per client is allowed and
-    each reset's description is appended there."""
+    ``first_wave_resets`` given, a level may lose up to as many requests to connection
+    resets as it has clients; their count and the first one's description are appended
+    there."""
     result = run_sweep(
         SweepConfig(
             url=server.url,
