@@ -61,6 +61,12 @@ class Lease:
         self.held += n
         b.peak = max(b.peak, b.used)
 
+    def give_back(self, n: int) -> None:
+        """Give back ``n`` of the bytes held (what was held for a step now done)."""
+        n = min(n, self.held)
+        self._budget.used -= n
+        self.held -= n
+
     def release(self) -> None:
         """Give back everything held (idempotent)."""
         self._budget.used -= self.held

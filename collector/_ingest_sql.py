@@ -6,6 +6,7 @@ Each reads a ``_kv_*`` relation that the calling function binds as a local varia
 
 from __future__ import annotations
 
+from kvscope.collector._sql import saturated_add
 from kvscope.collector.tables import (
     ENGINE_COLUMNS,
     HELLO_DATA_COLUMNS,
@@ -29,6 +30,7 @@ _ADD = (
     "iteration_n",
     "iteration_s_sum",
 )
+_FLOAT_SUMS = frozenset({"kv_usage_sum", "iteration_s_sum"})
 _MEAN_OF = {
     "batch_mean": "batch_sum",
     "kv_usage_mean": "kv_usage_sum",
@@ -41,7 +43,7 @@ def _window_merge(col: str) -> str:
     w, e = f"windows_1s.{col}", f"excluded.{col}"
     n_w, n_e = "windows_1s.n_steps", "excluded.n_steps"
     if col in _ADD:
-        return f"{w} + {e}"
+        return f"{w} + {e}" if col in _FLOAT_SUMS else saturated_add(w, e)
     if col.endswith(("_min", "first_step_unix_s")):
         return f"least({w}, {e})"
     if col.endswith(("_max", "last_step_unix_s")):
@@ -69,9 +71,14 @@ WINDOW_MERGE = (
 )
 
 _ENGINE_HELLO_COLS = ("boot_id", *HELLO_DATA_COLUMNS, "hello_unix_s")
+FUTURE_IDENTITY_S = 300.0
+"""A stored identity whose ``started_unix_s`` lies more than this after the collector's
+clock when another hello arrives is taken as wrong (a sender's clock far ahead, a store
+from before the door's bounds) and replaced, so it cannot hold off genuine hellos."""
 _NEWER_HELLO = (
     "(excluded.has_hello AND (NOT coalesce(engines.has_hello, false) "
-    "OR excluded.started_unix_s >= engines.started_unix_s))"
+    "OR excluded.started_unix_s >= engines.started_unix_s "
+    f"OR engines.started_unix_s > excluded.hello_unix_s + {FUTURE_IDENTITY_S!r}))"
 )
 ENGINE_UPSERT = (
     f"INSERT INTO engines ({', '.join(ENGINE_COLUMNS)}) "

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from kvscope.collector import _request_rollup
+from kvscope.collector._sql import saturated
 from kvscope.collector.tables import KV_EVENT_FIELDS, KV_EVENT_LAST
 from kvscope.engine_plugins.schema import EXPORTER_KEYS
 
@@ -205,7 +206,7 @@ KV_EVENT_SUMS: tuple[str, ...] = tuple(c for c, _ in KV_EVENT_FIELDS if c not in
 
 def kv_event_totals(cur: Any) -> pd.DataFrame:
     """Per-engine sums of the additive KV-event counters (``KV_EVENT_SUMS``)."""
-    sel = ", ".join(f"CAST(coalesce(sum({c}), 0) AS BIGINT) AS {c}" for c in KV_EVENT_SUMS)
+    sel = ", ".join(f"{saturated(f'coalesce(sum({c}), 0)')} AS {c}" for c in KV_EVENT_SUMS)
     return _df(
         cur, f"SELECT engine_id, {sel} FROM kv_event_windows GROUP BY engine_id ORDER BY engine_id"
     )
@@ -280,10 +281,10 @@ def request_stats(
         "avg(r.decode_s) AS decode_s_mean",
         "avg(r.prompt_tokens) AS prompt_tokens_mean",
         "avg(r.generation_tokens) AS generation_tokens_mean",
-        "CAST(sum(r.prompt_tokens) AS BIGINT) AS prompt_tokens_sum",
-        "CAST(sum(r.generation_tokens) AS BIGINT) AS generation_tokens_sum",
-        "CAST(sum(r.cached_tokens) AS BIGINT) AS cached_tokens_sum",
-        "CAST(sum(r.preemptions) AS BIGINT) AS preemptions_sum",
+        f"{saturated('sum(r.prompt_tokens)')} AS prompt_tokens_sum",
+        f"{saturated('sum(r.generation_tokens)')} AS generation_tokens_sum",
+        f"{saturated('sum(r.cached_tokens)')} AS cached_tokens_sum",
+        f"{saturated('sum(r.preemptions)')} AS preemptions_sum",
         "count(*) FILTER (WHERE r.preemptions > 0) AS n_preempted",
         "min(r.finished_unix_s) AS first_finished_unix_s",
         "max(r.finished_unix_s) AS last_finished_unix_s",
@@ -317,7 +318,7 @@ def totals(cur: Any, source: str = "windows", engine_id: str | None = None) -> p
         *(f"sum({of.get(c, c)})" for c in TOTAL_COLUMNS[1:]),
     ]
     sel = ", ".join(
-        f"CAST(coalesce({a}, 0) AS BIGINT) AS {c}" for a, c in zip(aggs, TOTAL_COLUMNS, strict=True)
+        f"{saturated(f'coalesce({a}, 0)')} AS {c}" for a, c in zip(aggs, TOTAL_COLUMNS, strict=True)
     )
     where, args = _where(engine_id, None, "", None, None)
     return _df(

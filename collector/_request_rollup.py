@@ -154,10 +154,12 @@ REQUESTS_KEPT_FROM_KEY = "requests_kept_from"
 """``meta`` key: request rows finished before this (unix seconds, a minute start) were
 deleted by the retention; the tier alone holds them."""
 
+MINUTE_OF_FINISH_SQL = f"CAST(floor(finished_unix_s / {MINUTE_S}) AS BIGINT) * {MINUTE_S}"
+"""The minute start of a finished request, as ``requests_1m`` groups it."""
+
 REQUEST_ROLLUP_SQL = (
     f"INSERT INTO requests_1m ({', '.join(REQUEST_MINUTE_COLUMNS)}) "
-    f"SELECT engine_id, CAST(floor(finished_unix_s / {MINUTE_S}) AS BIGINT) * {MINUTE_S} "
-    "AS minute, "
+    f"SELECT engine_id, {MINUTE_OF_FINISH_SQL} AS minute, "
     + ", ".join(agg for _, _, agg, _ in REQUEST_MINUTE_AGGREGATES)
     + " FROM requests WHERE finished_unix_s >= ? AND finished_unix_s < ? "
     "GROUP BY engine_id, minute ON CONFLICT (engine_id, ts_s) DO UPDATE SET "
@@ -168,6 +170,7 @@ REQUESTS_1M = Tier(
     "requests",
     "finished_unix_s",
     REQUESTS_ROLLED_UNTIL_KEY,
+    MINUTE_OF_FINISH_SQL,
 )
 
 

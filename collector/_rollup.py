@@ -19,6 +19,13 @@ older kvscope) is rolled up from its oldest window, a bounded part per pass (see
 ``ROLLUP_PASS_BUDGET_S``). The minutes written are held in memory; as a safety net
 against losing them (a crash between a write and the next pass) the last ``lookback_s``
 of minutes are rolled up again on every pass. A 1-second window is deleted only once its minute has been rolled up.
+
+Late minutes (written behind the rolled-up end) are rolled up in few statements, their
+starts named in a relation (``LATE_CHUNK_S`` of minutes per statement, not a statement per
+minute), and like a backlog only until the pass has taken its budget: the minutes left wait
+in memory for the next pass, and their 1-second windows are not deleted meanwhile. A batch
+of old data (an import, a hostile sender's steps an hour apart) thus costs the writer a
+bounded time per pass, whatever its size.
 """
 
 from __future__ import annotations
@@ -28,19 +35,30 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from kvscope.collector._sql import saturated
+
 MINUTE_S = 60
 ROLLUP_LAG_S = 120
 """A minute is rolled up once it ended this long ago (the plugin sends within seconds)."""
 ROLLUP_CHUNK_S = 3600
 """A backlog is rolled up this many seconds of rows per statement (and transaction)."""
 LATE_CHUNK_S = 6 * 3600
-"""Late data (minutes rolled up before, written again) is rolled up this many seconds of
-rows per statement: it is sparse, and a statement's fixed cost dominates."""
+"""Late minutes (rolled up before and written again, or behind the source's retention) are
+rolled up at most this many seconds of minutes (``LATE_CHUNK_S // MINUTE_S``) per statement
+and transaction, named in a relation: sparse minutes cost a statement per chunk, not one
+per minute (a statement's fixed cost dominates them), and a statement aggregates the rows of
+6 hours at most."""
+LATE_SPAN_S = 86400
+"""Late minutes inside the source's retention are rolled up in statements spanning at most
+this long: a statement reads the source's rows of its whole span (every engine's). Behind
+the retention the source holds only rows waiting for their minute, so the span is free."""
 ROLLUP_PASS_BUDGET_S = 1.0
 """A pass stops rolling up a backlog (a store from before the tier, a collector that was
-stopped) once it has taken this long, after at least one chunk: ingest waits for one
-bounded pass at a time, the next pass goes on (see ``bench/rollup_pass.py
---backfill-days``)."""
+stopped) or late minutes (see ``LATE_CHUNK_S``) once it has taken this long, after at least
+one statement of each: ingest waits for one bounded pass at a time, the next pass goes on
+(see ``bench/rollup_pass.py --backfill-days`` and ``bench/backfill_work.py``)."""
 ROLLED_UNTIL_KEY = "windows_1m_until"
 """``meta`` key: the end (exclusive, unix seconds) of the minutes rolled up so far."""
 
@@ -53,10 +71,10 @@ _LOAD_1S = (
 #: are over the seconds.
 MINUTE_AGGREGATES: tuple[tuple[str, str, str], ...] = (
     ("n_seconds", "BIGINT", "count(*)"),
-    ("n_steps", "BIGINT", "sum(n_steps)"),
+    ("n_steps", "BIGINT", saturated("sum(n_steps)")),
     ("first_step_unix_s", "DOUBLE", "min(first_step_unix_s)"),
     ("last_step_unix_s", "DOUBLE", "max(last_step_unix_s)"),
-    ("batch_sum", "BIGINT", "sum(batch_sum)"),
+    ("batch_sum", "BIGINT", saturated("sum(batch_sum)")),
     ("batch_mean", "DOUBLE", "sum(batch_sum) / nullif(sum(n_steps), 0)"),
     ("batch_min", "BIGINT", "min(batch_min)"),
     ("batch_max", "BIGINT", "max(batch_max)"),
@@ -64,19 +82,19 @@ MINUTE_AGGREGATES: tuple[tuple[str, str, str], ...] = (
     ("kv_usage_mean", "DOUBLE", "sum(kv_usage_sum) / nullif(sum(n_steps), 0)"),
     ("kv_usage_max", "DOUBLE", "max(kv_usage_max)"),
     ("kv_blocks_max", "BIGINT", "max(kv_blocks_max)"),
-    ("waiting_sum", "BIGINT", "sum(waiting_sum)"),
+    ("waiting_sum", "BIGINT", saturated("sum(waiting_sum)")),
     ("waiting_mean", "DOUBLE", "sum(waiting_sum) / nullif(sum(n_steps), 0)"),
     ("waiting_max", "BIGINT", "max(waiting_max)"),
-    ("deferred_sum", "BIGINT", "sum(deferred_sum)"),
+    ("deferred_sum", "BIGINT", saturated("sum(deferred_sum)")),
     ("deferred_mean", "DOUBLE", "sum(deferred_sum) / nullif(sum(n_steps), 0)"),
     ("deferred_max", "BIGINT", "max(deferred_max)"),
-    ("preemptions", "BIGINT", "sum(preemptions)"),
-    ("prompt_tokens", "BIGINT", "sum(prompt_tokens)"),
-    ("generation_tokens", "BIGINT", "sum(generation_tokens)"),
+    ("preemptions", "BIGINT", saturated("sum(preemptions)")),
+    ("prompt_tokens", "BIGINT", saturated("sum(prompt_tokens)")),
+    ("generation_tokens", "BIGINT", saturated("sum(generation_tokens)")),
     ("generation_tokens_max", "BIGINT", "max(generation_tokens)"),
-    ("prefix_queries", "BIGINT", "sum(prefix_queries)"),
-    ("prefix_hits", "BIGINT", "sum(prefix_hits)"),
-    ("iteration_n", "BIGINT", "sum(iteration_n)"),
+    ("prefix_queries", "BIGINT", saturated("sum(prefix_queries)")),
+    ("prefix_hits", "BIGINT", saturated("sum(prefix_hits)")),
+    ("iteration_n", "BIGINT", saturated("sum(iteration_n)")),
     ("iteration_s_sum", "DOUBLE", "sum(iteration_s_sum)"),
     ("iteration_s_max", "DOUBLE", "max(iteration_s_max)"),
     ("load_mean", "DOUBLE", f"avg({_LOAD_1S})"),
@@ -87,9 +105,12 @@ MINUTE_AGGREGATES: tuple[tuple[str, str, str], ...] = (
 MINUTE_FIELDS: tuple[tuple[str, str], ...] = tuple((c, t) for c, t, _ in MINUTE_AGGREGATES)
 MINUTE_COLUMNS: tuple[str, ...] = ("engine_id", "ts_s", *(c for c, _ in MINUTE_FIELDS))
 
+MINUTE_OF_SECOND_SQL = f"(ts_s // {MINUTE_S}) * {MINUTE_S}"
+"""The minute start of a 1-second window, as ``windows_1m`` groups it."""
+
 ROLLUP_SQL = (
     f"INSERT INTO windows_1m ({', '.join(MINUTE_COLUMNS)}) "
-    f"SELECT engine_id, (ts_s // {MINUTE_S}) * {MINUTE_S} AS minute, "
+    f"SELECT engine_id, {MINUTE_OF_SECOND_SQL} AS minute, "
     + ", ".join(agg for _, _, agg in MINUTE_AGGREGATES)
     + " FROM windows_1s WHERE ts_s >= ? AND ts_s < ? GROUP BY engine_id, minute "
     "ON CONFLICT (engine_id, ts_s) DO UPDATE SET "
@@ -100,23 +121,35 @@ ROLLUP_SQL = (
 @dataclass(frozen=True)
 class Tier:
     """One rolled-up table: its upsert (``[lo, hi)`` of the source's time column as
-    arguments), the source table and time column, and the ``meta`` key of its progress."""
+    arguments), the source table and time column, the ``meta`` key of its progress and
+    the minute start of a source row as the upsert groups it."""
 
     sql: str
     source: str
     ts_col: str
     until_key: str
+    minute_sql: str
+
+    @property
+    def minutes_sql(self) -> str:
+        """The upsert of the minutes named in the ``_kv_minutes`` relation (column ``m``,
+        minute starts) inside ``[lo, hi)``: many sparse minutes in one statement."""
+        where = f"WHERE {self.ts_col} >= ? AND {self.ts_col} < ?"
+        if self.sql.count(where) != 1:
+            raise ValueError(f"{self.source}: the rollup has no single {where!r}")
+        named = f"{where} AND {self.minute_sql} IN (SELECT m FROM _kv_minutes)"
+        return self.sql.replace(where, named)
 
     @property
     def fill_sql(self) -> str:
-        """The rollup of the rows the tier lacks only (``ON CONFLICT DO NOTHING``), run for
-        late data behind the source's retention (an import, a replay of old traffic): its
-        minutes are added where the tier has none, never replacing a row whose rows were
-        deleted since."""
-        return self.sql.split(" ON CONFLICT ")[0] + " ON CONFLICT DO NOTHING"
+        """:attr:`minutes_sql` writing only the rows the tier lacks (``ON CONFLICT DO
+        NOTHING``), run for late data behind the source's retention (an import, a replay of
+        old traffic): its minutes are added where the tier has none, never replacing a row
+        whose rows were deleted since."""
+        return self.minutes_sql.split(" ON CONFLICT ")[0] + " ON CONFLICT DO NOTHING"
 
 
-WINDOWS_1M = Tier(ROLLUP_SQL, "windows_1s", "ts_s", ROLLED_UNTIL_KEY)
+WINDOWS_1M = Tier(ROLLUP_SQL, "windows_1s", "ts_s", ROLLED_UNTIL_KEY, MINUTE_OF_SECOND_SQL)
 
 
 def minute_floor(t: float) -> int:
@@ -130,16 +163,17 @@ def rolled_until(con: Any, tier: Tier = WINDOWS_1M) -> int | None:
     return int(row[0]) if row else None
 
 
-def _runs(minutes: list[int], gap_s: int = 3600) -> list[tuple[int, int]]:
-    """Sorted minute starts as ``[start, end)`` ranges, joining those less than ``gap_s``
-    apart (one statement per range; the minutes between have no new data but rolling
-    them up again changes nothing)."""
-    out: list[tuple[int, int]] = []
+def late_chunks(minutes: list[int], span_s: int | None = LATE_SPAN_S) -> list[list[int]]:
+    """Sorted minute starts grouped one statement each: at most ``LATE_CHUNK_S`` of minutes,
+    within ``span_s`` of the first (``None``: any span)."""
+    most = LATE_CHUNK_S // MINUTE_S
+    out: list[list[int]] = []
     for m in minutes:
-        if out and m - out[-1][1] < gap_s:
-            out[-1] = (out[-1][0], m + MINUTE_S)
+        last = out[-1] if out else None
+        if last and len(last) < most and (span_s is None or m + MINUTE_S - last[0] <= span_s):
+            last.append(m)
         else:
-            out.append((m, m + MINUTE_S))
+            out.append([m])
     return out
 
 
@@ -159,12 +193,44 @@ def _run(con: Any, sql: str, a: int, b: int, chunk_s: int = ROLLUP_CHUNK_S) -> i
     return rows
 
 
-def fill(con: Any, minutes: set[int], tier: Tier) -> int:
+def _run_minutes(con: Any, sql: str, minutes: list[int]) -> int:
+    """``sql`` (a tier's ``minutes_sql`` or ``fill_sql``) over the sorted ``minutes``, in one
+    transaction; rows written."""
+    _kv_minutes = {"m": np.asarray(minutes, dtype=np.int64)}  # read by ``sql`` (replacement scan)
+    con.execute("BEGIN TRANSACTION")
+    try:
+        row = con.execute(sql, [minutes[0], minutes[-1] + MINUTE_S]).fetchone()
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    return int(row[0]) if row else 0
+
+
+def _run_late(
+    con: Any, sql: str, minutes: list[int], span_s: int | None, deadline: float | None
+) -> tuple[int, set[int]]:
+    """``sql`` over the sorted ``minutes`` a chunk (:func:`late_chunks`) per statement,
+    oldest first, until ``time.monotonic()`` passes ``deadline`` (after at least one chunk;
+    ``None``: all). Returns the rows written and the minutes left."""
+    rows = 0
+    chunks = late_chunks(minutes, span_s)
+    for i, chunk in enumerate(chunks):
+        if i and deadline is not None and time.monotonic() >= deadline:
+            return rows, {m for rest in chunks[i:] for m in rest}
+        rows += _run_minutes(con, sql, chunk)
+    return rows, set()
+
+
+def fill(
+    con: Any, minutes: set[int], tier: Tier, budget_s: float | None = None
+) -> tuple[int, set[int]]:
     """Roll up ``minutes`` (starts) with ``tier.fill_sql``: rows only where the tier has
-    none. Returns the rows written."""
-    if not minutes:
-        return 0
-    return sum(_run(con, tier.fill_sql, lo, hi, LATE_CHUNK_S) for lo, hi in _runs(sorted(minutes)))
+    none, oldest first, ``LATE_CHUNK_S`` of minutes per statement, until the call has taken
+    ``budget_s`` (at least one statement; ``None``: all of them). Returns the rows written
+    and the minutes left for the next pass."""
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    return _run_late(con, tier.fill_sql, sorted(minutes), None, deadline)
 
 
 def roll_up(
@@ -178,16 +244,19 @@ def roll_up(
     """Roll up the complete minutes not rolled up yet, the last ``lookback_s`` of those
     that were and the complete minutes of ``written`` (minute starts the writer stored
     windows in since the last pass), one transaction per range of at most
-    ``ROLLUP_CHUNK_S``; the caller holds the write lock. A backlog (a store written
-    before the tier, a collector that was stopped) is rolled up oldest first until the
-    pass has taken ``budget_s`` (at least one chunk; ``None``: all of it at once), so a
-    pass holds the writer for a bounded time. Returns the minute rows written, the end of the rolled-up minutes and
-    the minutes of ``written`` not complete yet (to pass again next time)."""
+    ``ROLLUP_CHUNK_S``, and those of ``written`` before that (late) ``LATE_CHUNK_S`` of
+    minutes per transaction; the caller holds the write lock. A backlog (a store written
+    before the tier, a collector that was stopped), then the late minutes, are rolled up
+    oldest first until the pass has taken ``budget_s`` (at least one statement of each;
+    ``None``: all of it at once), so a pass holds the writer for a bounded time. Returns
+    the minute rows written, the end of the rolled-up minutes and the minutes of
+    ``written`` to pass again next time: those not complete yet, and the late ones the
+    budget left (before the end)."""
     end = minute_floor(now_unix_s - ROLLUP_LAG_S)
     written = written or set()
     later = {m for m in written if m >= end}
     done = rolled_until(con, tier)
-    late: list[tuple[int, int]] = []
+    late: list[int] = []
     seq: list[tuple[int, int]] = []
     if done is None:  # first pass on this store: every chunk holding a row
         chunks = con.execute(
@@ -200,12 +269,10 @@ def roll_up(
         ]
     else:
         start = min(done, minute_floor(done - lookback_s))
-        late = _runs(sorted(m for m in written if m < start))
+        late = sorted(m for m in written if m < start)
         seq = [(a, min(a + ROLLUP_CHUNK_S, end)) for a in range(start, end, ROLLUP_CHUNK_S)]
     t0 = time.monotonic()
     rows = 0
-    for a, b in late:  # late data, sparse: fewer, longer statements
-        rows += _run(con, tier.sql, a, b, LATE_CHUNK_S)
     until = end if done is None else max(done, end)
     for i, (a, b) in enumerate(seq):
         rows += _run(con, tier.sql, a, b)
@@ -213,7 +280,9 @@ def roll_up(
             until = b if done is None else max(done, b)
             break
     _set_until(con, until, tier)
-    return rows, until, later
+    deadline = None if budget_s is None else t0 + budget_s
+    n, left = _run_late(con, tier.minutes_sql, late, LATE_SPAN_S, deadline)
+    return rows + n, until, later | left
 
 
 def set_meta(con: Any, key: str, value: str) -> None:

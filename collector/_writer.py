@@ -62,6 +62,10 @@ class GroupCommitWriter:
         self._lock = threading.Lock()
         self._pending = 0
         self._closed = False
+        self.write_error: str | None = None
+        """The error of the latest group when every batch of it failed (a full disk, a
+        store that cannot write); None once a group stores again."""
+        self.write_error_since_unix_s: float | None = None
         self._thread = threading.Thread(target=self._run, name="kvscope-writer", daemon=True)
         self.groups_committed = 0
         """Transactions run for batch groups (monotonic)."""
@@ -169,6 +173,15 @@ class GroupCommitWriter:
         except Exception as exc:  # the store itself is unusable (e.g. closed)
             log.exception("store write failed")
             results = [exc] * len(batches)
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors and len(errors) == len(results):
+            if self.write_error is None:
+                self.write_error_since_unix_s = time.time()
+            first = str(errors[0]).strip().splitlines()
+            self.write_error = f"{type(errors[0]).__name__}: {first[0] if first else ''}"[:300]
+        elif not errors:
+            self.write_error = None
+            self.write_error_since_unix_s = None
         self.last_group_s = time.perf_counter() - t0
         self.last_group_size = len(batches)
         self.groups_committed += 1

@@ -9,6 +9,7 @@ metrics state work on arrays.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,6 +153,43 @@ def prepare_batch(obj: Any, received_unix_s: float) -> PreparedBatch:
         n_steps=len(steps[STEP_FIELDS[0].name]),
         n_requests=len(requests[REQUEST_FIELDS[0].name]),
     )
+
+
+def check_times(batch: PreparedBatch, max_ahead_s: float, max_behind_s: float) -> None:
+    """Refuse a batch whose times lie more than ``max_ahead_s`` after the collector's clock
+    (its receive time) or, for step and request times, more than ``max_behind_s`` before it
+    (0: no lower bound). A hello's ``started_unix_s`` is bounded ahead only: a server up
+    for months says so on every reconnect. Raises SchemaError naming the field and bound."""
+    now = batch.received_unix_s
+    latest = now + max_ahead_s
+    earliest = now - max_behind_s if max_behind_s > 0 else -math.inf
+
+    def check(where: str, lo: float, hi: float, bounded_below: bool = True) -> None:
+        if hi > latest:
+            raise SchemaError(
+                f"{where}: {hi:.3f} is {hi - now:,.0f} s ahead of the collector's clock "
+                f"(at most {max_ahead_s:g} s allowed: synchronise the engine's clock)"
+            )
+        if bounded_below and lo < earliest:
+            raise SchemaError(
+                f"{where}: {lo:.3f} is {now - lo:,.0f} s behind the collector's clock (at "
+                f"most {max_behind_s:g} s of backfill allowed; raise the collector's "
+                "--max-backfill to import older data)"
+            )
+
+    check("sent_unix_s", batch.sent_unix_s, batch.sent_unix_s, bounded_below=False)
+    if batch.hello is not None:
+        t = float(batch.hello["started_unix_s"])
+        check("hello.started_unix_s", t, t, bounded_below=False)
+    for where, col in (
+        ("steps.ts_unix_s", batch.steps["ts_unix_s"] if batch.n_steps else None),
+        (
+            "requests.finished_unix_s",
+            batch.requests["finished_unix_s"] if batch.n_requests else None,
+        ),
+    ):
+        if col is not None:
+            check(where, float(col.min()), float(col.max()))
 
 
 def parse_body(body: bytes, received_unix_s: float) -> PreparedBatch:

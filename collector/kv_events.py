@@ -15,6 +15,18 @@ requests come from; an explicit host is used as given; ``ipc://`` as given; port
 and ``inproc://`` cannot be reached from here. The operator's override
 (``--kv-events-endpoint ENGINE_ID=tcp://host:port``) wins over the advertised one.
 
+Which endpoints (:class:`~kvscope.collector.kv_endpoints.EndpointPolicy`): an advertised
+endpoint is subscribed to only on the host the engine's ingest requests come from (a
+wildcard always is), on a host or network of ``kv_events_allow``, or, ``ipc://``, with
+``kv_events_allow_ipc``; so it waits for the engine's first ingest after a restart of
+the collector. Overrides are the operator's and not checked. At most
+``kv_events_max_sockets`` subscriptions are open at once, fewer if the open-file limit
+is low (:func:`~kvscope.collector.kv_endpoints.socket_budget`); an engine beyond waits
+and is subscribed when another subscription closes. A refused endpoint, and one ZMQ
+cannot connect to (``Too many open files``...), is logged once per engine and counted
+in ``kvscope_kv_events_refused_endpoints_total{reason}``; the thread goes on serving the
+others.
+
 Lifecycle: a hello with a new boot (or a new pool) starts the engine afresh (its old
 blocks are forgotten, the socket reconnects); a changed endpoint reconnects and keeps
 the blocks. An engine that neither sends ingest batches nor KV events for
@@ -35,6 +47,7 @@ counted in ``kvscope_kv_events_dropped_total{reason}``.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import queue
@@ -53,7 +66,14 @@ from kvscope.collector._kv_registry import ROW_FIELDS, EngineBlocks, Pool, new_r
 from kvscope.collector._kv_wire import WireError, decode
 from kvscope.collector._reads import KV_EVENT_SUMS
 from kvscope.collector._writer import GroupCommitWriter, WriterClosed
-from kvscope.collector.kv_endpoints import parse_override, resolve_endpoint
+from kvscope.collector.kv_endpoints import (
+    FD_SHARE,
+    FDS_PER_SUBSCRIPTION,
+    EndpointPolicy,
+    parse_override,
+    resolve_endpoint,
+    socket_budget,
+)
 from kvscope.collector.settings import Settings
 from kvscope.collector.store import Store
 from kvscope.collector.tables import KV_EVENT_COLUMNS
@@ -69,6 +89,8 @@ MAX_CONTROL = 10_000
 MAX_PENDING_ROWS = 200_000
 MAX_MESSAGES_PER_POLL = 1_000
 RCVHWM = 100_000
+REFUSAL_REASONS = ("not_allowed", "ipc", "socket_limit", "connect_error")
+"""``reason`` labels of ``kvscope_kv_events_refused_endpoints_total`` (all exported)."""
 
 _TOTALS = (  # (metric, column, help)
     (
@@ -123,6 +145,8 @@ class _Engine:
     last_msg_mono: float = 0.0
     blocks: EngineBlocks | None = None
     generation: int = 0
+    refused: tuple[str, str] | None = None
+    """(endpoint, reason) last refused, so that a refusal is logged and counted once."""
 
 
 @dataclass
@@ -141,6 +165,10 @@ class KvEventsManager:
         self._store = store
         self._writer = writer
         self._overrides = dict(settings.kv_events_endpoints)
+        self._policy = EndpointPolicy(settings.kv_events_allow, settings.kv_events_allow_ipc)
+        self._max_sockets = settings.kv_events_max_sockets
+        """Most subscriptions at once (the setting, lowered in :meth:`start` to fit the
+        open-file limit)."""
         self._control: queue.Queue[tuple[Any, ...]] = queue.Queue(MAX_CONTROL)
         self._noted: dict[str, tuple[str | None, float]] = {}  # event-loop thread only
         self._note_every_s = min(NOTE_EVERY_S, settings.kv_events_idle_s / 4)
@@ -151,6 +179,8 @@ class KvEventsManager:
         self._pools: dict[str, Pool] = {}
         self._by_sock: dict[Any, _Engine] = {}
         self._pending: dict[tuple[str, int], list[int]] = {}
+        self._waiting: dict[str, None] = {}
+        """Engines refused for the socket limit, oldest first: subscribed when one closes."""
         self._gone: Counter[str] = Counter()
         self._ctx: Any = None
         self._poller: Any = None
@@ -159,6 +189,7 @@ class KvEventsManager:
         self._totals: dict[str, dict[str, int]] = {}
         self._pool_of: dict[str, str] = {}
         self._dropped: Counter[str] = Counter()
+        self._refused: Counter[str] = Counter()
         self._snapshot = _Snapshot()
 
     # -- start, stop ------------------------------------------------------------------
@@ -185,7 +216,25 @@ class KvEventsManager:
 
     def start(self) -> KvEventsManager:
         """Start the subscriber thread."""
+        files = _open_file_limit()
+        self._max_sockets = socket_budget(self._s.kv_events_max_sockets, files)
+        if self._max_sockets < self._s.kv_events_max_sockets:
+            want = self._s.kv_events_max_sockets
+            log.warning(
+                "at most %d KV-event subscriptions (not --kv-events-max-sockets %d): the "
+                "process may open %s files (ulimit -n), each subscription holds %d and "
+                "they get %.0f%% of the limit; raise ulimit -n to %d for %d",
+                self._max_sockets,
+                want,
+                files,
+                FDS_PER_SUBSCRIPTION,
+                100 * FD_SHARE,
+                math.ceil(want * FDS_PER_SUBSCRIPTION / FD_SHARE),
+                want,
+            )
         self._ctx = zmq.Context()
+        # ZMQ's own cap (1,023 by default) is set above ours, so ours is what refuses.
+        self._ctx.set(zmq.MAX_SOCKETS, max(1023, self._max_sockets + 64))
         self._poller = zmq.Poller()
         now = time.monotonic()
         for e in self._engines.values():
@@ -240,6 +289,7 @@ class KvEventsManager:
                 now = time.monotonic()
                 if now >= next_flush:
                     self._check_idle(now)
+                    self._retry_waiting()
                     self._flush()
                     self._publish()
                     next_flush = now + interval
@@ -286,27 +336,55 @@ class KvEventsManager:
 
     def _reconcile(self, e: _Engine) -> None:
         """Open, move or close the engine's subscription to match what is known."""
-        raw = self._overrides.get(e.engine_id) or e.advertised
-        want = None if raw is None or e.idle else resolve_endpoint(raw, e.remote)
+        override = self._overrides.get(e.engine_id)
+        raw = override or e.advertised
+        want = None
+        # An advertised endpoint waits for the engine's first ingest: its source address
+        # is what the endpoint is checked against.
+        if raw is not None and not e.idle and (override is not None or e.remote):
+            want = resolve_endpoint(raw, e.remote)
         if e.sock is not None and want != e.endpoint:
             self._close(e)
             if e.blocks is not None:
                 e.blocks.last_seq = None  # a new connection: no gap to attribute
         if want is None or e.sock is not None:
+            self._waiting.pop(e.engine_id, None)
             return
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVHWM, RCVHWM)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
-        if "[" in want:
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if override is None:
+            refusal = self._policy.check(want, e.remote)
+            if refusal is not None:
+                self._waiting.pop(e.engine_id, None)
+                self._refuse(e, want, refusal.reason, refusal.detail)
+                return
+        if len(self._by_sock) >= self._max_sockets:
+            self._waiting[e.engine_id] = None
+            self._refuse(
+                e,
+                want,
+                "socket_limit",
+                f"{len(self._by_sock)} subscriptions are open, the most allowed "
+                "(--kv-events-max-sockets, and ulimit -n: see the start-up log); "
+                "it is subscribed when another one closes",
+            )
+            return
         try:
-            sock.connect(want)
+            sock = self._open(want)
         except zmq.ZMQError as exc:
-            sock.close(0)
-            log.warning("cannot subscribe to %s for %s: %s", want, e.engine_id, exc)
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                self._waiting[e.engine_id] = None
+                self._refuse(
+                    e,
+                    want,
+                    "socket_limit",
+                    f"{exc} with {len(self._by_sock)} subscriptions open (lower "
+                    "--kv-events-max-sockets or raise ulimit -n); retried when one closes",
+                )
+            else:
+                self._waiting.pop(e.engine_id, None)
+                self._refuse(e, want, "connect_error", f"cannot connect: {exc}")
             return
+        self._waiting.pop(e.engine_id, None)
+        e.refused = None
         e.sock, e.endpoint, e.subscribed_mono = sock, want, time.monotonic()
         self._by_sock[sock] = e
         self._poller.register(sock, zmq.POLLIN)
@@ -322,6 +400,46 @@ class KvEventsManager:
                 self._s.kv_events_max_engine_blocks,
             )
         log.info("subscribed to the KV events of %s (pool %r) at %s", e.engine_id, e.pool, want)
+
+    def _open(self, endpoint: str) -> Any:
+        """A SUB socket connected to ``endpoint``; ZMQError (closed again) on failure."""
+        sock = self._ctx.socket(zmq.SUB)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, RCVHWM)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 5000)
+            if "[" in endpoint:
+                sock.setsockopt(zmq.IPV6, 1)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(endpoint)
+        except BaseException:
+            sock.close(0)
+            raise
+        return sock
+
+    def _refuse(self, e: _Engine, endpoint: str, reason: str, detail: str) -> None:
+        """Log and count a refusal, once per engine, endpoint and reason."""
+        if e.refused == (endpoint, reason):
+            return
+        e.refused = (endpoint, reason)
+        with self._lock:
+            self._refused[reason] += 1
+        log.warning(
+            "not subscribing to the KV events of %s at %s (%s): %s",
+            e.engine_id,
+            _printable(endpoint),
+            reason,
+            _printable(detail),
+        )
+
+    def _retry_waiting(self) -> None:
+        """Subscribe engines refused for the socket limit while there is room."""
+        while self._waiting and len(self._by_sock) < self._max_sockets:
+            engine_id = next(iter(self._waiting))
+            del self._waiting[engine_id]
+            self._reconcile(self._engines[engine_id])
+            if engine_id in self._waiting:  # failed again (ZMQ or the OS): next time
+                return
 
     def _close(self, e: _Engine) -> None:
         if e.sock is None:
@@ -348,6 +466,11 @@ class KvEventsManager:
 
     def _check_idle(self, now: float) -> None:
         limit = self._s.kv_events_idle_s
+        for engine_id in list(self._waiting):
+            e = self._engines[engine_id]
+            if now - e.last_note_mono > limit:  # gone silent while waiting for a socket
+                del self._waiting[engine_id]
+                e.idle = True
         for e in self._engines.values():
             if e.sock is None:
                 continue
@@ -468,6 +591,7 @@ class KvEventsManager:
             snap = self._snapshot
             totals = sorted(self._totals.items())
             pools = dict(self._pool_of)
+            refused = dict(self._refused)
         for name, col, help_text in _TOTALS:
             w.family(name, "counter", help_text)
             for engine_id, t in totals:
@@ -512,6 +636,27 @@ class KvEventsManager:
         )
         for reason, n in sorted(snap.dropped.items()):
             w.sample("kvscope_kv_events_dropped_total", label_str((("reason", reason),)), n)
+        w.family(
+            "kvscope_kv_events_refused_endpoints_total",
+            "counter",
+            "KV-event endpoints not subscribed to, by reason: not_allowed (not the "
+            "hello's source host nor --kv-events-allow), ipc (--kv-events-allow-ipc off), "
+            "socket_limit (--kv-events-max-sockets or the open-file limit), connect_error; "
+            "once per engine and endpoint.",
+        )
+        for reason in REFUSAL_REASONS:
+            w.sample(
+                "kvscope_kv_events_refused_endpoints_total",
+                label_str((("reason", reason),)),
+                refused.get(reason, 0),
+            )
+        w.family(
+            "kvscope_kv_events_max_sockets",
+            "gauge",
+            "Most KV-event subscriptions open at once (--kv-events-max-sockets, lowered "
+            "to fit the open-file limit).",
+        )
+        w.sample("kvscope_kv_events_max_sockets", "", self._max_sockets)
 
 
 def _engine_drops(b: EngineBlocks) -> dict[str, int]:
@@ -521,6 +666,22 @@ def _engine_drops(b: EngineBlocks) -> dict[str, int]:
         "bad_events": b.bad_events,
         "publisher_restarts": b.restarts,
     }
+
+
+def _open_file_limit() -> int | None:
+    """The process's open-file limit (``ulimit -n``), None if unlimited or unknown."""
+    try:
+        import resource
+    except ImportError:  # not on Unix
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters escaped (a hello's endpoint is the sender's text:
+    a newline in it must not forge a log line)."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 def _str(v: Any) -> str | None:

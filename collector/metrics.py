@@ -55,6 +55,7 @@ step after the restart. ``kvscope_collector_*`` counters always start from zero.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -257,7 +258,9 @@ _SAVED_KEY = "metrics.histograms.v1"
 REJECT_REASONS: tuple[str, ...] = (
     "bad_encoding",
     "bad_json",
+    "boot_limit",
     "engine_limit",
+    "forbidden",
     "overloaded",
     "schema",
     "shutting_down",
@@ -267,7 +270,7 @@ REJECT_REASONS: tuple[str, ...] = (
     "unsupported_encoding",
 )
 #: Reasons of ``kvscope_collector_rejected_reads_total`` (read API and /metrics).
-READ_REJECT_REASONS: tuple[str, ...] = ("bad_params", "unauthorized")
+READ_REJECT_REASONS: tuple[str, ...] = ("bad_params", "forbidden", "unauthorized")
 #: Tables of ``kvscope_collector_retention_deleted_rows_total``, exported at 0 from the start.
 RETAINED_TABLES: tuple[str, ...] = (
     "steps",
@@ -507,8 +510,10 @@ class _Engine:
         self.req_sum = dict.fromkeys(self.req_hist, 0.0)
         self.finish_reasons = dict.fromkeys(FINISH_REASONS, 0)
 
-    def set_identity(self, ident: dict[str, Any], started: float) -> None:
-        if started < self.hello_started:
+    def set_identity(self, ident: dict[str, Any], started: float, latest: float = math.inf) -> None:
+        """Take ``ident`` unless the identity held is of a later start; one held that starts
+        after ``latest`` (the collector's clock plus the allowed skew) is replaced anyway."""
+        if started < self.hello_started <= latest:
             return
         self.hello_started = started
         base = (
@@ -531,8 +536,11 @@ class _Engine:
 class FleetState:
     """Per-engine metric values plus the collector's own counters; thread-safe."""
 
-    def __init__(self, max_exported_engines: int = 2_000) -> None:
+    def __init__(self, max_exported_engines: int = 2_000, max_clock_skew_s: float = 300.0) -> None:
         self._lock = threading.Lock()
+        self.max_clock_skew_s = max_clock_skew_s
+        """An identity or a latest step dated more than this after the collector's clock
+        does not hold off newer data (see :meth:`_apply_batch`)."""
         self._engines: dict[str, _Engine] = {}
         self.max_exported_engines = max_exported_engines
         """Engines with per-engine series on a scrape: the most recently seen ones."""
@@ -569,6 +577,23 @@ class FleetState:
         """True if the engine has data in the store."""
         return engine_id in self._engines
 
+    def pool_of(self, engine_id: str) -> str | None:
+        """The pool of the engine's latest hello (None: unknown engine or no hello yet)."""
+        with self._lock:
+            e = self._engines.get(engine_id)
+            if e is None or e.hello_started < 0:
+                return None
+            return e.attrs.get("pool") or ""
+
+    def engines_of_pool(self, pool: str) -> set[str]:
+        """The engines whose latest hello names ``pool``."""
+        with self._lock:
+            return {
+                e.engine_id
+                for e in self._engines.values()
+                if e.hello_started >= 0 and e.attrs.get("pool") == pool
+            }
+
     # -- updates ---------------------------------------------------------------------
 
     def apply(self, batches: list[PreparedBatch], results: list[IngestResult | Exception]) -> None:
@@ -587,8 +612,9 @@ class FleetState:
         e = self._engine(b.engine_id)
         if e.last_seen_unix_s is None or b.received_unix_s > e.last_seen_unix_s:
             e.last_seen_unix_s = b.received_unix_s
+        latest = b.received_unix_s + self.max_clock_skew_s
         if b.hello is not None:
-            e.set_identity(b.hello, b.hello["started_unix_s"])
+            e.set_identity(b.hello, b.hello["started_unix_s"], latest)
         e.finished_requests += b.n_requests
         if b.n_requests:
             _observe_requests(e, b.requests)
@@ -611,6 +637,7 @@ class FleetState:
             e.last_step_unix_s is None
             or ts[i] >= e.last_step_unix_s
             or b.boot_id not in e.gauge_boots
+            or e.last_step_unix_s > latest  # dated ahead of the clock: not the latest
         ):
             e.last_step_unix_s = float(ts[i])
             e.gauge_boot_id = b.boot_id

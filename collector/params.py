@@ -5,15 +5,19 @@ Times (``since``, ``until``) use the syntax of :mod:`kvscope.args`, as the comma
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvscope.args import ParamError, parse_duration, parse_time
+from kvscope.engine_plugins.schema import MAX_UNIX_S
 
 __all__ = ["FORMATS", "ParamError", "Query", "parse_query", "parse_time"]
 
 FORMATS = ("records", "columns")
+MAX_EVERY = 2**31
+"""Largest ``every`` (a sample of the raw steps): one step in two billion."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,15 @@ def _integer(params: Mapping[str, str], name: str, default: int) -> int:
         raise ParamError(f"{name}: expected a positive integer, got {params[name]!r}") from None
 
 
+def _time(name: str, text: str, now: float) -> float:
+    try:
+        return parse_time(name, text, now)
+    except (OverflowError, ValueError) as exc:
+        if isinstance(exc, ParamError):
+            raise
+        raise ParamError(f"{name}: out of range, got {text[:40]!r}") from None
+
+
 def parse_query(
     params: Mapping[str, str],
     allowed: Iterable[str],
@@ -64,10 +77,18 @@ def parse_query(
             f"unknown parameter(s) {', '.join(map(repr, unknown))}; "
             f"this endpoint takes {', '.join(allowed) or 'none'}"
         )
+    for key, value in params.items():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ParamError(f"{key}: not valid Unicode text") from None
     now = time.time() if now_unix_s is None else now_unix_s
     since_text = params.get("since", default_since)
-    since = parse_time("since", since_text, now) if since_text else None
-    until = parse_time("until", params["until"], now) if params.get("until") else None
+    since = _time("since", since_text, now) if since_text else None
+    until = _time("until", params["until"], now) if params.get("until") else None
+    for key, t in (("since", since), ("until", until)):
+        if t is not None and not (math.isfinite(t) and abs(t) <= MAX_UNIX_S):
+            raise ParamError(f"{key}: out of range (a time between 1970 and 2242), got {t!r}")
     if since is not None and until is not None and until < since:
         raise ParamError(f"until ({until}) is before since ({since})")
     limit = _integer(params, "limit", max_limit)
@@ -90,18 +111,23 @@ def parse_query(
         fields = tuple(f.strip() for f in params["fields"].split(",") if f.strip())
         if not fields:
             raise ParamError("fields: expected a comma-separated list of column names")
+        if len(set(fields)) != len(fields):
+            raise ParamError("fields: a column is named twice")
     step_s = 60
     if "step" in params:
-        step = parse_duration("step", params["step"])
-        if step < 60 or step % 60:
+        try:
+            step = parse_duration("step", params["step"])
+        except OverflowError:
+            raise ParamError(f"step: out of range, got {params['step'][:40]!r}") from None
+        if not 60 <= step <= MAX_UNIX_S or step % 60:
             raise ParamError(f"step: must be a whole number of minutes, got {params['step']!r}")
         step_s = int(step)
     deleted_only = params.get("deleted_only", "false").lower()
     if deleted_only not in ("true", "false", "1", "0"):
         raise ParamError(f"deleted_only: expected true or false, got {params['deleted_only']!r}")
     every = _integer(params, "every", 1)
-    if every < 1:
-        raise ParamError(f"every: must be 1 or more, got {every}")
+    if not 1 <= every <= MAX_EVERY:
+        raise ParamError(f"every: must be in 1..{MAX_EVERY}, got {every}")
     return Query(
         engine_id=params.get("engine"),
         pool=params.get("pool"),

@@ -7,13 +7,14 @@ Routes:
   committed; ``400 {"error": ...}`` naming the field for malformed JSON or schema
   errors, ``401`` for a missing/wrong bearer token (when one is configured; the read API and
   ``/metrics`` need it too), ``413``
-  for a body over ``max_body_bytes`` (as sent) or ``max_decompressed_bytes`` (inflated),
-  ``415`` for other content encodings, ``503`` (with ``Retry-After``) while overloaded
+  for a body over ``max_body_bytes`` (as sent) or ``max_decompressed_bytes`` (inflated) or
+  whose parsing may take more than ``max_inflight_bytes`` (see
+  :mod:`kvscope.collector._parse_budget`), ``415`` for other content encodings, ``503`` (with ``Retry-After``) while overloaded
   or shutting down, ``500`` if the store fails. A rejected batch leaves the store as
   it was.
 * ``GET /metrics``: Prometheus text exposition (see :mod:`kvscope.collector.metrics`), with
   the advisor's verdicts refreshed every ``advise_interval_s`` in a thread of their
-  own (see :mod:`kvscope.collector.verdicts`).
+  own (see :mod:`kvscope.collector.verdicts`). Scrapes that overlap share one rendering.
 * With ``otlp_endpoint`` set, the same metrics are also pushed to an OTLP/HTTP
   endpoint (see :mod:`kvscope.collector.otlp`).
 * ``GET /healthz``: ``{"status": "ok", ...}``, 503 when the writer is not running.
@@ -33,6 +34,9 @@ Routes:
   ``{"n_rows": N, "truncated": bool, "rows": [{column: value, ...}, ...]}`` or, with
   ``format=columns``, ``{"n_rows": N, "truncated": bool, "columns": {column: [...]}}``;
   missing values are ``null``. Unknown or invalid parameters get 400.
+
+``/metrics`` and the read API write their answers within ``response_timeout_s`` or close
+the connection (see :class:`kvscope.collector._http_body.ResponseWriter`).
 
 The aiohttp server must not inflate bodies itself: use :func:`create_runner` (or
 ``web.AppRunner(app, auto_decompress=False)``).
@@ -60,10 +64,12 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 from aiohttp import web
 
+from kvscope.collector._boots import BootGate
 from kvscope.collector._guards import ByteBudget, GuardedRunner, Lease, NewEngineGate, Overbudget
-from kvscope.collector._http_body import BodyError, read_body
+from kvscope.collector._http_body import BodyError, ResponseWriter, SharedBody, read_body
+from kvscope.collector._parse_budget import parse_cost
 from kvscope.collector._writer import GroupCommitWriter, Overloaded, WriterClosed
-from kvscope.collector.batch import PreparedBatch, parse_body
+from kvscope.collector.batch import PreparedBatch, check_times, parse_body
 from kvscope.collector.metrics import CONTENT_TYPE, FleetState
 from kvscope.collector.params import ParamError, Query, parse_query
 from kvscope.collector.settings import Settings
@@ -103,7 +109,12 @@ class Context:
     """The KV-event subscriber (None with ``kv_events="off"``)."""
     inflight: ByteBudget = dataclasses.field(default_factory=lambda: ByteBudget(1))
     """Ingest bytes held at once (see :class:`kvscope.collector._guards.ByteBudget`)."""
+    responses: ResponseWriter = dataclasses.field(default_factory=ResponseWriter)
+    """Writes /metrics and read-API answers within ``response_timeout_s``."""
+    metrics_body: SharedBody = dataclasses.field(default_factory=SharedBody)
+    """The /metrics text, shared by the scrapes that overlap."""
     new_engines: NewEngineGate | None = None
+    boots: BootGate | None = None
 
 
 class _Slot:
@@ -130,12 +141,28 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
 # -- ingest ------------------------------------------------------------------------
 
 
-def _authorized(request: web.Request, token: str) -> bool:
+FLEET = "*"
+"""The principal of the fleet's token (or of every request when no token is set)."""
+
+
+def _principal(request: web.Request, settings: Settings) -> str | None:
+    """Who the request's bearer token speaks for: :data:`FLEET` for ``settings.token`` (or
+    when no token is configured), a pool's name for one of ``settings.pool_tokens``, None
+    for a missing or wrong token. Every candidate is compared, in constant time."""
+    if settings.token is None and not settings.pool_tokens:
+        return FLEET
     header = request.headers.get("Authorization", "")
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(given.strip().encode(), token.encode())
+        return None
+    given_b = given.strip().encode()
+    found: str | None = None
+    if settings.token is not None and hmac.compare_digest(given_b, settings.token.encode()):
+        found = FLEET
+    for pool, tok in settings.pool_tokens:
+        if hmac.compare_digest(given_b, tok.encode()) and found is None:
+            found = pool
+    return found
 
 
 async def _ingest(request: web.Request) -> web.Response:
@@ -147,7 +174,8 @@ async def _ingest(request: web.Request) -> web.Response:
         ctx.state.record_rejection(reason)
         return _error(status, message, headers or None)
 
-    if s.token is not None and not _authorized(request, s.token):
+    principal = _principal(request, s)
+    if principal is None:
         return reject(
             401,
             "unauthorized",
@@ -156,13 +184,18 @@ async def _ingest(request: web.Request) -> web.Response:
         )
     lease = ctx.inflight.lease()
     try:
-        return await _ingest_body(request, ctx, reject, lease, t0)
+        return await _ingest_body(request, ctx, reject, lease, t0, principal)
     finally:
         lease.release()
 
 
 async def _ingest_body(
-    request: web.Request, ctx: Context, reject: Callable[..., web.Response], lease: Lease, t0: float
+    request: web.Request,
+    ctx: Context,
+    reject: Callable[..., web.Response],
+    lease: Lease,
+    t0: float,
+    principal: str,
 ) -> web.Response:
     s = ctx.settings
     try:
@@ -179,9 +212,30 @@ async def _ingest_body(
             **{"Retry-After": "1"},
         )
     received = time.time()
+    loop = asyncio.get_running_loop()
+    big = len(body) > s.inline_parse_bytes
+    try:  # what parsing may cost, known before it costs it
+        cost = (
+            await loop.run_in_executor(ctx.executor, parse_cost, body) if big else parse_cost(body)
+        )
+    except SchemaError as exc:
+        return reject(400, "schema", str(exc))
+    if lease.held + cost > ctx.inflight.limit:  # would never fit, even alone
+        return reject(
+            413,
+            "too_large",
+            f"body: {lease.held:,} bytes that parsing may grow by {cost:,}: more than the "
+            f"in-flight limit of {ctx.inflight.limit:,} (--max-inflight-mib); send smaller "
+            "batches",
+        )
     try:
-        if len(body) > s.inline_parse_bytes:
-            loop = asyncio.get_running_loop()
+        lease.take(cost)
+    except Overbudget as exc:
+        return reject(
+            503, "overloaded", f"collector overloaded: {exc}; retry later", **{"Retry-After": "1"}
+        )
+    try:
+        if big:
             batch: PreparedBatch = await loop.run_in_executor(
                 ctx.executor, parse_body, body, received
             )
@@ -190,6 +244,19 @@ async def _ingest_body(
     except SchemaError as exc:
         msg = str(exc)
         return reject(400, "bad_json" if msg.startswith("body:") else "schema", msg)
+    finally:
+        lease.give_back(cost)  # the parsed objects are gone; the arrays are taken below
+    try:
+        check_times(batch, s.max_clock_skew_s, s.max_backfill_s)
+    except SchemaError as exc:
+        return reject(400, "schema", str(exc))
+    if principal != FLEET:
+        refusal = _out_of_scope(ctx, batch, principal)
+        if refusal is not None:
+            ctx.state.record_rejection("forbidden")
+            return web.json_response(
+                {"error": refusal, "need_hello": batch.hello is None}, status=403
+            )
     try:
         lease.take(batch.nbytes)  # the arrays are held too until the commit
     except Overbudget as exc:
@@ -202,6 +269,15 @@ async def _ingest_body(
             "engine_limit",
             f"more than {s.max_new_engines_per_minute} new engine ids in the last "
             "minute; retry later",
+            **{"Retry-After": "60"},
+        )
+    if ctx.boots is not None and not ctx.boots.admit(batch.engine_id, batch.boot_id):
+        return reject(
+            429,
+            "boot_limit",
+            f"more than {s.max_new_boots_per_engine_per_minute} new boot ids of engine "
+            f"{batch.engine_id!r} in the last minute; retry later (importing history? raise "
+            "the collector's --max-new-boots-per-engine-per-minute)",
             **{"Retry-After": "60"},
         )
     try:
@@ -233,19 +309,40 @@ async def _ingest_body(
     return web.json_response({"status": result.status, "need_hello": result.need_hello})
 
 
+def _out_of_scope(ctx: Context, batch: PreparedBatch, pool: str) -> str | None:
+    """Why a batch sent with ``pool``'s token may not be stored (None: it may): its hello
+    names another pool, or its engine is known in another pool, or is not known in this
+    one and the batch carries no hello (the sender is asked for it)."""
+    if batch.hello is not None and batch.hello.get("pool") != pool:
+        return (
+            f"hello.pool: {batch.hello.get('pool')!r} is not {pool!r}, the pool this token "
+            "may write as"
+        )
+    known = ctx.state.pool_of(batch.engine_id)
+    if known is not None and known != pool:
+        return (
+            f"engine {batch.engine_id!r} belongs to pool {known!r}; this token may write "
+            f"only as engines of pool {pool!r}"
+        )
+    if known is None and batch.hello is None:
+        return f"engine {batch.engine_id!r} is not known in pool {pool!r}: send its hello first"
+    return None
+
+
 # -- read API ----------------------------------------------------------------------
 
 _RANGE = ("engine", "pool", "since", "until", "limit", "format", "fields")
+JSON_TYPE = "application/json; charset=utf-8"
 
 
-def _frame_json(df: pd.DataFrame, fmt: str, truncated: bool) -> str:
+def _frame_json(df: pd.DataFrame, fmt: str, truncated: bool) -> bytes:
     head = f'{{"n_rows": {len(df)}, "truncated": {"true" if truncated else "false"}'
     if fmt == "columns":
         cols = ",".join(
             f"{json.dumps(str(c))}:{df[c].to_json(orient='records')}" for c in df.columns
         )
-        return f'{head}, "columns": {{{cols}}}}}'
-    return f'{head}, "rows": {df.to_json(orient="records")}}}'
+        return f'{head}, "columns": {{{cols}}}}}'.encode()
+    return f'{head}, "rows": {df.to_json(orient="records")}}}'.encode()
 
 
 async def _read(
@@ -254,8 +351,16 @@ async def _read(
     default_since: str | None,
     fn: Callable[[Store, Query], pd.DataFrame],
     params: Mapping[str, str] | None = None,
-) -> web.Response:
+) -> web.StreamResponse:
     ctx = context(request.app)
+    principal = request.get(_PRINCIPAL, FLEET)
+    if principal != FLEET:
+        params = dict(request.query if params is None else params)
+        if params.get("pool", principal) != principal:
+            ctx.state.record_read_rejection("forbidden")
+            return _error(403, f"pool: this token reads only pool {principal!r}")
+        if "pool" in allowed:
+            params["pool"] = principal
     try:
         q = parse_query(
             request.query if params is None else params,
@@ -271,6 +376,8 @@ async def _read(
     q_run = dataclasses.replace(q, limit=(q.limit or 0) + 1) if limited else q
     loop = asyncio.get_running_loop()
     df = await loop.run_in_executor(ctx.executor, fn, ctx.store, q_run)
+    if principal != FLEET:
+        df = _in_pool(ctx, df, principal)
     truncated = limited and q.limit is not None and len(df) > q.limit
     if truncated:
         df = df.iloc[: q.limit]
@@ -284,20 +391,34 @@ async def _read(
                 f"available: {', '.join(map(str, df.columns))}",
             )
         df = df[list(q.fields)]
-    text = await loop.run_in_executor(ctx.executor, _frame_json, df, q.format, truncated)
-    return web.Response(text=text, content_type="application/json")
+    body = await loop.run_in_executor(ctx.executor, _frame_json, df, q.format, truncated)
+    del df  # a slow reader holds the answer's bytes only
+    return await ctx.responses.send(request, body, JSON_TYPE, ctx.settings.response_timeout_s)
 
 
-async def _engines(request: web.Request) -> web.Response:
+def _in_pool(ctx: Context, df: pd.DataFrame, pool: str) -> pd.DataFrame:
+    """The rows of ``df`` a pool's token may read: its pool's, by the ``pool`` column or,
+    without one, by ``engine_id``; a frame with neither is the fleet's (left empty)."""
+    if "pool" in df.columns:
+        return df[df["pool"] == pool]
+    if "engine_id" in df.columns:
+        return df[df["engine_id"].isin(ctx.state.engines_of_pool(pool))]
+    return df.iloc[:0]
+
+
+async def _engines(request: web.Request) -> web.StreamResponse:
     return await _read(request, ("format", "fields"), None, lambda st, q: st.engines())
 
 
-async def _configs(request: web.Request) -> web.Response:
+async def _configs(request: web.Request) -> web.StreamResponse:
     engine_id = request.match_info["engine_id"]
     ctx = context(request.app)
     loop = asyncio.get_running_loop()
     engines = await loop.run_in_executor(ctx.executor, ctx.store.engines)
-    if engine_id not in set(engines["engine_id"]):
+    principal = request.get(_PRINCIPAL, FLEET)
+    if engine_id not in set(engines["engine_id"]) or (
+        principal != FLEET and ctx.state.pool_of(engine_id) != principal
+    ):
         return _error(404, f"engine {engine_id!r} is not known")
     return await _read(request, ("format",), None, lambda st, q: st.engine_configs(engine_id))
 
@@ -309,15 +430,15 @@ def _range_reader(method: str) -> Callable[[Store, Query], pd.DataFrame]:
     return run
 
 
-async def _windows(request: web.Request) -> web.Response:
+async def _windows(request: web.Request) -> web.StreamResponse:
     return await _read(request, _RANGE, "1h", _range_reader("windows"))
 
 
-async def _minute_windows(request: web.Request) -> web.Response:
+async def _minute_windows(request: web.Request) -> web.StreamResponse:
     return await _read(request, _RANGE, "1d", _range_reader("minute_windows"))
 
 
-async def _request_minutes(request: web.Request) -> web.Response:
+async def _request_minutes(request: web.Request) -> web.StreamResponse:
     def run(st: Store, q: Query) -> pd.DataFrame:
         return st.request_minutes(
             q.engine_id,
@@ -332,7 +453,7 @@ async def _request_minutes(request: web.Request) -> web.Response:
     return await _read(request, (*_RANGE, "step", "deleted_only"), "1d", run)
 
 
-async def _daily_load_peaks(request: web.Request) -> web.Response:
+async def _daily_load_peaks(request: web.Request) -> web.StreamResponse:
     return await _read(
         request,
         ("pool", "since", "until", "format", "fields"),
@@ -341,18 +462,18 @@ async def _daily_load_peaks(request: web.Request) -> web.Response:
     )
 
 
-async def _steps(request: web.Request) -> web.Response:
+async def _steps(request: web.Request) -> web.StreamResponse:
     def run(st: Store, q: Query) -> pd.DataFrame:
         return st.steps(q.engine_id, q.pool, q.since_unix_s, q.until_unix_s, q.limit, q.every)
 
     return await _read(request, (*_RANGE, "every"), "1h", run)
 
 
-async def _requests(request: web.Request) -> web.Response:
+async def _requests(request: web.Request) -> web.StreamResponse:
     return await _read(request, _RANGE, "1h", _range_reader("requests"))
 
 
-async def _kv_events(request: web.Request) -> web.Response:
+async def _kv_events(request: web.Request) -> web.StreamResponse:
     # ``engine_id`` is accepted as another name of ``engine`` here.
     params = dict(request.query)
     if "engine_id" in params:
@@ -363,7 +484,7 @@ async def _kv_events(request: web.Request) -> web.Response:
     return await _read(request, _RANGE, "1h", _range_reader("kv_event_windows"), params)
 
 
-async def _request_stats(request: web.Request) -> web.Response:
+async def _request_stats(request: web.Request) -> web.StreamResponse:
     allowed = ("engine", "pool", "since", "until", "group_by", "format", "fields")
     return await _read(
         request,
@@ -375,7 +496,7 @@ async def _request_stats(request: web.Request) -> web.Response:
     )
 
 
-async def _totals(request: web.Request) -> web.Response:
+async def _totals(request: web.Request) -> web.StreamResponse:
     return await _read(
         request,
         ("engine", "source", "format"),
@@ -387,10 +508,17 @@ async def _totals(request: web.Request) -> web.Response:
 # -- metrics and health ------------------------------------------------------------
 
 
-async def _metrics(request: web.Request) -> web.Response:
+async def _metrics(request: web.Request) -> web.StreamResponse:
     ctx = context(request.app)
-    text = await asyncio.get_running_loop().run_in_executor(ctx.executor, ctx.state.render)
-    return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+    loop = asyncio.get_running_loop()
+
+    async def render() -> bytes:
+        return await loop.run_in_executor(ctx.executor, lambda: ctx.state.render().encode())
+
+    async with ctx.metrics_body.use(render) as body:
+        return await ctx.responses.send(
+            request, body, CONTENT_TYPE, ctx.settings.response_timeout_s
+        )
 
 
 RUNBOOKS_PATH = "/runbooks/"
@@ -414,16 +542,31 @@ async def _runbook(request: web.Request) -> web.Response:
 async def _healthz(request: web.Request) -> web.Response:
     ctx = context(request.app)
     ok = ctx.writer.alive and not ctx.store.closed
+    failing = ctx.writer.write_error
+    status = "unavailable" if not ok else "degraded" if failing else "ok"
     return web.json_response(
         {
-            "status": "ok" if ok else "unavailable",
+            "status": status,
+            "reason": (
+                None
+                if status == "ok"
+                else "the store is closed or its writer stopped"
+                if not ok
+                else f"every write fails since {failing_since(ctx)}: {failing}"
+            ),
             "writer_alive": ctx.writer.alive,
             "pending_batches": ctx.writer.pending_batches,
             "engines": ctx.state.n_engines,
             "store_path": ctx.settings.store_path,
         },
-        status=200 if ok else 503,
+        status=200 if status == "ok" else 503,
     )
+
+
+def failing_since(ctx: Context) -> str:
+    """When the writer's writes began to fail, as UTC text."""
+    t = ctx.writer.write_error_since_unix_s
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if t is not None else "?"
 
 
 # -- lifecycle ---------------------------------------------------------------------
@@ -474,7 +617,10 @@ def _lifecycle(
             require_sdk()  # before anything is opened
         executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvscope-read")
         store: Store | None = given
-        state = FleetState(max_exported_engines=settings.max_exported_engines)
+        state = FleetState(
+            max_exported_engines=settings.max_exported_engines,
+            max_clock_skew_s=settings.max_clock_skew_s,
+        )
         try:
             if store is None:
                 store = await loop.run_in_executor(
@@ -535,6 +681,20 @@ def _lifecycle(
             ByteBudget(settings.max_inflight_bytes),
         )
         ctx.new_engines = NewEngineGate(settings.max_new_engines_per_minute, state.knows)
+        ctx.boots = BootGate(settings.max_new_boots_per_engine_per_minute, store.has_hello)
+        state.extra["kvscope_collector_store_write_failing"] = (
+            "gauge",
+            "1 while every write to the store fails (a full disk, a store that cannot write; "
+            "/healthz says degraded with the reason), else 0.",
+            lambda: 1.0 if writer.write_error else 0.0,
+        )
+        quarantined = store.quarantined_counts()
+        state.extra["kvscope_collector_quarantined_rows"] = (
+            "gauge",
+            "Rows of the store outside what an engine can produce, moved to the table "
+            "quarantined_rows when the store opened (see docs/reliability.md).",
+            lambda: float(sum(quarantined.values())),
+        )
         state.extra["kvscope_collector_inflight_ingest_bytes"] = (
             "gauge",
             "Ingest bytes (decompressed) held: being read, parsed or waiting for the writer.",
@@ -549,6 +709,12 @@ def _lifecycle(
             "gauge",
             "The limit on in-flight ingest bytes; past it ingest answers 503.",
             lambda: ctx.inflight.limit,
+        )
+        state.extra["kvscope_collector_slow_readers_closed_total"] = (
+            "counter",
+            "Connections closed because a response (/metrics, the read API) was not written "
+            "within response_timeout_s: a client that does not read.",
+            lambda: ctx.responses.slow_readers_closed,
         )
         state.extra["kvscope_collector_rollup_behind_seconds"] = (
             "gauge",
@@ -568,6 +734,13 @@ def _lifecycle(
             "Request-minute rows (requests_1m) the rollup has written (a minute rolled up again "
             "counts again).",
             lambda: state.request_rollup_rows_written,
+        )
+        state.extra["kvscope_collector_rollup_pending_minute_windows"] = (
+            "gauge",
+            "Minute windows (1-minute windows and request minutes) written behind the rolled-up "
+            "end, late or old data, that the last rollup pass left for the next ones: a pass "
+            "stops after about a second (0 when the rollup keeps up).",
+            lambda: store.rollup_pending_minutes,
         )
         retention = asyncio.create_task(_retention_loop(ctx), name="kvscope-retention")
         verdicts: VerdictLoop | None = None
@@ -610,24 +783,38 @@ def _lifecycle(
     return ctx_manager
 
 
-def _read_auth(token: str | None) -> Callable[..., Any]:
-    """Middleware: with a token configured, every route but ``/healthz`` needs it
-    (ingest checks it itself, before reading the body)."""
+_PRINCIPAL: web.RequestKey[str] = web.RequestKey("kvscope_principal", str)
+"""Request key: who the request's token speaks for (see :func:`_principal`)."""
+
+
+def _read_auth(settings: Settings) -> Callable[..., Any]:
+    """Middleware: with tokens configured, every route but ``/healthz`` and the runbooks
+    needs one (ingest checks it itself, before reading the body); a pool's token reads only
+    its pool (the read API filters to it) and not ``/metrics`` (the fleet's series)."""
 
     @web.middleware
     async def middleware(request: web.Request, handler: Callable[..., Any]) -> Any:
         if (
-            token is not None
-            and request.method != "POST"
-            and request.path != "/healthz"
-            and not request.path.startswith(RUNBOOKS_PATH)
-            and not _authorized(request, token)
+            request.method == "POST"
+            or request.path == "/healthz"
+            or request.path.startswith(RUNBOOKS_PATH)
         ):
-            if request.app[_SLOT].ctx is not None:
-                context(request.app).state.record_read_rejection("unauthorized")
+            return await handler(request)
+        principal = _principal(request, settings)
+        ctx = request.app[_SLOT].ctx
+        if principal is None:
+            if ctx is not None:
+                ctx.state.record_read_rejection("unauthorized")
             return _error(
                 401, "missing or wrong bearer token", {"WWW-Authenticate": 'Bearer realm="kvscope"'}
             )
+        if principal != FLEET and request.path == "/metrics":
+            if ctx is not None:
+                ctx.state.record_read_rejection("forbidden")
+            return _error(
+                403, "/metrics holds every pool's series: scrape it with the fleet's token"
+            )
+        request[_PRINCIPAL] = principal
         return await handler(request)
 
     return middleware
@@ -637,7 +824,7 @@ def create_app(settings: Settings, store: Store | None = None) -> web.Applicatio
     """Build the application. With ``store=None`` the app opens ``settings.store_path``
     at startup and closes it at cleanup; a given store stays open (the caller owns it)."""
     app = web.Application(
-        client_max_size=settings.max_body_bytes, middlewares=[_read_auth(settings.token)]
+        client_max_size=settings.max_body_bytes, middlewares=[_read_auth(settings)]
     )
     app[_SLOT] = _Slot()
     app.cleanup_ctx.append(_lifecycle(settings, store))

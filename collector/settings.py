@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kvscope.collector.kv_endpoints import parse_allow
+
 MIB = 1024 * 1024
 HOUR_S = 3600.0
 DAY_S = 24 * HOUR_S
@@ -116,6 +118,34 @@ class Settings:
     and its blocks forgotten; it is subscribed afresh when it sends again."""
     kv_events_flush_interval_s: float = 1.0
     """How often the per engine-second KV-event counters are written to the store."""
+    max_clock_skew_s: float = 300.0
+    """Times a sender gives (step and request times, ``sent_unix_s``, a hello's
+    ``started_unix_s``) may be at most this far ahead of the collector's clock; later
+    ones get 400 naming the field (a step dated next year would freeze the engine's
+    gauges). Keep the engines' clocks synchronised (NTP)."""
+    max_backfill_s: float = 15 * DAY_S
+    """Times may be at most this far behind the collector's clock (a plugin's spool
+    replayed after an outage is well inside the default); older get 400. 0 accepts any
+    age (an import of old recordings)."""
+    pool_tokens: tuple[tuple[str, str], ...] = ()
+    """(pool, token) pairs: a pool's token ingests only as engines of that pool (a hello
+    naming another pool, or an engine known in another pool, gets 403) and reads only that
+    pool's engines; ``/metrics`` needs ``token``. ``token`` itself is the fleet's (every
+    pool)."""
+    max_new_boots_per_engine_per_minute: int = 10
+    """New boot ids (process starts) accepted per engine per sliding minute; beyond, 429
+    (reason ``boot_limit``). A real engine restarts far less often; every boot adds rows."""
+    response_timeout_s: float = 30.0
+    """A response (``/metrics``, the read API) must be written to the client within this
+    many seconds, else the connection is closed and counted (a reader that never reads
+    would otherwise hold the response's memory)."""
+    kv_events_allow: tuple[str, ...] = ()
+    """Hosts or networks (``10.0.0.0/8``, ``vllm-0.prod``) a hello may advertise a KV-events
+    endpoint on, besides the address the hello came from (always allowed)."""
+    kv_events_allow_ipc: bool = False
+    """Whether a hello may advertise an ``ipc://`` (local socket path) endpoint."""
+    kv_events_max_sockets: int = 512
+    """Most KV-event subscriptions at once; engines beyond are refused (logged, counted)."""
     otlp_endpoint: str | None = None
     """OTLP/HTTP metrics URL (e.g. ``http://otel-collector:4318/v1/metrics``) to push the
     fleet metrics and verdicts to (see :mod:`kvscope.collector.otlp`); None: no OTLP export."""
@@ -191,6 +221,32 @@ class Settings:
             raise ValueError("kv_events_idle_s: must be > 0")
         if not 0 < self.kv_events_flush_interval_s <= 60:
             raise ValueError("kv_events_flush_interval_s: must be in (0, 60]")
+        if not self.max_clock_skew_s >= 0:
+            raise ValueError("max_clock_skew_s: must be >= 0")
+        if not self.max_backfill_s >= 0:
+            raise ValueError("max_backfill_s: must be >= 0 (0 accepts any age)")
+        if self.pool_tokens and self.token is None:
+            raise ValueError(
+                "pool_tokens: need the fleet's token too (token), else a request without "
+                "any token would read and write every pool"
+            )
+        seen_tokens: set[str] = set()
+        for pool, tok in self.pool_tokens:
+            if not pool or not tok.strip():
+                raise ValueError("pool_tokens: expected (pool, token) with neither empty")
+            if tok == self.token or tok in seen_tokens:
+                raise ValueError(f"pool_tokens: the token of pool {pool!r} is used twice")
+            seen_tokens.add(tok)
+        for entry in self.kv_events_allow:
+            try:
+                parse_allow(entry)
+            except ValueError as exc:
+                raise ValueError(f"kv_events_allow: {exc}") from None
+        for name in ("max_new_boots_per_engine_per_minute", "kv_events_max_sockets"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+        if not self.response_timeout_s > 0:
+            raise ValueError("response_timeout_s: must be > 0")
         if self.otlp_endpoint is not None:
             scheme, sep, rest = self.otlp_endpoint.partition("://")
             if scheme not in ("http", "https") or not sep or not rest.strip("/"):
@@ -214,6 +270,8 @@ class Settings:
         def shown(name: str) -> object:
             if name == "token" and self.token:
                 return "***"
+            if name == "pool_tokens":
+                return tuple((pool, "***") for pool, _ in self.pool_tokens)
             if name == "otlp_headers":
                 return tuple((k, "***") for k, _ in self.otlp_headers)
             return getattr(self, name)

@@ -41,7 +41,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
-from kvscope.collector import _reads, _request_rollup, _rollup
+from kvscope.collector import _quarantine, _reads, _request_rollup, _rollup
 from kvscope.collector._ingest import (
     DUPLICATE,
     STORED,
@@ -84,6 +84,9 @@ class Store:
 
     rolled_until_s: float | None = None
     """The end of the minutes rolled up by the last lifecycle pass (None before it)."""
+    rollup_pending_minutes: int = 0
+    """Minutes written behind the rolled-up end (late or old data, both tiers) that the last
+    lifecycle pass left to the next ones when its budget ran out (0: it keeps up)."""
 
     def __init__(self, path: str, memory_limit_mib: int | None = None) -> None:
         self.path = path
@@ -102,6 +105,12 @@ class Store:
         self._cursors: list[Any] = []
         self._local = threading.local()
         self._closed = False
+        try:
+            self.quarantined = _quarantine.quarantine(self._con, time.time())
+            """Rows moved to ``quarantined_rows`` at this open, per table."""
+        except BaseException:
+            self._con.close()
+            raise
         self._cache = WriteCache.load(self._con, time.time() - RECENT_BOOTS_S)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -225,9 +234,10 @@ class Store:
         then delete 1-second windows past ``window_retention_s`` and requests finished
         before ``request_retention_s`` whose minute is rolled up, 1-minute windows past
         ``rollup_retention_s`` and request minutes past ``request_rollup_retention_s``
-        (``None``: ``rollup_retention_s``); 0 keeps. A backlog is rolled up
-        for about ``rollup_budget_s`` per tier and call (``None``: whole), and only what
-        is rolled up is deleted.
+        (``None``: ``rollup_retention_s``); 0 keeps. A backlog and late minutes are
+        rolled up for about ``rollup_budget_s`` a call, both tiers together (at least a
+        statement of each kind and tier; ``None``: whole); the rest waits for the next
+        call, and only what is rolled up is deleted.
 
         As in Prometheus, the retentions count back from the newest data (the latest
         1-second window or finished request, or now if that is later than now): a store of
@@ -243,7 +253,8 @@ class Store:
                 default=None,
             )
             ref = now if newest is None else min(now, newest)
-            n, rolled = self._roll_up(
+            t0 = time.monotonic()
+            n, rolled, waiting = self._roll_up(
                 _rollup.WINDOWS_1M,
                 "window_minutes",
                 window_retention_s,
@@ -252,23 +263,31 @@ class Store:
                 rollup_lookback_s,
                 rollup_budget_s,
             )
-            n_req, req_rolled = self._roll_up(
+            left_s = rollup_budget_s
+            if left_s is not None:  # one budget for both tiers
+                left_s = max(0.0, left_s - (time.monotonic() - t0))
+            n_req, req_rolled, waiting_req = self._roll_up(
                 _request_rollup.REQUESTS_1M,
                 "request_minutes",
                 request_retention_s,
                 ref,
                 now,
                 rollup_lookback_s,
-                rollup_budget_s,
+                left_s,
             )
+            # Minutes waiting for a pass keep their rows: nothing from the first one on is
+            # deleted yet.
+            hold = min(self._cache.window_minutes, default=math.inf)
+            hold_req = min(self._cache.request_minutes, default=math.inf)
         self.rolled_until_s = float(rolled)
+        self.rollup_pending_minutes = waiting + waiting_req
         out = {"windows_1m_written": n, "requests_1m_written": n_req}
         if window_retention_s > 0:
-            cutoff = min(ref - window_retention_s, float(rolled))
+            cutoff = min(ref - window_retention_s, float(rolled), hold)
             out["windows_1s"] = self._delete("windows_1s", "ts_s", cutoff)
         if request_retention_s > 0:
             # Whole minutes, so a minute's requests are either all kept or all in the tier.
-            kept_from = min(_rollup.minute_floor(ref - request_retention_s), req_rolled)
+            kept_from = min(_rollup.minute_floor(ref - request_retention_s), req_rolled, hold_req)
             out["requests"] = self._delete("requests", "finished_unix_s", kept_from)
             with self._write_lock:
                 self._check_open()
@@ -294,9 +313,11 @@ class Store:
         now: float,
         lookback_s: float,
         budget_s: float | None,
-    ) -> tuple[int, int]:
-        """One tier's rollup pass (the caller holds the write lock): rows written and
-        the end of the rolled-up minutes."""
+    ) -> tuple[int, int, int]:
+        """One tier's rollup pass (the caller holds the write lock) for about ``budget_s``:
+        rows written, the end of the rolled-up minutes and how many minutes written behind
+        it wait for the next pass (kept in the write cache with the incomplete ones)."""
+        t0 = time.monotonic()
         written: set[int] = getattr(self._cache, written_attr)
         setattr(self._cache, written_attr, set())
         behind: set[int] = set()
@@ -310,12 +331,16 @@ class Store:
             written = written - behind
         try:
             n, rolled, later = _rollup.roll_up(self._con, now, lookback_s, written, tier, budget_s)
-            n += _rollup.fill(self._con, {m for m in behind if m < rolled}, tier)
+            left_s = None if budget_s is None else max(0.0, budget_s - (time.monotonic() - t0))
+            # behind minutes from ``rolled`` on are rolled up by the passes to come
+            filled, unfilled = _rollup.fill(
+                self._con, {m for m in behind if m < rolled}, tier, left_s
+            )
         except BaseException:
-            getattr(self._cache, written_attr).update(written)
+            getattr(self._cache, written_attr).update(written | behind)
             raise
-        getattr(self._cache, written_attr).update(later)
-        return n, rolled
+        getattr(self._cache, written_attr).update(later | unfilled)
+        return n + filled, rolled, len(unfilled) + sum(m < rolled for m in later)
 
     def requests_kept_from(self) -> float | None:
         """Requests finished before this (unix seconds) were deleted by the retention and
@@ -592,6 +617,10 @@ class Store:
             self._cursor().execute("SELECT sum(memory_usage_bytes) FROM duckdb_memory()").fetchone()
         )
         return int(row[0] or 0) if row else 0
+
+    def quarantined_counts(self) -> dict[str, int]:
+        """Rows in ``quarantined_rows`` per source table (see :mod:`kvscope.collector._quarantine`)."""
+        return _quarantine.counts(self._cursor())
 
     def table_counts(self) -> dict[str, int]:
         """Rows per table (for health checks and tests)."""

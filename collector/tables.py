@@ -166,6 +166,15 @@ TABLES: dict[str, dict[str, Any]] = {
         ],
         "pk": ("engine_id", "boot_id"),
     },
+    "quarantined_rows": {
+        "cols": [
+            ("table_name", "VARCHAR"),
+            ("engine_id", "VARCHAR"),
+            ("reason", "VARCHAR"),
+            ("row_json", "VARCHAR"),
+            ("quarantined_unix_s", "DOUBLE"),
+        ],
+    },
     "saved_state": {
         "cols": [("key", "VARCHAR"), ("value", "VARCHAR"), ("saved_unix_s", "DOUBLE")],
         "pk": ("key",),

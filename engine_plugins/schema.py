@@ -33,6 +33,7 @@ which raises :class:`SchemaError` naming the offending field. Bump
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,26 @@ MAX_ROWS_PER_BATCH = 200_000
 MAX_ID_CHARS = 200
 MAX_LABEL_CHARS = 200
 MAX_TEXT_CHARS = 1_000
+
+#: Physical bounds: what an engine can produce, far above any real engine, low enough
+#: that a batch's sums fit a 64-bit integer many thousand times over (200,000 rows x
+#: 2^32 < 2^50), so no sum the receiver forms can overflow. See docs/reliability.md.
+MAX_TOKENS = 2**32
+"""Tokens in one step, or of one request (a step holds at most ``max_num_batched_tokens``
+tokens, a request at most ``max_model_len``)."""
+MAX_SEQS = 2**24
+"""Requests running in one step, preempted in one step or times one request was preempted."""
+MAX_QUEUE = 2**32
+"""Requests waiting, or KV-cache blocks."""
+MAX_COUNTER = 2**53
+"""A cumulative count (exact in a double), or a step counter."""
+MAX_UNIX_S = 2**33
+"""Latest wall-clock time accepted by the schema (year 2242); the collector also bounds
+times against its own clock (``max_clock_skew_s``, ``max_backfill_s``)."""
+MAX_DURATION_S = 30 * 86_400.0
+"""Longest latency or step time accepted (30 days)."""
+MAX_SMALL = 2**16
+"""Block size, engine index, parallel sizes."""
 
 INT = "int"
 FLOAT = "float"
@@ -80,33 +101,70 @@ class Field:
 
 # Per engine step: one row per record() call that carried scheduler stats.
 STEP_FIELDS: tuple[Field, ...] = (
-    Field("ts_unix_s", FLOAT, "wall-clock time the step's stats reached the logger"),
-    Field("step", INT, "vLLM's scheduler step counter (or the logger's own count)"),
-    Field("batch_size", INT, "running requests in the step (num_running_reqs)"),
-    Field("waiting", INT, "waiting requests, not deferred (num_waiting_reqs)"),
-    Field("deferred", INT, "waiting requests deferred by transient constraints"),
+    Field(
+        "ts_unix_s",
+        FLOAT,
+        "wall-clock time the step's stats reached the logger",
+        maximum=MAX_UNIX_S,
+    ),
+    Field(
+        "step",
+        INT,
+        "vLLM's scheduler step counter (or the logger's own count)",
+        maximum=MAX_COUNTER,
+    ),
+    Field("batch_size", INT, "running requests in the step (num_running_reqs)", maximum=MAX_SEQS),
+    Field("waiting", INT, "waiting requests, not deferred (num_waiting_reqs)", maximum=MAX_QUEUE),
+    Field(
+        "deferred",
+        INT,
+        "waiting requests deferred by transient constraints",
+        maximum=MAX_QUEUE,
+    ),
     Field("kv_usage_ratio", FLOAT, "fraction of KV-cache blocks in use", maximum=1.0 + 1e-6),
-    Field("kv_blocks_used", INT, "KV-cache blocks in use (ratio x num_gpu_blocks, rounded)"),
-    Field("prefix_queries", INT, "prefix-cache lookups in the step, in tokens"),
-    Field("prefix_hits", INT, "prefix-cache hits in the step, in tokens"),
-    Field("preemptions", INT, "requests preempted in the step"),
-    Field("prompt_tokens", INT, "prompt tokens processed in the step"),
-    Field("generation_tokens", INT, "tokens generated in the step"),
-    Field("iteration_s", FLOAT, "engine iteration time, where vLLM reports it", nullable=True),
+    Field(
+        "kv_blocks_used",
+        INT,
+        "KV-cache blocks in use (ratio x num_gpu_blocks, rounded)",
+        maximum=MAX_QUEUE,
+    ),
+    Field("prefix_queries", INT, "prefix-cache lookups in the step, in tokens", maximum=MAX_TOKENS),
+    Field("prefix_hits", INT, "prefix-cache hits in the step, in tokens", maximum=MAX_TOKENS),
+    Field("preemptions", INT, "requests preempted in the step", maximum=MAX_SEQS),
+    Field("prompt_tokens", INT, "prompt tokens processed in the step", maximum=MAX_TOKENS),
+    Field("generation_tokens", INT, "tokens generated in the step", maximum=MAX_TOKENS),
+    Field(
+        "iteration_s",
+        FLOAT,
+        "engine iteration time, where vLLM reports it",
+        nullable=True,
+        maximum=MAX_DURATION_S,
+    ),
 )
 
 # Per finished request.
 REQUEST_FIELDS: tuple[Field, ...] = (
-    Field("finished_unix_s", FLOAT, "wall-clock time the request's stats reached the logger"),
-    Field("e2e_s", FLOAT, "end-to-end latency, arrival to last token"),
-    Field("queue_s", FLOAT, "time in the waiting queue"),
-    Field("prefill_s", FLOAT, "time from first scheduling to first token"),
-    Field("decode_s", FLOAT, "time from first token to last token"),
-    Field("ttft_s", FLOAT, "time to first token, where available", nullable=True),
-    Field("prompt_tokens", INT, "prompt length in tokens"),
-    Field("generation_tokens", INT, "generated tokens"),
-    Field("cached_tokens", INT, "prompt tokens served from the prefix cache"),
-    Field("preemptions", INT, "times the request was preempted"),
+    Field(
+        "finished_unix_s",
+        FLOAT,
+        "wall-clock time the request's stats reached the logger",
+        maximum=MAX_UNIX_S,
+    ),
+    Field("e2e_s", FLOAT, "end-to-end latency, arrival to last token", maximum=MAX_DURATION_S),
+    Field("queue_s", FLOAT, "time in the waiting queue", maximum=MAX_DURATION_S),
+    Field("prefill_s", FLOAT, "time from first scheduling to first token", maximum=MAX_DURATION_S),
+    Field("decode_s", FLOAT, "time from first token to last token", maximum=MAX_DURATION_S),
+    Field(
+        "ttft_s",
+        FLOAT,
+        "time to first token, where available",
+        nullable=True,
+        maximum=MAX_DURATION_S,
+    ),
+    Field("prompt_tokens", INT, "prompt length in tokens", maximum=MAX_TOKENS),
+    Field("generation_tokens", INT, "generated tokens", maximum=MAX_TOKENS),
+    Field("cached_tokens", INT, "prompt tokens served from the prefix cache", maximum=MAX_TOKENS),
+    Field("preemptions", INT, "times the request was preempted", maximum=MAX_SEQS),
     Field("finish_reason", STR, "stop, length, abort, error, ...", max_chars=32),
 )
 
@@ -116,24 +174,40 @@ HELLO_FIELDS: tuple[Field, ...] = (
     Field("boot_id", STR, "random id of this process start", max_chars=MAX_ID_CHARS),
     Field("host", STR, "host or pod name"),
     Field("port", INT, "API server port (0 when unknown)", maximum=65535),
-    Field("pid", INT, "API server process id"),
-    Field("engine_index", INT, "data-parallel engine index"),
+    Field("pid", INT, "API server process id", maximum=MAX_QUEUE),
+    Field("engine_index", INT, "data-parallel engine index", maximum=MAX_SMALL),
     Field("pool", STR, "deployment / pool label (KVSCOPE_POOL)"),
     Field("model", STR, "served model name"),
-    Field("started_unix_s", FLOAT, "when the logger was created"),
+    Field("started_unix_s", FLOAT, "when the logger was created", maximum=MAX_UNIX_S),
     Field("vllm_version", STR, "vLLM version", max_chars=64),
     Field("kvscope_version", STR, "kvscope plugin version", max_chars=64),
-    Field("num_gpu_blocks", INT, "KV-cache blocks in total", nullable=True),
-    Field("block_size", INT, "tokens per KV-cache block", nullable=True),
-    Field("max_num_seqs", INT, "scheduler cap on running requests", nullable=True),
-    Field("max_num_batched_tokens", INT, "scheduler token budget per step", nullable=True),
-    Field("max_model_len", INT, "maximum context length", nullable=True),
+    Field("num_gpu_blocks", INT, "KV-cache blocks in total", nullable=True, maximum=MAX_QUEUE),
+    Field("block_size", INT, "tokens per KV-cache block", nullable=True, maximum=MAX_SMALL),
+    Field(
+        "max_num_seqs", INT, "scheduler cap on running requests", nullable=True, maximum=MAX_SEQS
+    ),
+    Field(
+        "max_num_batched_tokens",
+        INT,
+        "scheduler token budget per step",
+        nullable=True,
+        maximum=MAX_TOKENS,
+    ),
+    Field("max_model_len", INT, "maximum context length", nullable=True, maximum=MAX_TOKENS),
     Field("enable_prefix_caching", BOOL, "prefix caching on", nullable=True),
     Field("kv_cache_dtype", STR, "KV-cache dtype (auto, fp8, ...)", nullable=True, max_chars=64),
-    Field("gpu_memory_utilization", FLOAT, "fraction of device memory vLLM may use", nullable=True),
-    Field("tensor_parallel_size", INT, "tensor-parallel size", nullable=True),
-    Field("pipeline_parallel_size", INT, "pipeline-parallel size", nullable=True),
-    Field("data_parallel_size", INT, "data-parallel size", nullable=True),
+    Field(
+        "gpu_memory_utilization",
+        FLOAT,
+        "fraction of device memory vLLM may use",
+        nullable=True,
+        maximum=1.0,
+    ),
+    Field("tensor_parallel_size", INT, "tensor-parallel size", nullable=True, maximum=MAX_SMALL),
+    Field(
+        "pipeline_parallel_size", INT, "pipeline-parallel size", nullable=True, maximum=MAX_SMALL
+    ),
+    Field("data_parallel_size", INT, "data-parallel size", nullable=True, maximum=MAX_SMALL),
     Field(
         "kv_events_endpoint",
         STR,
@@ -187,6 +261,9 @@ EXPORTER_FIELDS: tuple[Field, ...] = (
     ),
 )
 
+# Every exporter counter is cumulative: at most MAX_COUNTER.
+EXPORTER_FIELDS = tuple(dataclasses.replace(f, maximum=MAX_COUNTER) for f in EXPORTER_FIELDS)
+
 ENVELOPE_KEYS = frozenset(
     {
         "schema_version",
@@ -221,6 +298,7 @@ def _check_value(where: str, f: Field, v: Any) -> None:
             raise SchemaError(f"{where}: expected a string, got {type(v).__name__}")
         if len(v) > f.max_chars:
             raise SchemaError(f"{where}: longer than {f.max_chars} characters")
+        _check_text(where, v)
         return
     if f.kind == BOOL:
         if not isinstance(v, bool):
@@ -236,6 +314,15 @@ def _check_value(where: str, f: Field, v: Any) -> None:
         raise SchemaError(f"{where}: must be >= {f.minimum:g}, got {v!r}")
     if f.maximum is not None and v > f.maximum:
         raise SchemaError(f"{where}: must be <= {f.maximum:g}, got {v!r}")
+
+
+def _check_text(where: str, v: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate from a JSON ``\\ud800``
+    escape): no store or exposition can carry it."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SchemaError(f"{where}: not valid Unicode text (a lone surrogate)") from None
 
 
 def _check_record(where: str, fields: tuple[Field, ...], obj: Any, *, required: bool) -> None:
@@ -306,7 +393,13 @@ def _column_ok(f: Field, col: list[Any]) -> bool:
         if not col:
             return True
     if f.kind == STR:
-        return types == {str} and max(map(len, col)) <= f.max_chars
+        if types != {str} or max(map(len, col)) > f.max_chars:
+            return False
+        try:
+            "".join(col).encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
     if f.kind == BOOL:
         return types == {bool}
     if not types <= _NUMBER_TYPES[f.kind]:
@@ -327,7 +420,11 @@ def validate_batch(obj: Any) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise SchemaError(f"batch: expected a JSON object, got {type(obj).__name__}")
     version = obj.get("schema_version")
-    if version not in SUPPORTED_SCHEMA_VERSIONS:
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, int)
+        or (version not in SUPPORTED_SCHEMA_VERSIONS)
+    ):
         raise SchemaError(
             f"schema_version: {version!r} is not supported (this receiver accepts "
             f"{sorted(SUPPORTED_SCHEMA_VERSIONS)}); upgrade the collector or the plugin"
@@ -341,12 +438,15 @@ def validate_batch(obj: Any) -> dict[str, Any]:
             raise SchemaError(f"{key}: expected a non-empty string")
         if len(v) > MAX_ID_CHARS:
             raise SchemaError(f"{key}: longer than {MAX_ID_CHARS} characters")
+        _check_text(key, v)
     seq = obj.get("seq")
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:
-        raise SchemaError(f"seq: expected a non-negative integer, got {seq!r}")
+    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq <= MAX_COUNTER:
+        raise SchemaError(f"seq: expected an integer in 0..{MAX_COUNTER}, got {seq!r}")
     sent = obj.get("sent_unix_s")
     if isinstance(sent, bool) or not isinstance(sent, (int, float)) or not math.isfinite(sent):
         raise SchemaError(f"sent_unix_s: expected a finite number, got {sent!r}")
+    if not 0 <= sent <= MAX_UNIX_S:
+        raise SchemaError(f"sent_unix_s: must be in 0..{MAX_UNIX_S}, got {sent!r}")
     hello = obj.get("hello")
     if hello is not None:
         _check_record("hello", HELLO_FIELDS, hello, required=True)

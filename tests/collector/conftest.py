@@ -28,6 +28,7 @@ def make_collector(store_path: str) -> Iterator[Callable[..., LiveCollector]]:
     def make(**over: Any) -> LiveCollector:
         # Test data uses old timestamps: keep raw steps unless a test asks for retention.
         over.setdefault("raw_step_retention_s", 0)
+        over.setdefault("max_backfill_s", 0)  # and accept them at the door
         settings = Settings(port=0, store_path=over.pop("store_path", store_path), **over)
         lc = LiveCollector(settings)
         started.append(lc)

@@ -310,7 +310,7 @@ def test_new_boot_resubscribes_and_starts_afresh(
         batch(
             engine_id=a2.engine_id,
             boot_id="boot-2",
-            hello=a2.hello("boot-2", started_unix_s=1_800_000_000.0),
+            hello=a2.hello("boot-2", started_unix_s=1_700_000_500.0),
         ),
     )
     connect(lc.url, a2)

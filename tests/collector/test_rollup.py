@@ -373,3 +373,51 @@ def test_late_seconds_behind_the_retention_do_not_replace_their_minute(store: St
     assert out["windows_1s"] == 1 and out["windows_1m_written"] == 0
     m = store.minute_windows().set_index("ts_s")
     assert m.loc[int(T0), "n_seconds"] == 60  # as rolled up before, not replaced by the one
+
+
+def test_old_and_late_minutes_are_rolled_up_many_a_statement_and_a_bounded_part_a_pass(
+    store: Store,
+) -> None:
+    from kvscope.collector._rollup import LATE_CHUNK_S, LATE_SPAN_S
+
+    day, gap = 86400.0, 3660.0  # steps 61 minutes apart: a minute of its own each
+    new = T0 + 100 * day  # the newest data: the retentions count back from it
+    old = [new - 16 * day - k * gap for k in range(900)][::-1]  # behind the retention
+    late = [new - 14 * day + k * gap for k in range(200)]  # inside it, behind the rolled end
+    _send(store, [late[0] + 30.0], 0, engine="e2")  # a second of the first late minute ...
+    _send(store, [new + i for i in range(60)], 0)
+    kw = {"window_retention_s": 15 * day, "request_retention_s": 15 * day, "rollup_retention_s": 0}
+    store.apply_lifecycle(**kw, now_unix_s=new + 400)  # ... rolled up alone
+    b = batch(engine_id="e2", seq=1, steps=steps(old + late), req_ts=old + late)
+    store.ingest_one(prepare_batch(b, new))
+    minutes = {int(t) // 60 * 60 for t in old + late}
+    # At a budget of 0 a pass runs one statement of each kind and tier: the old minutes
+    # (only filled where the tier has none) LATE_CHUNK_S of them a statement, the late ones
+    # (upserted) as many as lie within LATE_SPAN_S of the first; both tiers alike.
+    per_old = LATE_CHUNK_S // 60
+    per_late = min(per_old, int((LATE_SPAN_S - 60) // gap) + 1)
+    want, n_old, n_late = [], len(old), len(late)
+    while n_old or n_late:
+        n_old, n_late = n_old - min(n_old, per_old), n_late - min(n_late, per_late)
+        want.append(2 * (n_old + n_late))
+    pending = []
+    for _ in range(len(want)):
+        store.apply_lifecycle(**kw, now_unix_s=new + 400, rollup_budget_s=0.0)
+        pending.append(store.rollup_pending_minutes)
+        # a minute waiting keeps its second and its request
+        assert minutes <= set(store.minute_windows("e2")["ts_s"]) | set(
+            store.windows("e2")["ts_s"] // 60 * 60
+        )
+        assert minutes <= set(store.request_minutes("e2")["ts_s"]) | set(
+            store.requests("e2")["finished_unix_s"] // 60 * 60
+        )
+    assert pending == want and len(want) < 20  # not a statement per minute (1,100 of them)
+    got = store.minute_windows("e2").set_index("ts_s")
+    assert set(got.index) == minutes
+    assert got.loc[int(late[0]), "n_seconds"] == 2  # upserted: the late second joined its minute
+    assert (got.drop(int(late[0]))["n_seconds"] == 1).all()
+    req = store.request_minutes("e2").set_index("ts_s")
+    assert set(req.index) == minutes and (req["n_requests"] == 1).all()
+    # once rolled up, what is behind the retention is deleted
+    assert set(store.windows("e2")["ts_s"]) == {int(t) for t in [*late, late[0] + 30]}
+    assert sorted(store.requests("e2")["finished_unix_s"]) == late

@@ -19,6 +19,7 @@ from _collector_helpers import batch, encode, hello
 from kvscope.collector.process import CollectorProcess
 
 __all__ = [
+    "QUIET",
     "RssSampler",
     "batch",
     "counter",
@@ -31,9 +32,18 @@ __all__ = [
     "unique_steps_batch",
 ]
 
-QUIET = ["--kv-events", "off", "--advise-interval-s", "0", "--raw-retention-s", "0"]
+QUIET = [
+    "--kv-events",
+    "off",
+    "--advise-interval-s",
+    "0",
+    "--raw-retention-s",
+    "0",
+    "--max-backfill",
+    "0",
+]
 """Flags that keep a test collector to the ingest path (no KV-event subscriber, no
-advisor thread, no retention of the old test timestamps)."""
+advisor thread, no retention of the old test timestamps, which the door accepts)."""
 
 
 def start_collector(

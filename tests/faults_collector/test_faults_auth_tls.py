@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _faults_collector_helpers import batch, counter, post, request, start_collector
+from _faults_collector_helpers import QUIET, batch, counter, post, request, start_collector
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -174,12 +174,7 @@ def test_tls_serves_https_to_the_plugin_and_the_readers(
         token=TOKEN,
         ca_file=cert,
         extra_args=[
-            "--kv-events",
-            "off",
-            "--advise-interval-s",
-            "0",
-            "--raw-retention-s",
-            "0",
+            *QUIET,
             "--tls-cert",
             str(cert),
             "--tls-key",

@@ -88,7 +88,18 @@ def artefacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def session(tmp_path_factory: pytest.TempPathFactory, artefacts: Path) -> Iterator[Session]:
     work = tmp_path_factory.mktemp("weekly")
     store = work / "kvscope.duckdb"
-    c = CollectorProcess(store, extra_args=["--advise-interval-s", "0", "--kv-events", "off"])
+    c = CollectorProcess(
+        store,
+        extra_args=[
+            "--advise-interval-s",
+            "0",
+            "--kv-events",
+            "off",
+            # A generated week is sent in seconds: its engines' restarts arrive at once.
+            "--max-new-boots-per-engine-per-minute",
+            "1000",
+        ],
+    )
     c.start()
     try:
         week = generate(c.url, time.time())
