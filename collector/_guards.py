@@ -17,15 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
-__all__ = ["ByteBudget", "GuardedRunner", "Lease", "NewEngineGate", "Overbudget"]
+__all__ = [
+    "ByteBudget",
+    "GuardedRunner",
+    "Lease",
+    "MalformedRequestLog",
+    "NewEngineGate",
+    "Overbudget",
+]
 
 
 class Overbudget(Exception):
@@ -183,3 +193,33 @@ class GuardedRunner(web.AppRunner):
         """Connections closed because their request head was too slow."""
         server: Any = self.server
         return int(getattr(server, "kvscope_slow_closed", 0))
+
+
+class MalformedRequestLog(logging.Filter):
+    """Keeps aiohttp's record of each malformed HTTP request (a request line over 8 KiB,
+    a bad header: aiohttp answers 400 itself) from flooding the log with a traceback per
+    request: such records are counted, and one line without the traceback is let through
+    a minute. Installed on the ``aiohttp.server`` logger by the collector."""
+
+    def __init__(self, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.count = 0
+        self._every_s = every_s
+        self._clock = clock
+        self._next = -math.inf
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        self.count += 1
+        now = self._clock()
+        if now < self._next:
+            return False
+        self._next = now + self._every_s
+        record.msg = "malformed HTTP request answered 400 (%s); %d so far, logged once a minute"
+        record.args = (f"{type(exc).__name__}: {exc}"[:200], self.count)
+        record.exc_info = None
+        record.exc_text = None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True

@@ -65,7 +65,14 @@ import pandas as pd
 from aiohttp import web
 
 from kvscope.collector._boots import BootGate
-from kvscope.collector._guards import ByteBudget, GuardedRunner, Lease, NewEngineGate, Overbudget
+from kvscope.collector._guards import (
+    ByteBudget,
+    GuardedRunner,
+    Lease,
+    MalformedRequestLog,
+    NewEngineGate,
+    Overbudget,
+)
 from kvscope.collector._http_body import BodyError, ResponseWriter, SharedBody, read_body
 from kvscope.collector._parse_budget import parse_cost
 from kvscope.collector._writer import GroupCommitWriter, Overloaded, WriterClosed
@@ -876,6 +883,7 @@ class RunningCollector:
     host: str
     port: int
     tls: bool = False
+    malformed: MalformedRequestLog | None = None
 
     @property
     def url(self) -> str:
@@ -889,7 +897,11 @@ class RunningCollector:
 
     async def stop(self) -> None:
         """Stop accepting, answer in-flight requests, flush the writer, close."""
-        await self.runner.cleanup()
+        try:
+            await self.runner.cleanup()
+        finally:
+            if self.malformed is not None:
+                logging.getLogger("aiohttp.server").removeFilter(self.malformed)
 
 
 async def start(settings: Settings, store: Store | None = None) -> RunningCollector:
@@ -905,14 +917,24 @@ async def start(settings: Settings, store: Store | None = None) -> RunningCollec
             "Connections closed because a request head did not arrive within header_timeout_s.",
             lambda: guarded.slow_connections_closed,
         )
+    malformed = MalformedRequestLog()
+    context(app).state.extra["kvscope_collector_malformed_requests_total"] = (
+        "counter",
+        "Requests aiohttp answered 400 itself (a request line over 8 KiB, a bad header); "
+        "logged once a minute.",
+        lambda: malformed.count,
+    )
     site = web.TCPSite(runner, settings.host, settings.port, ssl_context=tls)
     try:
         await site.start()
     except BaseException:
         await runner.cleanup()
         raise
+    logging.getLogger("aiohttp.server").addFilter(malformed)
     port = runner.addresses[0][1]
-    return RunningCollector(app, runner, settings.host, int(port), tls=tls is not None)
+    return RunningCollector(
+        app, runner, settings.host, int(port), tls=tls is not None, malformed=malformed
+    )
 
 
 def is_loopback(host: str) -> bool:
