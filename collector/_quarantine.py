@@ -108,16 +108,18 @@ def quarantine(con: Any, now_unix_s: float) -> dict[str, int]:
     con.execute("BEGIN TRANSACTION")
     try:
         for table, rules in _rules().items():
-            for reason, cond in rules:
-                row = con.execute(
-                    "INSERT INTO quarantined_rows SELECT ?, t.engine_id, ?, "
-                    f"CAST(to_json(t) AS VARCHAR), ? FROM {table} t WHERE {cond}",
-                    [table, reason, now_unix_s],
-                ).fetchone()
-                n = int(row[0]) if row else 0
-                if n:
-                    con.execute(f"DELETE FROM {table} WHERE {cond}")
-                    moved[table] = moved.get(table, 0) + n
+            # One scan a table: the first rule a row breaks is its reason.
+            bad = " OR ".join(cond for _, cond in rules)
+            reason = "CASE " + " ".join(f"WHEN {c} THEN ?" for _, c in rules) + " END"
+            row = con.execute(
+                f"INSERT INTO quarantined_rows SELECT ?, t.engine_id, {reason}, "
+                f"CAST(to_json(t) AS VARCHAR), ? FROM {table} t WHERE {bad}",
+                [table, *(r for r, _ in rules), now_unix_s],
+            ).fetchone()
+            n = int(row[0]) if row else 0
+            if n:
+                con.execute(f"DELETE FROM {table} WHERE {bad}")
+                moved[table] = n
         # An engine's identity dated past any time would hold off every genuine hello:
         # forget that part (the next hello sets it), keep the engine.
         future = (
