@@ -1,36 +1,20 @@
 """Load balance across the replicas of a pool.
 
-Algorithm
----------
-* **Load per engine**: the mean number of requests in flight (running + waiting +
-  deferred, as everywhere in the advisor) over the pool's time span: the sum of the
-  engine's window loads divided by the seconds from the pool's first to its last
-  window. A second without a window (the engine took no step) counts as idle, so a
-  replica that sits idle half the time shows half the load, not the load of its busy
-  seconds. A window read from the 1-minute tier counts for the seconds its engine
-  stepped in, and spans its minute.
-* **Request share**: the engine's share of the pool's finished requests.
-* **Imbalance** = the busiest engine's load / the mean load over the pool's engines
-  (1.0 is even; ``n`` is one engine taking everything). It is flagged (a
-  ``load_imbalance`` finding of severity warning, and a ``least_loaded_routing``
-  recommendation) at ``threshold`` or more, when the pool's mean load is at least
-  ``min_mean_load`` (below that the ratio of two near-idle replicas is noise).
-* **Expected gain** of balancing: with the same total load, the busiest replica would
-  carry the mean instead of the max. When that replica is saturated (its throughput
-  no longer grows), its latency scales with its load (Little's law at constant
-  throughput), so its requests' latency falls by ``1 - mean / max``: that is the
-  gain, on the same scale as a cap's relative P99 reduction. A busiest replica below
-  its knee gains little latency from balancing: the gain is 0 and the recommendation
-  is hygiene.
-
-Replicas of unequal capacity (different GPUs) should carry unequal load; the
-trade-off says so.
+:class:`LoadBalance` measures each engine's mean requests in flight over the pool's whole
+span (a second without a window counts as idle, so a replica idle half the time shows half
+the load) and its share of the finished requests. The imbalance, the busiest engine's load
+over the pool's mean, is flagged (``load_imbalance``, ``least_loaded_routing``) at
+``threshold`` or more when the pool is loaded enough for the ratio to mean something. The
+expected gain, ``1 - mean / max``, holds only when the busiest replica is saturated (else 0:
+hygiene). Replicas of unequal capacity should carry unequal load; the trade-off says so.
 
 Parameters
 ----------
 threshold : imbalance that is flagged (default 1.25).
 min_mean_load : pool mean load, in requests in flight, below which nothing is flagged
     (default 1.0).
+
+See docs/fleet.md#prefill-cost-and-load-balance.
 """
 
 from __future__ import annotations

@@ -1,109 +1,28 @@
 """Why throughput stops growing: the bottleneck at the plateau, with its evidence.
 
-Algorithm
----------
-The classifier looks at the windows of the **plateau region**: those whose load is at
-or beyond the knee of a fitted :class:`~kvscope.advisor.curve.ThroughputCurve` (when the
-engine is not saturated, the windows of its highest load bin: what the engine is
-*approaching*). Over those windows it takes medians of KV usage, running batch,
-waiting queue and computed tokens per step (prompt tokens not served from the prefix
-cache, plus generated tokens, over steps: what vLLM's token budget counts), the
-preemption rate and, from the requests that finished in those seconds, the
-preemptions per finished request and the blocks a waiting request needs to be
-admitted. Each class is named only on positive evidence, in this order:
+Over the windows of the plateau region (at or past the knee of a fitted
+:class:`~kvscope.advisor.curve.ThroughputCurve`; for an engine not saturated, its highest
+load bin) :class:`BottleneckClassifier` takes medians of KV usage, batch, queue and
+computed tokens per step, the preemptions per finished request and the blocks a waiting
+request needs to be admitted. Each class is named only on positive evidence, in order:
 
-1. ``kv_cache_bound``: **the free blocks cannot hold the next waiting request.** vLLM
-   admits a waiting request when it can allocate the blocks of its uncached prompt
-   (up to the token budget, as a chunk) and one more token; the need is the
-   ``need_quantile`` of that over the requests observed (the queue's head is as likely
-   to be a long prompt as any). KV is full when the median free blocks
-   (``(1 - usage) x num_gpu_blocks``) are at most the need plus ``kv_slack_blocks``
-   (the block a running request's next token may claim). The threshold follows the
-   engine: 0.98 of 48 blocks of 32 tokens for 26-token prompts, 0.58 of 256 blocks of
-   16 tokens for 1,750-token prompts (two requests fill the cache at 86%, the third
-   waits). Also full, whatever the sampled usage: requests wait (in any window of the
-   region: a preempted request goes back to the queue, and the region also holds the
-   loads just past the knee, where nobody waits yet) while vLLM preempts at least
-   ``kv_preemptions_per_request``
-   times per finished request (it preempts only when a running request finds no free
-   block; a gauge sampled once per scrape reads the cache between steps, lower). Without a block count or requests the
-   fixed ``kv_full_fallback`` share is used and the evidence says so.
-2. ``max_num_seqs_bound``: the median batch is at least ``seq_cap_ratio`` x
-   ``max_num_seqs``, KV not full.
-3. ``token_budget_bound``: computed tokens per step are at least ``budget_fill`` of
-   ``max_num_batched_tokens`` **and** the step-time model shows that bigger steps
-   would amortise a per-step cost: doubling the budget (twice the prompt and decode
-   work per step, with requests admitted as fast as they are prefilled, and one
-   per-step cost: :meth:`StepTimeModel.budget_gain`) raises the prefill rate by at least
-   ``min_budget_gain``, the lower end of the prediction's 95% interval included (the
-   predicted gain and its interval are in the evidence and the recommendation). When
-   steps are full but step time grows in proportion to the tokens in them
-   (prefill-bound, as on a CPU), a larger budget would not help: the interval's upper
-   end below ``min_budget_gain`` names ``compute_bound``. Without a step-time model, or
-   with an interval across ``min_budget_gain``, the engine is ``unexplained``.
-4. ``unexplained`` when requests wait (median queue at least ``queue_min``) while the
-   KV cache, the sequence slots and the token budget all have room: vLLM's scheduler
-   does not leave requests waiting in that state, so the evidence contradicts itself
-   (a front end that cannot feed the engine looks like this). The evidence is
-   reported; no cause is guessed.
-5. ``frontend_bound``: with no queue and every limit above with room, the finished
-   requests spent at least ``frontend_share`` of their life (median) outside the engine
-   core: vLLM's end-to-end latency runs from the API server's receipt to the output
-   processor's last token, and its queue, prefill and decode intervals are the engine
-   core's; the rest is the front end (rendering and tokenising, handing the request
-   over, streaming the tokens back). An API server that cannot keep up with the engine
-   leaves it idle between requests while its clients wait.
-6. ``compute_bound``: each step got slower as the work grew: steps per second at the
-   plateau at least ``min_step_slowdown`` below the lowest load bin's (a step took 25%
-   longer), with no queue and every other limit with room.
-7. ``unexplained`` otherwise.
+1. ``kv_cache_bound``: the free blocks cannot hold the next waiting request, or requests
+   wait while vLLM preempts (it preempts only when no block is free).
+2. ``max_num_seqs_bound``: the batch is pinned at ``max_num_seqs``, the cache not full.
+3. ``token_budget_bound``: steps are full at the token budget and the step-time model
+   predicts that doubling it raises the prefill rate by ``min_budget_gain`` or more (its
+   95% interval's lower end); ``compute_bound`` when even the upper end is below, else
+   ``unexplained``.
+4. ``unexplained``: requests wait while every limit has room (vLLM would admit them).
+5. ``frontend_bound``: no queue, and requests spend much of their life outside the core.
+6. ``compute_bound``: no queue, every limit with room, and steps got slower with the work.
+7. ``unexplained`` otherwise. An engine not saturated carries the class it approaches.
 
-An engine that is not saturated carries the class it is approaching, or none when
-nothing above holds at its highest load ("no limit in sight at the loads seen").
+Preemption thrash is flagged beside the class. Confidence is the share of plateau windows
+meeting the winning rule. Every threshold is in :meth:`BottleneckClassifier.parameters`
+and the report, so a verdict can be reproduced.
 
-**Preemption thrash** is flagged beside the label when the raw (not monotone-fitted)
-median throughput of the highest load bin lies more than ``thrash_drop`` below the
-best bin while vLLM preempts at least ``thrash_preemptions_per_request`` times per
-finished request there.
-
-Confidence is the share of plateau windows that satisfy the winning rule's main
-condition, times ``min(1, n / min_windows)``.
-
-Parameters
-----------
-Every threshold is in :meth:`BottleneckClassifier.parameters` and in the report's
-``parameters`` (with the kvscope version), so a verdict can be reproduced.
-
-seq_cap_ratio : batch / max_num_seqs that counts as pinned at the cap (0.9).
-budget_fill : computed tokens per step / max_num_batched_tokens that counts as a full
-    step (0.7).
-min_budget_gain : prefill-rate gain from doubling the budget, by the step-time model's
-    budget fit, that makes a full budget the limit (0.25), judged on the fit's 95%
-    interval: its lower end at least this names ``token_budget_bound``, its upper end
-    below it ``compute_bound``, an interval across it ``unexplained``. A quarter, set
-    from the two controls measured on the lab's CPU engine: the linear step model
-    over-states what much bigger steps gain there (its per-step cost grows with the
-    step), and a predicted +18% (95%: +17 to +19%) for doubling a 256-token budget came
-    with no gain from an 8x larger one (0.80 to 0.90 of the throughput), while a
-    predicted +37% (+32 to +40%) for a 64-token budget came with +39 to +57% from an 8x
-    larger one. A doubled budget also makes every step that holds decoding requests up
-    to twice as long (their inter-token latency), so a small gain is no advice.
-min_step_slowdown : growth of step time from the lowest load to the plateau that shows
-    compute (0.25: steps/s at the plateau at most 0.8 of the low-load rate).
-queue_min : median waiting requests that count as a persistent queue (1).
-frontend_share : median share of a finished request's end-to-end latency spent outside
-    the engine core that names the front end (0.25; on the lab's real engines, fed by an
-    API server with a core to itself, the median share is about 1% and its 99th
-    percentile under 9%).
-need_quantile : quantile of the observed requests' admission need (0.9).
-kv_slack_blocks : blocks beside the need that still count as full (1).
-kv_full_fallback : KV usage counted as full where the need cannot be derived (0.9).
-kv_preemptions_per_request : preemptions per finished request that, with a queue and
-    the batch below the cap, show a full cache whatever the sampled usage (0.05).
-thrash_drop : relative fall of throughput past the peak that counts as thrash (0.1).
-thrash_preemptions_per_request : preemptions per finished request needed for thrash
-    (0.5).
-min_windows : plateau windows for full confidence (10).
+See docs/advise.md#the-bottleneck-classifier.
 """
 
 from __future__ import annotations
@@ -181,7 +100,30 @@ def _count(requests: pd.DataFrame) -> float:
 
 
 class BottleneckClassifier:
-    """Names the ceiling at the plateau (see the module docstring)."""
+    """Names the ceiling at the plateau, with its evidence and confidence.
+
+    Parameters
+    ----------
+    seq_cap_ratio : batch / ``max_num_seqs`` that counts as pinned at the cap.
+    budget_fill : computed tokens per step / ``max_num_batched_tokens`` that counts as full.
+    min_budget_gain : predicted prefill-rate gain from doubling the budget that makes a full
+        budget the limit, judged on the prediction's 95% interval; a doubled budget also
+        lengthens every step that holds decoding requests, so a small gain is no advice.
+        The controls that set it: docs/advise.md#the-bottleneck-classifier.
+    min_step_slowdown : growth of step time from the lowest load to the plateau that shows
+        compute.
+    queue_min : median waiting requests that count as a persistent queue.
+    frontend_share : median share of a finished request's end-to-end latency outside the
+        engine core that names the front end.
+    need_quantile : quantile of the observed requests' admission need, in blocks.
+    kv_slack_blocks : blocks beside the need that still count as full.
+    kv_full_fallback : KV usage counted as full where the need cannot be derived.
+    kv_preemptions_per_request : preemptions per finished request that, with a queue, show a
+        full cache whatever the sampled usage.
+    thrash_drop, thrash_preemptions_per_request : fall of the highest load's raw throughput
+        below the best bin's, and preemptions per finished request there, that flag thrash.
+    min_windows : plateau windows for full confidence.
+    """
 
     def __init__(
         self,

@@ -1,98 +1,26 @@
 """The concurrency cap: admission control that keeps most of the throughput and
 bounds the tail.
 
-Algorithm
----------
-1. The cap is the smallest load (requests in flight) at which the fitted
-   throughput curve reaches ``cap_fraction`` of its peak, rounded up to a whole
-   request. The curve here is the monotone fit of the load bins up to the one with
-   the highest throughput: when throughput falls past its peak (preemption
-   thrash), the falling bins would otherwise pull the fitted plateau, and with it the
-   cap, below what the engine delivers at the peak, and the cap exists to keep the
-   engine there. Without such a fall this is the curve's own fit. Where the top of
-   the curve is flat, a few percent of noise in one bin moves that crossing by whole
-   load levels, and a cap taken from a bin that happened to run fast keeps less than
-   it promises. So the crossing is also found on ``resamples`` refits of the bins'
-   rates (:func:`~kvscope.advisor.frames.level_rate`) from windows drawn again within each bin (a bootstrap: the windows of a
-   bin measured on the way up and on the way down, at different host speeds, are in
-   it), and the cap is the ``resample_quantile`` of those loads when that is higher
-   (the median: a bin that ran fast by luck no longer sets the cap alone; a higher
-   quantile moves a cap on a flat top by whole load levels towards the overload, and
-   on real engines that cost more of the tail than it saved in throughput). Where the
-   curve shows a batch ceiling (the running batch stopped growing while requests
-   waited) or a KV ceiling (requests waited with the cache full), the cap is at most
-   the batch the engine held there (``ceiling_batch_``, rounded up): requests in flight
-   beyond it only wait in vLLM's queue. Not the ceiling's load, which counts the
-   requests that waited: on a real long-context engine whose cache held 2.9 requests
-   the KV ceiling lay at 3.9 in flight, and a cap of 4 kept one request waiting behind
-   every three, cutting the overload P99 only to 0.61-0.63x; the cap of 3 cuts it to
-   0.32-0.33x keeping 0.97-0.99 of the throughput (docs/advise.md). And where vLLM
-   began preempting (at least ``preempted_share_onset`` of a load bin's finished
-   requests preempted at least once, :class:`~kvscope.advisor.latency.LatencyVsLoad`)
-   below that load, the cap is at most that **preemption onset** (rounded up), as long
-   as the fitted curve there keeps ``onset_min_fraction`` of the peak. A preempted
-   request gives up its blocks, waits and recomputes: in flight beyond the onset buy
-   the few percent of throughput a flat top's noise puts there and pay for them in the
-   tail. On the real KV-starved engine of an AVX2 machine (knee 8-12, vLLM preempting
-   from about 12 in flight) the 90% crossing read from noisy overload bins put the cap
-   at 14-15 in four runs: the client cap cut the overload's e2e P99 to only
-   0.60-0.67x; caps of 11-12 in two other runs cut it to 0.43-0.45x, each cap keeping
-   1.10-1.23 of the uncapped throughput (docs/advise.md, "The cap at most the
-   preemption onset"). Last, on a KV-bound engine the cap is at most the **sequences its
-   KV cache holds through their lives** (``kv_sequences``,
-   :attr:`~kvscope.advisor.capacity.KvCapacityModel.kv_sequences_held_`: from the
-   requests' lengths and the cache's blocks, with a standard deviation of headroom for
-   the growth of their outputs). The onset and the batch held are read from the sweep's
-   seconds and move with its noise; the lengths do not. On the same engine the cap read
-   from the sweep alone was 11 to 15 over the engine tier's runs, and the overload's e2e
-   P99 under it went from 0.43x (cap 11) to 0.86x (cap 15); the cache holds 12 of its
-   requests, where the caps cut the P99 to 0.45-0.54x. Unlike the onset, this bound does
-   not ask the fitted curve for a share of the peak there: a sweep whose levels are
-   shorter than a request's life measures requests that have not grown yet, and its curve
-   keeps rising past the load the cache holds (a slow AVX2 machine, 5-s levels, 10 s per
-   request: a batch of 18 at 24 clients and no preemption at all, where the cache holds
-   12-13 in steady state), so a share of that peak would drop the bound exactly where the
-   sweep saw least. The share the curve gives at the cap is reported with it.
-2. With an SLO (``slo_ttft_p99_s``, ``slo_e2e_p99_s``), the P99 at the cap
-   (:meth:`~kvscope.advisor.latency.LatencyVsLoad.p99_at`) must meet it; if not, the cap is
-   lowered to the largest whole load whose interpolated P99 meets every SLO, and the
-   throughput share it keeps is reported lower. No such load: the SLO is
-   infeasible on this engine (``feasible_`` false), and the finding says so.
-3. Predicted effect at the cap: the fitted throughput as a share of the plateau (for
-   a cap that admits the batch held at the ceiling, the fit at the ceiling's load: the
-   engine runs that batch as there, without the queue), and
-   the P99 latencies the engine showed at that load, against the P99 at the highest
-   load seen (what an uncapped overload gives).
+:class:`ConcurrencyCap` chooses one engine's cap ``C`` in requests in flight:
 
-Rendering: the cap ``C`` becomes vLLM ``--max-num-seqs min(C, current)`` (for a
-KV-bound engine also at most the sequences its KV cache holds, so that admitted
-requests wait rather than being preempted) and ``--max-num-queued-reqs C + Q``, where
-``Q = ceil(queue_share x C)`` is a short queue: vLLM's admission limit counts every
-unfinished request (running and waiting) in the API server and rejects the rest with 503
-at once, for the gateway or client to retry on another replica, instead of letting them
-queue. The gateways' renderings (:mod:`kvscope.advisor.gateways`) hold ``C`` per replica
-(nginx ``max_conns``) and the sum of the caps per pool, and say what each does with the
-excess. The predicted P99 is a gateway cap's (load ``C``); with the flags alone the queue
-of ``Q`` stays full under overload and every admitted request waits in it for a slot:
-the P99 at load ``C + Q`` (``p99_e2e_s_queued_``). On the real KV-starved engine that
-doubled the admitted requests' P99 against a client cap (0.48-0.69x of the uncapped P99
-instead of 0.24-0.36x, seven runs), the tradeoff text says so. The waiting requests and
-KV-cache use the engine showed at load ``C`` (``waiting_at_cap_``, ``kv_usage_at_cap_``)
-set the inference gateways' saturation thresholds.
+1. The crossing: the smallest load at which the monotone fit of the load bins up to the
+   peak reaches ``cap_fraction`` of it, rounded up, and at least the median crossing of
+   bootstrap refits (so that a bin that ran fast by luck does not set it alone).
+2. Bounds, each rounded up: the batch held at a batch or KV ceiling (more in flight only
+   wait in vLLM's queue); the preemption onset, where the curve still keeps
+   ``onset_min_fraction`` of the peak; and on a KV-bound engine the sequences its cache
+   holds through their lives (``kv_sequences``: from the requests' lengths, not the
+   sweep's noisy seconds).
+3. With an SLO, the largest load whose P99 meets it; none: infeasible (``feasible_``).
+4. Predicted effect: the fitted share of the plateau and the P99 at the cap, against the
+   P99 at the highest load seen.
 
-Parameters
-----------
-cap_fraction : share of the plateau the cap must keep (default 0.9).
-slo_ttft_p99_s, slo_e2e_p99_s : optional P99 targets in seconds.
-queue_share : the engine-side queue allowed, as a share of the cap (default 0.25).
-resamples, resample_quantile : bootstrap refits of the crossing and the quantile of
-    their loads the cap is at least (default 200, 0.5).
-preempted_share_onset : share of a load bin's finished requests preempted at least once
-    that marks the preemption onset (default 0.1: a stray preemption in a quiet bin is
-    not an onset; 0.22-0.29 in the first preempting bin of the AVX2 engine above).
-onset_min_fraction : share of the peak the fitted curve must keep at the onset for the
-    onset to bound the cap (default 0.8: below it the preemptions come with throughput
-    the operator would lose, and the crossing stands).
+Rendered as ``--max-num-seqs min(C, current) --max-num-queued-reqs C + Q`` with ``Q =
+ceil(queue_share x C)``: vLLM answers the excess 503 at once. With the flags alone the
+queue of ``Q`` stays full under overload, so their P99 is that at load ``C + Q``
+(``p99_e2e_s_queued_``). The gateways' renderings are in :mod:`kvscope.advisor.gateways`.
+
+See docs/advise.md#the-concurrency-cap.
 """
 
 from __future__ import annotations
@@ -128,7 +56,20 @@ def _fit_to_peak(means: np.ndarray, weights: np.ndarray) -> tuple[int, np.ndarra
 
 
 class ConcurrencyCap:
-    """Chooses the concurrency cap of one engine (see the module docstring)."""
+    """Chooses the concurrency cap of one engine and predicts its effect.
+
+    Parameters
+    ----------
+    cap_fraction : share of the plateau the cap must keep.
+    slo_ttft_p99_s, slo_e2e_p99_s : optional P99 targets in seconds.
+    queue_share : the engine-side queue allowed, as a share of the cap.
+    resamples, resample_quantile : bootstrap refits of the crossing, and the quantile of
+        their loads the cap is at least.
+    preempted_share_onset : share of a load bin's finished requests preempted at least once
+        that marks the preemption onset.
+    onset_min_fraction : share of the peak the fitted curve must keep at the onset for the
+        onset to bound the cap.
+    """
 
     def __init__(
         self,

@@ -1,86 +1,26 @@
 """KV capacity model: how many sequences the cache holds, the plateau that implies,
 and what a configuration change would move it to.
 
-Algorithm
----------
-* **KV tokens** = ``num_gpu_blocks x block_size``.
-* **Footprint per request** (tokens it holds on average while it is in the batch):
-  a request with ``p`` prompt tokens, ``c`` of them served from the prefix cache,
-  generating ``g`` tokens holds ``p - c + t`` tokens after ``t`` decode steps, so
-  ``p - c + g/2`` on average over its life, plus half a block of rounding (blocks
-  are allocated whole). Cached prefix tokens live in blocks shared with other
-  requests and are not counted per request. Requests stay in the batch for a time
-  proportional to ``g``, so the mean over requests is weighted by ``g``
-  (length-biased, as the batch sees them).
-* **Measured footprint**: where the engine reports its KV usage at a real batch (the
-  windows of its highest loads, at least two sequences running), the tokens a running
-  request holds are read from it: ``usage x KV tokens / batch`` (median). This counts
-  prefix blocks as vLLM does (once, however many requests share them; a hit on a free,
-  evictable block takes that block off the free list) and block rounding as it is. The
-  formula above stays in the evidence beside it, and is used where no usage is reported.
-* **Fill**: vLLM admits a request only when the free blocks hold it, so a KV-bound cache
-  tops out below 100%: the usage the engine reached at the plateau when KV was its limit
-  (``kv_fill``), else 100%. The blocks it leaves free are a fixed number (about one
-  request's admission), so a larger cache fills a larger share.
-* **Footprint at the plateau**: when KV is the limit, the footprint is read where the
-  fill is, ``kv_fill x KV tokens / observed batch`` (the medians of the windows past the
-  knee), so the cache's batch today is the batch the engine held (``footprint_from`` is
-  ``plateau``). A closed loop of equal requests moves in waves (admitted together,
-  growing together, preempted together): a window at a wave's start holds twice the
-  sequences at half the tokens each, and the median of per-window footprints over the
-  highest loads (kept in the evidence as ``footprint_top_load_tokens``) then read 101
-  tokens on the lab's KV-starved engine where the plateau's usage over its batch read 112,
-  and the cache's batch 13.1 where the engine held 11.8.
-* **KV-bound batch** ``B_kv = KV tokens x fill / footprint``.
-* **Sequences held through their lives** (``kv_sequences_held_``, the concurrency cap's
-  bound on a KV-bound engine): ``B_kv`` is a mean, and at a batch of ``B_kv`` the
-  cache overflows about every other step, since the blocks a request holds grow with
-  its output and the batch's requests are at different points of their lives. vLLM
-  preempts a request whenever a running one needs a block the cache lacks. A running
-  request holds ``ceil((p - c + t) / block_size)`` blocks after ``t`` decode steps; over
-  the requests (weighted by ``g``, the steps each stays in the batch) and their steps
-  this has a mean ``m`` and a standard deviation ``s`` (``lifetime_blocks_*``). ``C``
-  requests in flight then hold ``C x m`` blocks on average, with a standard deviation of
-  ``sqrt(C) x s``; the sequences held are the largest ``C`` with ``C x m +
-  kv_headroom_sigmas x sqrt(C) x s`` at most the cache's blocks (all of them: vLLM
-  preempts only when no block is free; the fill above is a mean over seconds, and read
-  from the sweep it moves with its noise, which this bound is there to avoid).
-* **Effective batch** under a configuration: ``min(B_kv, max_num_seqs, L)`` where
-  ``L`` is the highest load observed: nothing admits more sequences than are in
-  flight. Predictions are therefore "at the load this engine already sees".
-* **Plateau** = the :class:`~kvscope.advisor.steptime.StepTimeModel` throughput at the
-  effective batch, with the prompt-to-generation ratio of the requests and each
-  sequence holding the footprint (so a batch twice the size reads twice the KV tokens
-  per step, at the step-time model's cost per KV token), less the
-  share of time spent recomputing preempted requests at the preemption rate of the
-  highest load seen (only while the cache is the limit; the windows within half a load bin
-  of the highest load, ``ThroughputCurve.preemptions_at_max_load_``): the prediction is for
-  that load, and a KV-bound engine preempts more the further past its knee it is driven
-  (the lab's KV-starved engine: about 1.4 a second over the windows past its knee, 0.3 at
-  24 clients, 3.1-3.5 at 32, where its throughput fell 14% below that at its knee on a
-  machine whose prompt tokens cost as much as a decode step's sequence). This is set
-  against the observed plateau (:class:`~kvscope.advisor.curve.ThroughputCurve`).
-* **What-ifs**, each a new block count fed through the same model:
-  ``--kv-cache-dtype fp8`` (2x blocks, when the cache is 16-bit now);
-  ``--gpu-memory-utilization`` raised to ``target_gpu_memory_utilization``
-  (blocks assumed proportional to the setting: a lower bound, since the weights do
-  not grow); ``--tensor-parallel-size 2`` (2x blocks, step time assumed unchanged:
-  conservative; it takes a second GPU); a shorter ``--max-model-len`` (no effect: vLLM
-  v1 sizes the cache from memory, not from max_model_len; it only rejects long
-  requests). One more replica is a pool-level what-if (:func:`replica_whatif`).
+:class:`KvCapacityModel` fits one engine from its finished requests, its configuration
+and, where given, its windows:
 
-Parameters
-----------
-target_gpu_memory_utilization : the setting the what-if raises to (default 0.95).
-min_requests : fewer finished requests than this raise ``NotEnoughData`` (default 10).
-kv_headroom_sigmas : the standard deviations of headroom the sequences held keep
-    (default 1.5). Measured on the lab's KV-starved engine of an AVX2 machine (48 blocks
-    of 32 tokens, ~26-token prompts, 128-token outputs: ``m`` 3.3 blocks, ``s`` 1.2,
-    ``B_kv`` 13-14): client caps of 11-12 cut the overload's e2e P99 to 0.43-0.54x and
-    kept 1.10-1.16 of its throughput, caps of 14-15 only to 0.60-0.86x (the engine tier's
-    runs in docs/testing.md). 1.5 holds 12 there (the cache overflowing in about one step
-    in fifteen were the requests' points in their lives independent), 1.0 would hold 13,
-    2.0 11.
+1. Footprint: the KV tokens a running request holds, ``p - c + g/2`` on average (prompt,
+   prefix-cached and generated tokens, weighted by ``g`` as the batch sees them), or read
+   from vLLM's KV usage over the batch, at the plateau where KV is the limit.
+2. Fill: the usage a KV-bound cache reached (vLLM leaves about one admission free).
+3. KV-bound batch ``B_kv = KV tokens x fill / footprint``; the effective batch is at most
+   ``max_num_seqs`` and the highest load seen.
+4. Sequences held through their lives (``kv_sequences_held_``, the cap's bound): the
+   largest ``C`` whose blocks (mean ``C x m``, standard deviation ``sqrt(C) x s`` over the
+   requests' lives) fit the cache with ``kv_headroom_sigmas`` of headroom.
+5. Plateau: the :class:`~kvscope.advisor.steptime.StepTimeModel` throughput at the
+   effective batch, less the recomputation of preempted requests at the highest load, set
+   against the observed :class:`~kvscope.advisor.curve.ThroughputCurve`.
+6. What-ifs (:class:`WhatIf`), each a new block count through the same model: fp8 KV cache,
+   a higher ``--gpu-memory-utilization``, ``--tensor-parallel-size 2``
+   (``--max-model-len`` does not size the cache). :func:`replica_whatif` adds a replica.
+
+See docs/advise.md#the-kv-capacity-model.
 """
 
 from __future__ import annotations
@@ -131,7 +71,16 @@ def _f(cfg: dict[str, Any], key: str, default: float = math.nan) -> float:
 
 
 class KvCapacityModel:
-    """Predicts the KV-bound batch and plateau, and what-ifs (see module docstring)."""
+    """Predicts the KV-bound batch and plateau, and the what-ifs.
+
+    Parameters
+    ----------
+    target_gpu_memory_utilization : the setting the memory what-if raises to.
+    min_requests : fewer finished requests raise ``NotEnoughData``.
+    kv_headroom_sigmas : standard deviations of headroom the sequences held keep, against
+        the cache overflowing as their outputs grow; the runs that chose the default:
+        docs/advise.md#the-kv-capacity-model.
+    """
 
     def __init__(
         self,

@@ -1,103 +1,27 @@
 """Throughput against load: the plateau, the knee, and whether load went past it.
 
-Algorithm
----------
-1. **Load per window** is the number of requests in flight at the engine: the mean
-   running batch plus the mean waiting (and deferred) queue over the window's steps.
-   It is measured at the engine, not at the client, so it reflects what the engine
-   was asked to do: a closed-loop sweep at concurrency C shows load ~C, passive
-   traffic shows load = arrival rate x time in system (Little's law), and a
-   front end that starves the engine shows the low load the engine really saw. The
-   running batch alone would not do: it stops at the ceiling and could never show
-   load *past* the knee; the waiting queue is what grows there.
-2. **Windows kept**: at least ``min_steps`` steps, load at least ``min_load``, and
-   steps spread over at least ``min_busy_ratio`` of the second (a second in which
-   the engine started or went idle has a step-averaged load that overstates the
-   time-averaged one, and a throughput that understates it). Windows read from
-   scraped series have no step times: there the busy share is the window's step count
-   over that of windows of about the same batch (their upper quartile).
-3. **Bins**: log-spaced in load, ``bins_per_doubling`` per factor of two, each inner
-   edge moved to the widest stretch within half a bin of it that no window's load falls
-   in, bins with fewer than ``min_count`` windows merged into a neighbour; per bin the
-   median load, the generated tokens/s the bin's seconds stand for (their interquartile
-   mean, :func:`~kvscope.advisor.frames.level_rate`) and the mean total (prompt +
-   generation) and computed tokens/s (prompt tokens are counted once per request, when
-   its prefill completes: they arrive in bursts, and the mean is the bin's rate). Within
-   one load level the seconds in which requests turn over (clients between requests, a
-   wave of prefills, vLLM recomputing preempted requests) hold fewer requests *and* make
-   fewer tokens: an edge through a level files its slow seconds under the lower bin and
-   leaves the fast ones to the upper one, and a median of seconds that alternate between
-   a stalled and a full batch (222 and 1,111 tok/s) picks one of the two. A real
-   KV-starved engine whose clients measured 620-641 tok/s from 12 to 32 clients read 743
-   in its top bin that way, cut at 22.6 in flight through its 24-client level, and was
-   called not saturated; with the edge in the gap below the level, 659. Merging makes
-   uneven coverage (long stretches at one load level) harmless.
-4. **Monotone fit**: weighted isotonic regression (pool adjacent violators, weights =
-   windows per bin) of the bins' rates against load. Throughput of a continuous
-   batching engine does not truly fall with more offered load unless something
-   thrashes, which the raw rates still show (``drop_past_peak_``).
-5. **Plateau** = the top of the fitted curve. **Knee** = the smallest load at which the
-   fitted curve (linear between bins) reaches ``knee_fraction`` of the plateau. A
-   fraction rule, rather than a max-distance (kneedle) rule, reads directly as
-   "beyond this load at most 10% more throughput is to be had", is stable when only
-   a few load levels exist, and matches the concurrency cap's definition (the
-   smallest load keeping 90% of the plateau; of the peak when throughput falls past
-   it, see :mod:`kvscope.advisor.cap`). 0.9 rather than 0.95 because plateaus
-   of real engines drift by a few percent (a plateau that creeps up 6% over a
-   doubling of load would otherwise drag the knee far past where the batch stopped
-   growing). The knee is at most the **batch ceiling**: the lowest load at which the
-   (monotone fitted) running batch reached ``1 - ceiling_batch_growth`` of its largest
-   value while at least ``ceiling_min_waiting`` requests waited. Past it the batch no
-   longer grows and the steps get no faster, so any further rise of the measured
-   throughput is the machine's drift between load levels, not the engine (a
-   ``--max-num-seqs 6`` engine measured 754 tok/s at 8 clients and 903 at 24, the
-   batch at 6 throughout; the fraction rule alone put its knee at 12.5). And it is at
-   most the batch the engine held from that ceiling on (``ceiling_batch_``): the
-   ceiling's load counts the requests that waited, and the fraction rule reads the knee
-   from a plateau a few noisy seconds can lift. A KV-starved engine holding 11.5
-   requests had its plateau read 4% high from one scrape phase of vLLM's gauges, which
-   pulled its 8-client level under 90% of it, and its knee moved to the first KV-full
-   load, 14.7 in flight; the cap, already bound by the held batch, was 12.
-6. **Saturated** when the highest load bin lies at least ``saturation_margin`` times
-   beyond the knee (throughput seen *not* to grow) **and** the engine shows why at that
-   load: requests wait (at least ``ceiling_min_waiting``), vLLM preempts, or each step
-   got slower (steps/s at the highest load at least ``saturation_step_slowdown`` below
-   the lowest load's). Generated tokens against requests in flight also bend when the
-   request mix shifts with load (longer prompts at the daily peak: more of the batch
-   prefilling, fewer tokens generated per request in flight) with no queue, free
-   blocks and steps no slower; that is no limit, and such an engine is not saturated
-   (``flat_without_evidence_``). Slower steps count only where the **work** done
-   (computed tokens: prompt tokens not served from the prefix cache, plus generated
-   tokens) is past its own knee as well: a longer prompt mix slows each step and bends
-   the generated-token curve while the engine does ever more work per second. Or, from the
-   engine's own evidence, when it hit a ceiling: over the last doubling of load the
-   running batch grew by at most ``ceiling_batch_growth`` while at least
-   ``ceiling_min_waiting`` requests waited at the highest load. vLLM's scheduler leaves
-   requests waiting only when a limit binds (KV cache, ``max_num_seqs``, the token
-   budget), so more load past that point only queues, whatever one noisy level of
-   throughput says (a level measured 10-25% high while the batch stood still would
-   otherwise move the knee past the observed range). The KV cache is that ceiling too
-   when, at the highest load, requests wait while the cache is at least
-   ``ceiling_kv_usage`` full: there the batch is whatever fits in the blocks, and it
-   wanders with the lengths of the requests it holds (12 to 19 on one KV-starved
-   engine) rather than standing still. Otherwise the engine is not
-   saturated; ``growth_last_doubling_`` (relative throughput gain over the last
-   doubling of load in the data) says how much it was still growing.
+Load is the requests in flight at the engine (running plus waiting, as the engine saw
+them, so load past the knee shows as a queue); throughput is generated tokens/s.
+:class:`ThroughputCurve` fits one engine's 1-second windows:
 
-Parameters
-----------
-knee_fraction : share of the plateau that defines the knee (default 0.9).
-saturation_margin : the highest load bin must be this multiple of the knee to call
-    the engine saturated (default 1.5).
-ceiling_batch_growth, ceiling_min_waiting : the ceiling evidence (defaults 0.1: the
-    batch grew at most 10% over the last doubling of load; 1.0 request waiting).
-ceiling_kv_usage : KV-cache usage at the highest load that, with requests waiting, is
-    the KV ceiling (default 0.9).
-saturation_step_slowdown : step-time growth from the lowest to the highest load that
-    counts as evidence of a limit (0.25, as the bottleneck classifier's compute rule).
-bins_per_doubling : log-spaced bins per factor of two in load (default 2).
-min_count : windows per bin at least (default 3).
-min_steps, min_load, min_busy_ratio : window filters (defaults 5, 0.5, 0.6).
+1. Keep windows with enough steps and load, busy over most of the second.
+2. Bin them log-spaced in load, edges moved into gaps of the loads seen, thin bins merged;
+   a bin's rate is the interquartile mean of its seconds (an edge through a load level, or
+   a median, picks the stalled or the fast seconds of that level).
+3. Fit the bins' rates by weighted isotonic regression: throughput does not truly fall
+   with load; the raw fall past the peak is kept for thrash.
+4. Plateau = the fit's top. Knee = the smallest load reaching ``knee_fraction`` of it, at
+   most the batch ceiling (the batch stopped growing while requests waited) and the batch
+   held from there on.
+5. Saturated when the highest load is ``saturation_margin`` x the knee and the engine shows
+   why there (a queue, preemptions, slower steps while the work done stopped growing too),
+   or when it hit a ceiling: requests waited while the batch stood still or the cache was
+   full. Otherwise ``growth_last_doubling_`` says how much it was still growing.
+
+:func:`fitted_at` reads the fitted curve at a load; :class:`NotEnoughData` is raised when
+too few windows remain.
+
+See docs/advise.md#the-throughput-curve-and-the-knee.
 """
 
 from __future__ import annotations
@@ -124,7 +48,21 @@ class NotEnoughData(ValueError):
 
 
 class ThroughputCurve:
-    """Throughput-vs-load curve of one engine (see the module docstring)."""
+    """Throughput-vs-load curve of one engine: its plateau, knee and saturation.
+
+    Parameters
+    ----------
+    knee_fraction : share of the plateau that defines the knee.
+    saturation_margin : multiple of the knee the highest load bin must reach to be saturated.
+    ceiling_batch_growth, ceiling_min_waiting : the ceiling evidence: the batch grew at most
+        this share over the last doubling of load, with at least this many requests waiting.
+    ceiling_kv_usage : KV usage at the highest load that, with requests waiting, is a ceiling.
+    saturation_step_slowdown : step-time growth from the lowest to the highest load that
+        counts as evidence of a limit (as the bottleneck classifier's compute rule).
+    bins_per_doubling : log-spaced bins per factor of two in load.
+    min_count : windows per bin at least.
+    min_steps, min_load, min_busy_ratio : window filters.
+    """
 
     def __init__(
         self,

@@ -1,33 +1,18 @@
 """Capacity forecast: when a pool's daily peak load would reach its capacity.
 
-Per pool and UTC day, the **daily peak** is the sum of its engines' highest load of the
-day (requests in flight, running + waiting, as the advisor counts load; an upper bound of
-the pool's highest simultaneous load, since the engines' peaks need not fall in the same
-second). The pool's **capacity** is the sum of its engines' knees (the load past which
-throughput stops growing); an engine that did not saturate has no knee, and then its
-batch limit stands in for it: ``min(KV room in sequences, max_num_seqs)`` from the
-``kv_capacity`` and ``bottleneck`` findings (``capacity_from`` says which were used). An
-engine with neither leaves the capacity unknown.
+Per pool and UTC day the daily peak is the sum of its engines' highest load of the day (an
+upper bound of the pool's simultaneous peak); the capacity is the sum of its engines' knees,
+or of their batch limits where an engine did not saturate. A least-squares line through the
+daily peaks gives the trend, and :class:`PoolForecast` says ``not_enough_days``,
+``no_capacity``, ``past``, ``not_rising``, ``crosses`` (with the date) or ``not_within``
+the horizon.
 
-A least-squares line (:func:`numpy.polyfit`, degree 1) through the daily peaks against
-the middle of each day gives the trend. ``status``:
+* :func:`capacity_forecast`: the forecast of every pool of a report; ``history`` (daily
+  peaks from the collector's 1-minute windows) extends the line over the weeks before;
+* :func:`engine_capacity`: an engine's knee or batch limit, and which it was;
+* :func:`trend_crossing`: the line and where it meets the capacity.
 
-* ``not_enough_days``: fewer than ``min_days`` days with data;
-* ``no_capacity``: no knee or batch limit for some engine;
-* ``past``: the line is at or above the capacity on the last day (the pool already runs
-  past its knee at its daily peak);
-* ``not_rising``: the slope is zero or negative;
-* ``crosses``: the line reaches the capacity within ``horizon_weeks`` of the end of the
-  week (``crossing_unix_s``);
-* ``not_within``: it reaches it later than that.
-
-The first and last day of a week can be partial; their peaks are taken as they are.
-
-``history`` (per engine and UTC day before the week: ``engine_id``, ``pool``,
-``day_start_unix_s``, ``load_max``; the collector's 1-minute windows keep each minute's
-highest per-second load for months, see :mod:`kvscope.collector._rollup`) adds the days
-before the week to the line: a trend over weeks rather than days. A day in both (the
-week starting mid-day) takes the higher peak of each engine.
+See docs/report.md#capacity-forecast.
 """
 
 from __future__ import annotations

@@ -1,37 +1,22 @@
 """Windows for the analyses from the collector's 1-minute tier.
 
-The collector deletes 1-second windows after its window retention (15 days by default)
-and keeps the 1-minute windows it rolled them up into (``windows_1m``, 400 days; see
-:mod:`kvscope.collector._rollup`). An engine whose range holds minutes but no seconds
-(a report over last quarter, a collector that keeps seconds for two days) is analysed
-from its minutes: :func:`windows_from_minutes` turns each minute into one window of the
-shape the analyses read, as the Prometheus source does with windows at a coarse step
-(:mod:`kvscope.sources.prometheus.source`):
+The collector keeps 1-second windows for its window retention and the 1-minute windows it
+rolled them up into for much longer (:mod:`kvscope.collector._rollup`). An engine whose
+range holds minutes but no seconds is analysed from its minutes, as the Prometheus source
+does with windows at a coarse step:
 
-* counts (steps, generated and prompt tokens, prefix queries and hits, preemptions,
-  iterations) are per second of the minute the engine stepped in (``n_seconds``: the
-  1-second windows rolled up; a second without a step has no window), so a minute the
-  engine worked half of reads the rate of the half it worked, and its step-weighted
-  means (batch, KV usage, queue) are over the same steps;
-* the step-weighted means, minima and maxima are the minute's own;
-* the batch percentiles are not kept in the tier: ``batch_p50`` and ``batch_p90`` read
-  the minute's mean batch, ``batch_p99`` its maximum;
-* the first and last step times are left unknown (NaN): a minute's span says nothing of
-  how busy its seconds were, so the throughput curve estimates each window's busy share
-  from its step count against windows of the same batch
-  (:func:`kvscope.advisor.frames.step_count_busy_ratio`), as for scraped windows;
-* ``resolution_s`` is 60 (a 1-second window has none): the report says which engines
-  were read this way (``coverage.engines_from_minutes``).
+* :func:`windows_from_minutes`: each minute one window of the shape the analyses read,
+  its counts per second the engine stepped in, its step-weighted means as they are, batch
+  percentiles from the mean and maximum, step times unknown (the busy share is estimated
+  from the step count), ``resolution_s`` 60;
+* :func:`append_minute_windows`, :func:`read_from_minutes`, :func:`sample_with_minutes`:
+  which engines read which tier;
+* :func:`steady` and :func:`knee_gap`: a minute straddling a change of load is a point
+  between two loads and moves the knee up, so a knee from minutes is trusted only between
+  steady minutes; otherwise no cap is recommended from it.
 
-What a minute loses: load that changes within it. A minute that straddles a change
-(clients arriving, a burst) is one point between the two loads, under the curve where it
-bends, and the knee moves up: a knee read from minutes is trusted only between steady
-minutes (:func:`knee_gap`; otherwise no cap is recommended from it). Measured on real
-engines (``bench/minute_tier_knees.py``, docs/advise.md): under a slow day of load (each
-level held 100 s) the minutes give the seconds' verdict, a knee 1.12x and a cap of 15 for
-13 (closed loop) and a knee 1.19x, a cap of 14 for 13 (open loop); on six lab sweeps whose
-levels lasted 30-90 s their knee is 2.1-3.8x the seconds', and the steadiness rule
-withholds the cap on all six.
+The steadiness rule and its measurements on real engines: see
+docs/advise.md#knees-from-the-1-minute-tier.
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
 """TTFT with and without cached prompt tokens, and what a computed prompt token costs.
 
-Algorithm
----------
-* **TTFT per request**: ``ttft_s``; where the engine did not report it, ``queue_s +
-  prefill_s`` (arrival to first token is the queue wait plus the prefill, which is
-  what vLLM's TTFT measures).
-* **Cached vs uncached**: P50 and P90 TTFT, and the count, of the requests with
-  ``cached_tokens > 0`` and of those with none. The two groups can differ in prompt
-  length and in the load they met (in a load sweep the first, uncached requests meet
-  the lowest load), so this is a description, not the effect of the cache; the fit
-  below is the effect.
-* **Prefill cost**: a Theil-Sen line (median of pairwise slopes, intercept the median
-  residual) of the **prefill part of TTFT** against the **computed** prompt tokens
-  ``prompt_tokens - cached_tokens``. The prefill part is ``ttft_s - queue_s`` (else
-  ``prefill_s``): the queue wait follows the load, not the request's own length, and
-  in real runs the load correlates with how much was cached (the cache warms up as
-  load rises), which would bias a fit of the whole TTFT. A median-based fit keeps the
-  slope from following the long tail of prefills that shared their steps with
-  others. ``r2_`` says how much of the prefill time the computed tokens explain,
-  measured robustly: ``1 - (MAD of the residuals / MAD of y)^2`` (MAD: median
-  absolute deviation), the usual r2 for Gaussian noise, which a few slow requests do
-  not drive to zero. The line is SciPy's ``theilslopes``; beyond ``max_points``
-  requests it is fitted on a sample of them drawn with ``random_state`` (deterministic).
-* **Usable** when at least ``min_requests`` requests with ``min_distinct`` distinct
-  computed-token counts give a positive slope. :meth:`PrefillCost.ttft_change_s`
-  turns tokens saved per request into a mean TTFT change: ``-slope x tokens``, with the
-  queue wait held as it was (fewer computed tokens also shorten the queue under
-  load, so this understates the gain on a busy engine).
-* **Confidence**: ``min(1, n / full_confidence_requests) x clip(r2, 0.25, 1)`` when
-  usable, else 0; a fit is called poor below ``good_r2`` (``good_``).
+* :func:`request_ttft_s`: ``ttft_s``, else ``queue_s + prefill_s``.
+* Cached vs uncached: P50 and P90 TTFT and counts of requests with and without cached
+  tokens; a description, not the cache's effect (the groups differ in length and load).
+* :class:`PrefillCost`: a Theil-Sen line (:func:`theil_sen`) of the prefill part of TTFT
+  (``ttft_s - queue_s``, which leaves out the queue wait that follows the load) against
+  the computed prompt tokens ``prompt_tokens - cached_tokens``, with a robust ``r2_``
+  (from the MAD of the residuals). :meth:`PrefillCost.ttft_change_s` turns tokens saved
+  per request into a mean TTFT change, with the queue wait held as it was.
 
 Parameters
 ----------
@@ -36,9 +15,10 @@ min_requests : requests needed for a fit (default 20).
 min_distinct : distinct computed-token counts needed (default 3).
 good_r2 : r2 at or above which the fit counts as good (default 0.3).
 full_confidence_requests : requests for full confidence (default 200).
-max_points : requests the line is fitted on at most, a seeded sample beyond (default 400:
-    about 80,000 pairwise slopes).
-random_state : seed for the pair sample (default 0).
+max_points : requests the line is fitted on at most, a seeded sample beyond (default 400).
+random_state : seed for the sample (default 0).
+
+Why this fit, the robust r2 and the confidence: docs/fleet.md#prefill-cost-and-load-balance.
 """
 
 from __future__ import annotations

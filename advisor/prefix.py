@@ -1,68 +1,18 @@
-"""Prefix cache and routing: the reuse that is available, the reuse routing captures,
-and the reuse the engine delivers.
+"""Prefix cache and routing: the reuse available, the reuse routing captures, and the reuse
+the engine delivers.
 
-Model
------
-Tokens throughout; a pool's ratio is the ratio of its sums, so engines weigh by their
-prefix-cache lookups. ``Q`` and ``X`` are the prefix-cache queries and hits of the
-windows (vLLM's ``prefix_cache_stats``: prompt tokens looked up, tokens found).
+From the engines' prefix-cache counters (lookups ``Q``, hits ``X``, in tokens) and, where
+the collector has vLLM's KV-cache events (``--kv-events-config``), the blocks each engine
+computed while another replica held them (duplicates) or that the pool had stored before
+(re-seen), :class:`PrefixRouting` splits a pool's reuse into delivered (the hit rate),
+captured by routing, and available, and from those the routing loss and eviction loss.
+Orphan blocks and engines without events make these lower bounds and lower the confidence.
 
-* **Delivered** hit rate ``H = X / Q``, per engine and per pool.
-
-From vLLM's KV-cache events (``--kv-events-config``: BlockStored / BlockRemoved with
-block hashes), which the collector turns into counts per engine and second, with
-``b`` = tokens per block:
-
-* ``dup_blocks`` ``D``: blocks an engine computed and stored while another engine of
-  the pool held the same content. A router that knew where the prefix was would have
-  sent the request there: **routing loss** ``L = D x b / Q``.
-* ``reseen_blocks`` ``R`` (``D`` is part of it): stored blocks whose content some engine
-  of the pool, itself included, had stored before: reuse the pool had seen and still
-  recomputed. **Available** reuse ``A = (X + R x b) / Q``.
-* **Captured by routing** ``C = A - L``: what was on the replica the request went to,
-  or nowhere any more. **Eviction loss** ``E = C - H = (R - D) x b / Q``: content
-  seen before but evicted everywhere by the time it came back.
-* Clamped so that ``0 <= H <= C <= A <= 1``: ``L`` to ``[0, 1 - H]``, ``E`` to
-  ``[0, 1 - H - L]``.
-* ``orphan_blocks`` (stored blocks whose prefix chain the collector could not follow)
-  count in neither ``D`` nor ``R``, so ``L``, ``E`` and ``A`` are lower bounds; the
-  orphan share lowers the confidence.
-
-``Q`` and ``X`` for these ratios come from each engine's windows between its first and
-last second with events, so events enabled half-way through the window compare with
-the same time span; engines of the pool without events are left out of the ratios
-(their cache contents are unknown, so ``D`` is a lower bound) and lower the
-confidence.
-
-**Prefix-affine routing** (requests sharing a prefix go to the replica holding it)
-is predicted to deliver ``H + L``: the routing loss recovered with the caches as they
-were. That assumes the router finds the holder every time, and a load bound that
-sends a request elsewhere gives some of it up. It can also deliver more: each replica
-then holds its own share of the prefixes instead of copies, and the space freed
-(``duplicated_cache_ratio``: the share of held blocks another replica also held)
-keeps content longer, recovering part of ``E``. The upper bound is ``A``
-(``predicted_hit_rate_affine_max``): every reuse the pool saw.
-
-**TTFT gain**: the tokens saved per request, ``L x Q / n_requests`` (finished requests
-of the same engines and span), times the cost of a computed prompt token from
-:class:`~kvscope.advisor.prefill.PrefillCost`, gives the mean TTFT change. The
-recommendation's ``expected_gain`` is that change relative to the mean TTFT (a
-relative latency reduction, the scale of a cap's relative P99 reduction). Without a
-usable fit it falls back to the share of the computed prompt tokens saved,
-``L / (1 - H)``, times the share of TTFT that is prefill (mean ``prefill_s`` / mean
-TTFT), and the confidence halves.
-
-**Recommendation** ``prefix_aware_routing`` (pool scope) when the pool has at least two
-engines with events, ``L >= min_routing_loss`` and at least ``min_stored_blocks``
-stored blocks were seen. Confidence: ``min(1, stored / full_confidence_blocks) x
-(1 - orphan share) x (1 - missed share) x (engines with events / engines)``, the
-missed share being missed / (received + missed) event batches (without a received
-count: the share of event-seconds with a missed batch), times 0.75 when the TTFT fit is poor.
-
-Without events, a pool of two or more engines with prefix caching on gets a
-``kv_events_missing`` finding naming the vLLM flag, with the replicas' hit rates
-(and a hint when they differ by ``hit_rate_spread`` or more); an engine with prefix
-caching off gets ``prefix_caching_off``.
+It recommends ``prefix_aware_routing`` when the routing loss is worth ``min_routing_loss``
+of the lookups, predicts the hit rate prefix-affine routing would deliver (and its upper
+bound) and the TTFT it saves, priced by :class:`~kvscope.advisor.prefill.PrefillCost`.
+Without events it says how to turn them on (``kv_events_missing``); with prefix caching
+off, ``prefix_caching_off``.
 
 Parameters
 ----------
@@ -70,6 +20,9 @@ min_routing_loss : routing loss that makes the recommendation (default 0.05).
 min_stored_blocks : stored blocks needed to recommend at all (default 200).
 full_confidence_blocks : stored blocks for full confidence (default 5000).
 hit_rate_spread : difference of replica hit rates that earns a hint (default 0.15).
+
+The formulas, the clamps and the confidence: docs/fleet.md#the-reuse-model; the measured
+routing result: docs/fleet.md#prefix-cache-and-routing.
 """
 
 from __future__ import annotations

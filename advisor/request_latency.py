@@ -1,44 +1,21 @@
 """Request latency per engine and pool: percentiles, finish reasons, lengths, SLO attainment.
 
-What latency the finished requests saw, without reference to load (latency against load
-is :mod:`kvscope.advisor.latency`).
+What latency the finished requests saw, without reference to load (latency against load is
+:mod:`kvscope.advisor.latency`). Per request: TTFT (vLLM's, else ``queue_s + prefill_s``),
+ITL ``decode_s / (generation_tokens - 1)`` (only for requests of 2 or more output tokens),
+e2e, queue, prefill and decode time, and the lengths.
 
-Measures, per finished request
-------------------------------
-* ``ttft_s``: time to first token, ``ttft_s`` where the engine reported it, else
-  ``queue_s + prefill_s`` (:func:`~kvscope.advisor.prefill.request_ttft_s`).
-* ``itl_s``: inter-token latency, ``decode_s / (generation_tokens - 1)``. vLLM's decode
-  time runs from the first token to the last, which spans ``generation_tokens - 1`` gaps;
-  the request's ITL is their mean. Only requests with **at least 2 output tokens** have
-  one: a request of one token has no gap, and is left out of the ITL percentiles and of
-  the ITL attainment.
-* ``e2e_s``, ``queue_s``, ``prefill_s``, ``decode_s``: as vLLM reports them.
-* ``prompt_tokens``, ``generation_tokens``: the lengths.
+* :func:`request_latency`: P50/P90/P99 (linear interpolation), means and maxima; a request
+  without a measure is left out of it. Rows with a ``weight`` column (pseudo-requests from
+  Prometheus, or the collector's request tier) count with their weight. The mean life
+  splits into queue, prefill, decode and the API server's rest, which add up.
+* SLO attainment (:class:`SloTargets`): per target, the share of requests at or under it;
+  ``all``, the share meeting every target (a one-token request meets the ITL target).
+  Without targets nothing is judged.
+* :func:`latency_over_time`: the same percentiles per bin of finish time;
+  :func:`length_histogram`: the distribution of a length column.
 
-Percentiles and means
----------------------
-P50, P90 and P99 interpolate linearly between order statistics (NumPy's default); a
-request without a value of a measure is left out of that measure (``n`` counts those
-that are in). Rows with a ``weight`` column (from Prometheus each row stands for
-``weight`` requests, :func:`kvscope.sources.prometheus.frames.pseudo_requests`; from the
-collector's request tier, :func:`kvscope.advisor.request_tier.requests_from_tier`) count
-with their weight: ``n`` is the summed weight (rounded), means are weighted, and
-percentiles use the weighted inverted CDF when the weights differ (equal weights change
-nothing). ``breakdown_mean_s`` splits the mean life of the requests that report all four
-intervals into ``queue``, ``prefill``, ``decode`` and ``other`` (``e2e`` minus the three:
-the API server's share); means add up where percentiles do not.
-
-SLO attainment
---------------
-For each target given (seconds; ``None`` leaves it out): the share of requests whose
-measure is at most the target, among those with the measure (``slo_ttft_s=0.5``: the
-share with TTFT <= 0.5 s). ``all``: the share meeting every target given, among the
-requests with the TTFT and e2e the targets need; a request without an ITL (one output
-token) meets the ITL target, having no gap to be late. Without targets, nothing is
-judged and ``slo`` is empty.
-
-:func:`latency_over_time` gives the same percentiles per bin of finish time;
-:func:`length_histogram` the distribution of a length column. Pure and deterministic.
+Pure and deterministic. See docs/advise.md#request-latency-and-slos.
 """
 
 from __future__ import annotations

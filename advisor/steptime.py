@@ -1,117 +1,27 @@
 """Step-time model: how long one engine step takes as the batch grows.
 
-Algorithm
----------
-An engine step (one forward pass) costs a fixed part (reading the weights, launching
-the step: ``a`` seconds), a part per running sequence (its decode token and its KV
-reads: ``b`` seconds per sequence) and a part per prompt token computed in that step
-(``c`` seconds per token; prompt tokens served from the prefix cache are not computed
-and are left out); a preempted request costs ``d`` seconds more (its tokens are
-recomputed when it is resumed, and that recomputation is not counted as prompt
-tokens). Summed over a 1-second window in which the engine was busy the whole
-second::
-
-    1 s  ~=  a * n_steps  +  b * sum(batch over steps)
-             +  c * (prompt_tokens - prefix_hits)  +  d * preemptions
-
-With the engine's KV-cache size known, a fifth part is a cost per KV token in use
-(``k`` seconds per token each step: the attention reads every running sequence's
-context, so a step over long contexts costs more than one over short ones)::
+An engine step costs a fixed part ``a`` (reading the weights, launching the step), ``b``
+per running sequence, ``k`` per KV token in use (only with the cache's size known), ``c``
+per computed prompt token (prefix-cache hits are not computed) and ``d`` per preemption
+(its recomputation). Summed over a 1-second window in which the engine was busy::
 
     1 s  ~=  a * n_steps  +  b * sum(batch)  +  k * sum(KV tokens in use)
              +  c * (prompt_tokens - prefix_hits)  +  d * preemptions
 
-(KV tokens in use per step: vLLM's KV usage times the cache's tokens.) Without it a
-KV-bound engine, whose cache is full at every busy load, files that cost under the
-fixed part ``a``, and a what-if that doubles its blocks predicts each step as cheap
-as today's: on the lab's KV-starved engine (48 blocks) the fit without ``k`` put
-9.6 ms on each step and 0.05 ms on each sequence, and predicted 11.0 ms for the
-steps of the same engine with 96 blocks at 32 clients (measured 12.4 ms) and 11.2 ms
-with 4,096 (measured 19.2 ms); with ``k`` it finds 0.66 us per KV token (the
-4,096-block engine's full batch measures 0.71) and predicts 11.7 and 15.9 ms
-(``bench/step_time_by_kv.py --what-if``). A sequence's KV tokens are its share of that cost:
-:meth:`StepTimeModel.step_s` takes the tokens in use, or counts
-``kv_tokens_per_seq_`` (the fitted windows' mean) for each sequence.
+1. Keep the windows busy over most of the second; solve their equations by non-negative
+   least squares (a negative cost means the data does not separate it).
+2. Drop windows that explain too little of the second (partly idle) and refit; a window
+   with requests waiting is never dropped (the engine cannot idle then).
+3. Keep ``k`` only where the windows separate it from the other costs; otherwise ``k = 0``.
 
-Every busy window is one linear equation; the model is their least-squares
-solution. Windows in which the engine idled part of the second sit above the fit
-(their steps explain less than a second), so the fit is trimmed: windows whose
-explained time falls short of the second by more than ``idle_tolerance`` are
-dropped and the fit repeated (``n_iter`` times). A window with requests waiting
-(``min_queue`` or more on average) is never dropped so: with a queue the engine
-cannot idle, and such a window running slow (a slower machine at that time, a
-long-context batch) is evidence the fit must explain, not an idle second. A negative
-coefficient is set to zero (it means the data does not separate that cost): the fit is
-a non-negative least squares.
+A batch ``B`` then yields ``T(B) = B / (a + (b + k*f + c*r)*B)`` generated tokens/s (``r``
+prompt tokens per generated token, ``f`` KV tokens per sequence): the throughput at a batch
+the engine has not run, which the KV capacity model needs. :meth:`StepTimeModel.budget_gain`
+says whether a larger token budget pays, from a second fit over blocks of busy windows:
+twice the budget shares only the per-step cost, a prefill-rate gain of ``a / (2t - a)``
+for a step of ``t``, with a block-bootstrap 95% interval (:class:`BudgetGain`).
 
-With a prompt-to-generation ratio ``r`` (prompt tokens prefilled per generated
-token), a batch of ``B`` sequences produces
-
-    T(B) = B / (a + (b + k*f)*B + c*r*B)     generated tokens per second,
-
-(``f`` KV tokens per sequence) rising with ``B`` towards the compute ceiling
-``1 / (b + k*f + c*r)``: the engine's
-throughput at a batch it has not run yet is predicted from the batches it has run.
-This is how the KV capacity model turns "the cache fits N sequences" into tokens
-per second, and how an engine that is not saturated gets its headroom.
-
-Whether a larger token budget pays
-----------------------------------
-:meth:`StepTimeModel.budget_gain` answers it from a second fit on the same busy windows,
-summed over blocks of ``budget_block`` consecutive windows::
-
-    busy seconds  ~=  a * n_steps  +  g * generated tokens  +  c * computed prompt tokens
-
-Generated tokens stand for the decode work (on a GPU a decoding sequence's KV reads cost
-far more than a prompt token's compute). Blocks rather than seconds: vLLM counts a
-prompt's tokens in the step that completes its prefill, while its chunks ran in the
-steps before, often in the second before; one-second windows then put the chunks' time
-and their tokens in different equations, and the fit hands the prefill's cost to
-whatever else grew with it (the batch). Summed over a few seconds the two meet again.
-On the lab's CPU engine (a 256-token budget) the per-second fit put 5 ms on each
-generated token and 15 us on a prompt token; over blocks of three seconds it finds no
-separate decode cost and about 100 us per prompt token, as on every engine measured
-(budgets of 64 to 2,048 tokens).
-At the plateau, with requests waiting, the engine admits them as fast as their prompts
-are prefilled, so the decode work per step follows the prefill (the same generated
-tokens per prompt token): twice the budget carries twice the prompt tokens (``p`` per
-step now) and twice the decode work (``d``), and only the per-step cost ``a`` is
-shared. A step of ``t1 = a + g d + c p`` becomes ``2 t1 - a`` and the prefill rate
-changes by ``2 t1 / (2 t1 - a) - 1 = a / (2 t1 - a)``: what a bigger budget buys is the
-per-step cost it amortises. (Holding the decode work fixed instead would over-state it:
-the decoding requests a faster prefill admits lengthen the steps.) The 95% interval
-comes from refits on resampled blocks (a block bootstrap: neighbouring seconds are not
-independent).
-
-Parameters
-----------
-min_busy_ratio : windows used must have steps spread over this share of the second
-    (default 0.9).
-idle_tolerance : explained time this far below 1 s marks a window as partly idle
-    (default 0.08).
-n_iter : trimming rounds (default 3).
-min_windows : fewer usable windows raise :class:`~kvscope.advisor.curve.NotEnoughData`
-    (default 8).
-min_queue : requests waiting (mean over the window's steps) that mark a window as never
-    idle (default 1).
-budget_block : consecutive busy windows summed into one equation of the budget fit
-    (default 3).
-min_budget_blocks : fewer blocks leave :meth:`StepTimeModel.budget_gain` unanswered
-    (default 6).
-budget_boot : bootstrap refits for the budget gain's interval (default 200; seeded, so a
-    verdict is reproducible).
-kv_block, kv_boot, min_kv_independence : the per-KV-token cost is kept only where the
-    windows separate it from the other costs: at least ``min_kv_independence`` (default
-    0.05) of the KV tokens' variance over the fitted windows must be independent of the
-    other columns (1 - R^2 of a least-squares fit on them), and the 5th percentile of
-    ``kv_boot`` (default 100, seeded) refits on resampled runs of ``kv_block`` (default
-    10) consecutive fitted windows must be above zero; otherwise the model is fitted
-    without it (``k`` = 0). A cache reported full at every step leaves ``k`` and the fixed
-    part indistinguishable (0.000); requests of one length leave ``k`` and the
-    per-sequence part so (the lab's long-context, budget- and prefill-bound engines:
-    0.006-0.018; their fits put 0.6-4.6 us on a KV token and took it off the
-    per-sequence part, an exchange the data cannot judge). The KV-starved engines with
-    512-token outputs: 0.48-0.68.
+See docs/advise.md#the-step-time-model.
 """
 
 from __future__ import annotations
@@ -137,7 +47,22 @@ class BudgetGain(NamedTuple):
 
 
 class StepTimeModel:
-    """Linear step-time model fitted on busy 1-second windows (see module docstring)."""
+    """Linear step-time model fitted on busy 1-second windows.
+
+    Parameters
+    ----------
+    min_busy_ratio : share of the second a window's steps must cover for it to be used.
+    idle_tolerance : explained time this far below 1 s marks a window as partly idle.
+    n_iter : trimming rounds.
+    min_windows : fewer usable windows raise :class:`~kvscope.advisor.curve.NotEnoughData`.
+    min_queue : requests waiting (mean over the window's steps) that mark it as never idle.
+    budget_block, min_budget_blocks, budget_boot : busy windows summed into one equation of
+        the budget fit, the blocks it needs to answer, and its seeded bootstrap refits.
+    kv_block, kv_boot, min_kv_independence : ``k`` is kept where at least
+        ``min_kv_independence`` of the KV tokens' variance is independent of the other
+        columns and the 5th percentile of ``kv_boot`` seeded refits on resampled runs of
+        ``kv_block`` windows is above zero.
+    """
 
     def __init__(
         self,

@@ -1,31 +1,22 @@
 """Writing a group of prepared batches inside one open DuckDB transaction.
 
-:func:`ingest_in_transaction` does, with one statement per table for the whole group
-(columns are concatenated across batches into numpy arrays, read by DuckDB through a
-replacement scan of a local variable):
+:func:`ingest_in_transaction` runs one statement per table for the whole group (columns
+concatenated across batches into numpy arrays, read by DuckDB's replacement scan):
 
-1. Idempotency: the group's keys are inserted into ``ingested_batches`` (primary key
-   = the idempotency key); only batches whose key was inserted are new. A key
-   repeated inside the group counts once.
-2. ``steps`` and ``requests`` rows of the new batches.
-3. ``windows_1s``: the new steps are aggregated per (engine_id, second) in numpy
-   (:mod:`kvscope.collector._windows`). A window later than any this engine has in the store
-   is inserted; an earlier one (a second split over groups, or late data) is merged
-   with ``ON CONFLICT DO UPDATE``: counts, sums, minima and maxima exactly, means
-   from the merged sums, and the percentiles (p50/p90/p99 of the batch size) as the
-   step-count-weighted mean of the parts' percentiles, which lies between the parts'
-   values but is not the exact percentile of the union. ``n_parts`` counts the merged
-   parts (1 = exact). Seconds that arrive together in one group are always exact.
-4. ``engine_configs`` (one row per (engine_id, boot_id) hello), ``engines`` (current
-   identity: the hello with the latest ``started_unix_s`` wins; first/last seen) and
-   ``exporter_stats`` (cumulative counters per boot, merged with ``greatest``; written
-   only when they changed).
+1. idempotency: the keys go into ``ingested_batches``; only batches whose key was
+   inserted are new (a key repeated in the group counts once);
+2. ``steps`` and ``requests`` rows of the new batches;
+3. ``windows_1s``, aggregated in numpy (:mod:`kvscope.collector._windows`): a later
+   second is inserted, an earlier one (split over groups, late data) merged with ``ON
+   CONFLICT DO UPDATE``: counts, sums and extremes exactly, the batch percentiles as the
+   step-weighted mean of the parts' (``n_parts`` > 1 marks such a merge);
+4. ``engine_configs``, ``engines`` (the hello with the latest ``started_unix_s`` wins)
+   and ``exporter_stats`` (cumulative, merged with ``greatest``; written on change).
 
-A :class:`WriteCache` (owned by the store, updated only after COMMIT) remembers what
-the store holds so the common case needs no upsert: known hellos, the highest seq
-per boot, known engines, the latest window second per engine and the exporter
-counters last written.
-The caller owns BEGIN/COMMIT/ROLLBACK.
+A :class:`WriteCache` (owned by the store, updated only after COMMIT) remembers what the
+store holds, so the common case needs no upsert. The caller owns BEGIN/COMMIT/ROLLBACK.
+
+Details: docs/collector.md#the-store
 """
 
 from __future__ import annotations

@@ -1,43 +1,27 @@
 """Prefix-block accounting across the replicas of a pool, from their KV-cache events.
 
-Block hashes cannot be compared across engines: vLLM seeds its block hashes per
-process (non-cryptographic algorithms, or no ``PYTHONHASHSEED``), so two replicas
-caching the same prompt prefix report different hashes. Every stored block therefore
-gets a **canonical content id**, a 63-bit BLAKE2b digest of its parent's canonical id,
-its KV-cache group, its LoRA, its extra keys (multimodal inputs, cache salt) and its
-token ids. The chain through the parent makes the id stand for the whole prefix, as
-vLLM's own hash does. Each engine keeps ``local hash -> canonical id`` for the blocks
-it holds (:class:`EngineBlocks`); a pool keeps ``canonical id -> engines holding it``
-as a bit mask over its members' slots (:class:`Pool`).
+vLLM seeds its block hashes per process, so they cannot be compared across engines.
+Every stored block therefore gets a **canonical content id**: a 63-bit BLAKE2b digest
+of its parent's id, its KV-cache group, LoRA, extra keys and token ids, so (as vLLM's
+own hash) it stands for the whole prefix. An engine maps ``local hash -> canonical id``
+for the blocks it holds (:class:`EngineBlocks`); a pool maps ``canonical id -> engines
+holding it`` as a bit mask over its members' slots (:class:`Pool`).
 
-Counted per event batch into a row of :data:`ROW_FIELDS` (``kvscope.collector.tables``):
+Counted per event batch into a row of :data:`ROW_FIELDS`: ``stored_blocks`` (a store of
+a hash already held is a reported hit, not counted), ``dup_blocks`` (another engine of
+the pool held the content then), ``reseen_blocks`` (the pool stored it before, within
+its seen memory), ``orphan_blocks`` (unknown parent: they chain among themselves but
+never match another engine, nor count as dup or reseen), ``removed_blocks``,
+``cleared_events``, ``missed_batches`` (sequence gaps), and at the batch's end
+``held_blocks``, ``held_shared_blocks`` and the largest ``block_size``.
 
-* ``stored_blocks``: blocks newly stored (computed and cached). A ``BlockStored``
-  for a hash the engine already holds (vLLM's ``kv_cache_report_mode="full"`` reports
-  prefix-cache hits that way) is not a new store and not counted.
-* ``dup_blocks``: stored blocks whose canonical content another engine of the pool
-  held at that moment (in the collector's processing order).
-* ``reseen_blocks``: stored blocks whose content some engine of the pool, itself
-  included, had stored before, as far as the pool's bounded seen memory reaches.
-* ``orphan_blocks``: blocks of a ``BlockStored`` whose parent hash the engine's map
-  does not know (subscribed mid-stream, messages lost). Their ids derive from an
-  engine-local marker, so their descendants still chain, but none of them can ever
-  match another engine; orphans are not counted as dup or reseen either.
-* ``removed_blocks`` (hashes in ``BlockRemoved``), ``cleared_events``
-  (``AllBlocksCleared``), ``missed_batches`` (gaps in the publisher's sequence
-  numbers), and at the end of the batch ``held_blocks`` and ``held_shared_blocks``
-  (held blocks whose content another engine of the pool holds too) and the largest
-  ``block_size`` stored in the row's second.
+A sequence number going back means the publisher restarted: the engine's blocks are
+forgotten. Only the GPU tier is tracked (others are counted as ignored). Memory is
+bounded: a pool's seen memory keeps at most ``seen_capacity`` ids in two generations
+(the old one dropped whole when the young one fills, counted), an engine at most
+``max_blocks`` blocks (more are counted as untracked; their children become orphans).
 
-A sequence number lower than the previous one means the publisher restarted: the
-engine's blocks are forgotten (its new hashes mean something else). Only the GPU tier
-(``medium`` GPU or unset) is tracked; other tiers are counted as ignored.
-
-Memory is bounded: a pool's seen memory keeps at most ``seen_capacity`` ids in two
-generations (an id seen again moves to the young one; the old generation is dropped
-whole when the young one is full, and the dropped ids are counted), and an engine
-tracks at most ``max_blocks`` blocks (more are counted as untracked; their children
-become orphans).
+Details: docs/fleet.md#kv-cache-events-prefix-duplication-across-replicas
 """
 
 from __future__ import annotations

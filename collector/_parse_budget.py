@@ -1,23 +1,18 @@
 """What parsing an ingest body may cost, known before it is parsed.
 
-``json.loads`` builds a Python object for every value: 63 MiB of ``{},`` become 22
-million dicts, 1.6 GB. :func:`parse_cost` counts the bytes that open objects (``{``),
-lists (``[``), separate values (``,``) and delimit strings (``"``) with ``bytes.count``
-(C speed, about 1 GB/s; window by window, so a worker thread lets the event loop run in
-between) and
+``json.loads`` builds a Python object for every value, so a small body of ``{},`` can
+take gigabytes. :func:`parse_cost` counts the bytes that open objects and lists,
+separate values and delimit strings (``bytes.count``, window by window, so a worker
+thread lets the event loop run in between) and
 
-* refuses a body that cannot be a batch: the wire schema is columnar, so a valid batch
-  has 5 objects, one list per column and at most ``MAX_ROWS_PER_BATCH`` values a column.
-  A character inside a string counts as one of these bytes at most, so the counts may
-  exceed those of the structure by no more than the characters the schema lets strings
-  have;
-* bounds the bytes the parsed objects take (:data:`COSTS`): the caller takes that from
-  the request's :class:`~kvscope.collector._guards.Lease` before it parses.
+* refuses a body that cannot be a batch: the wire schema is columnar (5 objects, one
+  list a column, at most ``MAX_ROWS_PER_BATCH`` values a column), and a character in a
+  string adds at most one to these counts;
+* bounds the bytes the parsed objects take (:data:`COSTS`, CPython's 64-bit object sizes
+  with the parser's list growth); the caller takes that from the request's
+  :class:`~kvscope.collector._guards.Lease` before it parses.
 
-The costs are CPython's object sizes (64-bit) with the growth of the lists the parser
-appends to; checked against tracemalloc's peak and the RSS of json.loads for bodies of
-floats, ints, short and long strings, empty lists and a real batch, they bound each (a
-realistic batch by about 2x: its small ints are shared objects).
+The bound, checked against tracemalloc and RSS: docs/reliability.md#a-hostile-or-buggy-sender
 """
 
 from __future__ import annotations

@@ -1,29 +1,23 @@
 """The store's downsampled tier of finished requests: per engine and minute, histograms.
 
-Finished requests are kept one row each for ``--request-retention`` (15 days by default);
-an SLO is commonly judged over 28 or 30 days. ``requests_1m`` keeps, per engine and
-minute of finish, what latency and SLO attainment need, in the buckets of the
-collector's ``/metrics`` histograms (so the tier answers as precisely as a Prometheus
-that scraped them, and exactly at the usual SLO targets, which are bucket bounds):
+Request rows are kept for ``--request-retention``; an SLO is commonly judged over 28 or
+30 days. ``requests_1m`` keeps, per engine and minute of finish, what latency and SLO
+attainment need, in the buckets of the ``/metrics`` histograms (exact at the usual SLO
+targets, which are bucket bounds):
 
-* ``n_requests`` and the finish reasons (``n_stop``, ``n_length``, ``n_abort``,
-  ``n_error``, ``n_other``: any other or missing reason);
+* ``n_requests`` and the finish reasons (``n_stop`` ... ``n_other``);
 * per measure (TTFT, ITL, e2e, queue, prefill, decode, prompt and output length) the
-  **cumulative** count of requests at or under each bucket bound (``<m>_b00`` ...; the
-  last column, +Inf, counts the requests having the measure) and the sum of the values
-  (``<m>_sum``), from which means are exact;
+  **cumulative** count at or under each bound (``<m>_b00`` ...; the last, +Inf, counts
+  the requests having the measure) and the sum (``<m>_sum``);
 * the sums of cached prompt tokens and preemptions.
 
-A minute row is about 1.5 KB before compression; a minute of an engine finishing one
-request a second holds 60 request rows. The retention task rolls a minute up once it
-ended ``ROLLUP_LAG_S`` ago, and again whenever requests finished in it were stored
-since (as for ``windows_1m``, :mod:`kvscope.collector._rollup`); a request row is
-deleted only once its minute is rolled up. Late requests of a minute already past the
-request retention fill the tier only where it has no row for their engine and minute (an
-import or a replay of old traffic), never replacing one.
+The retention task rolls a minute up ``ROLLUP_LAG_S`` after it ended and again when
+requests of it were stored since (as :mod:`kvscope.collector._rollup`); a request row is
+deleted only once its minute is rolled up. Late requests past the retention fill the
+tier only where it has no row, never replacing one. :func:`select_sql` names each
+bucket column after its bound as Prometheus does (``ttft_s{le=0.5}``).
 
-Read back (:func:`select_sql`), each bucket column is named after its bound the way
-Prometheus does (``ttft_s{le=0.5}``), so a reader needs no table of bounds.
+Details: docs/collector.md#the-request-tier; sizes: docs/benchmarks.md#storage-per-engine-day
 """
 
 from __future__ import annotations

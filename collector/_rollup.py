@@ -1,31 +1,23 @@
 """The store's downsampled tier: 1-minute windows rolled up from the 1-second ones.
 
-1-second windows are what the advisor fits knees on; kept forever they grow with every
-engine-second (about 250 bytes each on disk). ``windows_1m`` keeps, per engine and
-minute, what long ranges need: the sums (tokens, steps, preemptions, prefix lookups),
-the extremes, the step-weighted means the 1-second windows carry, and the per-second
-**load** (requests in flight, ``batch_mean + waiting_mean + deferred_mean`` as the
-advisor counts it) as its mean, median, P90 and maximum over the minute's seconds, with
-the busiest second's generated tokens. ``n_seconds`` counts the 1-second windows merged
-(the seconds the engine stepped). A minute row takes about a sixtieth of the space of
-the seconds it replaces, so the tier can be kept for months.
+1-second windows are what the advisor fits knees on, but they grow with every
+engine-second. ``windows_1m`` keeps, per engine and minute, what long ranges need: the
+sums, the extremes, the step-weighted means, the per-second **load** (``batch_mean +
+waiting_mean + deferred_mean``, as the advisor counts it) as mean, median, P90 and
+maximum, the busiest second's generated tokens and ``n_seconds`` (seconds stepped), in
+a sixtieth of the rows, so the tier can be kept for months.
 
-The retention task (:meth:`kvscope.collector.store.Store.apply_lifecycle`) rolls up each
-minute once it ended ``ROLLUP_LAG_S`` ago, and again whenever the writer stored windows
-in it since the last pass (late data: a batch resent after an outage, a replayed
-recording): an upsert of the whole minute, so rolling up twice gives the same row. The
-end of the rolled-up minutes is kept in ``meta``; a store that has none (written by an
-older kvscope) is rolled up from its oldest window, a bounded part per pass (see
-``ROLLUP_PASS_BUDGET_S``). The minutes written are held in memory; as a safety net
-against losing them (a crash between a write and the next pass) the last ``lookback_s``
-of minutes are rolled up again on every pass. A 1-second window is deleted only once its minute has been rolled up.
+The retention task (:meth:`kvscope.collector.store.Store.apply_lifecycle`) rolls a
+minute up ``ROLLUP_LAG_S`` after it ended and again whenever windows were stored in it
+since (an upsert of the whole minute, so twice gives the same row). The rolled-up end
+is kept in ``meta``; a backlog is rolled up oldest first within ``ROLLUP_PASS_BUDGET_S``
+a pass; the last ``lookback_s`` are rolled up again every pass as a safety net. Late
+minutes go ``LATE_CHUNK_S`` of minutes per statement within the same budget, so old
+data costs the writer a bounded time a pass. A 1-second window is deleted only once its
+minute is rolled up.
 
-Late minutes (written behind the rolled-up end) are rolled up in few statements, their
-starts named in a relation (``LATE_CHUNK_S`` of minutes per statement, not a statement per
-minute), and like a backlog only until the pass has taken its budget: the minutes left wait
-in memory for the next pass, and their 1-second windows are not deleted meanwhile. A batch
-of old data (an import, a hostile sender's steps an hour apart) thus costs the writer a
-bounded time per pass, whatever its size.
+Details: docs/collector.md#retention-and-the-1-minute-tier; the pass's cost:
+docs/benchmarks.md#the-minute-rollups-pass
 """
 
 from __future__ import annotations

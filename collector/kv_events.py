@@ -1,48 +1,28 @@
 """Subscribing to vLLM's KV-cache events and measuring prefix duplication across a pool.
 
-vLLM publishes its prefix-cache changes when started with ``--kv-events-config
-'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'``
-(a ZMQ PUB socket; data-parallel engine ``i`` publishes on port + ``i``). The kvscope
-plugin advertises that endpoint in the engine hello (``kv_events_endpoint``); the
-:class:`KvEventsManager` subscribes to it, one SUB socket per engine, all served by one
-daemon thread (``kvscope-kv-events``), so neither the aiohttp loop nor the ingest path
-ever waits on ZMQ. The HTTP side only hands over what it learnt from an ingest
-(:meth:`KvEventsManager.note_batch`, O(1), through a bounded queue).
+vLLM started with ``--kv-events-config`` publishes its prefix-cache changes on a ZMQ PUB
+socket (data-parallel engine ``i`` on port + ``i``); the plugin advertises it in the
+hello (``kv_events_endpoint``). :class:`KvEventsManager` subscribes, one SUB socket per
+engine, all served by one daemon thread (``kvscope-kv-events``), so neither the aiohttp
+loop nor ingest ever waits on ZMQ: the HTTP side only hands over what an ingest taught
+it (:meth:`KvEventsManager.note_batch`, O(1), through a bounded queue).
 
-Endpoint resolution (:func:`resolve_endpoint`): a wildcard host (``tcp://*:P``,
-``tcp://0.0.0.0:P``, ``tcp://[::]:P``) becomes the address the engine's ingest
-requests come from; an explicit host is used as given; ``ipc://`` as given; port 0
-and ``inproc://`` cannot be reached from here. The operator's override
-(``--kv-events-endpoint ENGINE_ID=tcp://host:port``) wins over the advertised one.
+* Endpoints (:func:`resolve_endpoint`): a wildcard host becomes the address the
+  engine's ingest came from; ``port 0`` and ``inproc://`` cannot be reached; an
+  operator's ``--kv-events-endpoint`` wins and is not checked.
+* Which and how many (:class:`~kvscope.collector.kv_endpoints.EndpointPolicy`,
+  :func:`~kvscope.collector.kv_endpoints.socket_budget`): an engine beyond the budget
+  waits for a free slot; a refusal is logged once per engine and counted in
+  ``kvscope_kv_events_refused_endpoints_total{reason}``.
+* Lifecycle: a new boot or pool starts the engine afresh; a changed endpoint reconnects
+  and keeps the blocks; an engine silent for ``kv_events_idle_s`` is unsubscribed.
+* Accounting (:mod:`kvscope.collector._kv_registry`) within each ``pool``, in arrival
+  order; each engine-second's counters reach ``kv_event_windows`` about every
+  ``kv_events_flush_interval_s`` (one job on the store's writer thread).
 
-Which endpoints (:class:`~kvscope.collector.kv_endpoints.EndpointPolicy`): an advertised
-endpoint is subscribed to only on the host the engine's ingest requests come from (a
-wildcard always is), on a host or network of ``kv_events_allow``, or, ``ipc://``, with
-``kv_events_allow_ipc``; so it waits for the engine's first ingest after a restart of
-the collector. Overrides are the operator's and not checked. At most
-``kv_events_max_sockets`` subscriptions are open at once, fewer if the open-file limit
-is low (:func:`~kvscope.collector.kv_endpoints.socket_budget`); an engine beyond waits
-and is subscribed when another subscription closes. A refused endpoint, and one ZMQ
-cannot connect to (``Too many open files``...), is logged once per engine and counted
-in ``kvscope_kv_events_refused_endpoints_total{reason}``; the thread goes on serving the
-others.
+Memory is bounded; what is dropped is counted in ``kvscope_kv_events_dropped_total``.
 
-Lifecycle: a hello with a new boot (or a new pool) starts the engine afresh (its old
-blocks are forgotten, the socket reconnects); a changed endpoint reconnects and keeps
-the blocks. An engine that neither sends ingest batches nor KV events for
-``kv_events_idle_s`` is unsubscribed and its blocks forgotten; its next batch
-subscribes it again.
-
-Accounting (canonical content ids, duplicates, reseen blocks, orphans, sequence
-gaps) is in :mod:`kvscope.collector._kv_registry`; the counters of each engine-second go to
-the store's ``kv_event_windows`` table about once per ``kv_events_flush_interval_s``,
-as one job on the store's writer thread, and into ``/metrics`` once committed.
-Engines are grouped by the ``pool`` of their hello; duplication is measured within a
-pool. Engines are processed in the order their messages reach the collector.
-
-Memory is bounded: the pools' seen memories, the blocks tracked per engine, the
-pending rows and the control queue all have caps; what is dropped to stay inside is
-counted in ``kvscope_kv_events_dropped_total{reason}``.
+Details: docs/fleet.md#kv-cache-events-prefix-duplication-across-replicas
 """
 
 from __future__ import annotations

@@ -2,54 +2,25 @@
 
 :class:`FleetState` is updated by the writer thread after each commit (so a sample
 never shows data that is not stored) and rendered fresh on every scrape; it holds
-plain numbers per engine, no prometheus_client objects.
+plain numbers per engine, no prometheus_client objects. :meth:`FleetState.snapshot`
+gives the per-engine families as labelled values, to push elsewhere
+(:mod:`kvscope.collector.otlp`).
 
-Per-engine series carry the labels ``engine`` (engine_id), ``pool`` and ``model``
-(from the engine's latest hello; empty until one arrives).
+Per engine (labels ``engine``, ``pool``, ``model`` from the latest hello):
 
-Gauges (from the latest step received, by step time): ``kvscope_engine_batch_size``,
-``kvscope_engine_waiting_requests``, ``kvscope_engine_deferred_requests``,
-``kvscope_engine_kv_usage_ratio``, ``kvscope_engine_kv_used_blocks``;
-``kvscope_engine_prefix_hit_ratio`` is hits/queries over the latest batch (about one
-second) that had prefix-cache queries; ``kvscope_engine_last_step_timestamp_seconds``
-(engine clock) and ``kvscope_engine_last_seen_timestamp_seconds`` (collector clock).
+* gauges of the latest step (``kvscope_engine_batch_size``, ``..._kv_usage_ratio``...);
+* counters of steps, tokens, preemptions, prefix lookups, finished requests, the queue
+  summed over steps, and the plugin's ``kvscope_exporter_<field>_total``;
+* histograms of per-step batch size and KV usage, and of request latency (the
+  definitions of :mod:`kvscope.advisor.request_latency`; buckets at the usual SLO
+  targets, so a good-request ratio is one bucket over the count);
+* ``kvscope_engine_info`` and the configuration's numbers as gauges, for PromQL.
 
-Counters: ``kvscope_engine_steps_total``, ``..._prompt_tokens_total``,
-``..._generation_tokens_total``, ``..._preemptions_total``,
-``..._prefix_cache_query_tokens_total``, ``..._prefix_cache_hit_tokens_total``,
-``..._finished_requests_total``, ``..._waiting_request_steps_total`` and
-``..._deferred_request_steps_total`` (the queue summed over steps: over the steps'
-increase, the mean queue per step, where the gauges are only the latest step) and the
-plugin's own ``kvscope_exporter_<field>_total``.
-Histograms of per-step observations: ``kvscope_engine_step_batch_size`` and
-``kvscope_engine_step_kv_usage_ratio``. ``kvscope_engine_info`` carries the
-configuration as labels, and ``kvscope_engine_max_num_seqs``,
-``..._max_num_batched_tokens``, ``..._kv_capacity_blocks`` and
-``..._kv_block_size_tokens`` carry its numbers as values (for PromQL, which cannot
-compare a sample with a label).
+Besides: ``kvscope_collector_*`` and the advisor's verdicts (``kvscope_advisor_*``,
+:mod:`kvscope.collector.verdicts`). Counters stay monotonic across restarts (rebuilt
+from the store); histograms are saved at a clean shutdown and restored.
 
-Request latency (one observation per finished request the collector stored, the
-definitions of :mod:`kvscope.advisor.request_latency`): the histograms
-``kvscope_request_ttft_seconds`` (``ttft_s``, else queue + prefill),
-``kvscope_request_inter_token_latency_seconds`` (decode time over output tokens - 1, for
-requests with at least 2 output tokens), ``kvscope_request_e2e_seconds``,
-``kvscope_request_queue_seconds``, ``kvscope_request_prefill_seconds``,
-``kvscope_request_decode_seconds``, ``kvscope_request_prompt_tokens`` and
-``kvscope_request_generation_tokens``, and the counter
-``kvscope_request_finished_by_reason_total`` (label ``reason``: stop, length, abort,
-error, other). Their buckets include the usual SLO targets (TTFT 0.2-10 s, ITL 10-200
-ms), so that an SLO's good-request ratio is one bucket over the count
-(``deploy/prometheus/kvscope-alerts.yml``, the burn-rate alerts). The collector's own: ``kvscope_collector_*``. The
-advisor's verdicts (``kvscope_advisor_*``, see :mod:`kvscope.collector.verdicts`) are a
-section added at startup. :meth:`FleetState.snapshot` gives the per-engine families as
-labelled values, for pushing them elsewhere (:mod:`kvscope.collector.otlp`).
-
-Across collector restarts: step/token/preemption/prefix counters are rebuilt from the
-store's windows, finished requests and the request histograms from the requests table, exporter counters from
-``exporter_stats``, so they stay monotonic. Histograms are saved at a clean shutdown
-and restored at the next start; after a crash they start from zero (a counter reset
-that Prometheus' ``rate()`` handles). Gauges are absent for an engine until its first
-step after the restart. ``kvscope_collector_*`` counters always start from zero.
+Every family and the restart rules: docs/collector.md#metrics
 """
 
 from __future__ import annotations

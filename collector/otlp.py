@@ -1,30 +1,22 @@
 """Push the fleet metrics and the advisor's verdicts to an OTLP/HTTP endpoint.
 
 Off unless the collector is given ``--otlp-endpoint``; only then is opentelemetry
-imported (``pip install 'kvscope[otlp]'``: opentelemetry-sdk and its OTLP/HTTP protobuf
-exporter), so the collector runs without it.
+imported (``pip install 'kvscope[otlp]'``), so the collector runs without it.
 
 :class:`OtlpExport` runs an opentelemetry-sdk ``MeterProvider`` with a
-``PeriodicExportingMetricReader`` (one daemon thread that collects every interval and
-hands the result to the exporter) and the OTLP/HTTP protobuf exporter (see
-:mod:`kvscope.collector._otlp_sdk`). Its observable instruments read the state ``/metrics``
-renders, :meth:`FleetState.snapshot` and :meth:`VerdictLoop.snapshot`, taken once per
-collection, so names, attributes and values are those of ``/metrics``: gauges become
-OTLP gauges, ``*_total`` counters monotonic cumulative sums, the per-step histograms
-cumulative explicit-bucket histograms with the same bounds, ``kvscope_engine_info`` a
-gauge of 1 with the configuration as attributes. The resource carries
-``service.name=kvscope-collector``, ``service.version``, ``service.instance.id``
-(``host:port``), ``host.name`` and ``process.pid``; ``$OTEL_SERVICE_NAME`` and
-``$OTEL_RESOURCE_ATTRIBUTES`` override them.
+``PeriodicExportingMetricReader`` (one daemon thread) and the OTLP/HTTP protobuf
+exporter (:mod:`kvscope.collector._otlp_sdk`). Its observable instruments read what
+``/metrics`` renders (:meth:`FleetState.snapshot`, :meth:`VerdictLoop.snapshot`, once
+per collection), so names, attributes and values are those of ``/metrics``.
 
-Failures never reach ingest: exports run on the reader's thread, read the state
-under its lock only for the copy, and a failed export (after the SDK's own retries
-within its timeout) is counted in ``kvscope_collector_otlp_exports_total{result}``.
-The values are cumulative, so the next export that gets through carries everything.
-The SDK's log lines about failed exports pass once per kind (message and status
-code); this module logs the first failure of each kind and, at most once a minute,
-a recovery. At shutdown the reader collects and exports once more, within
+Failures never reach ingest: exports run on the reader's thread, take the state's lock
+only to copy it, and a failed export is counted in
+``kvscope_collector_otlp_exports_total{result}``; values are cumulative, so the next
+export that gets through carries everything. The first failure of each kind is logged,
+a recovery at most once a minute. At shutdown the reader exports once more, within
 :data:`SHUTDOWN_TIMEOUT_S`.
+
+The mapping of families and the resource attributes: docs/otlp.md
 """
 
 from __future__ import annotations

@@ -2,44 +2,28 @@
 
 Routes:
 
-* ``POST /v1/ingest``: one gzip (or identity) JSON batch of the wire schema. Answers
-  ``200 {"status": "stored"|"duplicate", "need_hello": bool}`` only after the batch is
-  committed; ``400 {"error": ...}`` naming the field for malformed JSON or schema
-  errors, ``401`` for a missing/wrong bearer token (when one is configured; the read API and
-  ``/metrics`` need it too), ``413``
-  for a body over ``max_body_bytes`` (as sent) or ``max_decompressed_bytes`` (inflated) or
-  whose parsing may take more than ``max_inflight_bytes`` (see
-  :mod:`kvscope.collector._parse_budget`), ``415`` for other content encodings, ``503`` (with ``Retry-After``) while overloaded
-  or shutting down, ``500`` if the store fails. A rejected batch leaves the store as
-  it was.
-* ``GET /metrics``: Prometheus text exposition (see :mod:`kvscope.collector.metrics`), with
-  the advisor's verdicts refreshed every ``advise_interval_s`` in a thread of their
-  own (see :mod:`kvscope.collector.verdicts`). Scrapes that overlap share one rendering.
-* With ``otlp_endpoint`` set, the same metrics are also pushed to an OTLP/HTTP
-  endpoint (see :mod:`kvscope.collector.otlp`).
-* ``GET /healthz``: ``{"status": "ok", ...}``, 503 when the writer is not running.
-* ``GET /runbooks/`` and ``GET /runbooks/{alert}``: the alerts' runbooks (plain-text
-  Markdown, ``docs/runbooks/`` of the repository, installed with the package), which the
-  alert rules' ``runbook_url`` annotations point at. Like ``/healthz`` they need no token.
-* Read API (JSON): ``GET /v1/engines``, ``/v1/engines/{engine_id}/configs``,
-  ``/v1/windows``, ``/v1/steps``, ``/v1/requests``, ``/v1/kv_events`` (per
-  engine-second KV-event counters, see :mod:`kvscope.collector.kv_events`; ``engine_id`` is
-  accepted for ``engine``), ``/v1/request_stats``, ``/v1/totals``. Parameters:
-  ``engine``, ``pool``, ``since``, ``until`` (unix seconds, ``now`` or a duration ago:
-  ``90s``, ``30m``, ``2h``, ``7d``, ``1w``; ``since`` defaults to ``1h``), ``limit`` (rows, oldest first; default and maximum
-  ``read_row_limit``), ``fields`` (comma-separated columns to return), ``format``
-  (``records``, the default, or ``columns``),
-  ``group_by`` (request_stats: ``engine``, ``pool`` or ``all``) and ``source``
-  (totals: ``windows`` or ``steps``). The answer is
-  ``{"n_rows": N, "truncated": bool, "rows": [{column: value, ...}, ...]}`` or, with
-  ``format=columns``, ``{"n_rows": N, "truncated": bool, "columns": {column: [...]}}``;
-  missing values are ``null``. Unknown or invalid parameters get 400.
+* ``POST /v1/ingest``: one gzip (or identity) JSON batch of the wire schema; ``200
+  {"status": "stored"|"duplicate", "need_hello": bool}`` only after it is committed,
+  else an error status (400 naming the field, 401/403, 413, 415, 429, 503 with
+  ``Retry-After``, 500 if the store fails); a rejected batch leaves the store as it was.
+* ``GET /metrics`` (:mod:`kvscope.collector.metrics`, with the verdicts of
+  :mod:`kvscope.collector.verdicts`; overlapping scrapes share one rendering); with
+  ``otlp_endpoint`` the same is pushed over OTLP (:mod:`kvscope.collector.otlp`).
+* ``GET /healthz`` and ``GET /runbooks/{alert}`` (the alerts' runbooks): no token.
+* Read API (JSON): ``/v1/engines``, ``/v1/windows``, ``/v1/steps``, ``/v1/requests``,
+  ``/v1/kv_events``, ``/v1/request_stats``, ``/v1/totals``... over ``engine``,
+  ``pool``, ``since``, ``until``, ``limit``, ``fields``, ``format``; the answer is
+  ``{"n_rows": N, "truncated": bool, "rows": [...]}`` (or ``"columns": {...}``).
+  Unknown or invalid parameters get 400.
 
 ``/metrics`` and the read API write their answers within ``response_timeout_s`` or close
-the connection (see :class:`kvscope.collector._http_body.ResponseWriter`).
+the connection (:class:`kvscope.collector._http_body.ResponseWriter`).
 
 The aiohttp server must not inflate bodies itself: use :func:`create_runner` (or
 ``web.AppRunner(app, auto_decompress=False)``).
+
+Every route, status and parameter: docs/collector.md#http-api; the limits behind them:
+docs/reliability.md#a-hostile-or-buggy-sender
 """
 
 from __future__ import annotations

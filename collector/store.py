@@ -3,29 +3,20 @@ finished requests and the idempotency ledger.
 
 Writes go through one connection guarded by a lock (in the service, only the writer
 thread writes). :meth:`Store.ingest` commits a whole group of batches in one
-transaction; if that transaction fails it retries each batch in its own transaction,
-so one bad batch cannot fail the others. Reads run on per-thread cursors of the same
-database and see committed data only (DuckDB's snapshot isolation).
+transaction; if that fails it retries each batch in its own, so one bad batch cannot
+fail the others. Reads run on per-thread cursors and see committed data only.
 
-Tables (see :mod:`kvscope.collector.tables` for every column):
+Tables (every column in :mod:`kvscope.collector.tables`): ``engines`` (current identity
+per ``engine_id``), ``engine_configs`` (one row per hello), ``steps``, ``windows_1s``,
+``windows_1m`` (:mod:`kvscope.collector._rollup`), ``requests``, ``requests_1m``
+(:mod:`kvscope.collector._request_rollup`), ``ingested_batches`` (the ledger, key
+(engine_id, boot_id, seq)), ``exporter_stats`` (the plugin's counters per boot),
+``kv_event_windows`` (:mod:`kvscope.collector.kv_events`), ``meta`` (layout version)
+and ``saved_state`` (state kept across restarts). Each raw or per-second table is
+deleted after its retention, once rolled up where it has a tier.
 
-* ``engines``: current identity and configuration per ``engine_id`` (latest hello),
-  ``first_seen_unix_s``/``last_seen_unix_s`` (collector clock), ``last_step_unix_s``.
-* ``engine_configs``: one row per (engine_id, boot_id) hello: the configuration history.
-* ``steps``: engine_id, boot_id and the wire's STEP_FIELDS; deleted after the retention.
-* ``windows_1s``: per (engine_id, ts_s) aggregates of the steps; deleted after the window
-  retention, once rolled up into
-* ``windows_1m``: per (engine_id, minute) aggregates of the 1-second windows (see
-  :mod:`kvscope.collector._rollup`); deleted after the rollup retention.
-* ``requests``: engine_id, boot_id and the wire's REQUEST_FIELDS; deleted after the
-  request retention, once rolled up into
-* ``requests_1m``: per (engine_id, minute of finish) counts, histogram buckets and sums
-  (see :mod:`kvscope.collector._request_rollup`); deleted after the rollup retention.
-* ``ingested_batches``: the idempotency ledger, key (engine_id, boot_id, seq).
-* ``exporter_stats``: the plugin's cumulative counters per (engine_id, boot_id).
-* ``kv_event_windows``: per (engine_id, ts_s) counters of the engine's KV-cache events
-  (see :mod:`kvscope.collector.kv_events`); deleted after the raw-step retention.
-* ``meta`` (store layout version) and ``saved_state`` (state kept across restarts).
+Details: docs/collector.md#the-store, retentions:
+docs/collector.md#retention-and-the-1-minute-tier
 """
 
 from __future__ import annotations

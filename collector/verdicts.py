@@ -1,29 +1,20 @@
 """The advisor's verdicts on ``/metrics``: a periodic run over the collector's own data.
 
 :class:`VerdictLoop` is one named daemon thread that runs :func:`kvscope.advisor.analyze`
-over the last ``window_s`` seconds (ending :data:`SETTLE_S` before now), pool by
-pool, then waits on an event (the same event is the sleep and the stop signal). It
-reads through the store's read methods wrapped in an :class:`advisor.FrameSource`,
-never runs on the event loop and never takes the store's write lock, so ingest is
-not held up. A failed run is
-counted and logged (at most once a minute), never raised; the verdicts of the pools
-that failed stay as they were, every other pool's are replaced (an engine without
-data in the window drops out).
+over the last ``window_s`` seconds (ending :data:`SETTLE_S` before now), pool by pool,
+then waits on an event (the same event is the sleep and the stop signal). It reads
+through the store's read methods wrapped in an :class:`advisor.FrameSource`, never on the
+event loop and never under the store's write lock, so ingest is not held up. A failed
+run is counted and logged (at most once a minute), never raised; the pools that failed
+keep their verdicts, every other pool's are replaced.
 
-At scrape time :meth:`VerdictLoop.render` writes the latest verdicts. Per engine
-(labels ``engine``, ``pool``, ``model``): ``kvscope_advisor_knee_concurrency``,
-``kvscope_advisor_plateau_tokens_per_second``, ``kvscope_advisor_saturated`` and
-``kvscope_advisor_preemption_thrash`` (0/1), ``kvscope_advisor_bottleneck`` (value 1,
-the bottleneck as the ``bottleneck`` label; ``not_saturated`` and
-``insufficient_data`` included), and for saturated engines
-``kvscope_advisor_recommended_concurrency_cap`` with the predicted
-``kvscope_advisor_cap_throughput_ratio`` (share of the plateau kept) and
-``kvscope_advisor_cap_p99_e2e_seconds``. Per pool: ``kvscope_advisor_pool_*`` (the
-summed cap and plateau, the prefix hit ratio, the routing loss and the predicted hit
-ratio under prefix-aware routing where KV events are collected, the load imbalance). The loop's own: ``kvscope_advisor_runs_total{result=ok|
-no_data|error}``, ``kvscope_advisor_last_run_timestamp_seconds``,
-``kvscope_advisor_last_success_timestamp_seconds`` (last run without error) and
-``kvscope_advisor_last_run_duration_seconds``.
+At scrape time :meth:`VerdictLoop.render` writes the latest verdicts: per engine
+(``kvscope_advisor_knee_concurrency``, ``..._plateau_tokens_per_second``,
+``..._saturated``, ``..._bottleneck``, the recommended cap and its predicted effect),
+per pool (``kvscope_advisor_pool_*``) and the loop's own (``kvscope_advisor_runs_total
+{result}``, last run and success timestamps, duration).
+
+Settings: docs/advise.md#verdicts-on-metrics; every family: docs/otlp.md#what-is-exported
 """
 
 from __future__ import annotations

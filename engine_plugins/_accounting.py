@@ -1,7 +1,7 @@
 """The exporter's accounting: what became of every row and batch, per engine and in total.
 
-:class:`Accounting` owns the exporter's counters. The builder, the exporter's queue
-handling and the spool report to it as a batch goes through its life::
+:class:`Accounting` owns the exporter's counters. The builder, the queue and the spool
+report to it as a batch goes through its life::
 
     built (pending) --+--> sent
                       +--> dropped: full (beyond the caps), rejected (refused), exit
@@ -9,26 +9,19 @@ handling and the spool report to it as a batch goes through its life::
                                      +--> dropped: rejected (refused)
                                      +--> dropped: full (deleted by the size cap)
 
-and report the rows the builder holds back or merged, failed deliveries, values
-replaced while building columns, and the spool's size. Rows not yet drained are
-counted by the engine buffers themselves (``*_produced``, the deques, evictions).
-
-Exact whenever no ``record()`` runs concurrently::
+Rows not yet drained are counted by the engine buffers. Exact whenever no ``record()``
+runs concurrently (``buffered`` includes this boot's rows in the spool)::
 
     steps_produced    == steps_sent + steps_merged + steps_dropped + steps_buffered
     requests_produced == requests_sent + requests_dropped + requests_buffered
 
-where ``buffered`` includes this boot's rows in the spool. A spooled batch of an
-earlier boot is reported under the same engine id, else under the first engine:
-delivered, it counts in ``replayed_batches``; refused or evicted, in that engine's
-``dropped_batches_rejected`` / ``dropped_batches_full`` only.
+A spooled batch of an earlier boot counts under its engine id (else the first engine):
+``replayed_batches`` when delivered, ``dropped_batches_*`` otherwise.
+:meth:`Accounting.counters` are what each batch carries (the schema's ``exporter``),
+:meth:`Accounting.stats` backs ``Exporter.stats()`` and :func:`write_stats_file`.
+Not thread-safe: the exporter reports and reads under its lock.
 
-:meth:`Accounting.counters` are the cumulative counters each batch carries (the wire
-schema's ``exporter``); :meth:`Accounting.stats` is the snapshot behind
-``Exporter.stats()``, and :func:`write_stats_file` writes ``KVSCOPE_STATS_FILE``.
-
-Not thread-safe: the exporter makes every report and takes every snapshot under its
-lock.
+Details: docs/reliability.md#the-engine-plugin
 """
 
 from __future__ import annotations

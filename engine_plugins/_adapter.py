@@ -1,47 +1,28 @@
 """The one module that reads vLLM's stats objects.
 
-vLLM says its ``SchedulerStats`` / ``IterationStats`` classes are not a stable
-interface, so each reader has two paths:
+vLLM says its ``SchedulerStats`` / ``IterationStats`` are not a stable interface, so
+each reader has two paths: a fast path reading vLLM 0.32's attributes directly (it runs
+on vLLM's event loop once per step), and a compatible path, taken on an
+``AttributeError``, that reads each field with ``getattr`` and a default, so a vLLM
+lacking a field degrades (0 / null, logged once) instead of breaking. An object with
+none of the fields is not stats: ``TypeError``, counted as a record error by the caller.
 
-* a fast path that reads the attributes of vLLM 0.32 directly (no ``getattr``
-  defaults: this runs on vLLM's event loop once per engine step);
-* a compatible path, taken only when the fast path meets an ``AttributeError``,
-  that reads every field with ``getattr`` and a default, so a vLLM version lacking
-  a field degrades (that column reads 0 / null, logged once) instead of breaking.
-  An object that has none of the expected fields is not stats at all: the
-  compatible path raises ``TypeError`` and the caller counts a record error.
+Rows are plain tuples in the layouts of :mod:`kvscope.engine_plugins._rows`, values
+copied as they are and cleaned up later by the exporter, off the event loop.
 
-The rows are plain tuples in the layouts of :mod:`kvscope.engine_plugins._rows`; values
-are copied as they are and cleaned up later, off the event loop, by the exporter.
+What is counted matches vLLM 0.32's ``PrometheusStatLogger.record`` exactly, so
+kvscope's totals equal vLLM's ``/metrics``: ``prefix_queries`` / ``prefix_hits`` from
+``prefix_cache_stats`` (not the ``preempted_*`` re-lookups nor the KV connector's,
+which vLLM does not add either), ``prompt_tokens`` (cached included),
+``generation_tokens``, ``preemptions``; the gauges ``batch_size`` (running),
+``waiting`` and ``deferred`` (skipped waiting; vLLM's ``num_requests_waiting`` is their
+sum), ``kv_usage_ratio``; ``iteration_s`` from ``iteration_details`` when vLLM reports it.
 
-What is counted matches vLLM's own Prometheus counters
-(``PrometheusStatLogger.record`` in vLLM 0.32) exactly, so kvscope's totals equal
-``/metrics``:
+Per finished request: vLLM's latencies, token counts, preemptions and finish reason.
+TTFT is ``first_token_latency`` where a vLLM version has it, else the exporter derives
+the engine-side ``queued_time + prefill_time`` (no front-end tokenisation or IPC).
 
-* ``prefix_queries`` / ``prefix_hits`` = ``scheduler_stats.prefix_cache_stats``
-  ``.queries`` / ``.hits`` (``vllm:prefix_cache_queries`` / ``_hits``). The
-  ``preempted_*`` fields (re-lookups of preempted requests) and the KV-connector's
-  ``connector_prefix_cache_stats`` (``vllm:external_prefix_cache_*``) are not added,
-  as vLLM does not add them.
-* ``prompt_tokens`` = ``iteration_stats.num_prompt_tokens`` (all prompt tokens,
-  cached ones included: ``vllm:prompt_tokens``).
-* ``generation_tokens`` = ``iteration_stats.num_generation_tokens``
-  (``vllm:generation_tokens``).
-* ``preemptions`` = ``iteration_stats.num_preempted_reqs``
-  (``vllm:num_preemptions``).
-* Gauges: ``batch_size`` = ``num_running_reqs``, ``waiting`` = ``num_waiting_reqs``,
-  ``deferred`` = ``num_skipped_waiting_reqs`` (vLLM's ``vllm:num_requests_waiting``
-  is their sum), ``kv_usage_ratio`` = ``kv_cache_usage``.
-* ``iteration_s`` = ``scheduler_stats.iteration_details.elapsed_ms / 1000`` when
-  vLLM reports iteration details (``--enable-logging-iteration-details``).
-
-Per finished request (``FinishedRequestStats``): ``e2e_latency``, ``queued_time``,
-``prefill_time``, ``decode_time``, token counts, ``num_preemptions`` and
-``finish_reason``. TTFT: vLLM 0.32 keeps no TTFT on ``FinishedRequestStats``; a
-``first_token_latency`` attribute is used when a vLLM version has one (arrival to
-first token, as ``vllm:time_to_first_token_seconds``); otherwise the exporter
-derives the engine-side TTFT ``queued_time + prefill_time`` (engine queueing to
-first token; it leaves out front-end tokenisation and IPC).
+The fields on the wire: docs/plugin.md#what-it-sends
 """
 
 from __future__ import annotations

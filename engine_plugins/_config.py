@@ -1,32 +1,13 @@
 """Typed settings of the engine side, read from ``KVSCOPE_*`` environment variables.
 
-Reading never raises: a malformed value is reported once in the log and the default
-is used instead. Without ``KVSCOPE_COLLECTOR_URL`` the plugin is inert.
+:func:`load_settings` reads them into :class:`Settings`, one field per variable
+(``KVSCOPE_FLUSH_INTERVAL_S`` -> ``flush_interval_s``; ``KVSCOPE_ENGINE_ID`` ->
+``engine_id_override``, to which ``:<engine_index>`` is appended when the server runs
+more than one engine; ``KVSCOPE_PORT`` defaults to the server's ``--port``, else 8000).
+Reading never raises: a malformed value is reported once in the log and the default is
+used instead. Without ``KVSCOPE_COLLECTOR_URL`` the plugin is inert.
 
-=============================  ==========  ==================================================
-variable                       default     meaning
-=============================  ==========  ==================================================
-KVSCOPE_COLLECTOR_URL          (unset)     base URL of the collector, http(s)://host:port[/p]
-KVSCOPE_TOKEN                  (unset)     sent as ``Authorization: Bearer <token>``
-KVSCOPE_CA_FILE                (unset)     PEM CA bundle to verify an https collector with
-                                           (default: the system's trusted CAs)
-KVSCOPE_POOL                   default     deployment / pool label
-KVSCOPE_ENGINE_ID              (derived)   engine id override (``:<engine_index>`` appended
-                                           when the server runs more than one engine)
-KVSCOPE_HOST                   hostname    host or pod name in the engine id
-KVSCOPE_PORT                   --port/8000 API server port in the engine id
-KVSCOPE_FLUSH_INTERVAL_S       1.0         seconds between two batches
-KVSCOPE_BUFFER_STEPS           120000      step rows buffered per engine before dropping
-KVSCOPE_BUFFER_REQUESTS        60000       request rows buffered per engine
-KVSCOPE_MAX_PENDING_BATCHES    120         encoded batches kept while the collector is away
-KVSCOPE_TIMEOUT_S              2.0         hard timeout of one HTTP request
-KVSCOPE_SHUTDOWN_TIMEOUT_S     2.0         longest the exit flush may block
-KVSCOPE_SPOOL_DIR              (unset)     directory of the on-disk spool (off when unset);
-                                           each server uses ``<dir>/<host>_<port>``
-KVSCOPE_SPOOL_MAX_BYTES        268435456   size cap of the spool; oldest segments dropped
-KVSCOPE_STATS_FILE             (unset)     write the exporter's counters (JSON) there
-                                           after every cycle, for operators and tests
-=============================  ==========  ==================================================
+Every variable, its default and meaning: docs/plugin.md#settings
 """
 
 from __future__ import annotations

@@ -8,33 +8,22 @@ Raw step row (``RAW_STEP_LAYOUT``)::
     (ts_unix_s, step, running, waiting, deferred, kv_usage, prefix_queries,
      prefix_hits, preemptions, prompt_tokens, generation_tokens, elapsed_ms)
 
-``step`` is the logger's own count of ``record()`` calls that produced a row
-(vLLM's ``SchedulerStats.step_counter`` is only maintained for data-parallel
-load balancing). A *token-only* row comes from a ``record()`` call that carried
-iteration stats but no scheduler stats; its gauges (running .. kv_usage) are None.
-
-Folding (:class:`StepFolder`): a token-only row does not become a step row of its
-own. Its prompt/generation tokens and preemptions are added to the engine's next
-step row of the same wall-clock second, so the step rows stay one per scheduler step
-and the token totals still equal vLLM's counters. Carried counts never leave their
-second (the collector's window): if the next step row, or the next token-only row,
-falls in a later second, or the second ends before either comes, the carried counts
-are emitted as one row of their own with the last known gauges of that engine (zeros
-if none is known yet), the ``step`` and ``ts_unix_s`` of the last token-only row, no
-prefix-cache counts, and ``iteration_s`` null. With ``--api-server-count`` > 1 the API
-server process that serves a request often goes seconds without scheduler stats (vLLM
-hands them to the process of the step's first output): carried to its next step row,
-its tokens would land in a later second, and a second of the engine would read half
-its rate and the next one twice it.
-
 Raw request row (``RAW_REQUEST_LAYOUT``)::
 
     (finished_unix_s, e2e_s, queue_s, prefill_s, decode_s, first_token_latency_s,
      prompt_tokens, generation_tokens, cached_tokens, preemptions, finish_reason)
 
-Column builders coerce every value into what :func:`schema.validate_batch`
-accepts (ints, finite non-negative floats, lowercase reason strings); a value that
-cannot be read is replaced (0, or null where the schema allows) and counted.
+``step`` is the logger's own count of ``record()`` calls that produced a row (vLLM's
+``step_counter`` is kept only for data-parallel load balancing). A *token-only* row
+(iteration stats without scheduler stats, common with ``--api-server-count`` > 1) has no
+gauges; :class:`StepFolder` adds its tokens and preemptions to the engine's next step
+row of the same wall-clock second, or, when that second ends first, emits them as a row
+of their own (the last known gauges, the last token-only row's ``step`` and time, no
+prefix counts, ``iteration_s`` null), so step rows stay one per scheduler step, token
+totals equal vLLM's, and no second reads another one's tokens. Column builders coerce every value into what :func:`schema.validate_batch`
+accepts; a value that cannot be read is replaced (0, or null) and counted.
+
+Why the folding stays in its second, measured: docs/plugin.md#several-api-server-processes
 """
 
 from __future__ import annotations

@@ -1,29 +1,24 @@
 """The optional on-disk spool: batches the collector could not take yet, kept in order.
 
 Used only by the exporter thread (never by ``record()``). A spool is a directory of
-segment files ``<n>.seg`` (``n`` = 1, 2, ...: older segments have smaller numbers),
-each a sequence of records::
+segment files ``<n>.seg`` (older segments have smaller numbers), each a sequence of
+records::
 
     magic b"KVS1" | meta_len u32 | body_len u32 | crc32(meta + body) u32   (big-endian)
     meta: JSON {"engine_id", "boot_id", "seq", "n_steps", "n_requests"}
     body: the batch exactly as it is POSTed (gzip JSON), so its idempotency key
           (engine_id, boot_id, seq) is unchanged when it is replayed
 
-Appends go to the newest segment; a segment past ``segment_bytes`` is closed and a
-new one started. When the segments together exceed ``max_bytes``, the oldest
-segment is deleted whole and its unsent records are returned to the caller to be
-counted as dropped. Records are read back in the order they were written; a
-segment is deleted once every record in it was delivered (or given up on).
+Appends go to the newest segment, a new one past ``segment_bytes``; past ``max_bytes``
+the oldest segment is deleted whole and its unsent records returned to be counted as
+dropped. Records are read back in write order; a segment is deleted once every record
+in it was delivered or given up on. :meth:`Spool.append` hands the record to the OS at
+once (a kill -9 loses nothing appended); :meth:`Spool.sync` fsyncs, once per cycle. A
+torn record or a CRC mismatch is skipped with the rest of its segment and counted in
+:attr:`Spool.corrupt_records`. One process owns a spool directory at a time (an
+``flock`` on ``LOCK``); a second gets :class:`SpoolBusy`.
 
-Durability: :meth:`Spool.append` writes the record to the OS at once (a kill -9
-of the process loses nothing appended), :meth:`Spool.sync` fsyncs the write
-segment; the exporter calls it once per cycle that appended, so a power loss
-loses at most one cycle. A record cut short (a crash mid-write) or whose CRC does
-not match is detected when the spool is opened or read: it and the rest of its
-segment are skipped and counted in :attr:`Spool.corrupt_records`.
-
-One process owns a spool directory at a time (an ``flock`` on ``LOCK``); a second
-process gets :class:`SpoolBusy`.
+Guarantees and their tests: docs/reliability.md#the-engine-plugin
 """
 
 from __future__ import annotations

@@ -1,65 +1,32 @@
 """The background exporter: one per process, shared by all engine loggers in it.
 
 Hot path (``record()`` on vLLM's event loop): append one tuple to a bounded
-``deque(maxlen=...)`` of its engine's :class:`EngineBuffer` and bump a counter.
-No lock, no I/O. When a deque is full, the append evicts the oldest row; the
-exporter counts that drop exactly as ``produced - taken - len(deque)``.
+``deque(maxlen=...)`` of its engine's :class:`EngineBuffer` and bump a counter; no lock,
+no I/O. A full deque evicts its oldest row, counted as ``produced - taken - len(deque)``.
 
-The exporter thread (``kvscope-exporter``, a daemon) wakes on ``Event.wait`` just
-after each wall-clock boundary of ``flush_interval_s`` and runs one cycle,
-:meth:`Exporter._tick`:
+The thread ``kvscope-exporter`` (a daemon) wakes on ``Event.wait`` just after each
+wall-clock boundary of ``flush_interval_s`` for one cycle, :meth:`Exporter._tick`: the
+``BatchBuilder`` drains the buffers into encoded batches, queued in a ``BatchQueue``;
+the ``Sender`` delivers them oldest first (a spool's first); what stays undelivered
+beyond ``max_pending_batches`` or ``MAX_PENDING_BYTES`` is dropped and counted, or, with
+``KVSCOPE_SPOOL_DIR``, spooled to disk (``Spooler``). Each reports to ``Accounting``.
 
-1. the builder drains every engine's buffers into encoded batches
-   (:class:`kvscope.engine_plugins._builder.BatchBuilder`: folding, hold-back of the
-   current second, ``seq`` 0, 1, 2, ... per ``(engine_id, boot_id)``, the hello),
-   which join the queue of undelivered batches
-   (:class:`kvscope.engine_plugins._batch.BatchQueue`);
-2. the sender delivers them, oldest first, to ``{KVSCOPE_COLLECTOR_URL}/v1/ingest``
-   (:class:`kvscope.engine_plugins._sender.Sender`: retry with backoff, the replies);
-   with a spool, the spool's batches go first;
-3. what could not be delivered stays queued, within ``max_pending_batches`` and
-   ``MAX_PENDING_BYTES``; beyond them the oldest is dropped and counted
-   (``dropped_batches`` plus its rows in ``dropped_steps`` / ``dropped_requests``), or,
-   with the spool (:class:`kvscope.engine_plugins._spooler.Spooler`), written to disk.
+Replies: 2xx acknowledges. 408, 425, 429, 5xx, connection errors and timeouts are
+retried after a backoff, the batch unchanged (same bytes, same ``seq``). Any other
+status drops the batch (counted, the message logged), except ``{"need_hello": true}``
+for a batch without the hello: an empty batch carrying it goes first, then the batch.
 
-Every part reports to the accounting (:class:`kvscope.engine_plugins._accounting.Accounting`),
-which :meth:`Exporter.stats` and ``KVSCOPE_STATS_FILE`` read.
+Hello: a batch carries it while the collector has not acknowledged the current one (a
+built batch never changes); it is due again when it changes, after a failed delivery
+and when a reply asks. An idle engine sends an empty batch every ``HEARTBEAT_S`` and
+after a drop. A spool holds, after any batch lacking the hello, one carrying it.
 
-Replies: 2xx acknowledges. 408, 425, 429 and 5xx, and connection errors or timeouts,
-are retried after a backoff, the batch unchanged (same bytes, same ``seq``). Any
-other status drops the batch (counted, the collector's message logged), except that
-a refusal asking for the hello (``{"need_hello": true}``) of a batch without it puts
-an empty batch carrying the hello ahead of it, then sends it again as it is.
+Exit: an ``atexit`` hook flushes everything within ``shutdown_timeout_s``. After
+``fork`` the child's next logger gets a fresh exporter, with a new ``boot_id``.
+``_tick_lock`` runs one cycle at a time (held during I/O); ``_lock`` guards the engines
+and the accounting, never held during an HTTP request or an ``fsync``.
 
-Hello (engine identity and configuration): a batch carries it when the collector has
-not acknowledged the current hello at the time the batch is built; a built batch is
-never changed. It becomes due again when the plugin changes it (e.g.
-``num_gpu_blocks`` known after start-up), after any failed delivery (the collector
-may have restarted), and when a reply asks for it. An idle engine still sends an
-empty batch for its hello, every ``HEARTBEAT_S``, and in the cycle after it dropped
-something, so that the counters of the drops arrive.
-
-Spool (``KVSCOPE_SPOOL_DIR``, off by default): while deliveries fail, every queued
-batch is moved, in order, to segment files on disk (written by this thread, fsynced
-once per cycle); batches beyond the caps go there instead of being dropped, and so
-does whatever is undelivered at exit. The spool is sent first (oldest first) once
-the collector answers again, in a process that starts later on the same host and
-port too, with each batch's original idempotency key, so the collector stores it
-once. A later process cannot add this boot's hello to a spooled batch, so the
-spool holds, after any batch that lacks it, one that carries it. Beyond
-``KVSCOPE_SPOOL_MAX_BYTES`` the oldest segments are deleted and their batches
-counted as dropped (``dropped_batches_full``); a torn or corrupt record is skipped
-and counted (``spool_corrupt_records``).
-
-Exit: an ``atexit`` hook flushes everything (no hold-back) and returns within
-``shutdown_timeout_s`` however the collector behaves. After ``fork`` the child
-starts with no exporter; the next logger created there (or an existing one, on its
-next ``log()``) gets a fresh one with a new ``boot_id``.
-
-Threads: ``_tick_lock`` runs one cycle at a time (it is held during I/O). ``_lock``
-guards what :meth:`Exporter.stats` reads, the engines and the accounting: it is held
-while batches are built and while a batch moves between queue, spool and collector,
-never during an HTTP request or an ``fsync``.
+Guarantees and their measurements: docs/reliability.md#the-engine-plugin
 """
 
 from __future__ import annotations

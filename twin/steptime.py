@@ -95,31 +95,25 @@ def fit_steps(
 ) -> LinearStepCost:
     """``a + b*batch + c*computed prompt tokens`` fitted on single engine steps.
 
-    ``steps`` is the collector's raw step frame of one engine (``/v1/steps``) with
-    ``iteration_s``, which vLLM reports when started with
-    ``--enable-logging-iteration-details``: one equation per step, not per second, so
-    the per-request and per-token costs separate far better than on 1-second sums. The
-    batch is vLLM's ``num_running_reqs`` after the step; computed prompt tokens are the
-    step's prompt tokens less its prefix-cache hits (vLLM counts a prompt at the step
-    that completes it, which is the step that computes it unless it was chunked). A
-    non-negative least-squares fit, refitted once without the ``trim`` share of steps
-    with the largest residuals (steps that waited on something else; default 0.05).
+    One equation per step, not per second, so the per-request and per-token costs separate far
+    better than on 1-second sums. The batch is vLLM's ``num_running_reqs`` after the step;
+    computed prompt tokens are the step's prompt tokens less its prefix-cache hits (vLLM
+    counts a prompt at the step that completes it). A non-negative least-squares fit.
 
-    ``cycle`` fits the step cycle instead: the time from one step's stats to the next's
-    (``ts_unix_s``), which holds what vLLM does around the execution it reports
-    (scheduling, output processing, the hand-over to the API server: 1.5-3 ms per step
-    on the lab's CPU engine), against the requests running when the step began. A step
-    that began with no request running may have waited for one (idle) and is left out;
-    every other cycle counts, however long: with requests running vLLM steps back to
-    back. Nothing is trimmed by default (``trim`` 0): the fit, least squares with a
-    fixed term, then sums to the engine's busy time, which is what a replay must
-    reproduce. The cycles are read where the API server hands the stats over, so they
-    come in bunches (a long gap, then steps a millisecond apart) and the largest
-    residuals are mostly the long cycles of long prefills: on the lab's AVX2 engine 22-25
-    cycles of 0.5 s or more held 40-45% of the baseline's busy time. Leaving them out and
-    trimming the largest residuals explained only 0.78-0.97 of the runs' busy time and
-    the twin ran 13-22% fast (docs/twin.md, run 8); counted, 0.93-1.08, and the twin's
-    plateaus came within 9% (run 9)."""
+    Parameters
+    ----------
+    steps : the collector's raw step frame of one engine (``/v1/steps``), with ``iteration_s``
+        (vLLM's ``--enable-logging-iteration-details``), ``batch_size``, ``prompt_tokens``,
+        ``prefix_hits`` and ``ts_unix_s``.
+    cycle : fit the step cycle (the time from one step's stats to the next's, which holds what
+        vLLM does around the execution) against the requests running when the step began,
+        leaving out steps that began idle; else fit ``iteration_s``.
+    trim : share of the largest residuals left out in one refit (default 0.05; 0 with
+        ``cycle``, so the fit sums to the engine's busy time).
+    min_steps : steps needed for a fit.
+
+    Why the cycle counts every long step, measured: docs/twin.md#step-time-models.
+    """
     import numpy as np
     from scipy import optimize
 

@@ -1,26 +1,18 @@
 """What-ifs by replay: the advisor's proposals, tried on a twin of the engine.
 
-The advisor predicts each configuration change in closed form (the KV capacity model
-of :mod:`kvscope.advisor.capacity`: a uniform cache, average requests). Here the same
-change is replayed through vLLM's own scheduler, on a twin built from what the
-collector knows of the engine:
+The advisor predicts each configuration change in closed form (:mod:`kvscope.advisor.capacity`);
+:func:`replay_whatifs` replays the same change through vLLM's own scheduler on a twin built
+from what the collector knows of the engine:
 
-* its configuration from the engine's hello (blocks, block size, ``max_num_seqs``,
-  token budget, context length, prefix caching);
-* its step time from the engine's own step cycle (:func:`engine_cost`: the time from
-  one step's stats to the next's, fitted on the raw steps the collector keeps for a
-  day), else from the advisor's fit on its 1-second windows (the ``step_model``
-  evidence of the ``kv_capacity`` finding);
-* its traffic from the requests it served in the window: prompt and output lengths,
-  and arrival times (finish time less vLLM's e2e latency); a request's cached prompt
-  tokens become a prefix it shares with the others (the first ``cached`` tokens of one
-  shared document), so the prefix cache finds about what it found on the engine.
+* its configuration from the engine's hello (:func:`shape_of`, :func:`apply_flags`);
+* its step time from its step cycle (:func:`engine_cost`), else from the advisor's fit on its
+  1-second windows (:func:`cost_of`);
+* its traffic from the requests it served (:func:`stream_of`), cached prompt tokens as a
+  shared prefix.
 
-Each change is judged where the advisor judged it: the plateau at the highest load
-the engine saw (closed loop at that many requests in flight, the engine's own request
-mix), against the same replay of the current configuration; the cap by the share of
-that throughput it keeps and the e2e P99 it gives. The finding states both figures
-and whether they agree (within ``agree_within`` of each other).
+Each change is judged at the highest load the engine saw, against the same replay of the
+current configuration; the finding states the twin's figure beside the advisor's and whether
+they agree within ``agree_within``. See docs/twin.md#what-ifs-by-replay.
 """
 
 from __future__ import annotations

@@ -1,32 +1,23 @@
 """Gateway renderings of the advisor's concurrency cap and routing advice.
 
-The cap ``C`` is per replica: requests in flight (running and waiting) at one vLLM server. A
-pool of replicas takes at most the sum of its replicas' caps, never one replica's cap. Each
-rendering keeps the two apart: a per-replica limit is written per server (vLLM's flags,
-nginx's ``max_conns``); a pool-level limit (nginx's ``limit_conn``, vllm-router's
-``--max-concurrent-requests``) only as the sum of the caps, and only when every replica of the
-pool has one. Each says what happens to the requests beyond the cap (rejected with which
-status, queued where) and the e2e P99 the admitted requests can expect, from the latency the
-engine showed at that load.
+The cap is per replica (requests in flight at one vLLM server); a pool takes at most the sum
+of its replicas' caps. Each rendering keeps the two apart: a per-replica limit is written per
+server, a pool-level limit only as the sum of the caps and only when every replica has one.
+Each says what happens to the requests beyond the cap and the e2e P99 the admitted ones can
+expect.
 
-A rendering is a dict (:func:`~kvscope.advisor.gateways.replica.rendering`): ``config`` (the
-text to paste), ``format``, ``scope`` (``replica`` or ``pool``), ``excess`` (for routing: what
-it changes), ``p99_e2e_s`` and ``source`` (where its fields were verified). A
-recommendation's ``change["gateway"]`` maps a gateway's name to its rendering:
+A rendering is a dict (:func:`~kvscope.advisor.gateways.replica.rendering`: ``config``,
+``format``, ``scope``, ``excess``, ``p99_e2e_s``, ``source``); a recommendation's
+``change["gateway"]`` maps a gateway's name to one:
 
-* ``vllm`` (:mod:`.vllm`): ``--max-num-seqs`` and ``--max-num-queued-reqs``, the replica's own
-  admission limit (503 past it).
-* ``nginx`` (:mod:`.nginx`): per replica its ``server ... max_conns`` line; per pool the upstream
-  with a shared zone and a ``limit_conn`` of the sum (503 past it; 502 when every server is at
-  its ``max_conns``, open-source nginx having no upstream queue).
-* ``ingress_nginx`` (:mod:`.nginx`): it cannot hold the cap; retries a full replica's 503.
-* ``vllm_router`` (:mod:`.vllm_router`): vllm-router 0.1.17 flags; for routing advice its
-  ``--policy`` and thresholds.
-* ``epp``, ``wva`` (:mod:`.inference_gateway`): saturation thresholds at the measured cap.
+* ``vllm`` (:mod:`.vllm`): the replica's own flags;
+* ``nginx``, ``ingress_nginx`` (:mod:`.nginx`);
+* ``vllm_router`` (:mod:`.vllm_router`): the cap, and routing advice;
+* ``epp``, ``wva`` (:mod:`.inference_gateway`).
 
-Which recommendation carries which: a ``concurrency_cap`` (one engine) its replica's
-renderings; a ``pool_concurrency_cap`` the pool's; the engine of a pool of one carries the
-pool's, being the whole pool.
+:func:`replica_renderings` serve a ``concurrency_cap``, :func:`pool_renderings` a
+``pool_concurrency_cap``, :func:`prefix_routing` and :func:`balance_routing` the routing
+recommendations. See docs/gateways.md#which-recommendation-carries-what.
 """
 
 from __future__ import annotations

@@ -1,38 +1,18 @@
 """The cap in open-source nginx and in ingress-nginx.
 
-nginx (checked on Debian's 1.22.1, ``tests/advisor/test_gateways_nginx.py``)
-----------------------------------------------------------------------------
-* ``server ADDRESS max_conns=C`` in an ``upstream`` with a shared ``zone``: at most ``C``
-  requests at once to that replica, counted over all worker processes (without the zone
-  each worker counts alone). A server at its ``max_conns`` is skipped when choosing one.
-* Open-source nginx has no upstream queue (``queue`` is not a directive there): a request
-  that finds every server at its ``max_conns`` fails at once with **502** ("no live
-  upstreams").
-* ``limit_conn`` counts requests being processed per key of its ``limit_conn_zone``; past the
-  limit the request gets ``limit_conn_status`` (503 by default). Keyed on one constant, in a
-  zone of the pool's own, it counts the pool's requests in flight; with the limit equal to
-  the sum of the replicas' ``max_conns`` the excess gets 503 before it reaches the upstream.
-  Keyed on ``$server_name`` with one replica's cap (the old rendering) it holds the whole
-  virtual server, i.e. the pool, to one replica's cap, and with no ``server_name`` set the
-  key is empty and nothing is counted at all.
-* ``proxy_next_upstream`` stays at its default: nginx never sends a replica more than its
-  cap, so vLLM's own admission limit (``C + Q``) does not answer 503 to it. Retrying 503
-  (``http_503``) would also count every such 503 as a failure and take the replica out for
-  ``fail_timeout``. A POST that got a 503 is passed on to another server only with
-  ``proxy_next_upstream ... http_503 non_idempotent`` (which the ingress-nginx rendering uses,
-  the replicas holding the cap there).
+* :func:`nginx_replica`: a replica's ``server ADDRESS max_conns=C`` line, in an upstream
+  with a shared ``zone`` (so all worker processes count together).
+* :func:`nginx_pool`: the pool's upstream and a ``limit_conn`` of the sum of the caps,
+  keyed on a constant in a zone of the pool's own, so the excess gets 503 before the
+  upstream (nginx has no upstream queue: a request finding every server full gets 502).
+  ``proxy_next_upstream`` stays at its default: nginx never sends a replica more than its
+  cap, and retrying 503 would take replicas out for ``fail_timeout``.
+* :func:`ingress_nginx`: ingress-nginx cannot hold the cap (no annotation sets
+  ``max_conns``; ``limit-connections`` is per client IP), so the rendering says so and
+  retries a replica's 503 on another pod (``proxy-next-upstream`` with ``non_idempotent``).
 
-ingress-nginx
--------------
-Annotations as documented in kubernetes/ingress-nginx
-``docs/user-guide/nginx-configuration/annotations.md`` (commit 003d71d9):
-``limit-connections`` is the number of concurrent connections allowed from a single client
-IP address (503 past it), not a per-replica or per-pool limit, and no annotation sets an
-upstream server's ``max_conns`` (the controller balances over the pods' endpoints itself).
-So ingress-nginx cannot hold the cap; the rendering says so, leaves ``limit-connections``
-out, and retries a replica's 503 on another pod with ``proxy-next-upstream`` (passed to
-nginx's ``proxy_next_upstream``, ``non_idempotent`` included: ``buildNextUpstream`` in
-``internal/ingress/controller/template/template.go``) and ``proxy-next-upstream-tries``.
+Checked on Debian's nginx 1.22.1 (``tests/advisor/test_gateways_nginx.py``) and the
+ingress-nginx annotation docs; see docs/gateways.md#nginx and docs/gateways.md#ingress-nginx.
 """
 
 from __future__ import annotations

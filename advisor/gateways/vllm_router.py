@@ -1,59 +1,26 @@
 """The cap and routing advice in vLLM's router (PyPI ``vllm-router`` 0.1.17,
 ``python -m vllm_router.launch_router``).
 
-Flags are the router's own (``--help`` of 0.1.17; ``tests/advisor/test_gateways_router.py``
-parses every rendered command with the router's argument parser and runs the router in
-front of two stand-in workers). What the router does with them, measured on 0.1.17:
+The router has no per-worker limit, so each replica's vLLM flags hold its cap, with no
+vLLM queue behind the router (``flags_behind_router``): a request that finds a replica
+full is retried once on another instead. The router adds a pool-level burst limit.
+:func:`router_cap` renders:
 
-* No flag limits one worker's requests. ``--max-concurrent-requests N`` is a token bucket of
-  ``N``: a request takes a token and returns it when done, but the bucket also refills at
-  ``--rate-limit-tokens-per-second`` (default ``N``; 0 counts as 1) while requests are still in
-  flight. It is a burst limit, not a bound on requests in flight: under sustained overload
-  the refill lets that many more through each second (a bucket of 4, 10 arrivals a second of
-  3-second requests for 6 s: 26 in flight at the default refill of 4/s, 9 at 1/s; stand-in
-  workers, docs/gateways.md). Past it requests get **429** at once.
-* ``--queue-size`` / ``--queue-timeout-secs``: a queued request waits only until the bucket's
-  refill time for one token (``1 / refill`` seconds) and then gets **408**, whatever
-  ``--queue-timeout-secs`` says (refill 4/s: 408 after 0.2 s with a 5 s timeout), and the
-  queue hands requests on so fast that it hardly fills. A queue sized from the latency model
-  would not be honoured, so none is rendered (``--queue-size 0``).
-* A worker's 503 (vLLM at ``--max-num-queued-reqs``) is retried on the next worker and then
-  passed on. ``--retry-max-retries`` counts the attempts (default 5, 50 ms apart and growing
-  1.5x): on a full pool every refused request reached the replicas five times (two stand-in
-  workers answering 503: 25 attempts for 5 requests, 0.4 s each; 10 with
-  ``--retry-max-retries 2``). Each attempt costs a replica's API server a request (and the
-  router's ``/render`` call) on the host the engines run on, so the rendering keeps one retry
-  on another worker, for the replica that is full while another has room. The circuit
-  breaker counts those 503s as failures: after one burst on capped workers every worker's
-  circuit was open and the router answered **503** "No available workers" for
-  ``--cb-timeout-duration-secs`` (60 s) while the workers sat idle. Hence
-  ``--disable-circuit-breaker`` (health checks still take a dead worker out).
+* ``--max-concurrent-requests`` as the sum of the caps with the slowest refill: it is a
+  token bucket that refills while requests are in flight, a burst limit (429 past it);
+* ``--queue-size 0``: the router's queue times out after one token's refill, whatever its
+  timeout says;
+* ``--retry-max-retries 2`` (one retry on another worker) and ``--disable-circuit-breaker``
+  (the breaker counts capped replicas' 503s as failures and shuts every worker out).
 
-So each replica's vLLM flags hold its cap; the router adds a pool-level burst limit. Behind
-the router the replicas keep no vLLM queue (``--max-num-seqs S --max-num-queued-reqs C``, in
-``replica_flags``), unlike the vLLM flags alone (``C + Q``): the queue ``Q`` is for requests
-arriving while a running one finishes, and behind the router such a request is retried once
-on the other replica instead; a queue of admitted requests waits up to a request's life in
-vLLM. Measured on two KV-starved CPU engines with caps of 12 (``bench/gateway_loops.py
---loops router-pool``, docs/gateways.md): with ``Q = 3`` vLLM's queue P99 was 10.6-10.9 s and
-the admitted e2e P99 1.64-1.68x the prediction at ``C + Q`` (0.70-0.82x the uncapped one); with
-``Q = 0`` no request waited in vLLM's queue and the P99 was 1.01-1.53x the prediction at ``C``
-(0.57-0.75x) in three runs. The pool kept only 0.42-0.79 of the uncapped throughput behind the
-router, for reasons not established (docs/gateways.md).
+:func:`router_prefix` renders ``--policy cache_aware`` with thresholds from the advisor's
+figures (:func:`cache_threshold`, :func:`balance_thresholds`) and ``--enable-scale-out`` on
+the workers, without which the router's tokenize call is refused and it routes with no
+affinity; :func:`router_balance` renders ``--policy power_of_two``.
 
-Routing: ``--policy cache_aware`` keeps a prefix tree of request text per worker and sends a
-request to the worker matching the largest share of it when that share exceeds
-``--cache-threshold`` (else to the worker with the smallest tree), unless the load is
-imbalanced: the busiest worker more than ``--balance-abs-threshold`` requests ahead of the
-least busy one and more than ``--balance-rel-threshold`` times its load, when it takes the
-least busy worker. ``--policy power_of_two`` picks the less loaded of two random workers.
-(Semantics: the router's ``--help`` and ``src/policies/cache_aware.rs`` in
-vllm-project/router.) Measured on 0.1.17 in front of real vLLM 0.32 engines: before routing a
-request the router asks a worker to tokenize it (``POST /v1/completions/render``, whatever the
-policy); vLLM registers that endpoint only with ``--enable-scale-out`` and otherwise answers
-403, and ``cache_aware`` then routed with no affinity (pool hit rate 54.7% against 55.6% under
-round robin, 70.2% with the flag). The routing rendering carries the flag in
-``worker_flags``.
+Flags are the router's own (``tests/advisor/test_gateways_router.py`` parses every rendered
+command with its parser). What each does, measured: docs/gateways.md#vllm-router,
+docs/gateways.md#routing-advice-for-vllm-router and docs/gateways.md#measured-on-real-engines.
 """
 
 from __future__ import annotations

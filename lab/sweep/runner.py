@@ -1,31 +1,24 @@
 """The closed-loop load generator: run each concurrency level, summarise, repeat.
 
 For a level of concurrency ``c``, ``c`` client tasks start together; each sends a
-streaming completion, waits for it to finish, and sends the next, so ``c`` requests
-are in flight at all times (closed loop). A level is a warm-up, which absorbs the
-synchronised start, then a measurement window.
+streaming completion, waits for it to finish and sends the next, so ``c`` requests are
+in flight at all times. A level is a warm-up, which absorbs the synchronised start,
+then a measurement window.
 
-The clients start together, so their first requests reach the server as one wave; a
-server that holds only a few of them at a time serves the wave over a whole cycle of
-the loop (the time a request spends in it, ``concurrency`` over the requests it
-finishes per second: half a minute for 32 clients of 512-token outputs on a
-KV-starved engine). By default (``steady_state``) a level is therefore stretched: the
-warm-up lasts at least ``warmup_s`` and until every client's first request has
-returned, and the window at least ``duration_s`` and at least one cycle, as the
-warm-up measured it (each at most ``max_stretch_s``). With ``steady_state`` off, or
-``max_requests``, a level lasts exactly ``warmup_s + duration_s``.
+By default (``steady_state``) a level is stretched into its steady state: the warm-up
+lasts at least ``warmup_s`` and until every client's first request has returned, the
+window at least ``duration_s`` and one cycle of the loop as the warm-up measured it
+(each at most ``max_stretch_s``), since a server holding few requests at a time serves
+the first wave over a whole cycle. With ``steady_state`` off, or ``max_requests``, a
+level lasts exactly ``warmup_s + duration_s``.
 
-At the window's end the clients stop and the requests still in flight are
-**cancelled** (their connections closed, so the server aborts them), rather than
-awaited: the next level then starts on an idle server, and a level takes a bounded
-time however long its tail latency. Their tokens streamed inside the window are
-counted, so throughput is not biased (:mod:`kvscope.lab.sweep.stats`); a latency
-percentile the cancelled requests would have raised is marked as a lower bound.
-A pause of ``cooldown_s`` lets the server drop the aborted requests before the
-next level.
+At the window's end the requests in flight are **cancelled** (the server aborts them),
+not awaited, so the next level starts on an idle server and a level takes a bounded
+time; :mod:`kvscope.lab.sweep.stats` counts their tokens inside the window and marks a
+percentile they would have raised. ``cooldown_s`` lets the server drop them. A client
+whose request failed waits ``error_backoff_s`` before its next one.
 
-A client whose request failed waits ``error_backoff_s`` (0.1 s by default) before its
-next one, so a dead server does not turn into a hot loop of errors.
+Why, and the stretch measured against long levels: docs/sweep.md#steady-state-levels
 """
 
 from __future__ import annotations

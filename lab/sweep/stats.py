@@ -1,31 +1,23 @@
 """What one level measured: per-request records in, one :class:`LevelResult` out.
 
 Clocks: every ``*_s`` time of a :class:`RequestRecord` is ``time.perf_counter()``
-(monotonic, process-local). Only differences are reported, except the window's
+(monotonic, process-local); only differences are reported, except the window's
 wall-clock bounds (``*_unix_s``), which align a level with server-side telemetry.
 
-A level runs from ``level_start_s``; its measurement window is
-``[window_start_s, window_end_s)`` (the warm-up precedes it). At the window's end
-the load generator cancels the requests still in flight. The summary counts:
+A level's measurement window is ``[window_start_s, window_end_s)``, after the warm-up;
+at its end the requests in flight are cancelled. The summary counts:
 
-- **output tokens**: every streamed output token whose arrival time is inside the
-  window, from every request, including requests started during the warm-up and
-  requests cancelled at the end. ``output_tokens_per_s`` is the token arrival rate
-  over the window, not biased by whole requests straddling its edges.
-- **prompt tokens**: a request's prompt counts when its first output token arrives
-  inside the window (its prefill is done by then). ``total_tokens_per_s`` adds them.
-- **completed requests**: those that finished without error inside the window;
-  ``requests_per_s`` is their rate. End-to-end latency percentiles are over them.
-  ``e2e_p99_truncated`` says the P99 is only a lower bound: more than one request,
-  and more than 1% as many as completed, were cancelled at the window's end already
-  older than it
-  (the window was shorter than the tail; in steady state a request older than the
-  P99 is rare: about 1% of those finishing times the P99's excess over the window).
-- **TTFT** percentiles: over requests whose first token arrived inside the window;
-  ``ttft_p99_truncated`` likewise, for the requests cancelled before their first token.
-- **errors**: every failed request of the level (warm-up included), by kind.
-- **mean in-flight**: the time-average, over the window, of the requests the
-  client had outstanding (close to the concurrency unless errors or gaps).
+- **output tokens** arriving inside the window, from every request (warm-up and
+  cancelled ones included): ``output_tokens_per_s`` is unbiased by requests straddling
+  the edges; **prompt tokens** when the first output token arrives inside it;
+- **completed requests** inside the window: ``requests_per_s`` and e2e percentiles;
+  ``e2e_p99_truncated`` marks the P99 as a lower bound when more than one request, and
+  more than 1% as many as completed, were cancelled already older than it;
+- **TTFT** percentiles over first tokens inside the window (``ttft_p99_truncated``
+  likewise, for requests cancelled before their first token);
+- **errors** of the whole level by kind; **mean in-flight** over the window.
+
+The truncation rule and why it is rare in steady state: docs/sweep.md#steady-state-levels
 """
 
 from __future__ import annotations

@@ -1,28 +1,23 @@
 """The requests a sweep sends: prompt text and output length, seeded and reproducible.
 
 A :class:`Workload` yields, for each concurrency level, an endless stream of
-:class:`RequestSpec`. Prompt lengths come from one of two sources:
+:class:`RequestSpec`, its lengths from
 
-- a **length distribution**: prompt words uniform in ``prompt_words = (lo, hi)``,
-  output tokens uniform in ``output_tokens = (lo, hi)``;
-- a **trace** (:func:`kvscope.lab.sweep.traces.load_trace`): prompt and output token
-  counts of the trace's rows, multiplied by ``trace_scale``, taken in random order
-  (``trace_order="sample"``, with replacement) or in file order from the first row
-  (``"sequential"``, wrapping around). Token counts become word counts through
-  ``tokens_per_word``. For a Mooncake trace, each prefix block id becomes a fixed
-  chunk of text keyed by the id (512 x ``trace_scale`` tokens), so requests that
-  share leading blocks in the trace share a prompt prefix here too.
+- a **length distribution**: prompt words and output tokens uniform in
+  ``prompt_words`` and ``output_tokens`` (``(lo, hi)``), or
+- a **trace** (:func:`kvscope.lab.sweep.traces.load_trace`): its rows' token counts times
+  ``trace_scale``, sampled (``trace_order="sample"``) or in file order
+  (``"sequential"``), turned into words by ``tokens_per_word``. A Mooncake trace's prefix
+  block ids become fixed chunks of text (512 x ``trace_scale`` tokens), so requests sharing leading blocks share a
+  prompt prefix here too.
 
-``max_prompt_tokens`` and ``max_output_tokens`` clamp every request so traces of
-long-context services fit a small model's context window.
+``max_prompt_tokens`` and ``max_output_tokens`` clamp every request. With
+``shared_prefix_words = N`` and ``prefix_groups = K`` every prompt starts with one of K
+fixed N-word prefixes, to exercise the prefix cache. All text is keyed by ``(seed,
+level)``: a level is reproducible on its own and starts with a prefix cache that holds
+nothing of its prompts.
 
-Shared prefixes: with ``shared_prefix_words = N`` and ``prefix_groups = K``, the
-level has K fixed prefixes of N words; every prompt starts with one of them, picked
-uniformly, followed by its own body. This exercises the server's prefix cache.
-
-All text (bodies, prefixes, trace chunks) is keyed by ``(seed, level)``: a level is
-reproducible on its own, and no two levels share prompt text, so each level starts
-with a prefix cache that holds nothing of its prompts.
+The command's options: docs/sweep.md#kvscope-sweep
 """
 
 from __future__ import annotations

@@ -1,76 +1,26 @@
 """The advisor over a Prometheus-compatible query API: vLLM's own ``/metrics``, scraped.
 
 :class:`PrometheusSource` implements :class:`~kvscope.advisor.sources.Source` over the HTTP
-API of Prometheus, Thanos, Mimir or VictoriaMetrics, so the same analyses run on the
-series a fleet already stores, with nothing installed in the engines.
+API of Prometheus, Thanos, Mimir or VictoriaMetrics, so the same analyses run on the series
+a fleet already stores, with nothing installed in the engines. It reads vLLM's series and
+kvscope collectors' own (``kvscope_engine_*``), so several collectors behind one Prometheus
+form one fleet.
 
-Engines and pools
------------------
-An engine is one ``(instance, pod, engine)`` label combination of
-``vllm:num_requests_running`` (``engine`` is vLLM's data-parallel index); its id is
-``instance:engine``, like the plugin's ``host:port:index``. Its pool is the value of
-``pool_label`` (default ``model_name``: replicas serving one model; ``namespace`` or
-``job`` are the usual alternatives). A kvscope collector's own series
-(``kvscope_engine_*``, labels ``engine``, ``pool``, ``model``) are read too, so several
-collectors behind one Prometheus form one fleet: their engines keep their kvscope id
-and pool (``pool_label`` applies when given), and when a kvscope engine id equals a
-vLLM engine id the kvscope series supply the windows and vLLM's histograms the
-requests. ``series="vllm"`` or ``"kvscope"`` reads only one kind.
+* Engines are ``(instance, pod, engine)`` label combinations, id ``instance:engine``; the
+  pool is ``pool_label`` (default ``model_name``).
+* Each quantity reads every known name of it present in the range
+  (:data:`kvscope.sources.prometheus.vllm_metrics.ROLES`), so a fleet mid-upgrade reads whole.
+* Windows are one scrape interval long (coarser past ``max_windows``), with rates per second
+  as the analyses expect of 1-second windows; the busy share is estimated from the step count.
+* vLLM exports only histograms of requests, so each window gets pseudo-requests spread over
+  its histograms (percentiles are bucket estimates; column ``weight`` past ``max_requests``).
 
-Names across vLLM versions
---------------------------
-Which names the fleet exposes is asked first (``/api/v1/label/__name__/values`` with
-the selector over the time range); each quantity uses every known name of it that is
-present (:data:`kvscope.sources.prometheus.vllm_metrics.ROLES`, e.g. ``vllm:kv_cache_usage_perc`` and the
-older ``vllm:gpu_cache_usage_perc``), so a fleet in the middle of an upgrade reads whole.
+:func:`annotate_report` (called by :func:`analyze_prometheus`) scales every confidence by the
+resolution's :func:`~kvscope.sources.prometheus.frames.confidence_factor` and adds a
+``scrape_resolution`` finding and ``coverage`` fields. ``max_num_seqs`` is inferred where the
+batch was pinned; ``max_num_batched_tokens`` is unknown.
 
-Windows at scrape resolution
-----------------------------
-The resolution ``step`` is the scrape interval (the median gap of the raw samples of
-the running gauge), never finer (a finer step repeats samples), coarser when the range
-would exceed ``max_windows`` windows per engine. Window ``k`` covers
-``(t_k - step, t_k]`` and its ``ts_s`` is ``t_k - step``; its values are per second
-(rates), as the analyses expect of 1-second windows:
-
-* at ``step`` equal to the scrape interval, the gauges (running, waiting, KV usage) are
-  the scraped value and the counters ``irate``: the increase since the previous scrape,
-  exact, counter resets handled by the backend;
-* at coarser steps, gauges are ``avg_over_time`` (``max_over_time`` for the maxima)
-  and counters ``rate`` over ``step`` plus one scrape interval;
-* ``n_steps`` is the rate of ``vllm:iteration_tokens_total_count`` (one observation
-  per engine step); ``busy_ratio`` is unknown (the first/last step times are not
-  exported: the throughput curve estimates it from the step count, see
-  :func:`kvscope.advisor.frames.step_count_busy_ratio`); ``waiting_mean`` is ``vllm:num_requests_waiting`` (which includes the
-  deferred requests) and ``deferred_mean`` 0.
-
-From kvscope's series the batch, KV usage and queue are exact means over every step
-in the window (``rate(_sum) / rate(_count)`` of the per-step histograms, and
-``kvscope_engine_waiting_request_steps_total`` over ``kvscope_engine_steps_total``; a
-collector without that counter gives the latest step's queue).
-
-Requests from histograms
-------------------------
-The analyses read finished requests. vLLM exports only histograms of them, so each
-window gets *pseudo-requests*: as many rows as requests finished in it (the increase
-of ``vllm:e2e_request_latency_seconds_count``), each column's values spread over that
-window's histogram at the quantiles ``(i + 0.5) / n`` (linear within a bucket, as
-``histogram_quantile``), columns paired by rank. Per-window percentiles are therefore
-bucket estimates and the joint distribution is assumed comonotonic. Generated tokens
-are rescaled to the window's exact mean (``_sum / _count``), prompt tokens are the
-window's mean, cached tokens the prompt times the engine's prefix hit rate. Rows are
-placed half a second into their window; past ``max_requests`` rows in all, each row
-stands for several requests (column ``weight``).
-
-What the resolution costs
--------------------------
-:func:`annotate_report` (called by :func:`analyze_prometheus`) scales every confidence
-by :func:`~kvscope.sources.prometheus.frames.confidence_factor` and adds a ``scrape_resolution``
-finding and ``coverage`` fields (``source``, ``resolution_s``, ``scrape_interval_s``,
-``confidence_factor``, ``metric_names``, ``requests_from_histograms``).
-``max_num_seqs`` is not exported by vLLM: it is inferred where the batch was pinned
-(:func:`~kvscope.sources.prometheus.frames.infer_max_num_seqs`), else unknown, so a sequence cap that
-never bound reads as no cap; ``max_num_batched_tokens`` is unknown (no
-``token_budget_bound`` verdict from vLLM's series alone).
+See docs/prometheus.md#how-the-series-become-windows-and-requests.
 """
 
 from __future__ import annotations
