@@ -1,25 +1,15 @@
 """The weekly action list: what to change, where, what it is expected to do, and where
 each piece of advice stands against the week before.
 
-:func:`action_list` lines this week's and the week before's recommendations up by kind
-and scope (as :func:`kvscope.advisor.weekly.compare_weeks` does) and gives each an
-:class:`Action` with a ``status``:
+:func:`action_list` lines this week's and the week before's recommendations up by kind and
+scope and gives each an :class:`Action` with a ``status``: ``new``, ``open`` (both weeks),
+``done`` (last week's, and this week's configuration carries every flag it named, moved as far
+as recommended or further) or ``gone`` (no longer made, its flags not in the configuration).
+The actions to take come first, grouped by ``gain_kind``
+(:data:`~kvscope.advisor.findings.GAIN_KINDS`) and ranked by expected gain within a group only
+(a latency cut and a throughput gain are not on one scale); then ``done``, then ``gone``.
 
-* ``new``: recommended this week, not the week before;
-* ``open``: recommended both weeks (still open);
-* ``done``: recommended the week before, not this week, and this week's configuration of
-  the engine carries every vLLM flag it named (the change was made): the same value, or
-  for a number one moved from last week's value as far as recommended or further
-  (``--max-num-seqs 32`` is done by 256 when it was 6);
-* ``gone``: recommended the week before, not this week, without its flags in this week's
-  configuration: the condition went away, the engine is gone, or the change was made
-  where the configuration does not show it (a gateway's cap or routing).
-
-Order: the actions to take (``new`` and ``open``) grouped by ``gain_kind`` (throughput,
-latency, cost: :data:`~kvscope.advisor.findings.GAIN_KINDS`, then advice whose effect the
-advisor does not quantify), each group by expected gain, largest first; then ``done``,
-then ``gone``. Gains are compared only within a kind: a 60% latency cut and a 20%
-throughput gain are not on one scale.
+See docs/report.md#the-action-list.
 """
 
 from __future__ import annotations

@@ -236,10 +236,9 @@ class ThroughputCurve:
         ``min_count`` lie there.
 
         The top bin spans whatever load range merging left it, and its median load
-        (``max_load_``) can sit well below its top: on the lab's KV-starved engine it held
-        the seconds of two 24-client levels (0.3 preemptions a second) with those of one
-        32-client level (3.1), and priced the overload's recomputation at 1.6 a second
-        where the closed loop then preempted 4.4-4.7 times a second at 32 clients."""
+        (``max_load_``) can sit well below its top: a mean over the whole bin mixes lower
+        load levels in and underprices the overload's preemptions. See
+        docs/advise.md#how-well-it-decides."""
         top = w[w["bin"] == w["bin"].max()]
         highest = float(top["load"].max())
         near = top[top["load"] >= highest * 2.0 ** (-0.5 / self.bins_per_doubling)]

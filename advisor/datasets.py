@@ -1,37 +1,18 @@
 """Seeded synthetic engines with known answers, for tests and examples.
 
-:func:`make_engine` runs a small discrete simulation of one vLLM engine swept
-through closed-loop load levels (a fixed number of clients, each sending its next
-request the moment the last one finishes) and returns the 1-second windows and
-finished requests the collector would hold, with the true answer **measured** from
-the same simulation; :func:`make_prefix_pool` a pool of replicas with prefix-cache
-reuse and KV-cache events, with its true reuse ratios.
+:func:`make_engine` runs a small discrete simulation of one vLLM engine swept through
+closed-loop load levels and returns the 1-second windows and finished requests the collector
+would hold, with the true answer **measured** from the same simulation (:func:`true_curve`:
+the engine run without jitter at every whole load); :func:`make_prefix_pool` a pool of replicas
+with prefix-cache reuse and KV-cache events, with its true reuse ratios.
 
-The simulation is a scheduler, not a formula. It shares nothing with the advisor's
-models (no footprint formula, no linear step-time fit, no KV-batch estimate):
+The simulation is a scheduler (vLLM v1's rules, simplified: chunked prefill within the token
+budget, KV blocks allocated as tokens need them, the newest request preempted when none is
+free), not a formula: it shares nothing with the advisor's models, so a test against it checks
+them rather than restating them. Its step time carries an attention term the advisor's linear
+fit only approximates, as on a real engine.
 
-* **Scheduler** (vLLM v1's rules, simplified): each step first schedules the running
-  requests in order (one decode token each, or the next chunk of a prefill, within
-  the step's token budget ``max_num_batched_tokens``), allocating KV blocks of
-  ``block_size`` tokens as each request's tokens need them. When no block is free
-  the newest running request is preempted: its blocks are freed and it returns to
-  the head of the queue to recompute its prompt and the tokens it had generated.
-  Waiting requests are admitted in arrival order while the step has budget, a
-  sequence slot is free (``max_num_seqs``) and the blocks of their first chunk fit;
-  none are admitted in a step that preempted.
-* **Step time** is a per-step cost, a cost per scheduled sequence, a cost per prefill
-  token and an attention cost per context token already in the cache (the sum of the
-  sequences' lengths), times a lognormal jitter (``noise``). The attention term makes
-  the step time something the advisor's linear fit of batch and prompt tokens only
-  approximates, as on a real engine.
-* **Requests** draw prompt and output lengths uniformly from the regime's ranges.
-
-The truth is measured, not derived: the same engine run without jitter at every whole
-load from the lowest to the highest level (:func:`true_curve`), its plateau the highest
-throughput, its knee the lowest load reaching ``knee_fraction`` of it, its KV-bound
-batch the mean number of running requests at the top load when the cache is what
-holds it, and thrash a fall of more than 10% from the peak to the top load while
-requests are preempted at least once per two finished requests.
+See docs/testing.md#synthetic-engines-with-known-answers.
 """
 
 from __future__ import annotations

@@ -205,11 +205,10 @@ def level_rate(values: pd.Series | np.ndarray) -> float:
     of the middle half; a plain mean under 4 values).
 
     Neither the median nor the mean: where vLLM preempts, the seconds of one load level
-    alternate between a stalled batch and a full one (222 and 1,111 tok/s around a level
-    of 632 on a KV-starved engine) and a median picks one of the two; the first second of
-    a closed-loop level (every new request prefilling at once: 443 tok/s next to 1,100-1,200)
-    and the last (clients already gone) are not the level at all and drag a mean of six
-    seconds down by a tenth. The middle half keeps both kinds out."""
+    alternate between a stalled batch and a full one and a median picks one of the two;
+    the first second of a closed-loop level (every new request prefilling at once) and the
+    last (clients already gone) are not the level at all and drag a mean down. The middle
+    half keeps both kinds out. See docs/advise.md#the-throughput-curve-and-the-knee."""
     x = np.asarray(values, dtype=float)
     x = np.sort(x[np.isfinite(x)])
     if not len(x):

@@ -1,24 +1,16 @@
 """GPU-hours per pool in a week, their cost, and what throughput advice is worth in them.
 
-* **Engine-hours** of an engine: the time from its first to its last second with engine
-  steps in the week (:class:`~kvscope.advisor.usage.Usage`'s ``first_window_s`` and
-  ``last_window_s``). The data has no up-time of its own (a window exists only for a
-  second with steps), so this stands in for it: an engine idle at the edges of the week
-  counts less than it ran, one stopped in between counts the gap. The seconds with steps
-  (``active_hours``) are reported beside it.
-* **GPU-hours**: engine-hours times the GPUs of one engine, ``tensor_parallel_size x
-  pipeline_parallel_size`` from its configuration (1 where unknown: then
-  ``gpus_per_engine_known`` is False). Each data-parallel rank is an engine of its own.
-* **Cost**: GPU-hours times ``gpu_hour_cost`` (USD per GPU-hour), when given.
-* **What a throughput recommendation is worth**: an engine whose plateau rises by ``g``
-  serves the same load with ``1 / (1 + g)`` of the engines, so ``g / (1 + g)`` of its
-  GPU-hours (a 25% gain saves 20%, not 25%); a change that multiplies the GPUs of an
-  engine by ``f`` (``--tensor-parallel-size``) is worth ``1 - f / (1 + g)`` of them, less
-  than nothing when it costs more GPUs than it gains. A pool-scoped recommendation is
-  valued on the pool's hours. This is the value at the same load for a pool sized for its
-  peak (replicas that the same peak no longer needs), not a measured saving. Latency
-  advice has no value here. Per pool, the best throughput advice of each engine is summed:
-  alternatives for one engine are not added up.
+* **Engine-hours**: from an engine's first to its last second with steps (the data has no
+  up-time of its own); the seconds with steps (``active_hours``) are reported beside.
+* **GPU-hours**: engine-hours times ``tensor_parallel_size x pipeline_parallel_size`` (1 where
+  unknown, ``gpus_per_engine_known`` False).
+* **Cost**: GPU-hours times ``gpu_hour_cost``, when given.
+* **Worth**: a plateau gain ``g`` saves ``g / (1 + g)`` of the GPU-hours; a change that
+  multiplies the GPUs by ``f`` is worth ``1 - f / (1 + g)``. The value at the same load for a
+  pool sized for its peak, not a measured saving; per pool, the best advice of each engine is
+  summed. Latency advice has no value here.
+
+See docs/report.md#gpu-hours-and-cost-per-pool.
 """
 
 from __future__ import annotations

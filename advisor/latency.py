@@ -1,30 +1,19 @@
 """Latency against load: TTFT, queue and end-to-end percentiles per load level.
 
-Algorithm
----------
-Each finished request is placed at the mean load over its life, from the second it
-arrived in (arrival = finished - e2e) to the second it finished in: the load it met
-decides how long it queued and how slowly it decoded. (The load of the arrival
-second alone is fragile: a request arriving in a one-second lull and then living
-through three seconds of overload would be filed under the lull.) The load comes
-from the windows a fitted :class:`~kvscope.advisor.curve.ThroughputCurve` kept; seconds
-without such a window do not count, and requests with none are left out. Requests are grouped by the curve's load bins (nearest
-bin in log-load), and per bin the P50 and P99 of ``ttft_s``, ``queue_s`` and
-``e2e_s`` are taken (bins with fewer than ``min_requests`` requests are dropped), with
-the share of the bin's requests vLLM preempted at least once (``preempted_share``, from
-the requests' ``preemptions``; NaN where the source has no such column). A preempted
-request gives up its blocks, waits, and recomputes its prompt and output: it is where a
-KV-starved engine's tail comes from (:mod:`kvscope.advisor.cap` bounds the cap by it).
-
-The **tail starts climbing** at the smallest bin load whose e2e P99 is at least
-``tail_factor`` times the e2e P99 of the lowest bin. :meth:`LatencyVsLoad.p99_at`
-interpolates a percentile linearly in load between bins, made non-decreasing first
-(latency does not improve with load; a dip is noise).
+Each finished request is placed at the mean load over its life (the load it met decides how
+long it queued; its arrival second alone is fragile) and grouped into the load bins of a fitted
+:class:`~kvscope.advisor.curve.ThroughputCurve`; per bin the P50 and P99 of ``ttft_s``,
+``queue_s`` and ``e2e_s`` are taken, with the share of requests vLLM preempted (where a
+KV-starved engine's tail comes from). The **tail starts climbing** at the smallest bin load
+whose e2e P99 is ``tail_factor`` times the lowest bin's; :meth:`LatencyVsLoad.p99_at`
+interpolates between bins, made non-decreasing first.
 
 Parameters
 ----------
 tail_factor : multiple of the low-load e2e P99 that counts as a climbing tail (2.0).
 min_requests : requests per bin at least (default 5).
+
+See docs/advise.md#latency-against-load.
 """
 
 from __future__ import annotations

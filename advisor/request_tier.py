@@ -1,30 +1,21 @@
 """Finished requests past the collector's request retention, from its request tier.
 
-The collector keeps one row per finished request for its ``--request-retention`` (15 days
-by default) and, per engine and minute, histograms of the same requests for months
-(``requests_1m``, read from ``GET /v1/requests_1m``: bucket columns named like
-Prometheus's, ``ttft_s{le=0.5}``, cumulative; ``<measure>_sum``; ``n_requests`` and
-the counts per finish reason). :func:`requests_from_tier` turns such rows back into
-rows that stand for requests, so every analysis of finished requests (percentiles, SLO
-attainment, latency over time, lengths) runs unchanged over a range longer than the
-retention:
+The collector keeps one row per finished request for ``--request-retention`` and, per engine
+and minute, cumulative histograms of the same requests for months (``requests_1m``).
+:func:`requests_from_tier` turns such rows back into rows that stand for requests, so every
+analysis of finished requests runs unchanged over a range longer than the retention:
 
-* per row of the tier (one ``step_s`` of one engine) and measure, the values are spread
-  over the measure's histogram as ``histogram_quantile`` interpolates
-  (:func:`quantiles_from_buckets`); each value lies in its own bucket, so the share of
-  requests at or under a bucket bound (the usual SLO targets are bounds) is exact while
-  every request of the tier gets a row, and within a bucket the values are linear;
-* the columns of a row are paired by rank (the tier keeps each measure's distribution,
-  not which TTFT went with which e2e): attainment of **every** target at once is an
-  estimate, each target's alone is not; the requests without an ITL (one output token)
-  take the lowest ranks, where the shortest outputs are;
-* the lengths are rescaled to the tier's exact means (their power-of-two buckets are
-  coarse); latencies are not (that would move values across the bounds);
-* past ``max_rows_per_engine`` rows are thinned: each then stands for several requests
-  (column ``weight``), as Prometheus's pseudo-requests do.
+* each measure's values are spread over its buckets as ``histogram_quantile`` interpolates
+  (:func:`quantiles_from_buckets`), each inside its own bucket, so the share at or under a
+  bucket bound (an SLO target) is exact;
+* the measures are paired by rank (the tier keeps distributions, not pairs): attainment of
+  every target at once is an estimate, of each target alone it is not;
+* lengths are rescaled to the tier's exact means, latencies are not; past
+  ``max_rows_per_engine`` rows are thinned and carry a ``weight``.
 
-Every such row has ``estimated`` true; :func:`kvscope.advisor.request_latency.request_latency`
-then says its numbers are estimated from histograms. Pure: no I/O.
+Every such row has ``estimated`` true. Pure: no I/O.
+
+See docs/collector.md#the-request-tier.
 """
 
 from __future__ import annotations

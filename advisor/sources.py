@@ -1,27 +1,20 @@
 """Where the advisor reads its frames from.
 
-A :class:`Source` answers four questions with DataFrames whose columns follow the
-kvscope store (see the collector's read API): ``engines()`` (identity and
-configuration, one row per engine), ``windows(...)`` (1-second windows per engine),
-``requests(...)`` (finished requests) and ``kv_events(...)`` (vLLM's KV-cache events
-counted per engine and second, columns :data:`kvscope.advisor.prefix.KV_EVENT_COLUMNS`; an
-empty frame means KV events are not configured). Times are unix seconds, half-open
-``since <= t < until``; ``None`` leaves a side open.
+A :class:`Source` answers four questions with DataFrames whose columns follow the kvscope
+store: ``engines()``, ``windows(...)`` (1-second windows), ``requests(...)`` (finished
+requests) and ``kv_events(...)`` (KV-cache events per engine and second; empty when not
+configured). Times are unix seconds, half-open ``since <= t < until``; ``None`` leaves a side
+open.
 
-* :class:`CollectorSource` reads a kvscope collector over HTTP (standard library
-  ``urllib``), asking for ``format=columns`` and paging when an answer is truncated.
-  A collector without ``GET /v1/kv_events`` (404, an older version) gives an empty
-  ``kv_events`` frame.
+* :class:`CollectorSource` reads a kvscope collector over HTTP (``urllib``, columnar answers,
+  paging when truncated; an older collector without ``/v1/kv_events`` gives an empty frame).
 * :class:`FrameSource` serves DataFrames held in memory (tests, notebooks, files).
 
-A source may also offer ``window_sample(since, until, pool=..., max_windows_per_engine=N)``
-returning a :class:`WindowSample`: the windows (and the requests and KV events) of
-whole time blocks, about ``N`` windows per engine, with the true counts. A week of
-1-second windows of a large fleet does not fit in memory; :func:`kvscope.advisor.analyze`
-then fits on the sample and reports the true counts (the collector's store offers it).
+A source may also offer ``window_sample(...)``, returning a :class:`WindowSample` of whole
+time blocks with the true counts, for fleets whose week of windows does not fit in memory.
+This module is the only place that knows the read API's URLs.
 
-The advisor never imports the collector's service code; this module is the only
-place that knows the read API's URLs.
+See docs/architecture.md#the-folders.
 """
 
 from __future__ import annotations

@@ -1,28 +1,20 @@
 """Week over week: what changed between two weeks.
 
-Pure functions for the weekly tuning report; none re-derives a verdict, they take
-them from the two weeks' :class:`~kvscope.advisor.findings.Report` objects (how each week
-was used is :mod:`kvscope.advisor.usage`).
+Pure functions for the weekly tuning report; none re-derives a verdict, they take them from
+the two weeks' :class:`~kvscope.advisor.findings.Report` objects.
 
-:func:`config_as_of` gives the engines frame with each engine's configuration as it
-was at a moment, from the configuration history (the collector's
-``engine_configs``: one row per hello, timed by the engine's ``started_unix_s``).
-The advisor reads an engine's configuration from the engines frame, which holds the
-latest hello; a past week must be analysed with the configuration it ran with
-(a ``max_num_seqs`` raised since then would otherwise turn last week's
-``max_num_seqs_bound`` into ``compute_bound``).
+* :func:`config_as_of`: the engines frame with each engine's configuration as it was at a
+  moment, from the hello history (``engine_configs``). A past week must be analysed with the
+  configuration it ran with: a ``max_num_seqs`` raised since would turn last week's
+  ``max_num_seqs_bound`` into ``compute_bound``.
+* :func:`compare_weeks`: lines the reports up by engine, pool, finding and recommendation
+  (the same across weeks when kind and scope are) and lists each :class:`Change`:
+  configuration, engines and pools that came or went, bottlenecks, knee, plateau, cap, hit
+  rate and imbalance moves beyond their thresholds (``knee_move``, ``plateau_move``,
+  ``hit_rate_move``, ``imbalance_move``), problems new or resolved, recommendations ``new``,
+  ``open`` or no longer made. Without the week before: one ``no_previous_data`` change.
 
-:func:`compare_weeks` lines two reports up by engine, pool, finding and
-recommendation and lists each :class:`Change`: configuration changes from the
-history, engines and pools that came or went, bottleneck changes, knee and plateau
-moves beyond ``knee_move`` / ``plateau_move`` (relative), cap changes, prefix hit
-rate moves beyond ``hit_rate_move`` (absolute), load-imbalance moves beyond
-``imbalance_move``, problems (findings of severity warning or critical) that are new
-or resolved, and recommendations no longer made. Every current recommendation gets
-a status: ``new`` this week or ``open`` (made the week before too). A finding,
-recommendation or verdict is the same across weeks when its kind and scope are.
-Without data the week before there is nothing to line up: one ``no_previous_data``
-change (and the configuration changes) is all it says.
+See docs/report.md#what-it-contains.
 """
 
 from __future__ import annotations

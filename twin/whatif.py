@@ -92,9 +92,8 @@ def engine_cost(
 
     The step cycle first: a 1-second window holds the steps that ended in it, so a step
     longer than the gap to the previous window (a long prefill on a slow device) is
-    priced as if it fitted in its second. On the lab's AVX2 engine the windows' fit put a
-    prompt token at 0.05 ms where the step cycle measured 1.2 ms (docs/twin.md, run 9).
-    The cycle is used only where one stat logger saw every step of the engine (its step
+    priced as if it fitted in its second, and a prompt token comes out far too cheap
+    (docs/twin.md#step-time-models). The cycle is used only where one stat logger saw every step of the engine (its step
     numbers run on by one): the cycles of an engine whose steps reach several API server
     processes interleave."""
     steps_of = getattr(source, "steps", None)

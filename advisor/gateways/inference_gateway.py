@@ -1,29 +1,21 @@
 """Saturation thresholds for Kubernetes' inference gateways: the Gateway API Inference
 Extension's endpoint picker (EPP) and llm-d's workload-variant-autoscaler (WVA).
 
-Neither holds a cap on requests in flight; both decide when a replica counts as full from
-its waiting queue and KV-cache use. kvscope sets both thresholds to what the engine showed
-at its cap (the waiting requests and KV-cache use, medians of the windows at that load), the
-smallest over the pool's replicas, so that a replica counts as full where its cap is.
+Neither holds a cap on requests in flight; both decide when a replica counts as full from its
+waiting queue and KV-cache use. kvscope sets both thresholds to what the engine showed at its
+cap (medians of the windows at that load), the smallest over the pool's replicas, so that a
+replica counts as full where its cap is. Only fields read in the projects' own files (at the
+commits docs/gateways.md names) are emitted:
 
-Only fields read in the projects' own files are emitted:
+* EPP: ``EndpointPickerConfig.saturationDetector`` with ``queueDepthThreshold`` and
+  ``kvCacheUtilThreshold`` (the v1.2 schema; the later ``utilization-detector`` plugin form is
+  not rendered). A saturated pool drops sheddable requests with 429.
+* WVA: an entry of its saturation-scaling ConfigMap (``model_id``, ``namespace``,
+  ``kvCacheThreshold``, ``queueLengthThreshold``). WVA scales replicas; it admits and rejects
+  nothing.
 
-* EPP, ``EndpointPickerConfig.saturationDetector`` with ``queueDepthThreshold`` (int) and
-  ``kvCacheUtilThreshold`` (0.0-1.0): kubernetes-sigs/gateway-api-inference-extension
-  ``apix/config/v1alpha1/endpointpickerconfig_types.go`` at commit 050687e0 (the v1.2
-  schema), documented in ``site-src/guides/epp-configuration/config-text.md`` (defaults 5
-  and 0.8). When the pool is saturated the EPP drops sheddable requests (an
-  InferenceObjective priority below 0) with 429 "system saturated, sheddable request
-  dropped" (``site-src/guides/troubleshooting.md`` at 08eacde9); others go on to the
-  replicas. Later releases take the same two parameters on a ``utilization-detector``
-  plugin (``pkg/epp/saturationdetector/framework/plugins/utilizationdetector/detector.go``
-  at 275ac760) instead of inline; that form is not rendered (see docs/gateways.md).
-* WVA, an entry of its saturation-scaling ConfigMap with ``model_id``, ``namespace``,
-  ``kvCacheThreshold`` and ``queueLengthThreshold``: llm-d/llm-d-workload-variant-autoscaler
-  ``config/samples/saturation-scaling-config.yaml`` at 957e147e and
-  ``docs/saturation-scaling-config.md`` at 2ca0f701, which says a replica is saturated when
-  its KV-cache use or queue length reaches these and asks for the EPP's thresholds to be
-  the same. WVA scales replicas; it admits and rejects nothing.
+See docs/gateways.md#the-inference-extensions-endpoint-picker and
+docs/gateways.md#llm-d-workload-variant-autoscaler.
 """
 
 from __future__ import annotations

@@ -49,9 +49,8 @@ MIN_CACHE_THRESHOLD = 0.05
 CACHE_AWARE_WORKER_FLAGS = ("--enable-scale-out",)
 """What ``cache_aware`` needs on each vLLM worker (vLLM 0.32: it registers the
 ``/v1/completions/render`` endpoint the router tokenizes prompts with; without it vLLM answers
-403). Measured with ``bench/prefix_routing.py --gateway vllm-router`` on two engines and 64
-shared prefixes: round robin 55.6% pool hit rate, cache_aware without the flag 54.7%, with it
-70.2% (the advisor predicted 70.2%)."""
+403, and the router routes with no prefix affinity). See
+docs/gateways.md#prefix-aware-routing-through-vllm-router."""
 
 
 def _command(addresses: list[str], flags: list[str]) -> str:

@@ -1,27 +1,18 @@
 """PromQL for the linter and the query builder: the metric selectors and labels an expression
-uses, read with a real parser (``promql-parser``, the Rust ``promql-parser`` crate's Python
-binding), with a small tokenizer of our own for what that parser cannot read.
+uses, read with a real parser (``promql-parser``, the Python binding of the Rust crate), with a
+small tokenizer of our own for what that parser cannot read.
 
-:func:`scan` returns, for one expression:
+:func:`scan` returns, for one expression, its **selectors** (metric name and label matchers;
+``{__name__="x"}`` and ``{"x"}`` name the metric too), its **grouping labels** (``by``,
+``without``, ``on``, ``ignoring``, ``group_left``, ``group_right``) and its **created labels**
+(``label_replace`` / ``label_join`` destinations, ``count_values``' label).
 
-* **selectors**: each metric selector's name and label matchers; ``{__name__="x"}`` and
-  Prometheus 3's ``{"x"}`` name the metric too, ``{__name__=~"re"}`` leaves it unnamed.
-* **grouping labels**: the lists after ``by``, ``without``, ``on``, ``ignoring``,
-  ``group_left`` and ``group_right``.
-* **created labels**: the destination of ``label_replace`` / ``label_join`` and the
-  label of ``count_values``, which exist only after the expression ran.
+The parser rejects what Prometheus would, which a tokenizer cannot see. The tokenizer stays for
+Grafana's template variables: for an expression the parser rejects *and* that holds a variable
+outside its strings, :func:`scan` falls back to it and marks a selector glued to a variable
+``templated``. One known difference: the parser applies escapes inside backtick strings.
 
-The parser also rejects what Prometheus would (an unclosed parenthesis, ``metric name set
-twice``), which a tokenizer cannot see. **Why the tokenizer stays**, measured on the 115
-expressions of kvscope's Grafana dashboard and alert rules and of an old vLLM dashboard and
-rules file (``tests/prometheus/data``): both find exactly the same metric names in all 115
-(the parser in half the time, 1.7 vs 3.5 ms for all of them). But Grafana dashboards carry
-template variables, and the parser rejects a metric name glued to one (``${prefix}_total``)
-or a variable as a range (``[$interval]``): for an expression the parser rejects *and* that
-holds a variable outside its strings (``$var``, ``${var}``, ``[[var]]``), :func:`scan` falls
-back to the tokenizer, which marks a selector glued to a variable ``templated`` (its name is
-not known). One known difference: the parser applies escapes inside backtick strings, which
-Prometheus takes raw (a backslash before a letter is an error there).
+See docs/prometheus.md#the-parser-and-the-tokenizer.
 """
 
 from __future__ import annotations
