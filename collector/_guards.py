@@ -5,7 +5,8 @@
   limit is refused with 503 and ``Retry-After``, so memory stays bounded however many
   clients send at once. Used only on the event loop (no lock).
 * :class:`NewEngineGate`: at most ``per_minute`` engine ids not seen before are
-  admitted per sliding minute; known engines always pass.
+  admitted per sliding minute; known engines always pass. :class:`BootGate`: the same
+  for each engine's boot ids.
 * :class:`GuardedRunner`: an :class:`aiohttp.web.AppRunner` whose connections must
   complete each request head within ``header_timeout_s`` of its first byte (or of
   connecting), else they are closed and counted. aiohttp itself has no such timeout:
@@ -29,6 +30,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
 __all__ = [
+    "BootGate",
     "ByteBudget",
     "GuardedRunner",
     "Lease",
@@ -108,6 +110,40 @@ class NewEngineGate:
             return False
         self._admitted[engine_id] = now
         return True
+
+
+class BootGate:
+    """Admits at most ``per_minute`` new boot ids (process starts) per engine per sliding
+    minute: a :class:`NewEngineGate` per engine, over its boot ids. ``known(engine_id,
+    boot_id)`` says whether the store holds the boot. At most ``max_engines`` engines are
+    tracked (the least recently seen forgotten first)."""
+
+    def __init__(
+        self,
+        per_minute: int,
+        known: Callable[[str, str], bool],
+        clock: Callable[[], float] = time.monotonic,
+        max_engines: int = 100_000,
+    ) -> None:
+        self.per_minute = per_minute
+        self._known = known
+        self._clock = clock
+        self._max_engines = max_engines
+        self._gates: collections.OrderedDict[str, NewEngineGate] = collections.OrderedDict()
+
+    def admit(self, engine_id: str, boot_id: str) -> bool:
+        """True if the boot is known, recently admitted, or a new one fits the rate."""
+        gate = self._gates.get(engine_id)
+        if gate is None:
+            if self._known(engine_id, boot_id):
+                return True
+            gate = NewEngineGate(self.per_minute, lambda b: self._known(engine_id, b), self._clock)
+            self._gates[engine_id] = gate
+            while len(self._gates) > self._max_engines:
+                self._gates.popitem(last=False)
+        else:
+            self._gates.move_to_end(engine_id)
+        return gate.admit(boot_id)
 
 
 class _GuardedHandler(RequestHandler):

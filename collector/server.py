@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 from aiohttp import web
 
-from kvscope.collector._boots import BootGate
 from kvscope.collector._guards import (
+    BootGate,
     ByteBudget,
     GuardedRunner,
     Lease,
@@ -543,7 +543,7 @@ async def _healthz(request: web.Request) -> web.Response:
                 if status == "ok"
                 else "the store is closed or its writer stopped"
                 if not ok
-                else f"every write fails since {failing_since(ctx)}: {failing}"
+                else f"every write fails since {_failing_since(ctx)}: {failing}"
             ),
             "writer_alive": ctx.writer.alive,
             "pending_batches": ctx.writer.pending_batches,
@@ -554,7 +554,7 @@ async def _healthz(request: web.Request) -> web.Response:
     )
 
 
-def failing_since(ctx: Context) -> str:
+def _failing_since(ctx: Context) -> str:
     """When the writer's writes began to fail, as UTC text."""
     t = ctx.writer.write_error_since_unix_s
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t)) if t is not None else "?"

@@ -97,8 +97,7 @@ class Store:
         self._local = threading.local()
         self._closed = False
         try:
-            self.quarantined = _quarantine.quarantine(self._con, time.time())
-            """Rows moved to ``quarantined_rows`` at this open, per table."""
+            _quarantine.quarantine(self._con, time.time())
         except BaseException:
             self._con.close()
             raise
